@@ -1,0 +1,1 @@
+"""The engine: request -> scheduler decision -> batch tensors -> model -> sampler -> outputs."""

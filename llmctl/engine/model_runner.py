@@ -1,0 +1,114 @@
+"""Turns a scheduler decision into batch tensors, runs the model, and returns the sampling logits.
+
+It also owns the KV pool: one preallocated ``[num_blocks, block_size, num_kv_heads, head_dim]``
+tensor per layer for K and one for V, bound to each attention layer once at start-up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmctl.engine.scheduler import SchedulerOutput
+from llmctl.layers.ops import AttentionMetadata
+from llmctl.models.llama import LlamaForCausalLM
+
+
+def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    attn = model.attention_layers()[0]
+    per_token = 2 * len(model.attention_layers()) * attn.num_kv_heads * attn.head_dim
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int, device: torch.device,
+                 kv_dtype: torch.dtype) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        layers = model.attention_layers()
+        attn = layers[0]
+        # Allocated empty (a large pool commits no memory until used) and zeroed block by block as
+        # the block manager first hands blocks out: masked lanes of a partially filled block are read
+        # and weighted by 0, and 0 * NaN from uninitialised memory would poison the output.
+        self.kv_cache = torch.empty(2, len(layers), num_blocks, block_size, attn.num_kv_heads, attn.head_dim,
+                                    dtype=kv_dtype, device=device)
+        self.num_blocks_zeroed = 0
+        for i, layer in enumerate(layers):
+            layer.key_cache, layer.value_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Runs one step; returns float32 logits for each scheduled sequence that samples, in the
+        order of ``sched.scheduled``."""
+        if sched.num_blocks_touched > self.num_blocks_zeroed:
+            self.kv_cache[:, :, self.num_blocks_zeroed : sched.num_blocks_touched].zero_()
+            self.num_blocks_zeroed = sched.num_blocks_touched
+        if sched.blocks_to_copy:
+            self.copy_blocks(sched.blocks_to_copy)
+        input_ids, positions, meta, logits_indices = self.prepare(sched)
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[logits_indices]).float()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        query_start = [0]
+        prefill_lens: list[int] = []
+        prefill_tables: list[list[int]] = []
+        fresh = True
+        for item in sched.prefills:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start.append(query_start[-1] + item.num_new_tokens)
+            prefill_lens.append(end)
+            prefill_tables.append(table)
+            fresh = fresh and start == 0
+            if item.samples:
+                logits_indices.append(len(input_ids) - 1)
+        num_prefill_tokens = len(input_ids)
+        decode_lens: list[int] = []
+        decode_tables: list[list[int]] = []
+        for item in sched.decodes:
+            seq = item.seq
+            pos = seq.num_computed_tokens
+            input_ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            decode_lens.append(pos + 1)
+            decode_tables.append(seq.block_table)
+            logits_indices.append(len(input_ids) - 1)
+
+        def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots),
+            num_prefills=len(sched.prefills),
+            num_prefill_tokens=num_prefill_tokens,
+            num_decodes=len(sched.decodes),
+            prefill_query_start_loc=tensor(query_start, torch.int32),
+            prefill_seq_lens=tensor(prefill_lens, torch.int32),
+            prefill_block_tables=self.block_table_tensor(prefill_tables),
+            prefill_is_fresh=fresh,
+            decode_seq_lens=tensor(decode_lens, torch.int32),
+            decode_block_tables=self.block_table_tensor(decode_tables),
+            max_decode_seq_len=max(decode_lens, default=0),
+        )
+        return tensor(input_ids), tensor(positions), meta, tensor(logits_indices)
+
+    def block_table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max((len(t) for t in tables), default=0)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                            device=self.device).view(len(tables), width)

@@ -1,0 +1,78 @@
+"""Turns the step's logits into one token per sampling sequence.
+
+Greedy rows take the argmax. Sampled rows apply temperature, then top-k and top-p, then draw with
+the exponential race (``argmax(p / Exp(1))`` is a draw from ``p``): the noise of a seeded sequence
+comes from its own generator, so its tokens do not depend on what it is batched with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmctl.engine.sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # log-probability of each chosen token under the model
+    top_logprobs: list[dict[int, float]] | None
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        """``logits``: ``[len(seqs), vocab]`` float32, row ``i`` for ``seqs[i]``."""
+        tokens = logits.argmax(dim=-1)
+        sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            probs = self._probabilities(logits[rows], [seqs[i] for i in sampled_rows])
+            noise = torch.empty_like(probs)
+            for j, i in enumerate(sampled_rows):
+                noise[j].exponential_(generator=seqs[i].generator or self.generator)
+            tokens[rows] = (probs / noise).argmax(dim=-1)
+        token_ids = tokens.tolist()
+
+        want = [s.params.logprobs for s in seqs]
+        if all(w is None for w in want):
+            return SampleResult(token_ids, None, None)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        k = max(w or 0 for w in want)
+        top: list[dict[int, float]] = [{} for _ in seqs]
+        if k > 0:
+            values, indices = logprobs.topk(k, dim=-1)
+            values, indices = values.tolist(), indices.tolist()
+            for i, w in enumerate(want):
+                if w:
+                    top[i] = dict(zip(indices[i][:w], values[i][:w]))
+        return SampleResult(token_ids, chosen, top)
+
+    @staticmethod
+    def _probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        temperature = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
+        logits = logits / temperature[:, None]
+        if any(s.params.needs_filtering for s in seqs):
+            logits = _top_k_top_p(logits, [s.params.top_k for s in seqs], [s.params.top_p for s in seqs])
+        return torch.softmax(logits, dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus (the top token always stays)."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=logits.device)
+    mask = ranks >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # probability mass strictly above each token
+    p = torch.tensor([t if t < 1 else 2.0 for t in top_p], device=logits.device, dtype=probs.dtype)
+    mask = before >= p[:, None]
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

@@ -1,0 +1,276 @@
+"""Iteration-level scheduler: which sequences run in the next step, and how many tokens each.
+
+Every step:
+
+1. **Decodes first.** Each running sequence with one pending token gets it. When the pool has
+   no block for one, the most recently admitted running sequence is preempted (by recompute: its
+   blocks go back, full ones stay in the prefix cache) until it fits.
+2. **Prefill work fills the rest of the token budget**: chunks of prompts already admitted, then
+   new admissions. The budget is split max-min fairly between users (a user asking for less than
+   an equal share gets all it asks; the rest is shared by the others), FCFS by (priority, arrival)
+   within a user. With chunked prefill off a prompt is only scheduled whole.
+3. **Fair seats.** When all ``max_num_seqs`` seats (or all blocks) are taken and a user holding
+   fewer than its share ``max_num_seqs // active users`` is waiting, the most recent sequence of
+   the user holding the most seats above its share is preempted to make room.
+
+The scheduler never fails a request for lack of blocks: preempted sequences wait at the head of
+their user's queue and resume, finding their full blocks again in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from llmctl.engine.block_manager import BlockManager
+from llmctl.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the end of the sequence, so its last logits pick the next token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_blocks_touched: int = 0  # pool blocks [0, n) may have been handed out so far
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        """Prefill chunks first, then decodes: the layout the model runner and attention expect."""
+        return self.prefills + self.decodes
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.prefills)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return len(self.decodes)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+def max_min_fair_shares(demands: dict[str, int], capacity: int) -> dict[str, int]:
+    """Split ``capacity`` so that nobody gets more than they ask and the smallest share is as large
+    as possible (water-filling)."""
+    shares: dict[str, int] = {}
+    remaining = capacity
+    users = sorted(demands, key=lambda u: demands[u])
+    for i, user in enumerate(users):
+        shares[user] = min(demands[user], remaining // (len(users) - i))
+        remaining -= shares[user]
+    return shares
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.running: list[Sequence] = []  # admission order: the tail is preempted first
+        self.waiting: dict[str, list[tuple[int, float, int, Sequence]]] = defaultdict(list)  # per-user heaps
+        self.num_preemptions = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # ---- queue management --------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self.waiting[seq.user], (seq.priority, seq.arrival_time, seq.seq_id, seq))
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    def waiting_seqs(self) -> list[Sequence]:
+        return [entry[3] for queue in self.waiting.values() for entry in sorted(queue)]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Remove a sequence wherever it is and return its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            queue = self.waiting[seq.user]
+            queue[:] = [entry for entry in queue if entry[3] is not seq]
+            heapq.heapify(queue)
+            if not queue:
+                del self.waiting[seq.user]
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Children share the parent's blocks and run right behind it."""
+        at = self.running.index(parent) + 1
+        for child in children:
+            self.block_manager.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+        self.running[at:at] = children
+
+    # ---- the step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        # 1. decodes
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.num_pending_tokens == 1 and self._allocate_or_preempt(seq, 1, out, scheduled):
+                out.decodes.append(ScheduledSeq(seq, 1))
+                scheduled.add(seq.seq_id)
+                budget -= 1
+            if seq.status is SequenceStatus.RUNNING:
+                i += 1
+
+        # 2. prefill chunks of admitted prompts, then admissions, under max-min fair shares
+        if budget > 0:
+            budget = self._schedule_prefills(budget, out, scheduled)
+        out.blocks_to_copy = self.block_manager.take_pending_copies()
+        out.num_blocks_touched = self.block_manager.num_blocks_touched
+        return out
+
+    def _schedule_prefills(self, budget: int, out: SchedulerOutput, scheduled: set[int]) -> int:
+        chunked = self.config.enable_chunked_prefill
+        demands: dict[str, int] = defaultdict(int)
+        for seq in self.running:
+            if seq.num_pending_tokens > 1:
+                demands[seq.user] += seq.num_pending_tokens
+        for user, queue in self.waiting.items():
+            demands[user] += sum(entry[3].num_pending_tokens for entry in queue)
+        shares = max_min_fair_shares(demands, budget)
+
+        for seq in list(self.running):
+            if seq.num_pending_tokens <= 1 or seq.seq_id in scheduled or seq.status is not SequenceStatus.RUNNING:
+                continue
+            n = min(seq.num_pending_tokens, shares[seq.user], budget)
+            if n <= 0 or (not chunked and n < seq.num_pending_tokens):
+                continue
+            if self._allocate_or_preempt(seq, n, out, scheduled):
+                out.prefills.append(ScheduledSeq(seq, n))
+                scheduled.add(seq.seq_id)
+                shares[seq.user] -= n
+                budget -= n
+
+        blocked_users: set[str] = set()
+        while budget > 0:
+            user = self._next_user(blocked_users)
+            if user is None:
+                break
+            seq = self.waiting[user][0][3]
+            seats = 1 + seq.pending_forks
+            if len(self.running) + seats > self.config.max_num_seqs and not self._preempt_for_fairness(
+                user, out, scheduled
+            ):
+                blocked_users.add(user)
+                continue
+            cached = self.block_manager.find_cached_prefix(seq) if not seq.block_table else []
+            pending = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.block_manager.block_size
+            n = min(pending, shares.get(user, 0), budget)
+            if n <= 0 or (not chunked and n < pending):
+                blocked_users.add(user)
+                continue
+            while not self.block_manager.allocate(seq, n, cached):
+                if not self._preempt_for_fairness(user, out, scheduled):
+                    break
+            else:
+                heapq.heappop(self.waiting[user])
+                if not self.waiting[user]:
+                    del self.waiting[user]
+                self._admit(seq, len(cached))
+                out.prefills.append(ScheduledSeq(seq, n))
+                scheduled.add(seq.seq_id)
+                shares[user] -= n
+                budget -= n
+                continue
+            break  # the pool is short and nobody holds more than their share: wait for blocks
+        return budget
+
+    def _admit(self, seq: Sequence, num_cached_blocks: int) -> None:
+        if seq.num_preemptions == 0 and seq.num_output_tokens == 0:
+            seq.num_cached_tokens = num_cached_blocks * self.block_manager.block_size
+            self.prefix_query_tokens += seq.num_tokens
+            self.prefix_hit_tokens += seq.num_cached_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _next_user(self, blocked: set[str]) -> str | None:
+        """The waiting user holding the fewest seats (ties: the earliest head-of-queue request)."""
+        seats: dict[str, int] = defaultdict(int)
+        for seq in self.running:
+            seats[seq.user] += 1
+        candidates = [u for u, q in self.waiting.items() if q and u not in blocked]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda u: (seats[u], self.waiting[u][0][:3]))
+
+    # ---- preemption --------------------------------------------------------------------------
+    def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput, scheduled: set[int]) -> bool:
+        """Allocate for a running sequence, preempting from the tail of ``running`` until it fits.
+        Returns False when ``seq`` itself had to be preempted."""
+        while not self.block_manager.allocate(seq, n):
+            victim = self.running[-1]
+            self._preempt(victim, out, scheduled)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt_for_fairness(self, user: str, out: SchedulerOutput, scheduled: set[int]) -> bool:
+        """Free a seat (and its blocks) for ``user`` if it holds less than its fair share and another
+        user holds more; the victim is that user's most recently admitted sequence."""
+        seats: dict[str, int] = defaultdict(int)
+        for seq in self.running:
+            seats[seq.user] += 1
+        active = set(seats) | set(self.waiting)
+        fair = max(1, self.config.max_num_seqs // max(1, len(active)))
+        if seats[user] >= fair:
+            return False
+        heaviest = max(seats, key=lambda u: seats[u], default=None)
+        if heaviest is None or heaviest == user or seats[heaviest] <= fair:
+            return False
+        victim = next(s for s in reversed(self.running) if s.user == heaviest)
+        self._preempt(victim, out, scheduled)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, scheduled: set[int]) -> None:
+        if seq.seq_id in scheduled:  # undo this step's work for it
+            scheduled.discard(seq.seq_id)
+            out.prefills = [s for s in out.prefills if s.seq is not seq]
+            out.decodes = [s for s in out.decodes if s.seq is not seq]
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)
+
+    # ---- after the model ran -----------------------------------------------------------------
+    def complete_step(self, out: SchedulerOutput) -> None:
+        """Account for the K/V the step computed and publish newly full blocks to the prefix cache."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(item.seq)

@@ -1,0 +1,151 @@
+"""Linear layers that know how they are sharded and how their weights are stored.
+
+Sharding (tensor parallelism): a ``ColumnParallelLinear`` splits its output features across
+ranks, a ``RowParallelLinear`` splits its input features and all-reduces the partial sums.
+Storage (quantization): every layer delegates weight creation and the matmul to a
+``LinearMethod``; the default stores a plain ``[out, in]`` weight. A quantized method swaps in
+without touching model code, because checkpoint tensors always arrive through
+``param.weight_loader(param, loaded, shard_id)``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmctl.distributed import TensorParallel
+
+
+class LinearMethod(Protocol):
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None: ...
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class UnquantizedLinearMethod:
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{what}: expected shape {tuple(dst.shape)}, got {tuple(src.shape)}")
+    dst.copy_(src)
+
+
+class LinearBase(nn.Module):
+    """``tp_dim`` is the weight dimension split across ranks (0 = output, 1 = input, None = replicated)."""
+
+    tp_dim: int | None = None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        method: LinearMethod | None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features, self.out_features = in_features, out_features
+        self.method = method or UnquantizedLinearMethod()
+        self.method.create_weights(self, in_features, out_features, dtype)
+        for param in self.parameters(recurse=False):
+            param.weight_loader = self.weight_loader
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def shard_of(self, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full checkpoint tensor along the sharded dimension."""
+        dim = self.tp_dim
+        if dim is None or self.tp.size == 1 or dim >= loaded.dim():  # replicated, or a row-parallel bias
+            return loaded
+        size = param.shape[dim]
+        return loaded.narrow(dim, self.tp.rank * size, size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        copy_checked(param.data, self.shard_of(param, loaded), "weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False, dtype: torch.dtype,
+                 tp: TensorParallel = TensorParallel(), method: LinearMethod | None = None) -> None:
+        super().__init__(in_features, out_features, bias, dtype, tp, method)
+
+
+class ColumnParallelLinear(LinearBase):
+    tp_dim = 0
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False, dtype: torch.dtype,
+                 tp: TensorParallel = TensorParallel(), method: LinearMethod | None = None) -> None:
+        super().__init__(in_features, tp.shard(out_features, "output features"), bias, dtype, tp, method)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections stored as one matrix (e.g. gate and up of an MLP).
+
+    Each rank holds its slice of every part, so the checkpoint's part ``i`` lands at
+    ``sum(part_sizes[:i]) / tp`` in the rank-local output."""
+
+    def __init__(self, in_features: int, part_sizes: list[int], *, bias: bool = False, dtype: torch.dtype,
+                 tp: TensorParallel = TensorParallel(), method: LinearMethod | None = None) -> None:
+        self.part_sizes = [tp.shard(s, "output features") for s in part_sizes]
+        LinearBase.__init__(self, in_features, sum(self.part_sizes), bias, dtype, tp, method)
+
+    def part_offset(self, shard_id: int) -> tuple[int, int]:
+        return sum(self.part_sizes[:shard_id]), self.part_sizes[shard_id]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        if shard_id is None:  # a checkpoint that already stores the merged matrix
+            raise ValueError("merged projection expects its parts separately")
+        offset, size = self.part_offset(shard_id)
+        dst = param.data.narrow(0, offset, size)
+        src = loaded.narrow(0, self.tp.rank * size, size) if self.tp.size > 1 else loaded
+        copy_checked(dst, src, f"part {shard_id}")
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections in one matrix; KV heads are replicated when there are fewer than ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, *, bias: bool = False,
+                 dtype: torch.dtype, tp: TensorParallel = TensorParallel(), method: LinearMethod | None = None) -> None:
+        self.num_heads = tp.shard(num_heads, "attention heads")
+        self.kv_replicas = max(1, tp.size // num_kv_heads)
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        self.head_dim = head_dim
+        q_out, kv_out = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.part_sizes = [q_out, kv_out, kv_out]
+        LinearBase.__init__(self, hidden_size, q_out + 2 * kv_out, bias, dtype, tp, method)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        index = {"q": 0, "k": 1, "v": 2}[shard_id]
+        offset, size = self.part_offset(index)
+        rank_slot = self.tp.rank if index == 0 else self.tp.rank // self.kv_replicas
+        src = loaded.narrow(0, rank_slot * size, size) if self.tp.size > 1 else loaded
+        copy_checked(param.data.narrow(0, offset, size), src, f"{shard_id}_proj")
+
+
+class RowParallelLinear(LinearBase):
+    tp_dim = 1
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False, dtype: torch.dtype,
+                 tp: TensorParallel = TensorParallel(), method: LinearMethod | None = None) -> None:
+        super().__init__(tp.shard(in_features, "input features"), out_features, bias, dtype, tp, method)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, after the partial sums are reduced.
+        out = self.tp.all_reduce(self.method.apply(self, x, None))
+        return out if self.bias is None else out + self.bias

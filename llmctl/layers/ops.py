@@ -1,0 +1,119 @@
+"""The kernel set a model runs on: pure torch (any device, exact on CPU) or Triton (CUDA, or
+Triton's interpreter on a CPU for tests).
+
+A model receives one ``KernelOps`` object at construction and calls every fused op through it, so
+switching backends never touches model code and there is no global switch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.activation import silu_and_mul_torch
+from kernels.decode_attention import paged_decode_attention_torch
+from kernels.kv_store import reshape_and_cache_torch
+from kernels.prefill_attention import attend_causal, paged_prefill_attention_torch
+from kernels.rms_norm import rms_norm_torch
+from kernels.rotary import rotary_embedding_torch
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class AttentionMetadata:
+    """Batch layout for attention, built once per step by the model runner.
+
+    Sequences ``[0, num_prefills)`` are prefill/extend chunks (their tokens come first in the
+    flattened batch); the remaining ``num_decodes`` sequences contribute exactly one token each.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = padding
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decodes: int
+    prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32
+    prefill_seq_lens: torch.Tensor  # [num_prefills] int32
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
+    prefill_is_fresh: bool  # every chunk starts at position 0: this step's K/V are the whole context
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    max_decode_seq_len: int
+
+
+class TorchOps:
+    """Reference kernels in plain torch: the CPU path and the oracle of the Triton kernels."""
+
+    name = "torch"
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm_torch(x, weight, eps, residual)
+
+    def rotary_embedding(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_embedding_torch(positions, query, key, cos_sin_cache)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul_torch(x)
+
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        reshape_and_cache_torch(key, value, key_cache, value_cache, slot_mapping)
+
+    def prefill_attention(
+        self,
+        query: torch.Tensor,  # [num_prefill_tokens, Hq, D]
+        key: torch.Tensor,  # this step's keys [num_prefill_tokens, Hkv, D]
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if not meta.prefill_is_fresh:
+            return paged_prefill_attention_torch(
+                query, key_cache, value_cache, meta.prefill_block_tables,
+                meta.prefill_query_start_loc, meta.prefill_seq_lens, scale,
+            )
+        # Fresh prompts: the context is exactly this step's K/V, so skip the gather from the pool.
+        out = torch.empty_like(query)
+        starts = meta.prefill_query_start_loc.tolist()
+        for start, end in zip(starts[:-1], starts[1:]):
+            out[start:end] = attend_causal(query[start:end], key[start:end], value[start:end], scale)
+        return out
+
+    def decode_attention(
+        self,
+        query: torch.Tensor,  # [num_decodes, Hq, D]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_decode_attention_torch(
+            query, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+        )
+
+
+def select_ops(backend: str, device: torch.device) -> TorchOps:
+    """``auto`` picks Triton on CUDA and torch elsewhere; ``triton`` on a CPU needs
+    ``TRITON_INTERPRET=1`` set before the kernels are first compiled."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend == "torch":
+        return TorchOps()
+    from llmctl.layers.triton_ops import TritonOps  # imported lazily: triton is heavy to import
+
+    return TritonOps()

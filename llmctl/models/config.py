@@ -1,0 +1,132 @@
+"""The subset of a Hugging Face ``config.json`` the engine needs, normalised across
+transformers versions (``rope_scaling``/``rope_theta`` in v4, ``rope_parameters`` in v5)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmctl.errors import ModelLoadError, UnsupportedModelError
+
+# architecture name in config.json -> the model family flags llmctl implements for it
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    mlp_bias: bool
+    sliding_window: int | None
+    torch_dtype: str | None
+    bos_token_id: int | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and not archs:
+            arch = _MODEL_TYPE_TO_ARCH.get(cfg.get("model_type", ""))
+        if arch is None:
+            named = ", ".join(archs) or repr(cfg.get("model_type"))
+            raise UnsupportedModelError(
+                f"{source}: architecture {named} is not supported; llmctl runs "
+                + ", ".join(SUPPORTED_ARCHITECTURES)
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        try:
+            hidden = int(cfg["hidden_size"])
+            num_heads = int(cfg["num_attention_heads"])
+            rope = cfg.get("rope_parameters") or {}
+            rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+            if rope_scaling is not None:
+                rope_scaling = dict(rope_scaling)
+                rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+                rope_scaling["rope_type"] = rope_type
+                if rope_type == "default":
+                    rope_scaling = None
+            eos = cfg.get("eos_token_id")
+            eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+            use_sliding = cfg.get("use_sliding_window", family == "mistral")
+            return cls(
+                architecture=arch,
+                family=family,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+                head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                rope_scaling=rope_scaling,
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+                qk_norm=family == "qwen3",
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                sliding_window=cfg.get("sliding_window") if use_sliding else None,
+                torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                raw=cfg,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(f"{source}: missing or malformed field {exc}") from exc
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: not found (a model directory needs config.json)")
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
+        return cls.from_dict(cfg, source=str(path))
+
+    def resolve_dtype(self, requested: str, device: torch.device) -> torch.dtype:
+        """``auto`` takes the checkpoint's dtype (float32 when unstated); float16 on a CPU becomes
+        bfloat16, which CPUs compute natively and which keeps fp16's range problems away."""
+        if requested != "auto":
+            if requested not in DTYPES:
+                raise ValueError(f"unknown dtype {requested!r}; choose auto, {', '.join(DTYPES)}")
+            return DTYPES[requested]
+        dtype = DTYPES.get(str(self.torch_dtype).replace("torch.", ""), torch.float32)
+        if dtype == torch.float16 and device.type == "cpu":
+            dtype = torch.bfloat16
+        return dtype
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers, per unit of element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim

@@ -1,0 +1,131 @@
+"""Build a model from a Hugging Face directory: config.json plus one or several safetensors files.
+
+Every failure names the file it came from: a missing shard, a corrupt header, a tensor whose
+shape disagrees with config.json, a weight the checkpoint lacks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from llmctl.distributed import TensorParallel
+from llmctl.errors import ModelLoadError
+from llmctl.layers.linear import copy_checked
+from llmctl.layers.ops import TorchOps
+from llmctl.models.config import ModelConfig
+from llmctl.models.llama import LlamaForCausalLM
+
+# Checkpoint tensors that are derived state, not weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({exc})") from exc
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no model.safetensors (or sharded *.safetensors with an index) found")
+    for path in files:
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: listed in {index.name} but missing")
+    return files
+
+
+def iterate_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield path, name, f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise ModelLoadError(f"{path}: cannot read safetensors file ({exc}); it may be corrupt or truncated") from exc
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for path, name, tensor in iterate_tensors(safetensors_files(model_dir)):
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        target, shard_id = name, None
+        for ckpt_name, (merged_name, part) in model.packed_modules.items():
+            if f".{ckpt_name}." in name:
+                target, shard_id = name.replace(f".{ckpt_name}.", f".{merged_name}."), part
+                break
+        param = params.get(target)
+        if param is None:
+            raise ModelLoadError(f"{path}: tensor {name!r} does not belong to a {model.config.architecture}")
+        try:
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                copy_checked(param.data, tensor, "weight")
+            else:
+                loader(param, tensor, shard_id)
+        except ValueError as exc:
+            raise ModelLoadError(f"{path}: tensor {name!r} does not match config.json: {exc}") from exc
+        loaded.add(target if shard_id is None else f"{target}#{shard_id}")
+    expected = expected_checkpoint_names(model)
+    missing = sorted(expected - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{model_dir}: checkpoint lacks weights: {shown}")
+
+
+def expected_checkpoint_names(model: LlamaForCausalLM) -> set[str]:
+    """Every parameter, with merged projections counted once per part."""
+    names: set[str] = set()
+    parts_of = {}
+    for merged, part in model.packed_modules.values():
+        parts_of.setdefault(merged, []).append(part)
+    for name, _ in model.named_parameters():  # tied weights appear once
+        merged = next((m for m in parts_of if f".{m}." in name), None)
+        names.update({f"{name}#{p}" for p in parts_of[merged]} if merged else {name})
+    return names
+
+
+def build_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, ops: TorchOps,
+                tp: TensorParallel = TensorParallel()) -> LlamaForCausalLM:
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, dtype=dtype, ops=ops, tp=tp)
+    return model.eval()
+
+
+def load_model(model_dir: Path, *, dtype: str, device: torch.device, ops: TorchOps,
+               tp: TensorParallel = TensorParallel()) -> LlamaForCausalLM:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: no such model directory")
+    cfg = ModelConfig.from_dir(model_dir)
+    model = build_model(cfg, dtype=cfg.resolve_dtype(dtype, device), device=device, ops=ops, tp=tp)
+    with torch.no_grad():
+        load_weights(model, model_dir)
+    return model
+
+
+def init_random_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Deterministic random weights (the dummy load format): normal(0, std) matrices, unit norms,
+    zero biases, drawn from a CPU generator so every machine builds the same model."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
+                param.copy_(values.to(param.dtype))

@@ -1,0 +1,31 @@
+"""Shared test setup.
+
+TRITON_INTERPRET must be set before any ``@triton.jit`` function is first compiled, so it is set
+here, at import time of the test session, for every test module.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STORIES_DIR = REPO_ROOT.parent / "shared" / "models" / "stories260k"
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    """The real pretrained stories260k model, read in place from ../shared (never copied)."""
+    if not (STORIES_DIR / "model.safetensors").is_file():
+        pytest.skip(f"{STORIES_DIR} is absent")
+    return STORIES_DIR
