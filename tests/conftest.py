@@ -20,7 +20,7 @@ import torch  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STORIES_DIR = REPO_ROOT.parent / "shared" / "models" / "stories260k"
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+torch.set_num_threads(int(os.environ.get("LLMCTL_TEST_THREADS", max(1, min(2, os.cpu_count() or 1)))))
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +29,17 @@ def stories_dir() -> Path:
     if not (STORIES_DIR / "model.safetensors").is_file():
         pytest.skip(f"{STORIES_DIR} is absent")
     return STORIES_DIR
+
+
+@pytest.fixture(scope="session")
+def hf_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """One tiny random-weight checkpoint per supported family, saved by ``transformers``."""
+    from model_factory import FAMILIES, make_hf_model
+
+    root = tmp_path_factory.mktemp("hf_models")
+    return {family: make_hf_model(family, root / family, seed=i) for i, family in enumerate(FAMILIES)}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(hf_model_dirs) -> Path:
+    return hf_model_dirs["llama"]

@@ -46,6 +46,8 @@ class BlockManager:
         self.cache: dict[CacheKey, int] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, drained each step
         self.num_blocks_touched = 0  # 1 + the highest block id ever handed out
+        self.num_evictions = 0
+        self.num_copies = 0
 
     # ---- queries -----------------------------------------------------------------------------
     @property
@@ -103,6 +105,7 @@ class BlockManager:
             src = seq.block_table[write_index]
             dst = self._take_free()
             self.pending_copies.append((src, dst))
+            self.num_copies += 1
             self.blocks[src].ref_count -= 1
             seq.block_table[write_index] = dst
         seq.block_table.extend(self._take_free() for _ in range(num_new_blocks))
@@ -163,6 +166,7 @@ class BlockManager:
             block = self.blocks[block_id]
             del self.cache[block.cache_key]
             block.cache_key = None
+            self.num_evictions += 1
         self.blocks[block_id].ref_count = 1
         self.num_blocks_touched = max(self.num_blocks_touched, block_id + 1)
         return block_id

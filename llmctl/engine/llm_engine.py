@@ -27,7 +27,8 @@ from llmctl.engine.model_runner import ModelRunner, kv_block_bytes
 from llmctl.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmctl.engine.sampler import Sampler
 from llmctl.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from llmctl.engine.sequence import FinishReason, Sequence, SequenceStatus
+from llmctl.engine.sequence import FinishReason, Sequence
+from llmctl.engine.stats import engine_snapshot
 from llmctl.errors import InvalidRequestError, ModelLoadError
 from llmctl.layers.ops import select_ops
 from llmctl.models.embedded import EMBEDDED_LABEL, EMBEDDED_MODEL_NAME, load_embedded
@@ -387,3 +388,6 @@ class LLMEngine:
 
     def live_sequences(self) -> list[Sequence]:
         return [s for r in self.requests.values() for s in r.seqs if not s.is_finished]
+
+    def stats_snapshot(self, max_steps: int = 120) -> dict[str, Any]:
+        return engine_snapshot(self, max_steps)

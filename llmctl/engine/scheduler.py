@@ -92,6 +92,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.resumed_hit_tokens = 0  # tokens a preempted sequence found again in the cache on resuming
 
     # ---- queue management --------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -211,10 +212,13 @@ class Scheduler:
         return budget
 
     def _admit(self, seq: Sequence, num_cached_blocks: int) -> None:
-        if seq.num_preemptions == 0 and seq.num_output_tokens == 0:
-            seq.num_cached_tokens = num_cached_blocks * self.block_manager.block_size
+        cached_tokens = num_cached_blocks * self.block_manager.block_size
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = cached_tokens
             self.prefix_query_tokens += seq.num_tokens
-            self.prefix_hit_tokens += seq.num_cached_tokens
+            self.prefix_hit_tokens += cached_tokens
+        else:
+            self.resumed_hit_tokens += cached_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 

@@ -1,0 +1,99 @@
+"""The ``llmctl`` command line. Kept thin: each command parses options and calls into a module."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from llmctl import __version__
+from llmctl.cli_options import (
+    BackendOpt, BlockSizeOpt, ChunkedPrefillOpt, DeviceOpt, DtypeOpt, KvMemoryOpt, MaxBatchedTokensOpt,
+    MaxModelLenOpt, MaxNumSeqsOpt, MemoryFractionOpt, ModelArg, PrefixCachingOpt, SeedOpt, ThreadsOpt,
+    build_engine_config, exit_on_error,
+)
+
+app = typer.Typer(
+    name="llmctl",
+    help="A terminal-first LLM inference engine: paged KV cache, continuous batching, OpenAI-compatible server.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"llmctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                               help="Print the version and exit.")] = False) -> None:
+    """llmctl: pull, chat, serve, bench and watch LLMs on your own machine."""
+
+
+@app.command()
+def generate(
+    model: ModelArg,
+    prompt: Annotated[str, typer.Argument(help="Prompt text; '-' reads it from standard input.")],
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Tokens to generate at most.")] = 128,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy.")] = 0.8,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 disables.")] = 0,
+    request_seed: Annotated[Optional[int], typer.Option("--sample-seed", help="Seed of this request's sampling.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep going past the end-of-sequence token.")] = False,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    max_model_len: MaxModelLenOpt = None,
+    kv_cache_memory: KvMemoryOpt = None,
+    block_size: BlockSizeOpt = 16,
+    attention_backend: BackendOpt = "auto",
+    seed: SeedOpt = 0,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Generate a completion of PROMPT, streaming the text, then print a stats line."""
+    from llmctl.engine.llm_engine import LLMEngine
+    from llmctl.sampling_params import SamplingParams
+
+    text = sys.stdin.read() if prompt == "-" else prompt
+    with exit_on_error(err):
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=request_seed, stop=stop or [], ignore_eos=ignore_eos)
+        config = build_engine_config(model, dtype=dtype, device=device, max_model_len=max_model_len,
+                                     kv_cache_memory=kv_cache_memory, block_size=block_size,
+                                     attention_backend=attention_backend, seed=seed, threads=threads)
+        loaded = time.perf_counter()
+        engine = LLMEngine(config)
+        err.print(f"[dim]model: {engine.model_label} · {engine.dtype} · {engine.device} · "
+                  f"{engine.block_manager.num_blocks} KV blocks · load {time.perf_counter() - loaded:.2f}s[/]")
+        start = time.perf_counter()
+        engine.add_request(text, params)
+        sys.stdout.write(text)
+        first_token = None
+        final = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                if first_token is None:
+                    first_token = time.perf_counter()
+                sys.stdout.write(out.outputs[0].delta_text)
+                sys.stdout.flush()
+                final = out
+        elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    generated = len(final.outputs[0].token_ids)
+    decode_time = elapsed - (first_token - start)
+    rate = (generated - 1) / decode_time if generated > 1 and decode_time > 0 else 0.0
+    err.print(f"[dim]prompt {len(final.prompt_token_ids)} tokens · generated {generated} tokens "
+              f"({final.outputs[0].finish_reason}) · TTFT {1000 * (first_token - start):.0f} ms · "
+              f"{rate:.1f} tokens/s · total {elapsed:.2f}s[/]")
+
+
+if __name__ == "__main__":
+    app()

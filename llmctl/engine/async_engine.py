@@ -1,0 +1,114 @@
+"""The engine loop in a background thread, with asyncio streams of per-request outputs.
+
+The loop thread owns stepping; API coroutines add and abort requests under one lock, so a
+request joins the batch at the next step boundary. Each request's outputs are pushed into an
+``asyncio.Queue`` on the caller's event loop as soon as the step that produced them ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from llmctl.engine.llm_engine import LLMEngine
+from llmctl.engine.outputs import RequestOutput
+from llmctl.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop crashed; the message carries the original error."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.lock = threading.Lock()
+        self._work = threading.Event()
+        self._stopping = False
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> AsyncEngine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="llmctl-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._work.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.engine.requests)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                with self.lock:
+                    busy = self.engine.has_unfinished()
+                    outputs = self.engine.step() if busy else []
+                for out in outputs:
+                    self._publish(out.request_id, out)
+                if not busy:
+                    self._work.wait(timeout=0.5)
+                    self._work.clear()
+        except BaseException as exc:  # surface to every waiting client, never hang them
+            self.error = exc
+            for request_id in list(self._streams):
+                self._publish(request_id, EngineDeadError(f"engine loop failed: {exc!r}"))
+            raise
+
+    def _publish(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, queue = stream
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams, **kwargs: Any) -> tuple[str, asyncio.Queue]:
+        """Validate and queue (raises ``InvalidRequestError`` at once); returns the output queue.
+        Must be called from a running event loop."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop failed: {self.error!r}")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self.lock:
+            request_id = self.engine.add_request(prompt, params, **kwargs)
+            self._streams[request_id] = (loop, queue)
+        self._work.set()
+        return request_id, queue
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        """Yields each step's output for the request until it finishes. Closing the iterator early
+        (a client that went away) aborts the request and frees its blocks."""
+        request_id, queue = self.add_request(prompt, params, **kwargs)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        with self.lock:
+            return self.engine.abort(request_id)
+
+    def stats_snapshot(self, max_steps: int = 120) -> dict[str, Any]:
+        with self.lock:
+            return self.engine.stats_snapshot(max_steps)
