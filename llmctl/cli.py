@@ -95,5 +95,19 @@ def generate(
               f"{rate:.1f} tokens/s · total {elapsed:.2f}s[/]")
 
 
+def _register_feature_commands() -> None:
+    """Each feature package owns its commands; this order is the order of ``--help``."""
+    from llmctl.bench.cli import register_commands as register_bench
+    from llmctl.chat import register_commands as register_chat
+    from llmctl.hub import register_hub_commands
+    from llmctl.server.cli import register_commands as register_serve
+    from llmctl.tui.cli import register_commands as register_top
+
+    for register in (register_hub_commands, register_chat, register_serve, register_bench, register_top):
+        register(app)
+
+
+_register_feature_commands()
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,1 @@
+"""Live Textual dashboard of the engine."""
