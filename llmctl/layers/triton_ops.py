@@ -1,0 +1,91 @@
+"""The Triton kernel set: same methods and semantics as ``TorchOps``, every fused op a Triton kernel.
+
+On CUDA the kernels compile for the GPU; on a CPU they run under Triton's interpreter, which
+needs ``TRITON_INTERPRET=1`` in the environment before this module is first imported (tests do
+that in ``tests/conftest.py``). ``select_ops`` imports this module lazily.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.activation import silu_and_mul_triton
+from kernels.decode_attention import paged_decode_attention_triton
+from kernels.kv_store import reshape_and_cache_triton
+from kernels.prefill_attention import paged_prefill_attention_triton, varlen_causal_attention_triton
+from kernels.rms_norm import rms_norm_triton
+from kernels.rotary import rotary_embedding_triton
+from llmctl.layers.ops import AttentionMetadata, TorchOps
+
+
+def _max_query_len(meta: AttentionMetadata) -> int:
+    """Longest prefill chunk: exact when the start offsets live on the host, else the number of
+    prefill tokens (a sync-free bound: the kernel's programs past a chunk's end return at once)."""
+    loc = meta.prefill_query_start_loc
+    if loc.device.type == "cpu" and loc.numel() > 1:
+        return int((loc[1:] - loc[:-1]).max())
+    return max(int(meta.num_prefill_tokens), 1)
+
+
+class TritonOps(TorchOps):
+    """Triton kernels for every fused op (the CUDA default)."""
+
+    name = "triton"
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm_triton(x, weight, eps, residual)
+
+    def rotary_embedding(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_embedding_triton(positions, query, key, cos_sin_cache)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul_triton(x)
+
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+
+    def prefill_attention(
+        self,
+        query: torch.Tensor,  # [num_prefill_tokens, Hq, D]
+        key: torch.Tensor,  # this step's keys [num_prefill_tokens, Hkv, D]
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        max_query_len = _max_query_len(meta)
+        if meta.prefill_is_fresh:
+            # The context is exactly this step's K/V: read them in place, no gather from the pool.
+            return varlen_causal_attention_triton(
+                query, key, value, meta.prefill_query_start_loc, scale, max_query_len=max_query_len
+            )
+        return paged_prefill_attention_triton(
+            query, key_cache, value_cache, meta.prefill_block_tables,
+            meta.prefill_query_start_loc, meta.prefill_seq_lens, scale,
+            max_query_len=max_query_len,
+        )
+
+    def decode_attention(
+        self,
+        query: torch.Tensor,  # [num_decodes, Hq, D]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_decode_attention_triton(
+            query, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+            max_seq_len=meta.max_decode_seq_len or None,
+        )
