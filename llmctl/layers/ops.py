@@ -16,7 +16,7 @@ from kernels.decode_attention import paged_decode_attention_torch
 from kernels.kv_store import reshape_and_cache_torch
 from kernels.prefill_attention import attend_causal, paged_prefill_attention_torch
 from kernels.rms_norm import rms_norm_torch
-from kernels.rotary import rotary_embedding_torch
+from kernels.rotary import apply_rotary, rotary_cos_sin
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -47,6 +47,12 @@ class TorchOps:
 
     name = "torch"
 
+    def __init__(self) -> None:
+        # (positions, cache, dtype) -> cos, sin of the current step: every layer rotates the same
+        # positions, so the gather runs once per step instead of once per layer.
+        self._rope_key: tuple | None = None
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +61,11 @@ class TorchOps:
     def rotary_embedding(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary_embedding_torch(positions, query, key, cos_sin_cache)
+        key_ = (positions, cos_sin_cache, query.dtype)
+        if self._rope_key is None or any(a is not b for a, b in zip(self._rope_key, key_)):
+            self._rope_key, self._rope = key_, rotary_cos_sin(positions, cos_sin_cache, query.dtype)
+        cos, sin = self._rope
+        return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_torch(x)

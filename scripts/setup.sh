@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv and install llmctl with its test tools. Idempotent; safe to run again.
+# torch is installed first and pinned (2.13.0): a looser requirement would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[dev]"
