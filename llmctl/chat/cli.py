@@ -1,0 +1,97 @@
+"""The ``llmctl chat`` command: options, model loading, then the REPL."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from llmctl.cli_options import (
+    BackendOpt, BlockSizeOpt, ChunkedPrefillOpt, DeviceOpt, DtypeOpt, KvMemoryOpt, MaxModelLenOpt, MemoryFractionOpt,
+    PrefixCachingOpt, SeedOpt, ThreadsOpt, build_engine_config, exit_on_error,
+)
+from llmctl.models.embedded import EMBEDDED_MODEL_NAME
+
+DEFAULT_CHAT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+SAMPLING = "Sampling"
+
+ChatModelArg = Annotated[
+    str,
+    typer.Argument(help=f"A Hugging Face hub id ORG/NAME or ORG/NAME@REVISION (offered for download when absent), a local model "
+                        f"directory, or {EMBEDDED_MODEL_NAME!r} (embedded, random weights, no download)."),
+]
+
+
+def chat(
+    model: ChatModelArg = DEFAULT_CHAT_MODEL,
+    system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt to start with.",
+                                                  rich_help_panel=SAMPLING)] = None,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy.",
+                                               rich_help_panel=SAMPLING)] = 0.7,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling; 1 disables.",
+                                         rich_help_panel=SAMPLING)] = 0.9,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 disables.", rich_help_panel=SAMPLING)] = 0,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens in one answer.",
+                                            rich_help_panel=SAMPLING)] = 512,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep going past the end-of-turn token "
+                                             "(answers run to --max-tokens; for testing).",
+                                             rich_help_panel=SAMPLING)] = False,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    max_model_len: MaxModelLenOpt = None,
+    kv_cache_memory: KvMemoryOpt = None,
+    memory_fraction: MemoryFractionOpt = 0.9,
+    block_size: BlockSizeOpt = 16,
+    enable_prefix_caching: PrefixCachingOpt = True,
+    enable_chunked_prefill: ChunkedPrefillOpt = True,
+    attention_backend: BackendOpt = "auto",
+    seed: SeedOpt = 0,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Chat with MODEL in the terminal: streamed answers, the model's chat template, multi-turn.
+
+    Commands: /system TEXT, /reset, /stats, /help, /exit. Ctrl-C stops the current answer, Ctrl-D quits.
+
+    A base model without a chat template continues the running text instead.
+    """
+    from llmctl.chat.repl import ChatRepl, enable_line_editing
+    from llmctl.chat.session import ChatSession
+    from llmctl.engine.llm_engine import LLMEngine
+    from llmctl.sampling_params import SamplingParams
+
+    console = Console(highlight=False)
+    err = Console(stderr=True)
+    try:
+        with exit_on_error(err):
+            try:
+                params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                        ignore_eos=ignore_eos)
+                config = build_engine_config(
+                    model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=1,
+                    kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction, block_size=block_size,
+                    enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
+                    attention_backend=attention_backend, seed=seed, threads=threads,
+                )
+            except ValueError as exc:  # e.g. an unreadable --kv-cache-memory size
+                err.print(f"[bold red]error:[/] {escape(str(exc))}")
+                raise typer.Exit(1) from None
+            console.print(f"[dim]loading {escape(model)} …[/]")
+            started = time.perf_counter()
+            engine = LLMEngine(config)
+            load_seconds = time.perf_counter() - started
+            session = ChatSession(engine.tokenizer, engine.max_model_len, max_tokens, system_prompt=system)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        raise typer.Exit(130) from None
+
+    repl = ChatRepl(engine, session, params, console)
+    repl.print_banner(load_seconds)
+    enable_line_editing()
+    repl.run()
+
+
+def register_commands(app: typer.Typer) -> None:
+    app.command("chat")(chat)

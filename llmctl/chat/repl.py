@@ -1,0 +1,301 @@
+"""The terminal loop of ``llmctl chat``: read a line, run a ``/command`` or stream an answer.
+
+The engine is driven directly from this (main) thread, one ``step()`` at a time. Ctrl-C during an
+answer only sets a flag (a SIGINT handler is installed for the length of the answer); the loop
+sees it between two steps and aborts the request, so the engine is never interrupted half-way
+through a step and the conversation goes on. Ctrl-C at the prompt is caught by ``input()`` and
+only prints a hint; Ctrl-D (end of input) leaves.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.markup import escape
+
+from llmctl.chat.session import PLAIN_CONTINUATION_NOTICE, ChatSession
+from llmctl.engine.llm_engine import LLMEngine
+from llmctl.engine.outputs import RequestOutput
+from llmctl.errors import InvalidRequestError
+from llmctl.sampling_params import SamplingParams
+
+PROMPT = ">>> "
+CONTINUATION_PROMPT = "... "
+INTERRUPTED = "[interrupted]"
+EXIT_HINT = "(use /exit or Ctrl-D to quit)"
+# Control characters other than newline and tab are not printed: a model's output must not be able
+# to move the cursor, clear the screen or retitle the terminal (ESC sequences, C1 controls).
+_UNPRINTABLE = {c: None for c in [*range(0x00, 0x20), *range(0x7F, 0xA0)] if c not in (0x09, 0x0A)}
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` without the control characters a terminal would act on (newline and tab stay)."""
+    return text.translate(_UNPRINTABLE)
+
+
+@dataclass
+class AnswerStats:
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    generated_tokens: int
+    finish_reason: str  # "stop" | "length" | "interrupted"
+    ttft_s: float | None
+    decode_tokens_per_s: float | None  # after the first token
+    elapsed_s: float
+
+    @classmethod
+    def from_output(cls, final: RequestOutput | None, prompt_tokens: int, started: float,
+                    interrupted: bool) -> AnswerStats:
+        elapsed = time.time() - started
+        if final is None:  # interrupted before the first token
+            return cls(prompt_tokens, 0, 0, "interrupted", None, None, elapsed)
+        sample = final.outputs[0]
+        metrics = final.metrics
+        generated = len(sample.token_ids)
+        rate = None
+        if generated > 1 and metrics.first_token_time and metrics.last_token_time:
+            span = metrics.last_token_time - metrics.first_token_time
+            rate = (generated - 1) / span if span > 0 else None
+        reason = "interrupted" if interrupted else (sample.finish_reason or "stop")
+        return cls(len(final.prompt_token_ids), final.num_cached_tokens, generated, reason, metrics.ttft, rate,
+                   elapsed)
+
+
+@dataclass
+class SessionTotals:
+    answers: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+
+    def add(self, stats: AnswerStats) -> None:
+        self.answers += 1
+        self.prompt_tokens += stats.prompt_tokens
+        self.cached_tokens += stats.cached_tokens
+        self.generated_tokens += stats.generated_tokens
+
+
+@contextmanager
+def interrupt_flag() -> Iterator[threading.Event]:
+    """While inside, SIGINT (Ctrl-C) sets the yielded event instead of raising KeyboardInterrupt."""
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag  # signal handlers can only be installed from the main thread
+        return
+    previous = signal.signal(signal.SIGINT, lambda _signum, _frame: flag.set())
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def enable_line_editing() -> None:
+    """Arrow keys, history (up/down) and Emacs-style editing for ``input()`` on a terminal."""
+    if sys.stdin is not None and sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401  (importing it is what turns line editing on)
+        except ImportError:  # not available on every platform; input() still works without it
+            pass
+
+
+class ChatRepl:
+    """One chat session on one engine. ``read_line`` is ``input`` in the terminal."""
+
+    def __init__(self, engine: LLMEngine, session: ChatSession, params: SamplingParams, console: Console,
+                 read_line: Callable[[str], str] = input) -> None:
+        self.engine = engine
+        self.session = session
+        self.params = params
+        self.console = console
+        self.read_line = read_line
+        self.last: AnswerStats | None = None
+        self.totals = SessionTotals()
+        self.commands: dict[str, tuple[Callable[[str], bool], str]] = {
+            "system": (self._cmd_system, "/system TEXT  set the system prompt (/system alone shows it, /system - clears it)"),
+            "reset": (self._cmd_reset, "/reset        forget the conversation (the system prompt stays)"),
+            "stats": (self._cmd_stats, "/stats        last answer's TTFT and tokens/s, and session totals"),
+            "help": (self._cmd_help, "/help         this list"),
+            "exit": (self._cmd_exit, "/exit, /quit  leave (Ctrl-D too)"),
+            "quit": (self._cmd_exit, ""),
+        }
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def print_banner(self, load_seconds: float) -> None:
+        engine = self.engine
+        dtype = str(engine.dtype).removeprefix("torch.")
+        self.console.print(f"[bold]llmctl chat[/] · {escape(engine.model_label)}")
+        self.console.print(f"[dim]{dtype} · {engine.device} · context {engine.max_model_len} tokens · "
+                           f"load {load_seconds:.1f} s[/]")
+        if self.session.plain_continuation:
+            self.console.print(f"[yellow]{PLAIN_CONTINUATION_NOTICE}[/]")
+        self.console.print("[dim]/help lists the commands · Ctrl-C stops an answer · Ctrl-D or /exit quits[/]")
+
+    def run(self) -> None:
+        """Read and answer until /exit or end of input."""
+        while True:
+            try:
+                line = self._read_message()
+            except EOFError:
+                self.console.print()
+                return
+            except KeyboardInterrupt:
+                self.console.print(f"\n[dim]{EXIT_HINT}[/]")
+                continue
+            try:
+                if not self.handle(line):
+                    return
+            except KeyboardInterrupt:  # during a command; answers handle Ctrl-C themselves
+                self.console.print(f"[yellow]{escape(INTERRUPTED)}[/]")
+
+    def handle(self, line: str) -> bool:
+        """One input line; False means leave."""
+        if not line.strip():
+            return True
+        if line.startswith("/") and not line.startswith("//"):
+            return self._run_command(line)
+        self.answer(line[1:] if line.startswith("//") else line)  # "//x" sends "/x" as a message
+        return True
+
+    def _read_message(self) -> str:
+        """One message; a line ending in a backslash continues on the next line."""
+        lines = [self.read_line(PROMPT)]
+        while lines[-1].endswith("\\"):
+            lines[-1] = lines[-1][:-1]
+            lines.append(self.read_line(CONTINUATION_PROMPT))
+        return "\n".join(lines)
+
+    # ---- answers -------------------------------------------------------------------------------
+    def answer(self, text: str) -> AnswerStats | None:
+        """Stream the model's answer to ``text``; None if the message was refused.
+
+        Ctrl-C anywhere in here (tokenizing, prefill, decoding) only raises the flag, so the request
+        is either never queued or aborted between two steps, never left half-way."""
+        with interrupt_flag() as stop:
+            try:
+                prepared = self.session.prepare(text)
+            except InvalidRequestError as exc:
+                self._error(str(exc))
+                return None
+            if prepared.dropped_messages:
+                self.console.print(f"[yellow]dropped the {prepared.dropped_messages} oldest messages to fit the "
+                                   f"context ({self.session.max_model_len} tokens, {self.session.answer_room} kept "
+                                   "for the answer)[/]")
+            started = time.time()
+            try:
+                request_id = self.engine.add_request(prepared.token_ids, self.params)
+            except InvalidRequestError as exc:
+                self.session.discard_pending()
+                self._error(str(exc))
+                return None
+
+            pieces: list[str] = []
+            final: RequestOutput | None = None
+            interrupted = False
+            while self.engine.has_unfinished():
+                if stop.is_set():
+                    self.engine.abort(request_id)
+                    interrupted = True
+                    break
+                for out in self.engine.step():
+                    delta = out.outputs[0].delta_text
+                    if delta:
+                        self.console.out(terminal_safe(delta), end="", highlight=False)
+                        pieces.append(delta)
+                    final = out
+        answer = "".join(pieces)
+        if answer and not answer.endswith("\n"):
+            self.console.out("")
+        stats = AnswerStats.from_output(final, len(prepared.token_ids), started, interrupted)
+        self._finish_turn(answer, stats)
+        return stats
+
+    def _finish_turn(self, answer: str, stats: AnswerStats) -> None:
+        """An interrupted answer keeps what was shown (the user saw it); one with no text at all is
+        dropped with its question, as if never asked."""
+        if stats.finish_reason == "interrupted":
+            self.console.print(f"[yellow]{escape(INTERRUPTED)}[/]")
+            if answer:
+                self.session.add_answer(answer)
+            else:
+                self.session.discard_pending()
+        else:
+            self.session.add_answer(answer)
+            if not answer:
+                self.console.print("[dim](empty answer)[/]")
+            if stats.finish_reason == "length":
+                if stats.generated_tokens >= self.params.max_tokens:
+                    why = f"--max-tokens {self.params.max_tokens}"
+                else:
+                    why = f"the context is full ({self.session.max_model_len} tokens)"
+                self.console.print(f"[dim]{escape('[cut: ' + why + ']')}[/]")
+        self.last = stats
+        self.totals.add(stats)
+
+    # ---- commands ------------------------------------------------------------------------------
+    def _run_command(self, line: str) -> bool:
+        name, _, argument = line[1:].partition(" ")
+        entry = self.commands.get(name.strip().lower())
+        if entry is None:
+            self.console.print(f"[yellow]unknown command /{escape(name)}[/]: /help lists the commands "
+                               "(start a message with // to send a leading /)")
+            return True
+        handler, _help = entry
+        return handler(argument.strip())
+
+    def _cmd_system(self, argument: str) -> bool:
+        if not argument:
+            current = self.session.system_prompt
+            self.console.print(f"system prompt: {escape(current)}" if current else "no system prompt")
+        elif argument == "-":
+            self.session.set_system(None)
+            self.console.print("system prompt cleared")
+        else:
+            self.session.set_system(argument)
+            self.console.print("system prompt set: it applies from the next answer (/reset also forgets the "
+                               "conversation)")
+        return True
+
+    def _cmd_reset(self, _argument: str) -> bool:
+        self.session.reset()
+        kept = " (the system prompt stays)" if self.session.system_prompt else ""
+        self.console.print(f"conversation cleared{kept}")
+        return True
+
+    def _cmd_stats(self, _argument: str) -> bool:
+        last = self.last
+        if last is None:
+            self.console.print("last answer: none yet")
+        else:
+            ttft = "–" if last.ttft_s is None else f"{1000 * last.ttft_s:.0f} ms"
+            rate = "–" if last.decode_tokens_per_s is None else f"{last.decode_tokens_per_s:.1f}"
+            self.console.print(f"last answer: {last.generated_tokens} tokens ({last.finish_reason}) · TTFT {ttft} · "
+                               f"{rate} tokens/s · {last.elapsed_s:.2f} s")
+            self.console.print(f"  prompt {last.prompt_tokens} tokens ({last.cached_tokens} from the prefix cache)")
+        totals = self.totals
+        self.console.print(f"session: {totals.answers} answer{'' if totals.answers == 1 else 's'} · "
+                           f"{totals.prompt_tokens} prompt tokens ({totals.cached_tokens} cached) · "
+                           f"{totals.generated_tokens} generated")
+        self.console.print(f"  context {self.session.context_tokens()} of {self.session.max_model_len} tokens "
+                           "(the conversation so far)")
+        return True
+
+    def _cmd_help(self, _argument: str) -> bool:
+        for _handler, text in self.commands.values():
+            if text:
+                self.console.print(escape(text))
+        self.console.print("Ctrl-C stops an answer (the text so far stays in the conversation) · a line ending "
+                           "in \\ continues on the next · // sends a message that starts with /")
+        return True
+
+    def _cmd_exit(self, _argument: str) -> bool:
+        return False
+
+    def _error(self, message: str) -> None:
+        self.console.print(f"[bold red]error:[/] {escape(message)}")
