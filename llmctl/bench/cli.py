@@ -1,9 +1,115 @@
-"""Registers this package's command on the main ``llmctl`` app (see llmctl/cli.py)."""
+"""``llmctl bench``: load-test the in-process engine or an OpenAI-compatible server and say whether
+it meets the service goals (P99 TTFT under 500 ms, at least 30 tokens/s per stream)."""
 
 from __future__ import annotations
 
+import math
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
+from rich.console import Console
+
+from llmctl.cli_options import (
+    BackendOpt, BlockSizeOpt, ChunkedPrefillOpt, DeviceOpt, DtypeOpt, KvMemoryOpt, MaxBatchedTokensOpt,
+    MaxModelLenOpt, MaxNumSeqsOpt, MemoryFractionOpt, PrefixCachingOpt, ThreadsOpt, exit_on_error,
+)
+from llmctl.models.embedded import EMBEDDED_MODEL_NAME
+
+WORKLOAD = "Workload"
+LOAD = "Load"
+TARGET = "Target"
+REPORT = "Report"
 
 
 def register_commands(app: typer.Typer) -> None:
-    """Filled in by the feature's implementation."""
+    app.command(name="bench")(bench)
+
+
+def bench(
+    model: Annotated[Optional[str], typer.Argument(
+        help=f"In process: the model to run (default {EMBEDDED_MODEL_NAME!r}, random weights, no download). "
+             "With --url: the model whose tokenizer builds the prompts.", show_default=False)] = None,
+    url: Annotated[Optional[str], typer.Option("--url", help="Benchmark this OpenAI-compatible server "
+                                               "(e.g. http://127.0.0.1:8000) instead of the in-process engine.",
+                                               rich_help_panel=TARGET)] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        "--served-model-name", help="Model name to send with --url (default: the first of /v1/models).",
+        rich_help_panel=TARGET)] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LLMCTL_BENCH_API_KEY",
+                                                   help="Bearer token for --url.", rich_help_panel=TARGET)] = None,
+    dataset: Annotated[str, typer.Option("--dataset", help="random | shared-prefix | sharegpt",
+                                         rich_help_panel=WORKLOAD)] = "random",
+    dataset_path: Annotated[Optional[Path], typer.Option("--dataset-path", help="ShareGPT-format JSON file.",
+                                                         rich_help_panel=WORKLOAD)] = None,
+    num_prompts: Annotated[int, typer.Option("--num-prompts", help="Requests in the timed run.",
+                                             rich_help_panel=WORKLOAD)] = 256,
+    input_len: Annotated[int, typer.Option("--input-len", help="Prompt tokens (random; the suffix for "
+                                           "shared-prefix).", rich_help_panel=WORKLOAD)] = 128,
+    output_len: Annotated[Optional[int], typer.Option("--output-len", help="Output tokens (default 128; for "
+                                                      "sharegpt: the reply's length).",
+                                                      rich_help_panel=WORKLOAD, show_default=False)] = None,
+    range_ratio: Annotated[float, typer.Option("--range-ratio", help="Lengths are drawn from len·[1-r, 1+r].",
+                                               rich_help_panel=WORKLOAD)] = 0.0,
+    num_users: Annotated[int, typer.Option("--num-users", help="shared-prefix: users, each with a system prompt.",
+                                           rich_help_panel=WORKLOAD)] = 4,
+    prefix_len: Annotated[int, typer.Option("--prefix-len", help="shared-prefix: system prompt tokens.",
+                                            rich_help_panel=WORKLOAD)] = 256,
+    prompt_format: Annotated[str, typer.Option("--prompt-format", help="auto | tokens | text (auto: token ids "
+                                               "in process, text over HTTP).", rich_help_panel=WORKLOAD)] = "auto",
+    ignore_eos: Annotated[Optional[bool], typer.Option(
+        "--ignore-eos/--no-ignore-eos", help="Generate every asked token (default: on for random and "
+        "shared-prefix, off for sharegpt).", rich_help_panel=WORKLOAD, show_default=False)] = None,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Most requests in flight (0: no limit).",
+                                             rich_help_panel=LOAD)] = 64,
+    request_rate: Annotated[float, typer.Option("--request-rate", help="Poisson arrivals per second; inf sends "
+                                                "all at once.", rich_help_panel=LOAD)] = math.inf,
+    warmup: Annotated[int, typer.Option("--warmup", help="Requests run before the timed run, not counted.",
+                                        rich_help_panel=LOAD)] = 1,
+    seed: Annotated[int, typer.Option("--seed", help="Seeds the workload, the arrivals and the engine.",
+                                      rich_help_panel=LOAD)] = 0,
+    slo_ttft_ms: Annotated[Optional[float], typer.Option("--slo-ttft-ms", help="Goodput counts requests with "
+                                                         "TTFT at most this.", rich_help_panel=REPORT)] = 500.0,
+    slo_tpot_ms: Annotated[Optional[float], typer.Option("--slo-tpot-ms", help="... and TPOT at most this "
+                                                         "(30 tok/s per stream).", rich_help_panel=REPORT,
+                                                         show_default="33.3")] = 1000 / 30,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the figures to this JSON file.",
+                                                      rich_help_panel=REPORT)] = None,
+    baseline: Annotated[Optional[str], typer.Option("--baseline", help="hf: run the same workload through "
+                                                    "transformers static batching and compare.",
+                                                    rich_help_panel=REPORT)] = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    max_model_len: MaxModelLenOpt = None,
+    max_num_seqs: MaxNumSeqsOpt = 256,
+    max_num_batched_tokens: MaxBatchedTokensOpt = 2048,
+    block_size: BlockSizeOpt = 16,
+    kv_cache_memory: KvMemoryOpt = None,
+    memory_fraction: MemoryFractionOpt = 0.9,
+    enable_prefix_caching: PrefixCachingOpt = True,
+    enable_chunked_prefill: ChunkedPrefillOpt = True,
+    attention_backend: BackendOpt = "auto",
+    threads: ThreadsOpt = None,
+) -> None:
+    """Measure TTFT, TPOT, ITL, end-to-end latency, throughput and goodput under a synthetic or
+    ShareGPT load, in process or against --url, optionally next to transformers static batching."""
+    from llmctl.bench.session import BenchOptions, run_bench
+
+    out, err = Console(), Console(stderr=True)
+    options = BenchOptions(
+        model=model, url=url, served_model_name=served_model_name, api_key=api_key, dataset=dataset,
+        dataset_path=dataset_path, num_prompts=num_prompts, input_len=input_len, output_len=output_len,
+        range_ratio=range_ratio, num_users=num_users, prefix_len=prefix_len, prompt_format=prompt_format,
+        ignore_eos=ignore_eos, concurrency=concurrency, request_rate=request_rate, warmup=warmup, seed=seed,
+        slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, json_path=json_path, baseline=baseline,
+        engine_options=dict(dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                            kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction,
+                            enable_prefix_caching=enable_prefix_caching,
+                            enable_chunked_prefill=enable_chunked_prefill, attention_backend=attention_backend,
+                            seed=seed, threads=threads),
+        argv=list(sys.argv[1:]),
+    )
+    with exit_on_error(err):
+        run_bench(options, out, err)

@@ -1,0 +1,258 @@
+"""The load generator and its two targets: the in-process ``AsyncEngine`` and any OpenAI-compatible
+HTTP server (llmctl serve, vLLM, llama.cpp's server).
+
+Requests arrive as a Poisson process (exponential gaps from a seeded RNG; all at once when the rate
+is infinite) and at most ``concurrency`` are in flight; a request's clock starts when it is sent,
+after it got a concurrency slot. Every request is greedy (temperature 0): the benchmark measures
+the engine, not the sampler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+
+from llmctl.bench.datasets import BenchRequest
+from llmctl.bench.metrics import RequestRecord
+from llmctl.engine.async_engine import AsyncEngine
+from llmctl.sampling_params import SamplingParams
+
+KV_SAMPLE_INTERVAL_S = 0.05
+
+
+@dataclass
+class EngineRunStats:
+    """What only an in-process run can see, measured over the timed run (warm-up excluded)."""
+
+    kv_usage_mean: float  # fraction of KV blocks held by live sequences, mean of samples
+    kv_usage_peak: float
+    token_slot_utilization: float | None  # tokens held / token slots of held blocks, mean of samples
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+    num_samples: int
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else None
+
+
+@dataclass
+class RunResult:
+    records: list[RequestRecord]
+    duration_s: float
+    engine_stats: EngineRunStats | None = None
+    target: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+class Target(Protocol):
+    label: str
+
+    async def send(self, request: BenchRequest) -> RequestRecord: ...
+
+
+class InProcessTarget:
+    """Streams each request from the engine; a token's time is when its step's output reached this
+    event loop, as a client of the engine sees it."""
+
+    def __init__(self, engine: AsyncEngine, ignore_eos: bool) -> None:
+        self.engine = engine
+        self.ignore_eos = ignore_eos
+        self.label = engine.engine.model_label
+
+    async def send(self, request: BenchRequest) -> RequestRecord:
+        params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=self.ignore_eos)
+        start = time.perf_counter()
+        record = RequestRecord(start=start, end=start, prompt_tokens=request.prompt_len)
+        final = None
+        try:
+            async for out in self.engine.generate(request.prompt, params, user=request.user):
+                now = time.perf_counter()
+                if out.outputs[0].delta_token_ids:
+                    record.chunk_times.append(now)
+                final = out
+        except Exception as exc:  # one failed request must not end the run; it is counted as failed
+            record.ok, record.error = False, f"{type(exc).__name__}: {exc}"
+        record.end = time.perf_counter()
+        if final is not None:
+            record.prompt_tokens = len(final.prompt_token_ids)
+            record.output_tokens = len(final.outputs[0].token_ids)
+            record.cached_tokens = final.num_cached_tokens
+            if final.outputs[0].finish_reason == "abort":
+                record.ok, record.error = False, "aborted"
+        return record
+
+    def counters(self) -> tuple[int, int, int]:
+        with self.engine.lock:
+            sched = self.engine.engine.scheduler
+            return sched.prefix_query_tokens, sched.prefix_hit_tokens, sched.num_preemptions
+
+    def sample_kv(self) -> tuple[float, float | None]:
+        """(block usage, token-slot utilization): of the token slots in blocks that live sequences
+        hold, the fraction holding a computed token (a shared block counts once, as full as its
+        fullest holder)."""
+        with self.engine.lock:
+            engine = self.engine.engine
+            block_size = engine.block_manager.block_size
+            filled: dict[int, int] = {}
+            for seq in engine.live_sequences():
+                for i, block_id in enumerate(seq.block_table):
+                    tokens = min(block_size, max(0, seq.num_computed_tokens - i * block_size))
+                    filled[block_id] = max(filled.get(block_id, 0), tokens)
+            usage = engine.block_manager.usage
+        slots = len(filled) * block_size
+        return usage, (sum(filled.values()) / slots if slots else None)
+
+
+class HttpTarget:
+    """POSTs streaming ``/v1/completions`` requests. Every chunk with a choice is a token arrival (a
+    server may hold back tokens whose text is not complete yet, and send them with a later chunk, as
+    a client would see them). Output tokens come from the final usage chunk
+    (``stream_options.include_usage``); a server that sends none is counted one token per chunk."""
+
+    def __init__(self, url: str, *, model: str | None = None, ignore_eos: bool = True, api_key: str | None = None,
+                 timeout_s: float = 600.0) -> None:
+        base = url.rstrip("/")
+        self.base_url = base[:-3] if base.endswith("/v1") else base
+        self.model = model
+        self.ignore_eos = ignore_eos
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(base_url=self.base_url, headers=headers,
+                                        timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+        self.label = url
+
+    async def connect(self) -> str:
+        """Find the served model name (the first of ``/v1/models``) unless one was given."""
+        if self.model is None:
+            try:
+                response = await self.client.get("/v1/models")
+                response.raise_for_status()
+                self.model = response.json()["data"][0]["id"]
+            except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+                raise ConnectionError(f"{self.base_url}/v1/models: cannot list the served model ({exc})") from exc
+        self.label = f"{self.model} @ {self.base_url}"
+        return self.model
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    def payload(self, request: BenchRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": request.prompt, "max_tokens": request.output_len,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+        }
+        if self.ignore_eos:
+            body["ignore_eos"] = True  # an extension vLLM, llama.cpp and llmctl read; others ignore it
+        if request.user:
+            body["user"] = request.user
+        return body
+
+    async def send(self, request: BenchRequest) -> RequestRecord:
+        start = time.perf_counter()
+        record = RequestRecord(start=start, end=start, prompt_tokens=request.prompt_len)
+        usage: dict[str, Any] | None = None
+        try:
+            async with self.client.stream("POST", "/v1/completions", json=self.payload(request)) as response:
+                if response.status_code != 200:
+                    body = (await response.aread()).decode(errors="replace")
+                    raise RuntimeError(f"HTTP {response.status_code}: {body[:300]}")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if chunk.get("error"):
+                        raise RuntimeError(f"server error: {chunk['error']}")
+                    if chunk.get("choices"):  # as vLLM's benchmark: any choice chunk is a token arrival
+                        record.chunk_times.append(time.perf_counter())
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+        except Exception as exc:  # counted as a failed request, the run goes on
+            record.ok, record.error = False, f"{type(exc).__name__}: {exc}"
+        record.end = time.perf_counter()
+        if usage:
+            record.output_tokens = int(usage.get("completion_tokens") or 0)
+            record.prompt_tokens = int(usage.get("prompt_tokens") or record.prompt_tokens)
+            record.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        else:
+            record.output_tokens = len(record.chunk_times)
+        return record
+
+
+async def _sample_kv(target: InProcessTarget, samples: list[tuple[float, float | None]], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        samples.append(await asyncio.to_thread(target.sample_kv))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), KV_SAMPLE_INTERVAL_S)
+
+
+def arrival_gaps(num_requests: int, request_rate: float, seed: int) -> list[float]:
+    """Seconds to wait before each request: a Poisson process (exponential gaps of mean 1/rate, from a
+    seeded RNG), the first request at once; all zeros when the rate is infinite."""
+    if not request_rate > 0:
+        raise ValueError("request rate must be positive (inf sends everything at once)")
+    if num_requests == 0:
+        return []
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed)
+    return [0.0] + [rng.expovariate(request_rate) for _ in range(num_requests - 1)]
+
+
+async def run_load(target: Target, requests: Sequence[BenchRequest], *, concurrency: int | None,
+                   request_rate: float = math.inf, seed: int = 0,
+                   on_done: Callable[[RequestRecord], None] | None = None) -> RunResult:
+    """Send every request under the arrival process and the concurrency cap; wait for all."""
+    gaps = arrival_gaps(len(requests), request_rate, seed)
+    slots = asyncio.Semaphore(concurrency) if concurrency else None
+    in_process = isinstance(target, InProcessTarget)
+    samples: list[tuple[float, float | None]] = []
+    stop = asyncio.Event()
+    before = target.counters() if in_process else None
+
+    async def one(request: BenchRequest) -> RequestRecord:
+        async with slots if slots is not None else contextlib.nullcontext():
+            record = await target.send(request)
+        if on_done is not None:
+            on_done(record)
+        return record
+
+    sampler = asyncio.create_task(_sample_kv(target, samples, stop)) if in_process else None
+    started = time.perf_counter()
+    tasks = []
+    for gap, request in zip(gaps, requests):
+        if gap:
+            await asyncio.sleep(gap)
+        tasks.append(asyncio.create_task(one(request)))
+    records = list(await asyncio.gather(*tasks))
+    duration = time.perf_counter() - started
+    stats = None
+    if sampler is not None:
+        stop.set()
+        await sampler
+        after = target.counters()
+        usages = [u for u, _ in samples]
+        fills = [f for _, f in samples if f is not None]
+        stats = EngineRunStats(
+            kv_usage_mean=sum(usages) / len(usages) if usages else 0.0,
+            kv_usage_peak=max(usages, default=0.0),
+            token_slot_utilization=sum(fills) / len(fills) if fills else None,
+            prefix_query_tokens=after[0] - before[0],
+            prefix_hit_tokens=after[1] - before[1],
+            num_preemptions=after[2] - before[2],
+            num_samples=len(samples),
+        )
+    return RunResult(records, duration, stats, target=target.label)

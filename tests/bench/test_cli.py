@@ -1,0 +1,137 @@
+"""``llmctl bench`` end to end: in process on the embedded model, against a live ``llmctl serve``,
+and with the transformers baseline; the JSON figures must agree with each other."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from llmctl.cli import app
+from llmctl.models.embedded import embedded_tokenizer
+
+SMALL = ["--num-prompts", "16", "--concurrency", "8", "--input-len", "32", "--output-len", "16", "--threads", "1"]
+
+
+def bench(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["bench", *args])
+    return result.exit_code, result.output
+
+
+def check_consistent(side: dict, completed: int, output_tokens: int, input_tokens: int | None = None) -> None:
+    """Figures that must hold together whatever the machine's speed."""
+    assert side["completed"] == completed and side["failed"] == 0
+    assert side["output_tokens"] == output_tokens
+    if input_tokens is not None:
+        assert side["input_tokens"] == input_tokens
+    duration = side["duration_s"]
+    assert duration > 0
+    assert side["request_throughput"] == pytest.approx(completed / duration)
+    assert side["output_throughput"] == pytest.approx(output_tokens / duration)
+    assert side["total_token_throughput"] == pytest.approx((side["input_tokens"] + output_tokens) / duration)
+    ttft, tpot, itl, e2e = side["ttft_ms"], side["tpot_ms"], side["itl_ms"], side["e2e_ms"]
+    assert ttft["count"] == e2e["count"] == completed
+    for dist in (ttft, tpot, itl, e2e):
+        assert 0 <= dist["median"] <= dist["p90"] <= dist["p99"]
+    assert 0 < ttft["mean"] <= e2e["mean"] and ttft["p99"] <= e2e["p99"] and ttft["median"] <= e2e["median"]
+    assert e2e["p99"] <= duration * 1000
+    assert side["good_requests"] <= completed
+    assert side["goodput"] == pytest.approx(side["good_requests"] / duration)
+
+
+def test_in_process_json(tmp_path: Path):
+    out = tmp_path / "out.json"
+    code, output = bench(*SMALL, "--json", str(out))
+    assert code == 0, output
+    data = json.loads(out.read_text())
+    result = data["result"]
+    check_consistent(result, completed=16, output_tokens=16 * 16, input_tokens=16 * 32)
+    assert result["tpot_ms"]["count"] == 16 and result["itl_ms"]["count"] == 16 * 15  # one ITL per later token
+    engine = result["engine"]
+    assert 0 < engine["kv_usage_peak"] <= 1 and engine["prefix_query_tokens"] == 16 * 32
+    assert data["config"]["num_prompts"] == 16 and data["config"]["request_rate"] is None
+    assert data["config"]["prompt_format"] == "tokens" and data["config"]["ignore_eos"] is True
+    assert data["goals"]["ttft_p99_ms"]["goal"] == 500 and data["goals"]["stream_tokens_per_s"]["goal"] == 30
+    assert data["baseline"] is None
+    for label in ("Request throughput", "TTFT P99", "TPOT median", "ITL P90", "E2E mean", "Goodput",
+                  "KV cache usage mean", "Prefix cache hit rate", "P99 TTFT", "per-stream decode speed",
+                  "RANDOM weights"):
+        assert label in output
+
+
+def test_shared_prefix_reports_prefix_hits(tmp_path: Path):
+    out = tmp_path / "out.json"
+    code, output = bench("--dataset", "shared-prefix", "--num-users", "2", "--prefix-len", "64", "--input-len", "8",
+                         "--output-len", "4", "--num-prompts", "12", "--concurrency", "2", "--request-rate", "200",
+                         "--threads", "1", "--json", str(out))
+    assert code == 0, output
+    result = json.loads(out.read_text())["result"]
+    check_consistent(result, completed=12, output_tokens=12 * 4, input_tokens=12 * 72)
+    assert result["engine"]["prefix_hit_rate"] > 0.5  # every request after the warm-up finds its user's prefix
+
+
+def test_sharegpt_file_in_process(tmp_path: Path):
+    conversations = [{"conversations": [{"from": "human", "value": f"Tell me story number {i} about the river"},
+                                        {"from": "gpt", "value": "Once upon a time " * (2 + i)}]} for i in range(6)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(conversations))
+    out = tmp_path / "out.json"
+    code, output = bench("--dataset", "sharegpt", "--dataset-path", str(path), "--num-prompts", "5",
+                         "--concurrency", "5", "--threads", "1", "--json", str(out))
+    assert code == 0, output
+    data = json.loads(out.read_text())
+    assert data["config"]["ignore_eos"] is False  # replies end where the model ends them
+    result = data["result"]
+    tokenizer = embedded_tokenizer()
+    reply_tokens = sum(len(tokenizer.encode(c["conversations"][1]["value"], add_special_tokens=False))
+                       for c in conversations)
+    assert result["completed"] == 5 and 5 <= result["output_tokens"] <= reply_tokens  # EOS may end one early
+    assert "llmctl bench · sharegpt" in output
+
+
+def test_against_live_server(tmp_path: Path, live_server: str):
+    out = tmp_path / "server.json"
+    code, output = bench(*SMALL, "--url", live_server, "--json", str(out))
+    assert code == 0, output
+    data = json.loads(out.read_text())
+    # text prompts built to 32 tokens of the served model's own tokenizer; token counts from usage
+    check_consistent(data["result"], completed=16, output_tokens=16 * 16, input_tokens=16 * 32)
+    assert "engine" not in data["result"] and data["config"]["prompt_format"] == "text"
+    assert "served at" in output and "KV cache usage" not in output
+
+
+def test_server_errors_are_reported(live_server: str):
+    code, output = bench("--url", live_server, "--served-model-name", "nope", "--num-prompts", "2", "--warmup", "0")
+    assert code == 1
+    assert "HTTP 404" in output and "every request failed" in output
+    code, output = bench("--url", "http://127.0.0.1:9", "--num-prompts", "2")
+    assert code == 1 and "cannot list the served model" in output
+
+
+def test_baseline_hf_side_by_side(tmp_path: Path):
+    out = tmp_path / "base.json"
+    code, output = bench("--num-prompts", "6", "--concurrency", "3", "--input-len", "16", "--output-len", "8",
+                         "--range-ratio", "0.5", "--threads", "1", "--baseline", "hf", "--json", str(out))
+    assert code == 0, output
+    data = json.loads(out.read_text())
+    ours, base = data["result"], data["baseline"]
+    check_consistent(base, completed=6, output_tokens=ours["output_tokens"], input_tokens=ours["input_tokens"])
+    advantage = data["advantage"]
+    assert advantage["output_throughput"] == pytest.approx(ours["output_throughput"] / base["output_throughput"])
+    assert advantage["ttft_ms_p99"] == pytest.approx(base["ttft_ms"]["p99"] / ours["ttft_ms"]["p99"])
+    assert "hf static" in output and "advantage" in output and "×" in output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dataset", "sharegpt"], "needs --dataset-path"),
+    (["--dataset", "nope"], "--dataset must be one of"),
+    (["--baseline", "vllm"], "--baseline must be 'hf'"),
+    (["--request-rate", "0"], "--request-rate must be positive"),
+    (["--range-ratio", "1.5", "--num-prompts", "1"], "--range-ratio must be in"),
+    (["--input-len", "5000", "--num-prompts", "1"], "max_model_len"),
+])
+def test_bad_options_fail_in_one_line(args, message):
+    code, output = bench(*args, "--threads", "1")
+    assert code == 1 and message in output and "Traceback" not in output
