@@ -21,7 +21,7 @@ ENGINE = "Engine"
 
 ModelArg = Annotated[
     str,
-    typer.Argument(help=f"A local model directory, a Hugging Face hub id (org/name[@rev]), or the embedded "
+    typer.Argument(help=f"A local model directory, a Hugging Face hub id (ORG/NAME or ORG/NAME@REVISION), or the embedded "
                         f"default {EMBEDDED_MODEL_NAME!r} (random weights, no download)."),
 ]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto | float32 | bfloat16 | float16", rich_help_panel=ENGINE)]

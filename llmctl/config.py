@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmctl.errors import ConfigError
 from llmctl.models.embedded import EMBEDDED_MODEL_NAME
 
 GiB = 1 << 30
@@ -36,9 +37,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+            raise ConfigError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -52,7 +55,7 @@ def parse_size(text: str | int | None) -> int | None:
         return text
     match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b?)\s*", text.lower())
     if not match:
-        raise ValueError(f"cannot read memory size {text!r} (examples: 2GiB, 512MB, 1073741824)")
+        raise ConfigError(f"cannot read memory size {text!r} (examples: 2GiB, 512MB, 1073741824)")
     number, unit, _ = match.groups()
     return int(float(number) * (1024 ** " kmgt".index(unit or " ")))
 

@@ -23,5 +23,9 @@ class InvalidRequestError(LlmctlError, ValueError):
     """A request the engine refuses before allocating anything (bad prompt or sampling parameters)."""
 
 
+class ConfigError(LlmctlError, ValueError):
+    """An engine setting that cannot work (bad size, unknown dtype or backend, pool too small)."""
+
+
 class HubError(LlmctlError):
     """The Hugging Face hub (or the endpoint in HF_ENDPOINT) refused or could not be reached."""

@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from llmctl.engine.llm_engine import LLMEngine
-from llmctl.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
+from llmctl.errors import ConfigError, InvalidRequestError, ModelLoadError, UnsupportedModelError
 from llmctl.sampling_params import SamplingParams
 
 
@@ -156,5 +156,5 @@ def test_malformed_config(model_copy):
 
 
 def test_kv_pool_too_small_for_max_model_len(llama_dir):
-    with pytest.raises(InvalidRequestError, match="cannot hold one sequence"):
+    with pytest.raises(ConfigError, match="cannot hold one sequence"):
         LLMEngine(model=str(llama_dir), skip_tokenizer=True, kv_cache_memory=4 * 4096, max_model_len=512)

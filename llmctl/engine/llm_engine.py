@@ -29,7 +29,7 @@ from llmctl.engine.sampler import Sampler
 from llmctl.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmctl.engine.sequence import FinishReason, Sequence
 from llmctl.engine.stats import engine_snapshot
-from llmctl.errors import InvalidRequestError, ModelLoadError
+from llmctl.errors import ConfigError, InvalidRequestError, ModelLoadError
 from llmctl.layers.ops import select_ops
 from llmctl.models.embedded import EMBEDDED_LABEL, EMBEDDED_MODEL_NAME, load_embedded
 from llmctl.models.loader import load_model
@@ -102,9 +102,9 @@ class LLMEngine:
         else:
             max_model_len = config.max_model_len
             if max_model_len > model_limit:
-                raise InvalidRequestError(f"max_model_len {max_model_len} exceeds the model's limit {model_limit}")
+                raise ConfigError(f"max_model_len {max_model_len} exceeds the model's limit {model_limit}")
         if max_model_len > capacity or num_blocks < 1:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one sequence of "
                 f"max_model_len={max_model_len} tokens: raise --kv-cache-memory or lower --max-model-len"
             )

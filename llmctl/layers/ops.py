@@ -17,6 +17,7 @@ from kernels.kv_store import reshape_and_cache_torch
 from kernels.prefill_attention import attend_causal, paged_prefill_attention_torch
 from kernels.rms_norm import rms_norm_torch
 from kernels.rotary import apply_rotary, rotary_cos_sin
+from llmctl.errors import ConfigError
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -119,7 +120,7 @@ def select_ops(backend: str, device: torch.device) -> TorchOps:
     """``auto`` picks Triton on CUDA and torch elsewhere; ``triton`` on a CPU needs
     ``TRITON_INTERPRET=1`` set before the kernels are first compiled."""
     if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
+        raise ConfigError(f"unknown attention backend {backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     if backend == "torch":

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from llmctl.errors import ModelLoadError, UnsupportedModelError
+from llmctl.errors import ConfigError, ModelLoadError, UnsupportedModelError
 
 # architecture name in config.json -> the model family flags llmctl implements for it
 SUPPORTED_ARCHITECTURES = {
@@ -119,7 +119,7 @@ class ModelConfig:
         bfloat16, which CPUs compute natively and which keeps fp16's range problems away."""
         if requested != "auto":
             if requested not in DTYPES:
-                raise ValueError(f"unknown dtype {requested!r}; choose auto, {', '.join(DTYPES)}")
+                raise ConfigError(f"unknown dtype {requested!r}; choose auto, {', '.join(DTYPES)}")
             return DTYPES[requested]
         dtype = DTYPES.get(str(self.torch_dtype).replace("torch.", ""), torch.float32)
         if dtype == torch.float16 and device.type == "cpu":
