@@ -1,9 +1,150 @@
-"""Registers this package's command on the main ``llmctl`` app (see llmctl/cli.py)."""
+"""``llmctl serve``: load a model, start the engine loop, and serve the OpenAI API with uvicorn.
+
+SIGTERM (or Ctrl+C) drains: the listening socket closes, streams of engine stats end, requests
+still arriving on open connections get 503, and the requests in flight run to completion (at most
+``--drain-timeout`` seconds; after that they are cancelled, which aborts them). Then the engine
+stops and the process exits 0.
+"""
 
 from __future__ import annotations
 
+import signal
+import socket
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Annotated, Optional
+
 import typer
+from rich.console import Console
+
+from llmctl.cli_options import (
+    BackendOpt, BlockSizeOpt, ChunkedPrefillOpt, DeviceOpt, DtypeOpt, KvMemoryOpt, MaxBatchedTokensOpt,
+    MaxModelLenOpt, MaxNumSeqsOpt, MemoryFractionOpt, ModelArg, PrefixCachingOpt, SeedOpt, ThreadsOpt,
+    build_engine_config, exit_on_error,
+)
+
+if TYPE_CHECKING:
+    import uvicorn
+
+SERVER = "Server"
+err = Console(stderr=True)
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _make_server(config: uvicorn.Config, on_ready: Callable[[int], None],
+                 on_drain: Callable[[], None]) -> uvicorn.Server:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, telling the app when it starts draining and when it is bound."""
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if not self.should_exit:
+                on_drain()
+            super().handle_exit(sig, frame)
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started and self.servers:
+                on_ready(self.servers[0].sockets[0].getsockname()[1])
+
+    return DrainingServer(config)
+
+
+def serve(
+    model: ModelArg,
+    host: Annotated[str, typer.Option("--host", help="Address to bind (127.0.0.1: this machine only).",
+                                      rich_help_panel=SERVER)] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to bind; 0 picks a free one.",
+                                      rich_help_panel=SERVER)] = 8000,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LLMCTL_API_KEY",
+                                                   help="Require `Authorization: Bearer KEY` on /v1/*.",
+                                                   rich_help_panel=SERVER)] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        "--served-model-name", help="Model name in the API (default: the MODEL argument).",
+        rich_help_panel=SERVER)] = None,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Most requests waiting for the "
+                                           "engine; beyond it: 503 with Retry-After.",
+                                           rich_help_panel=SERVER)] = 1024,
+    drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0, help="On SIGTERM, seconds to let "
+                                                 "in-flight requests finish.", rich_help_panel=SERVER)] = 30.0,
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.",
+                                           rich_help_panel=SERVER)] = "info",
+    access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="Log every request.",
+                                             rich_help_panel=SERVER)] = True,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    max_model_len: MaxModelLenOpt = None,
+    max_num_seqs: MaxNumSeqsOpt = 256,
+    max_num_batched_tokens: MaxBatchedTokensOpt = 2048,
+    block_size: BlockSizeOpt = 16,
+    kv_cache_memory: KvMemoryOpt = None,
+    memory_fraction: MemoryFractionOpt = 0.9,
+    enable_prefix_caching: PrefixCachingOpt = True,
+    enable_chunked_prefill: ChunkedPrefillOpt = True,
+    attention_backend: BackendOpt = "auto",
+    seed: SeedOpt = 0,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)."""
+    import uvicorn
+
+    from llmctl.engine.async_engine import AsyncEngine
+    from llmctl.engine.llm_engine import LLMEngine
+    from llmctl.server.app import build_app
+    from llmctl.server.serving import ServerState
+
+    with exit_on_error(err):
+        config = build_engine_config(
+            model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, kv_cache_memory=kv_cache_memory,
+            memory_fraction=memory_fraction, enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill, attention_backend=attention_backend, seed=seed,
+            threads=threads)
+        loading = time.perf_counter()
+        engine = LLMEngine(config)
+    if engine.tokenizer is None:
+        err.print("[bold red]error:[/] the server needs the model's tokenizer (tokenizer.json)")
+        raise typer.Exit(1)
+    err.print(f"[dim]model: {engine.model_label} · {engine.dtype} · {engine.device} · "
+              f"{engine.block_manager.num_blocks} KV blocks of {config.block_size} · max_model_len "
+              f"{engine.max_model_len} · load {time.perf_counter() - loading:.2f}s[/]", soft_wrap=True)
+
+    name = served_model_name or model
+    state = ServerState()
+    async_engine = AsyncEngine(engine).start()
+    app = build_app(async_engine, served_model_name=name, model_aliases={model, config.model},
+                    api_key=api_key, max_queue=max_queue, state=state)
+
+    def on_ready(bound_port: int) -> None:
+        # plain print, one line: scripts (and the tests) read the URL from it
+        print(f"llmctl serve: {engine.model_label} as {name!r} at {_url(host, bound_port)}/v1 "
+              f"(auth: {'API key' if api_key else 'none'}; SIGTERM drains)", flush=True)
+
+    def on_drain() -> None:
+        state.draining = True
+
+    server = _make_server(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                       timeout_graceful_shutdown=drain_timeout, lifespan="off"),
+        on_ready, on_drain)
+    # uvicorn re-raises the signal that stopped it once it has drained; with these handlers in
+    # place that is a no-op and the process exits 0 instead of dying of the signal
+    quiet: dict[int, object] = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in quiet.items():
+            signal.signal(sig, handler)
+        async_engine.shutdown()
+    if not server.started:
+        raise typer.Exit(1)  # uvicorn logged why (address in use, ...)
+    err.print("[dim]llmctl serve: drained, bye[/]")
 
 
 def register_commands(app: typer.Typer) -> None:
-    """Filled in by the feature's implementation."""
+    app.command(name="serve")(serve)

@@ -1,0 +1,432 @@
+"""The completions and chat endpoints: an OpenAI request becomes engine requests (one per prompt),
+and the engine's per-step outputs become an OpenAI response or a stream of server-sent events.
+
+A request is checked (model, queue room, prompt length) before anything is queued, and a streamed
+response starts only once every prompt produced its first output, so a request the engine refuses
+gets a proper 400 instead of a broken stream. From the moment a request is queued until it ends,
+a client that goes away aborts it: the engine frees its blocks at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from llmctl.engine.async_engine import AsyncEngine, EngineDeadError
+from llmctl.engine.outputs import CompletionOutput, RequestOutput
+from llmctl.errors import InvalidRequestError
+from llmctl.sampling_params import SamplingParams
+from llmctl.server.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS, APIError, AssistantMessage, ChatChoice, ChatCompletionChunk,
+    ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, CompletionChoice,
+    CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails,
+    TokenLogprob, TopLogprob, Usage, bad_request,
+)
+from llmctl.tokenizer import Tokenizer
+
+T = TypeVar("T")
+RETRY_AFTER_S = 1
+SSE_DONE = "data: [DONE]\n\n"
+TOKEN_CONTEXT = 4  # tokens decoded before a logprobs token to get its text right
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body was already read, so ``receive`` only reports
+    the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable``, but raise ``ClientGone`` (cancelling it) if the client leaves first."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        raise ClientGone
+    finally:
+        work.cancel()
+        watcher.cancel()
+
+
+class Generation:
+    """The engine requests of one API call (one per prompt), merged into one stream of
+    ``(prompt_index, RequestOutput)`` in the order the engine produced them.
+
+    Each prompt's ``AsyncEngine.generate`` runs in its own task; ``cancel`` cancels those tasks,
+    which closes the generators, which aborts whatever has not finished. ``cancel`` is synchronous
+    so that it also works from a ``finally`` inside an already-cancelled stream."""
+
+    def __init__(self, async_engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
+                 request_id: str, user: str | None) -> None:
+        self.num_prompts = len(prompts)
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self._unfinished = set(range(self.num_prompts))
+        self._buffer: list[tuple[int, RequestOutput]] = []
+        self.final: dict[int, RequestOutput] = {}
+        self._tasks = [
+            asyncio.create_task(self._pump(i, async_engine.generate(
+                prompt, params, request_id=f"{request_id}-{i}" if self.num_prompts > 1 else request_id, user=user)))
+            for i, prompt in enumerate(prompts)
+        ]
+
+    async def _pump(self, index: int, outputs: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in outputs:
+                self._queue.put_nowait((index, out))
+        except Exception as exc:  # handed to the consumer, which raises it in the request's context
+            self._queue.put_nowait((index, exc))
+
+    async def _next(self) -> tuple[int, RequestOutput]:
+        index, item = await self._queue.get()
+        if isinstance(item, InvalidRequestError):
+            raise bad_request(str(item))
+        if isinstance(item, EngineDeadError):
+            raise APIError(500, str(item), type="server_error", code="engine_dead")
+        if isinstance(item, BaseException):
+            raise APIError(500, f"internal error: {item!r}", type="server_error")
+        self.final[index] = item
+        if item.finished:
+            self._unfinished.discard(index)
+        return index, item
+
+    async def started(self) -> None:
+        """Wait until every prompt has its first output (so the engine accepted them all)."""
+        seen: set[int] = set()
+        while len(seen) < self.num_prompts:
+            index, out = await self._next()
+            seen.add(index)
+            self._buffer.append((index, out))
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self._buffer:
+            yield self._buffer.pop(0)
+        while self._unfinished:
+            yield await self._next()
+
+    async def finish(self) -> dict[int, RequestOutput]:
+        async for _ in self.outputs():
+            pass
+        return self.final
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    def usage(self) -> Usage:
+        prompt = sum(len(out.prompt_token_ids) for out in self.final.values())
+        completion = sum(len(c.token_ids) for out in self.final.values() for c in out.outputs)
+        cached = sum(out.num_cached_tokens for out in self.final.values())
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+async def _errors_as_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """If the engine fails mid-stream, tell the client in an error event, then end the stream."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as exc:
+        yield sse(json.dumps(exc.body()))
+        yield SSE_DONE
+
+
+class EngineStreamResponse(StreamingResponse):
+    """Server-sent events whose engine requests are aborted when the response ends for any reason:
+    finished, client gone (Starlette cancels the body), or never started."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+@dataclass
+class _ChoiceStream:
+    """What one streamed choice already sent."""
+
+    started: bool = False
+    tokens_sent: int = 0
+    finished: bool = False
+    text_offset: int = 0
+
+
+@dataclass
+class ServerState:
+    """Shared by the routes: drain flag and the count of API calls being answered."""
+
+    draining: bool = False
+    in_flight: int = 0
+    rejected_queue_full: int = 0
+    started: float = field(default_factory=time.time)
+
+
+class OpenAIServing:
+    def __init__(self, async_engine: AsyncEngine, *, served_model_name: str, model_aliases: set[str],
+                 max_queue: int, state: ServerState) -> None:
+        engine = async_engine.engine
+        if engine.tokenizer is None:
+            raise ValueError("the server needs a tokenizer (the engine was built with skip_tokenizer)")
+        self.async_engine = async_engine
+        self.tokenizer: Tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.served_model_name = served_model_name
+        self.model_aliases = {served_model_name, *model_aliases}
+        self.max_queue = max_queue
+        self.state = state
+
+    # ---- checks --------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_aliases:
+            raise APIError(404, f"The model `{model}` does not exist (this server serves "
+                                f"`{self.served_model_name}`)", param="model", code="model_not_found")
+
+    def check_capacity(self) -> None:
+        if self.state.draining:
+            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        with self.async_engine.lock:
+            waiting = self.async_engine.engine.scheduler.num_waiting
+        if waiting >= self.max_queue:
+            self.state.rejected_queue_full += 1
+            raise APIError(503, f"the server is overloaded: {waiting} requests are waiting "
+                                f"(--max-queue {self.max_queue}); retry later", type="server_error",
+                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
+        """The requested budget, or all the context the prompt leaves. A prompt that leaves no room
+        goes on to the engine, which refuses it with its own message."""
+        room = self.max_model_len - prompt_len
+        if requested is None:
+            return max(room, 1)
+        if room > 0 and requested > room:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for "
+                f"the completion). Please reduce the length of the prompt or of {param}.", param)
+        return requested
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise bad_request("prompt is empty", "prompt")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _token_text(self, context: list[int], token_id: int) -> str:
+        """The text ``token_id`` adds after ``context`` (the few tokens before it). Decoding the token
+        alone would lose the leading space SentencePiece tokenizers drop at the start of a text."""
+        prefix = self.tokenizer.decode(context, skip_special_tokens=False)
+        full = self.tokenizer.decode([*context, token_id], skip_special_tokens=False)
+        if full.startswith(prefix) and not prefix.endswith("\ufffd"):
+            return full[len(prefix):]
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _contexts(self, out: RequestOutput, c: CompletionOutput, start: int, end: int) -> Iterator[list[int]]:
+        """For each generated position in ``start:end``, the tokens just before it."""
+        tokens = [*out.prompt_token_ids[-TOKEN_CONTEXT:], *c.token_ids[:end]]
+        offset = min(len(out.prompt_token_ids), TOKEN_CONTEXT)
+        for position in range(start, end):
+            at = offset + position
+            yield tokens[max(0, at - TOKEN_CONTEXT):at]
+
+    # ---- running -------------------------------------------------------------------------------
+    async def _run(self, request: Request, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                   user: str | None, respond: Callable[[Generation], Any],
+                   stream: Callable[[Generation], AsyncIterator[str]] | None) -> Any:
+        self.check_capacity()
+        generation = Generation(self.async_engine, prompts, params, request_id, user)
+        self.state.in_flight += 1
+        handed_over = False
+        try:
+            await unless_disconnected(request, generation.started())
+            if stream is None:
+                await unless_disconnected(request, generation.finish())
+                return JSONResponse(respond(generation))
+            handed_over = True
+            return EngineStreamResponse(_errors_as_events(stream(generation)), on_close=self._closer(generation))
+        except ClientGone:
+            return JSONResponse({}, status_code=499)  # nobody reads it
+        finally:
+            if not handed_over:
+                generation.cancel()
+                self.state.in_flight -= 1
+
+    def _closer(self, generation: Generation) -> Callable[[], None]:
+        closed = False
+
+        def close() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                generation.cancel()
+                self.state.in_flight -= 1
+
+        return close
+
+    # ---- completions ---------------------------------------------------------------------------
+    async def create_completion(self, req: CompletionRequest, request: Request) -> Any:
+        self.check_model(req.model)
+        req.refuse_unsupported()
+        prompts = [self._encode(p) for p in req.prompts()]
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        for prompt in prompts:
+            self._max_tokens(len(prompt), max_tokens, "max_tokens")
+        params = req.sampling_params(max_tokens, req.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        model = req.model or self.served_model_name
+        echo = {i: self._prompt_text(prompts[i]) for i in range(len(prompts))} if req.echo else {}
+
+        def respond(generation: Generation) -> dict[str, Any]:
+            choices = []
+            for i, out in sorted(generation.final.items()):
+                for c in out.outputs:
+                    logprobs = None
+                    if req.logprobs is not None:
+                        logprobs = self._completion_logprobs(out, c, 0, len(c.token_ids), 0)[0]
+                    choices.append(CompletionChoice(index=i * req.n + c.index, text=echo.get(i, "") + c.text,
+                                                    logprobs=logprobs, finish_reason=c.finish_reason,
+                                                    stop_reason=c.stop_reason))
+            return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                      usage=generation.usage()).model_dump()
+
+        async def stream(generation: Generation) -> AsyncIterator[str]:
+            choices: dict[int, _ChoiceStream] = {}
+            async for i, out in generation.outputs():
+                for c in out.outputs:
+                    index = i * req.n + c.index
+                    state = choices.setdefault(index, _ChoiceStream())
+                    text = c.delta_text if state.started else echo.get(i, "") + c.delta_text
+                    newly_finished = c.finished and not state.finished
+                    if not text and not newly_finished:
+                        continue
+                    state.started = True
+                    logprobs = None
+                    if req.logprobs is not None:
+                        logprobs, state.text_offset = self._completion_logprobs(
+                            out, c, state.tokens_sent, len(c.token_ids), state.text_offset)
+                        state.tokens_sent = len(c.token_ids)
+                    state.finished = c.finished
+                    chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[CompletionChoice(
+                        index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason)])
+                    yield sse(chunk.to_json())
+            if req.include_usage:
+                yield sse(CompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                          usage=generation.usage()).to_json())
+            yield SSE_DONE
+
+        return await self._run(request, prompts, params, request_id, req.user, respond,
+                               stream if req.stream else None)
+
+    def _prompt_text(self, prompt_ids: list[int]) -> str:
+        return self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+
+    def _completion_logprobs(self, out: RequestOutput, c: CompletionOutput, start: int, end: int,
+                             text_offset: int) -> tuple[CompletionLogprobs, int]:
+        """Tokens ``start:end`` of a choice in the legacy completions format. The chosen token is
+        always among its position's ``top_logprobs`` (so there may be logprobs + 1 entries)."""
+        result = CompletionLogprobs()
+        for position, context in zip(range(start, end), self._contexts(out, c, start, end)):
+            token_id = c.token_ids[position]
+            token = self._token_text(context, token_id)
+            chosen = c.logprobs[position]
+            candidates = dict(c.top_logprobs[position]) if c.top_logprobs else {}
+            candidates.setdefault(token_id, chosen)
+            result.tokens.append(token)
+            result.token_logprobs.append(chosen)
+            result.top_logprobs.append({self._token_text(context, t): lp for t, lp in
+                                        sorted(candidates.items(), key=lambda kv: -kv[1])})
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+        return result, text_offset
+
+    # ---- chat ----------------------------------------------------------------------------------
+    async def create_chat_completion(self, req: ChatCompletionRequest, request: Request) -> Any:
+        self.check_model(req.model)
+        req.refuse_unsupported()
+        text = self.tokenizer.apply_chat_template([m.for_template() for m in req.messages])
+        prompt = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self._max_tokens(len(prompt), req.requested_max_tokens, param)
+        params = req.sampling_params(max_tokens, req.engine_logprobs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        model = req.model or self.served_model_name
+
+        def respond(generation: Generation) -> dict[str, Any]:
+            out = generation.final[0]
+            choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                                  logprobs=self._chat_logprobs(out, c, 0, len(c.token_ids)) if req.logprobs else None,
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                       for c in out.outputs]
+            return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                          usage=generation.usage()).model_dump()
+
+        async def stream(generation: Generation) -> AsyncIterator[str]:
+            def chunk(choice: ChatStreamChoice) -> str:
+                return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]).to_json())
+
+            for index in range(req.n):
+                yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""),
+                                             logprobs=None, finish_reason=None))
+            choices: dict[int, _ChoiceStream] = {}
+            async for _, out in generation.outputs():
+                for c in out.outputs:
+                    state = choices.setdefault(c.index, _ChoiceStream())
+                    newly_finished = c.finished and not state.finished
+                    if not c.delta_text and not newly_finished:
+                        continue
+                    logprobs = None
+                    if req.logprobs:
+                        logprobs = self._chat_logprobs(out, c, state.tokens_sent, len(c.token_ids))
+                        state.tokens_sent = len(c.token_ids)
+                    state.finished = c.finished
+                    delta = DeltaMessage(content=c.delta_text) if c.delta_text else DeltaMessage()
+                    yield chunk(ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
+                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            if req.include_usage:
+                yield sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                              usage=generation.usage()).to_json())
+            yield SSE_DONE
+
+        return await self._run(request, [prompt], params, request_id, req.user, respond,
+                               stream if req.stream else None)
+
+    def _chat_logprobs(self, out: RequestOutput, c: CompletionOutput, start: int, end: int) -> ChatLogprobs:
+        content = []
+        for position, context in zip(range(start, end), self._contexts(out, c, start, end)):
+            token = self._token_text(context, c.token_ids[position])
+            top = sorted((c.top_logprobs[position] if c.top_logprobs else {}).items(), key=lambda kv: -kv[1])
+            alternatives = []
+            for token_id, logprob in top:
+                text = self._token_text(context, token_id)
+                alternatives.append(TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8"))))
+            content.append(TokenLogprob(token=token, logprob=c.logprobs[position], bytes=list(token.encode("utf-8")),
+                                        top_logprobs=alternatives))
+        return ChatLogprobs(content=content)

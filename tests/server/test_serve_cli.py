@@ -1,0 +1,87 @@
+"""The ``llmctl serve`` command itself: its flags, and SIGTERM draining in-flight requests."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+
+import httpx
+from server_helpers import wait_until
+from typer.testing import CliRunner
+
+from llmctl.cli import app
+
+
+def test_flags_are_named_as_in_vllm():
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert result.exit_code == 0
+    text = re.sub(r"\x1b\[[0-9;]*m", "", result.output)
+    for flag in ("--host", "--port", "--api-key", "--max-queue", "--served-model-name", "--drain-timeout",
+                 "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--dtype",
+                 "--enable-prefix-caching", "--no-prefix-caching"):
+        assert flag in text, flag
+    assert "LLMCTL_API_KEY" in text
+
+
+def test_a_missing_model_is_one_clear_line():
+    result = CliRunner().invoke(app, ["serve", "/nonexistent/model-dir"])
+    assert result.exit_code == 1
+    assert "error:" in result.output and "/nonexistent/model-dir" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(start_server, stories_dir):
+    server = start_server(str(stories_dir), "--kv-cache-memory", "16MiB", "--drain-timeout", "60")
+    events_before: list[dict] = []
+    events_after: list[dict] = []
+    signalled = threading.Event()
+    stats_ended = threading.Event()
+    first_tokens = threading.Event()
+
+    def stream_completion() -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+        with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    (events_after if signalled.is_set() else events_before).append(json.loads(line[6:]))
+                    if len(events_before) == 3:
+                        first_tokens.set()
+                elif line == "data: [DONE]":
+                    events_after.append({"done": True})
+
+    def watch_stats() -> None:  # an endless stream of stats must not hold up the drain
+        with httpx.stream("GET", f"{server.base_url}/engine/stats/stream", params={"interval": 0.1},
+                          timeout=60) as response:
+            for _ in response.iter_lines():
+                pass
+        stats_ended.set()
+
+    threads = [threading.Thread(target=stream_completion), threading.Thread(target=watch_stats)]
+    for thread in threads:
+        thread.start()
+    assert first_tokens.wait(timeout=60)
+    signalled.set()
+    server.proc.send_signal(signal.SIGTERM)
+    # the listening socket closes at once: new connections are refused while the stream goes on
+    wait_until(lambda: _refused(server.url), timeout=10)
+    exit_code = server.proc.wait(timeout=60)
+    for thread in threads:
+        thread.join(timeout=10)
+    assert exit_code == 0, server.log()
+    assert stats_ended.is_set()
+    assert len(events_after) > 50  # the request really was in flight when the signal came
+    assert events_after[-1] == {"done": True}
+    texts = [e["choices"][0] for e in events_before + events_after[:-1]]
+    assert texts[-1]["finish_reason"] == "length" and sum(t["finish_reason"] is not None for t in texts) == 1
+    assert "timeout graceful shutdown exceeded" not in server.log()
+
+
+def _refused(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/health", timeout=2)
+    except httpx.ConnectError:
+        return True
+    return False

@@ -1,0 +1,118 @@
+"""Every error in OpenAI's error JSON, over raw HTTP: malformed JSON, bad parameters, over-long
+prompts (400), a missing or wrong API key (401), an unknown model (404), a full queue (503)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import pytest
+from server_helpers import API_KEY
+
+from llmctl.server.protocol import ErrorResponse
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    ErrorResponse.model_validate(body)  # {"error": {"message", "type", "param", "code"}}
+    return body["error"]
+
+
+def completion(http: httpx.Client, **body) -> httpx.Response:
+    return http.post("/v1/completions", json={"model": "stories", "prompt": "Once upon a time", **body})
+
+
+def test_malformed_json_is_400(http):
+    for raw in (b'{"prompt": "Once upon', b"not json at all", b"\xff\xfe"):
+        error = error_of(http.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"}), 400)
+        assert error["type"] == "invalid_request_error" and "malformed JSON" in error["message"]
+    error = error_of(http.post("/v1/chat/completions", content=b"[1, 2]"), 400)
+    assert "JSON object" in error["message"]
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"n": 0}, None, "n must be"),
+    ({"temperature": -1}, None, "temperature"),
+    ({"top_p": 0}, None, "top_p"),
+    ({"max_tokens": 0}, None, "max_tokens"),
+    ({"max_tokens": "many"}, "max_tokens", "valid integer"),
+    ({"logprobs": 21}, None, "logprobs"),
+    ({"stop": [""]}, None, "stop"),
+    ({"prompt": ""}, "prompt", "empty"),
+    ({"prompt": []}, "prompt", "empty"),
+    ({"prompt": [5, 99999]}, None, "token ids"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ({"prompt": None}, "prompt", "prompt"),
+    ({"seed": 2**70}, "seed", "seed"),
+], ids=lambda v: str(v))
+def test_bad_parameters_are_400(http, body, param, words):
+    error = error_of(completion(http, **body), 400)
+    assert words in error["message"] and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_bad_chat_parameters_are_400(http):
+    for body, words in (({"messages": []}, "empty"), ({}, "messages: Field required"),
+                        ({"messages": [{"content": "no role"}]}, "role"),
+                        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "logprobs: true")):
+        error = error_of(http.post("/v1/chat/completions", json={"model": "stories", **body}), 400)
+        assert words in error["message"]
+
+
+def test_over_long_prompts_are_400(http):
+    long_prompt = "Lily saw a big red ball. " * 100  # far more than max_model_len = 512 tokens
+    error = error_of(completion(http, prompt=long_prompt), 400)
+    assert "max_model_len is 512" in error["message"]  # the engine's own message
+    error = error_of(completion(http, prompt="Lily saw a big red ball. " * 30, max_tokens=400), 400)
+    assert "maximum context length is 512 tokens" in error["message"] and error["param"] == "max_tokens"
+
+
+def test_harmless_unknown_fields_are_ignored(http):
+    r = completion(http, max_tokens=3, temperature=0, metadata={"who": "test"}, store=False, frequency_penalty=0,
+                   logit_bias={}, best_of=1, some_future_field=[1, 2])
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ", there was"
+
+
+def test_api_key_is_required_on_v1_only(stories_server):
+    with httpx.Client(base_url=stories_server.url, timeout=30) as anonymous:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+            error = error_of(anonymous.post("/v1/completions", json={"prompt": "x"}, headers=headers), 401)
+            assert error["code"] == "invalid_api_key"
+        error_of(anonymous.get("/v1/models"), 401)
+        error_of(anonymous.get("/v1/engine/stats"), 401)
+        assert anonymous.get("/health").json() == {"status": "ok"}
+        assert anonymous.get("/metrics").status_code == 200
+
+
+def test_unknown_model_and_route_are_404(http):
+    error = error_of(completion(http, model="gpt-4o"), 404)
+    assert error["code"] == "model_not_found" and "gpt-4o" in error["message"]
+    chat = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+    assert error_of(http.post("/v1/chat/completions", json=chat), 404)["code"] == "model_not_found"
+    assert "no route" in error_of(http.get("/v1/nothing-here"), 404)["message"]
+
+
+def test_refused_requests_allocate_nothing(http):
+    completion(http, prompt="Lily saw a big red ball. " * 100)
+    stats = http.get("/v1/engine/stats").json()
+    assert stats["kv"]["used"] == stats["kv"]["shared"] == 0 and stats["requests"] == []
+
+
+def test_full_queue_is_503_with_retry_after(start_server, stories_dir):
+    """One sequence runs at a time and one may wait: a burst of eight leaves the rest refused."""
+    server = start_server(str(stories_dir), "--max-num-seqs", "1", "--max-queue", "1", "--kv-cache-memory", "16MiB")
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    with httpx.Client(base_url=server.url, timeout=120, limits=httpx.Limits(max_connections=16)) as client:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(lambda _: client.post("/v1/completions", json=body), range(8)))
+    refused = [r for r in responses if r.status_code == 503]
+    served = [r for r in responses if r.status_code == 200]
+    assert refused and served and len(refused) + len(served) == 8
+    for r in refused:
+        assert int(r.headers["Retry-After"]) >= 1
+        assert error_of(r, 503)["code"] == "queue_full"
+    assert all(r.json()["usage"]["completion_tokens"] == 200 for r in served)

@@ -1,0 +1,56 @@
+"""OpenAI request bodies to SamplingParams, without a server."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmctl.errors import InvalidRequestError
+from llmctl.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, DeltaMessage
+
+
+def test_completion_request_maps_to_sampling_params():
+    req = CompletionRequest.model_validate({"prompt": "hi", "n": 2, "temperature": 0.5, "top_p": 0.9, "seed": 3,
+                                            "stop": "END", "top_k": 40, "ignore_eos": True, "logprobs": 2})
+    params = req.sampling_params(req.max_tokens, req.logprobs)
+    assert (params.n, params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed) == \
+        (2, 16, 0.5, 0.9, 40, 3)
+    assert params.stop == ["END"] and params.ignore_eos and params.logprobs == 2
+
+
+def test_openai_defaults():
+    req = CompletionRequest.model_validate({"prompt": [[1, 2], [3]], "temperature": None, "top_p": None})
+    params = req.sampling_params(16, None)
+    assert (params.temperature, params.top_p, params.top_k, params.stop) == (1.0, 1.0, 0, [])
+    assert req.prompts() == [[1, 2], [3]]
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "max_tokens": 9,
+                                                 "max_completion_tokens": 4, "logprobs": True})
+    assert chat.requested_max_tokens == 4 and chat.engine_logprobs == 0
+
+
+def test_chat_content_parts_become_text():
+    chat = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]})
+    assert chat.messages[0].for_template() == {"role": "user", "content": "Hello there"}
+    image = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    with pytest.raises(APIError, match="image_url"):
+        image.messages[0].for_template()
+
+
+@pytest.mark.parametrize("body", [{"frequency_penalty": 1}, {"suffix": "x"}, {"best_of": 3}, {"min_tokens": 2},
+                                  {"echo": True, "logprobs": 1}])
+def test_output_changing_fields_are_refused(body):
+    with pytest.raises(APIError) as error:
+        CompletionRequest.model_validate({"prompt": "hi", **body}).refuse_unsupported()
+    assert error.value.status_code == 400
+
+
+def test_out_of_range_values_are_invalid():
+    req = CompletionRequest.model_validate({"prompt": "hi", "top_p": 1.5})
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        req.sampling_params(16, None)
+
+
+def test_deltas_carry_only_what_changed():
+    assert DeltaMessage(content="x").model_dump() == {"content": "x"}
+    assert DeltaMessage().model_dump() == {}
