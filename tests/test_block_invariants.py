@@ -66,6 +66,7 @@ class BlockMachine(RuleBasedStateMachine):
             return
         engine.block_manager.check_invariants(engine.live_sequences())
         assert set(engine.requests) == self.live
+        assert engine.scheduler.num_waiting == sum(len(q) for q in engine.scheduler.waiting.values())
 
     def teardown(self):
         engine = getattr(self, "engine", None)

@@ -73,23 +73,33 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
     # ---- requests ------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams, **kwargs: Any) -> tuple[str, asyncio.Queue]:
-        """Validate and queue (raises ``InvalidRequestError`` at once); returns the output queue.
-        Must be called from a running event loop."""
+    def add_request(self, prompt: str | list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
+                    queue: asyncio.Queue, **kwargs: Any) -> str:
+        """Validate and queue (raises ``InvalidRequestError`` at once); outputs will be put on
+        ``queue`` through ``loop``. Blocks up to one engine step for the lock: call it from a
+        worker thread, as ``generate`` does, not on the event loop."""
         if self.error is not None:
             raise EngineDeadError(f"engine loop failed: {self.error!r}")
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
         with self.lock:
             request_id = self.engine.add_request(prompt, params, **kwargs)
             self._streams[request_id] = (loop, queue)
         self._work.set()
-        return request_id, queue
+        return request_id
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, **kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Yields each step's output for the request until it finishes. Closing the iterator early
-        (a client that went away) aborts the request and frees its blocks."""
-        request_id, queue = self.add_request(prompt, params, **kwargs)
+        (a client that went away) aborts the request and frees its blocks (in a worker thread, so
+        it takes effect within a step). The add itself runs in a worker thread too, so the event
+        loop never waits for the engine's lock."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        adding = asyncio.ensure_future(asyncio.to_thread(self.add_request, prompt, params, loop, queue, **kwargs))
+        try:
+            request_id = await asyncio.shield(adding)
+        except asyncio.CancelledError:  # the caller left while the add was in flight: undo it once done
+            adding.add_done_callback(
+                lambda f: f.cancelled() or f.exception() or loop.run_in_executor(None, self._discard, f.result()))
+            raise
         finished = False
         try:
             while True:
@@ -102,8 +112,12 @@ class AsyncEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+            if not finished:  # abort in a worker thread: taking the lock may wait for a whole step
+                loop.run_in_executor(None, self._discard, request_id)
+
+    def _discard(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self.abort(request_id)
 
     def abort(self, request_id: str) -> bool:
         with self.lock:

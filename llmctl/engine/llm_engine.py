@@ -11,10 +11,11 @@ the model and the sampler and returns what each request produced.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,8 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.finished_requests: dict[str, int] = {r.value: 0 for r in FinishReason}
         self.start_time = time.time()
+        # Called after every step that ran, in the engine's thread: (outputs, the step's record).
+        self.step_listeners: list[Callable[[list[RequestOutput], StepRecord], None]] = []
 
     @staticmethod
     def _load(config: EngineConfig, ops: Any) -> tuple[Any, Tokenizer | None, str]:
@@ -271,7 +274,9 @@ class LLMEngine:
         for request in touched.values():
             if request.finished:
                 del self.requests[request.request_id]
-        self._record_step(sched, started)
+        record = self._record_step(sched, started)
+        for listener in self.step_listeners:
+            listener(outputs, record)
         return outputs
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -354,13 +359,13 @@ class LLMEngine:
             outputs=outputs,
             finished=request.finished,
             num_cached_tokens=first.num_cached_tokens,
-            metrics=request.metrics,
+            metrics=dataclasses.replace(request.metrics),  # a snapshot: the engine keeps updating its own
             user=request.user,
         )
 
-    def _record_step(self, sched: SchedulerOutput, started: float) -> None:
+    def _record_step(self, sched: SchedulerOutput, started: float) -> StepRecord:
         self.step_count += 1
-        self.step_history.append(StepRecord(
+        record = StepRecord(
             step=self.step_count,
             time=started,
             duration_s=time.time() - started,
@@ -370,7 +375,9 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting,
             num_preempted=len(sched.preempted),
-        ))
+        )
+        self.step_history.append(record)
+        return record
 
     # ---- offline ------------------------------------------------------------------------------
     def generate(self, prompts: Iterable[str | list[int]],

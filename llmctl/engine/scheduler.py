@@ -89,6 +89,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.running: list[Sequence] = []  # admission order: the tail is preempted first
         self.waiting: dict[str, list[tuple[int, float, int, Sequence]]] = defaultdict(list)  # per-user heaps
+        self.num_waiting = 0  # kept current so other threads may read it without walking the queues
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -98,10 +99,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         heapq.heappush(self.waiting[seq.user], (seq.priority, seq.arrival_time, seq.seq_id, seq))
-
-    @property
-    def num_waiting(self) -> int:
-        return sum(len(q) for q in self.waiting.values())
+        self.num_waiting += 1
 
     def waiting_seqs(self) -> list[Sequence]:
         return [entry[3] for queue in self.waiting.values() for entry in sorted(queue)]
@@ -117,6 +115,7 @@ class Scheduler:
             queue = self.waiting[seq.user]
             queue[:] = [entry for entry in queue if entry[3] is not seq]
             heapq.heapify(queue)
+            self.num_waiting -= 1
             if not queue:
                 del self.waiting[seq.user]
         self.block_manager.free(seq)
@@ -200,6 +199,7 @@ class Scheduler:
                     break
             else:
                 heapq.heappop(self.waiting[user])
+                self.num_waiting -= 1
                 if not self.waiting[user]:
                     del self.waiting[user]
                 self._admit(seq, len(cached))

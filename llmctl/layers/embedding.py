@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmctl.distributed import TensorParallel
-from llmctl.layers.linear import copy_checked
+from llmctl.layers.linear import copy_checked, linear, prepack_for_cpu
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -41,8 +41,14 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Computes each rank's slice of the logits, then gathers the full vocabulary."""
 
+    packed_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        # A separate packed copy: the weight may be tied to the embedding, which needs it plain.
+        self.packed_weight = prepack_for_cpu(self.weight.data)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight if self.packed_weight is None else self.packed_weight)
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

@@ -22,15 +22,44 @@ from llmctl.distributed import TensorParallel
 class LinearMethod(Protocol):
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None: ...
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None: ...
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+def prepack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight in oneDNN's blocked layout, or None where that does not apply.
+
+    On a CPU, ``F.linear`` re-lays the bf16 weight out for the matrix engine (AMX/AVX-512) on
+    every call; prepacking once makes decode-sized matmuls about a third faster, with identical
+    results. fp32 keeps the plain path, which is what the exactness tests compare against
+    ``transformers``."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    except (RuntimeError, AttributeError):  # a torch build without oneDNN's linear ops
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` that also accepts a weight prepacked by ``prepack_for_cpu``."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 class UnquantizedLinearMethod:
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        packed = prepack_for_cpu(layer.weight.data)
+        if packed is not None:  # replaces the plain weight: no second copy in memory
+            layer.weight = nn.Parameter(packed, requires_grad=False)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return linear(x, layer.weight, bias)
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -75,6 +104,9 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         copy_checked(param.data, self.shard_of(param, loaded), "weight")
+
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)

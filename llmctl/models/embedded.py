@@ -98,4 +98,6 @@ def load_embedded(*, dtype: str, device: torch.device, ops: TorchOps) -> tuple[L
     cfg = ModelConfig.from_dict(embedded_config_dict(tokenizer.vocab_size), source=EMBEDDED_MODEL_NAME)
     model = build_model(cfg, dtype=cfg.resolve_dtype(dtype, device), device=torch.device("cpu"), ops=ops)
     init_random_weights(model, WEIGHT_SEED)
-    return model.to(device), tokenizer
+    model = model.to(device)
+    model.process_weights_after_loading()
+    return model, tokenizer

@@ -113,6 +113,7 @@ def load_model(model_dir: Path, *, dtype: str, device: torch.device, ops: TorchO
     model = build_model(cfg, dtype=cfg.resolve_dtype(dtype, device), device=device, ops=ops, tp=tp)
     with torch.no_grad():
         load_weights(model, model_dir)
+    model.process_weights_after_loading()
     return model
 
 

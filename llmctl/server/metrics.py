@@ -10,7 +10,7 @@ latency, and per step the number of tokens it computed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from llmctl.engine.async_engine import AsyncEngine
-from llmctl.engine.llm_engine import LLMEngine
+from llmctl.engine.llm_engine import StepRecord
 from llmctl.engine.outputs import RequestOutput
 from llmctl.engine.sequence import SequenceStatus
 
@@ -31,30 +31,6 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-
-StepListener = Callable[[LLMEngine, list[RequestOutput]], None]
-_LISTENERS_ATTR = "_llmctl_step_listeners"
-
-
-def add_step_listener(engine: LLMEngine, listener: StepListener) -> None:
-    """Call ``listener(engine, outputs)`` after every ``engine.step()``, in the thread that stepped.
-    The engine has no hook for this, so the instance's ``step`` is wrapped once; later listeners
-    join the same wrapper."""
-    listeners: list[StepListener] | None = getattr(engine, _LISTENERS_ATTR, None)
-    if listeners is None:
-        listeners = []
-        setattr(engine, _LISTENERS_ATTR, listeners)
-        step = engine.step
-
-        def step_and_notify() -> list[RequestOutput]:
-            outputs = step()
-            for notify in listeners:
-                notify(engine, outputs)
-            return outputs
-
-        engine.step = step_and_notify  # type: ignore[method-assign]
-    listeners.append(listener)
-
 
 class _EngineCollector(Collector):
     """Gauges and counters read from the engine under its lock at each scrape."""
@@ -118,14 +94,13 @@ class ServerMetrics:
                                           "(prefill + decode).", ITERATION_TOKEN_BUCKETS)
         self.registry.register(_EngineCollector(async_engine, model_name))
         self._last_token_time: dict[str, float] = {}
-        self._last_step = async_engine.engine.step_count
-        add_step_listener(async_engine.engine, self._on_step)
+        self._engine = async_engine.engine
+        self._engine.step_listeners.append(self._on_step)
 
-    def _on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        if engine.step_count != self._last_step and engine.step_history:
-            self._last_step = engine.step_count
-            record = engine.step_history[-1]
-            self.iteration_tokens.observe(record.prefill_tokens + record.decode_tokens)
+    def _on_step(self, outputs: list[RequestOutput], record: StepRecord) -> None:
+        """Runs in the engine's thread after each step."""
+        engine = self._engine
+        self.iteration_tokens.observe(record.prefill_tokens + record.decode_tokens)
         for out in outputs:
             metrics = out.metrics
             previous = self._last_token_time.get(out.request_id)

@@ -209,8 +209,7 @@ class OpenAIServing:
         if self.state.draining:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
-        with self.async_engine.lock:
-            waiting = self.async_engine.engine.scheduler.num_waiting
+        waiting = self.async_engine.engine.scheduler.num_waiting  # a plain int: no lock needed
         if waiting >= self.max_queue:
             self.state.rejected_queue_full += 1
             raise APIError(503, f"the server is overloaded: {waiting} requests are waiting "

@@ -1,9 +1,88 @@
-"""Registers this package's command on the main ``llmctl`` app (see llmctl/cli.py)."""
+"""``llmctl top``: watch an engine live, over HTTP (``llmctl serve``), in-process (``--local``), or
+from recorded snapshots (``--replay``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
+from rich.console import Console
+
+from llmctl.cli_options import (
+    BackendOpt, BlockSizeOpt, ChunkedPrefillOpt, DeviceOpt, DtypeOpt, KvMemoryOpt, MaxBatchedTokensOpt,
+    MaxModelLenOpt, MaxNumSeqsOpt, PrefixCachingOpt, SeedOpt, ThreadsOpt, build_engine_config, exit_on_error,
+)
+from llmctl.models.embedded import EMBEDDED_MODEL_NAME
+
+LOCAL = "Local engine (--local)"
+err = Console(stderr=True)
+
+
+def run_app(app) -> None:
+    """Run the dashboard in the terminal (tests replace this to drive it headless)."""
+    app.run()
 
 
 def register_commands(app: typer.Typer) -> None:
-    """Filled in by the feature's implementation."""
+    @app.command()
+    def top(
+        url: Annotated[str, typer.Option("--url", help="Base URL of a running `llmctl serve`.")] = "http://127.0.0.1:8000",
+        api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LLMCTL_API_KEY",
+                                                       help="Bearer token, if the server wants one.")] = None,
+        interval: Annotated[float, typer.Option("--interval", min=0.05, help="Seconds between refreshes.")] = 0.25,
+        replay: Annotated[Optional[Path], typer.Option("--replay", exists=True, dir_okay=False,
+                                                       help="Play recorded snapshots (JSON lines) instead.")] = None,
+        local: Annotated[bool, typer.Option("--local", help="Run an engine in-process under a synthetic load "
+                                                           "and watch it (nothing else needs to run).")] = False,
+        model: Annotated[str, typer.Option("--model", help="Model of the --local engine.", rich_help_panel=LOCAL)]
+        = EMBEDDED_MODEL_NAME,
+        rate: Annotated[float, typer.Option("--rate", min=0.01, help="Synthetic arrivals per second.",
+                                            rich_help_panel=LOCAL)] = 3.0,
+        kv_cache_memory: KvMemoryOpt = "48MiB",
+        max_num_seqs: MaxNumSeqsOpt = 48,
+        max_num_batched_tokens: MaxBatchedTokensOpt = 1024,
+        max_model_len: MaxModelLenOpt = None,
+        block_size: BlockSizeOpt = 16,
+        enable_prefix_caching: PrefixCachingOpt = True,
+        enable_chunked_prefill: ChunkedPrefillOpt = True,
+        dtype: DtypeOpt = "auto",
+        device: DeviceOpt = "auto",
+        attention_backend: BackendOpt = "auto",
+        seed: SeedOpt = 0,
+        threads: ThreadsOpt = None,
+    ) -> None:
+        """Live dashboard: KV block map, batch composition, throughput, requests (q quits, ? helps).
+        The engine options apply to --local."""
+        from llmctl.tui.app import TopApp
+        from llmctl.tui.sources import HttpSource, ReplaySource
+
+        if local and replay is not None:
+            raise typer.BadParameter("choose one of --local and --replay")
+        with exit_on_error(err):
+            if local:
+                source = _local_source(
+                    model, rate, dict(
+                        kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                        block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                        enable_chunked_prefill=enable_chunked_prefill, dtype=dtype, device=device,
+                        attention_backend=attention_backend, seed=seed, threads=threads,
+                    ))
+            elif replay is not None:
+                source = ReplaySource.from_jsonl(replay, loop=True)
+            else:
+                source = HttpSource(url, api_key=api_key)
+        run_app(TopApp(source, interval))
+
+
+def _local_source(model: str, rate: float, options: dict):
+    """The engine is built here, before the screen takes over, so a bad option is one red line."""
+    from llmctl.engine.llm_engine import LLMEngine
+    from llmctl.tui.load import LoadProfile
+    from llmctl.tui.local import LocalSource
+
+    config = build_engine_config(model, **options)
+    err.print(f"[dim]loading {model} for the local engine…[/]")
+    engine = LLMEngine(config)
+    return LocalSource(engine, LoadProfile(rate=rate, max_in_flight=max(8, 2 * config.max_num_seqs), seed=config.seed))
