@@ -65,7 +65,8 @@ class TopApp(App[None]):
     #body > * { border: round $primary-darken-1; border-title-color: $text; border-title-style: bold; }
     #body.-stale > * { border: round $panel-lighten-2; }
     #body.-stale Static, #body.-stale DataTable { text-opacity: 45%; }
-    #body.-stale Sparkline > .sparkline--max-color, #body.-stale Sparkline > .sparkline--min-color { color: $panel-lighten-2; }
+    #body.-stale Sparkline > .sparkline--max-color,
+    #body.-stale Sparkline > .sparkline--min-color { color: $panel-lighten-2; }
     #batch-summary { height: 2; }
     #requests { scrollbar-size-vertical: 1; }
     #batch-legend { height: 2; }
@@ -158,6 +159,13 @@ class TopApp(App[None]):
         status = Text.assemble(("llmctl top", "bold"), " · ", self.source.label)
         if snap is not None:
             status.append(f" · {snap['model']} · step {snap['step']:,} · up {_duration(snap['uptime_s'])}")
+            server = snap.get("server")  # what `llmctl serve` adds to the engine's snapshot
+            if server:
+                status.append(f" · {server.get('in_flight', 0)} in flight")
+                if server.get("rejected_queue_full"):
+                    status.append(f" · {server['rejected_queue_full']} rejected (queue full)", "red1")
+                if server.get("draining"):
+                    status.append(" · draining", "bold yellow")
         if self.paused:
             status.append("  ⏸ PAUSED (p resumes)", "bold yellow")
         elif state.connected:
@@ -208,8 +216,3 @@ def _duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
-
-
-def run_app(source: StatsSource, interval: float) -> None:
-    TopApp(source, interval).run()
-

@@ -37,7 +37,7 @@ def group_states(states: str, group_size: int) -> str:
 
 
 def highlighted_cells(blocks: Iterable[int], group_size: int) -> set[int]:
-    return {b // max(1, group_size) + 1 for b in blocks}
+    return {b // max(1, group_size) for b in blocks}
 
 
 def layout(num_blocks: int, width: int, height: int) -> tuple[int, int, int]:

@@ -147,7 +147,8 @@ class ThroughputPanel(Vertical):
 
 def latency_text(latency: dict[str, Any] | None) -> Text:
     if not latency:
-        return Text.assemble(("TTFT n/a · TPOT n/a", "bold"), ("\n(the server's snapshot has no latency section)", "dim"))
+        return Text.assemble(("TTFT n/a · TPOT n/a", "bold"),
+                             ("\n(the server's snapshot has no latency section)", "dim"))
     text = Text.assemble(("        p50       p90       p99", "bold"))
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E ")):
         values = latency.get(key) or {}

@@ -67,6 +67,7 @@ class RequestsTable(DataTable):
     def on_mount(self) -> None:
         for column in COLUMNS:
             self.add_column(column.label, key=column.key, width=column.width)
+        self._label_headers()
 
     # ---- data ------------------------------------------------------------------------------------
     def show(self, requests: list[dict[str, Any]]) -> None:
@@ -89,10 +90,13 @@ class RequestsTable(DataTable):
             self.move_cursor(row=self.get_row_index(cursor_key), scroll=False)
 
     def _cells(self, request: dict[str, Any]) -> tuple:
-        cells = [c.value(request) for c in COLUMNS]
-        if request["id"] == self.selected_id:
-            cells[0] = Text(request["id"], style=f"bold black on {HIGHLIGHT_BG}")
-        return tuple(cells)
+        return (self._id_cell(request["id"]), *(c.value(request) for c in COLUMNS[1:]))
+
+    def _id_cell(self, request_id: str) -> str | Text:
+        """The selected request's id is drawn in the map's highlight colour."""
+        if request_id == self.selected_id:
+            return Text(request_id, style=f"bold black on {HIGHLIGHT_BG}")
+        return request_id
 
     @property
     def row_ids(self) -> list[str]:
@@ -113,6 +117,7 @@ class RequestsTable(DataTable):
         self.sort_column, self.sort_reverse = column, reverse
         cursor_key = self.cursor_request_id
         self._sort()
+        self._label_headers()
         if cursor_key is not None:
             self.move_cursor(row=self.get_row_index(cursor_key))
 
@@ -120,9 +125,15 @@ class RequestsTable(DataTable):
         value, requests = BY_KEY[self.sort_column].sort_value, self._requests
         # ties by id, so equal rows keep a stable order between refreshes
         self.sort("id", key=lambda cell: (value(requests[str(cell)]), _natural(str(cell))), reverse=self.sort_reverse)
-        for col in COLUMNS:  # the header shows the sort column and direction
-            label = col.label + ((" ▼" if self.sort_reverse else " ▲") if col.key == self.sort_column else "")
-            self.columns[col.key].label = Text(label)
+
+    def _label_headers(self) -> None:
+        """The sort column's header shows the direction."""
+        for col in COLUMNS:
+            label = Text(col.label + ((" ▼" if self.sort_reverse else " ▲") if col.key == self.sort_column else ""))
+            column = self.columns[col.key]
+            column.label = label
+            column.content_width = max(column.content_width, label.cell_len)
+        self.refresh()
 
     def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
         event.stop()
@@ -134,7 +145,5 @@ class RequestsTable(DataTable):
         previous, self.selected_id = self.selected_id, request_id
         for key in (previous, request_id):
             if key is not None and key in self._rows:
-                cells = list(self._rows[key])
-                cells[0] = key if key != request_id else Text(key, style=f"bold black on {HIGHLIGHT_BG}")
-                self._rows[key] = tuple(cells)
-                self.update_cell(key, "id", cells[0])
+                self._rows[key] = (self._id_cell(key), *self._rows[key][1:])
+                self.update_cell(key, "id", self._rows[key][0])

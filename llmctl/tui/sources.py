@@ -44,6 +44,8 @@ class HttpSource:
             response = await self._client.get(STATS_PATH)
         except httpx.HTTPError as exc:
             raise SourceError(f"{type(exc).__name__}: {exc or 'no answer'}") from exc
+        if response.status_code == 401:
+            raise SourceError(f"HTTP 401 from {self.url}{STATS_PATH}: wrong or missing --api-key")
         if response.status_code != 200:
             raise SourceError(f"HTTP {response.status_code} from {self.url}{STATS_PATH}")
         try:

@@ -24,7 +24,7 @@ EIGHTHS = " ▁▂▃▄▅▆▇█"
 def bar_cell(prefill8: int, total8: int, row: int) -> tuple[str, str | None, str | None]:
     """(glyph, which colour is the glyph, which is the background) for one cell of a bar, ``row``
     counted from the bottom; heights in eighths of a cell. Colours are "p", "d" or None."""
-    low, high = 8 * row, 8 * row + 8
+    low = 8 * row
     p = min(max(prefill8 - low, 0), 8)
     t = min(max(total8 - low, 0), 8)
     if t == 0:

@@ -48,12 +48,14 @@ def synthetic_snapshot(num_blocks: int = 4096, num_requests: int = 256, tick: in
     } for k in range(1, steps_kept + 1)]
     free, cached = block_states.count("."), block_states.count("c")
     return {
-        "version": 1, "time": now, "uptime_s": 100.0 + 0.25 * tick, "model": "synthetic", "step": first_step + steps_kept,
+        "version": 1, "time": now, "uptime_s": 100.0 + 0.25 * tick, "model": "synthetic",
+        "step": first_step + steps_kept,
         "config": {"block_size": block_size, "num_blocks": num_blocks, "max_num_seqs": 256,
                    "max_num_batched_tokens": 2048, "max_model_len": 4096, "enable_prefix_caching": True,
                    "enable_chunked_prefill": True, "dtype": "bfloat16", "device": "cpu", "attention_backend": "torch"},
         "kv": {"num_blocks": num_blocks, "free": free, "cached": cached, "used": block_states.count("u"),
-               "shared": block_states.count("s"), "usage": 1 - (free + cached) / num_blocks, "block_states": block_states},
+               "shared": block_states.count("s"), "usage": 1 - (free + cached) / num_blocks,
+               "block_states": block_states},
         "prefix_cache": {"queries": 1000 * (tick + 1), "hits": 400 * (tick + 1), "hit_rate": 0.4},
         "counters": {"num_preemptions": tick // 5, "prompt_tokens_total": 50_000 + 900 * tick,
                      "generation_tokens_total": 10_000 + 60 * tick,
