@@ -56,6 +56,8 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     gate_up_sizes = layer.mlp.gate_up_proj.part_sizes
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
+        if tensor.is_mkldnn:  # a CPU-prepacked linear weight (llmctl.layers.linear.prepack_for_cpu)
+            tensor = tensor.to_dense()
         if ".qkv_proj." in name:
             for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split(qkv_sizes)):
                 out[name.replace("qkv_proj", part)] = piece

@@ -87,8 +87,8 @@ class LLMEngine:
         self.device = config.resolve_device()
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        ops = select_ops(config.attention_backend, self.device)
-        self.model, self.tokenizer, self.model_label = self._load(config, ops)
+        self.ops = select_ops(config.attention_backend, self.device)
+        self.model, self.tokenizer, self.model_label = self._load(config, self.ops)
         cfg = self.model.config
         self.dtype = next(self.model.parameters()).dtype
 

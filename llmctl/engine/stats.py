@@ -80,7 +80,7 @@ def engine_snapshot(engine: LLMEngine, max_steps: int = 120) -> dict[str, Any]:
             "enable_chunked_prefill": cfg.enable_chunked_prefill,
             "dtype": str(engine.dtype).replace("torch.", ""),
             "device": str(engine.device),
-            "attention_backend": engine.model.model.layers[0].self_attn.attn.ops.name,
+            "attention_backend": getattr(engine.ops, "description", engine.ops.name),
         },
         "kv": {
             "num_blocks": bm.num_blocks,

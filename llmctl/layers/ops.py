@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.activation import silu_and_mul_torch
+from kernels.cpu_native import load_native, paged_decode_attention_native
 from kernels.decode_attention import paged_decode_attention_torch
 from kernels.kv_store import reshape_and_cache_torch
 from kernels.prefill_attention import attend_causal, paged_prefill_attention_torch
@@ -48,7 +49,10 @@ class TorchOps:
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, native_cpu_decode: bool = False) -> None:
+        # The fused C++ decode kernel (kernels/cpu_native.py) for bf16/fp16 caches on a CPU; fp32
+        # stays on the reference, which is what the exactness tests compare with transformers.
+        self.native_decode = native_cpu_decode and load_native() is not None
         # (positions, cache, dtype) -> cos, sin of the current step: every layer rotates the same
         # positions, so the gather runs once per step instead of once per layer.
         self._rope_key: tuple | None = None
@@ -111,9 +115,14 @@ class TorchOps:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        return paged_decode_attention_torch(
-            query, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
-        )
+        kernel = paged_decode_attention_torch
+        if self.native_decode and query.dtype != torch.float32 and query.device.type == "cpu":
+            kernel = paged_decode_attention_native
+        return kernel(query, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+
+    @property
+    def description(self) -> str:
+        return f"{self.name} + native CPU decode" if self.native_decode else self.name
 
 
 def select_ops(backend: str, device: torch.device) -> TorchOps:
@@ -124,7 +133,7 @@ def select_ops(backend: str, device: torch.device) -> TorchOps:
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     if backend == "torch":
-        return TorchOps()
+        return TorchOps(native_cpu_decode=device.type == "cpu")
     from llmctl.layers.triton_ops import TritonOps  # imported lazily: triton is heavy to import
 
     return TritonOps()

@@ -1,0 +1,65 @@
+"""The native CPU decode kernel against the torch reference (it replaces it for bf16/fp16 caches)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kernels.cpu_native import load_native, native_unavailable_reason, paged_decode_attention_native
+from kernels.decode_attention import paged_decode_attention_torch
+
+if native_unavailable_reason() is not None and not shutil.which("g++"):
+    pytest.skip(f"native CPU kernels: {native_unavailable_reason()}", allow_module_level=True)
+
+
+def test_builds_where_a_compiler_exists():
+    assert load_native() is not None, native_unavailable_reason()
+
+
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_seqs", [1, 9])
+def test_matches_reference(dtype, num_q_heads, num_kv_heads, head_dim, block_size, num_seqs):
+    gen = torch.Generator().manual_seed(num_seqs * 1000 + head_dim + block_size + num_q_heads)
+    num_blocks = 40
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    lens = torch.tensor([1, 5, block_size, block_size + 1, 3 * block_size - 2, 70, 2, 33, 4 * block_size][:num_seqs],
+                        dtype=torch.int32).clamp(max=4 * block_size)
+    max_blocks = 4
+    # scattered, shuffled block tables; padding entries point at a real block
+    block_tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * max_blocks].view(num_seqs, max_blocks)
+    block_tables = block_tables.to(torch.int32)
+    query = torch.randn(num_seqs, num_q_heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    expected = paged_decode_attention_torch(query, key_cache, value_cache, block_tables, lens, scale)
+    got = paged_decode_attention_native(query, key_cache, value_cache, block_tables, lens, scale)
+    assert got.dtype == dtype and got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_threads_split_heads_when_few_sequences():
+    """Two sequences: one thread takes all KV heads of a sequence per task, two threads split the
+    heads into separate tasks. Both layouts must give the same result."""
+    torch.manual_seed(0)
+    kc = torch.randn(8, 16, 4, 64).bfloat16()
+    vc = torch.randn(8, 16, 4, 64).bfloat16()
+    q = torch.randn(2, 16, 64).bfloat16()
+    bt = torch.tensor([[3, 1, 7, 0], [2, 5, 6, 4]], dtype=torch.int32)
+    lens = torch.tensor([50, 61], dtype=torch.int32)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        a = paged_decode_attention_native(q, kc, vc, bt, lens, 0.125)
+        torch.set_num_threads(1)
+        b = paged_decode_attention_native(q, kc, vc, bt, lens, 0.125)
+    finally:
+        torch.set_num_threads(old)
+    torch.testing.assert_close(a, b)
