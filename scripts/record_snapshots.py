@@ -7,8 +7,7 @@ The fixture of the dashboard's tests and the README's picture come from:
 
 It steps an ``LLMEngine`` on the embedded model (random weights) itself, adding requests from the
 same mix as ``llmctl top --local`` at a simulated arrival rate, and writes a snapshot every
-``--every`` steps. Each snapshot gets the proposed ``latency`` section (llmctl/tui/latency.py)
-computed from the finished requests' metrics, unless the engine already serves one.
+``--every`` steps.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from pathlib import Path
 from llmctl.config import parse_size
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.errors import InvalidRequestError
-from llmctl.tui.latency import LatencyWindow
 from llmctl.tui.load import LoadProfile, RequestMix
 
 
@@ -56,7 +54,6 @@ def record(args: argparse.Namespace) -> None:
                        seed=args.seed, num_threads=args.threads)
     mix = RequestMix(LoadProfile(seed=args.seed))
     rng = random.Random(args.seed)
-    latency = LatencyWindow()
     lines = []
     for step in range(1, args.steps + 1):
         arrivals = sum(1 for _ in range(8) if rng.random() < args.arrivals_per_step / 8)
@@ -68,11 +65,9 @@ def record(args: argparse.Namespace) -> None:
                 engine.add_request(spec.prompt, spec.params, user=spec.user)
             except InvalidRequestError:
                 continue
-        for out in engine.step():
-            latency.observe(out)
+        engine.step()
         if step % args.every == 0 or step == 3:  # step 3: the pool still filling up
             snapshot = engine.stats_snapshot(max_steps=args.max_steps_kept)
-            snapshot.setdefault("latency", latency.section())
             lines.append(json.dumps(snapshot, separators=(",", ":")))
             states = Counter(r["state"] for r in snapshot["requests"])
             print(f"step {step}: {dict(states)}, kv {dict(Counter(snapshot['kv']['block_states']))}, "

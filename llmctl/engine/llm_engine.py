@@ -24,6 +24,7 @@ import torch
 
 from llmctl.config import EngineConfig, resolve_kv_cache_bytes
 from llmctl.engine.block_manager import BlockManager
+from llmctl.engine.latency import LatencyWindow
 from llmctl.engine.model_runner import ModelRunner, kv_block_bytes
 from llmctl.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmctl.engine.sampler import Sampler
@@ -131,6 +132,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.finished_requests: dict[str, int] = {r.value: 0 for r in FinishReason}
         self.start_time = time.time()
+        self.latency = LatencyWindow()  # TTFT / TPOT / E2E of recently finished requests
         # Called after every step that ran, in the engine's thread: (outputs, the step's record).
         self.step_listeners: list[Callable[[list[RequestOutput], StepRecord], None]] = []
 
@@ -275,6 +277,8 @@ class LLMEngine:
             if request.finished:
                 del self.requests[request.request_id]
         record = self._record_step(sched, started)
+        for out in outputs:
+            self.latency.observe(out)
         for listener in self.step_listeners:
             listener(outputs, record)
         return outputs

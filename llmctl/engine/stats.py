@@ -17,7 +17,10 @@ Schema (version 1)::
                     "prompt_tokens", "generated_tokens", "cached_tokens", "blocks": [block ids],
                     "num_preemptions", "age_s", "n"}],
       "steps": [{"step", "time", "duration_s", "prefill_tokens", "decode_tokens", "num_seqs",
-                 "num_running", "num_waiting", "num_preempted"}]   # oldest first, last ``max_steps``
+                 "num_running", "num_waiting", "num_preempted"}],  # oldest first, last ``max_steps``
+      "latency": {"window", "count", "ttft_s": {"p50", "p90", "p99"}, "tpot_s": {...}, "e2e_s": {...}}
+                 # nearest-rank percentiles over the last ``window`` finished, non-aborted requests
+                 # (see llmctl/engine/latency.py); null where there is no data yet
     }
 """
 
@@ -105,4 +108,5 @@ def engine_snapshot(engine: LLMEngine, max_steps: int = 120) -> dict[str, Any]:
         },
         "requests": requests,
         "steps": [asdict(s) for s in steps],
+        "latency": engine.latency.section(),
     }

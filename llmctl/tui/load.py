@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from llmctl.engine.async_engine import AsyncEngine
 from llmctl.errors import InvalidRequestError
 from llmctl.sampling_params import SamplingParams
-from llmctl.tui.latency import LatencyWindow
 
 SYSTEM_PROMPTS = {
     "support": (
@@ -105,12 +104,10 @@ class RequestMix:
 class SyntheticLoad:
     """Sends the mix to an ``AsyncEngine`` from the running event loop until stopped."""
 
-    def __init__(self, engine: AsyncEngine, profile: LoadProfile | None = None,
-                 latency: LatencyWindow | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, profile: LoadProfile | None = None) -> None:
         self.engine = engine
         self.profile = profile or LoadProfile()
         self.mix = RequestMix(self.profile)
-        self.latency = latency or LatencyWindow()
         self.sent = self.completed = self.rejected = 0
         self._clients: set[asyncio.Task] = set()
 
@@ -141,7 +138,6 @@ class SyntheticLoad:
             return
         if final is not None and final.finished:
             self.completed += 1
-            self.latency.observe(final)
 
     async def stop(self) -> None:
         """Hang up every client (their requests are aborted) and wait for them."""

@@ -36,9 +36,7 @@ class LocalSource:
         assert self.async_engine is not None and self.load is not None
         if self.async_engine.error is not None:
             raise SourceError(f"the local engine stopped: {self.async_engine.error!r}")
-        snapshot = await asyncio.to_thread(self.async_engine.stats_snapshot)
-        snapshot.setdefault("latency", self.load.latency.section())  # until the engine serves its own
-        return snapshot
+        return await asyncio.to_thread(self.async_engine.stats_snapshot)
 
     async def close(self) -> None:
         if self._load_task is not None:

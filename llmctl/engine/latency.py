@@ -1,7 +1,4 @@
-"""Recent request latencies as percentiles: the snapshot's ``latency`` section.
-
-The engine's snapshot (schema v1) carries counters but no per-request timings, so the dashboard
-cannot know TTFT or TPOT from it. This module defines the section it reads when present::
+"""Recent request latencies as percentiles: the stats snapshot's ``latency`` section::
 
     "latency": {
       "window": 512,            # at most this many of the most recently finished requests
@@ -11,9 +8,7 @@ cannot know TTFT or TPOT from it. This module defines the section it reads when 
       "e2e_s":  {"p50": ..., "p90": ..., "p99": ...}             # finished - arrival
     }
 
-``LatencyWindow`` builds it from finished ``RequestOutput``s; the in-process ``--local`` source
-and ``scripts/record_snapshots.py`` use it today, and the engine can fill the same section from
-its own request metrics.
+The engine feeds ``LatencyWindow`` every finished ``RequestOutput`` after each step.
 """
 
 from __future__ import annotations
