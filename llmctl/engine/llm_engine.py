@@ -130,6 +130,7 @@ class LLMEngine:
         self.step_history: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.requests_added_total = 0
         self.finished_requests: dict[str, int] = {r.value: 0 for r in FinishReason}
         self.start_time = time.time()
         self.latency = LatencyWindow()  # TTFT / TPOT / E2E of recently finished requests
@@ -185,6 +186,7 @@ class LLMEngine:
         seq.priority = priority
         self.requests[request_id] = request
         self.prompt_tokens_total += len(token_ids)
+        self.requests_added_total += 1
         self.scheduler.add(seq)
         return request_id
 

@@ -11,7 +11,7 @@ Schema (version 1)::
                               sequence, 's' shared by several"},
       "prefix_cache": {"queries": tokens looked up, "hits": tokens found, "hit_rate": float},
       "counters": {"num_preemptions", "prompt_tokens_total", "generation_tokens_total",
-                   "requests_finished": {"stop", "length", "abort"}},
+                   "requests_added_total", "requests_finished": {"stop", "length", "abort"}},
       "scheduler": {"running", "waiting", "preempted_waiting"},
       "requests": [{"id", "user", "state": "running"|"waiting"|"preempted", "priority",
                     "prompt_tokens", "generated_tokens", "cached_tokens", "blocks": [block ids],
@@ -99,6 +99,7 @@ def engine_snapshot(engine: LLMEngine, max_steps: int = 120) -> dict[str, Any]:
             "num_preemptions": sched.num_preemptions,
             "prompt_tokens_total": engine.prompt_tokens_total,
             "generation_tokens_total": engine.generation_tokens_total,
+            "requests_added_total": engine.requests_added_total,
             "requests_finished": dict(engine.finished_requests),
         },
         "scheduler": {
