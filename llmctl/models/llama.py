@@ -18,7 +18,7 @@ from llmctl.models.config import ModelConfig
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel, ops: TorchOps,
-                 method: LinearMethod | None) -> None:
+                 method: LinearMethod | None, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
@@ -26,8 +26,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False,
                                         dtype=dtype, tp=tp, method=method)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                          cfg.rope_scaling, ops=ops)
+        self.rotary_emb = rotary_emb  # one table shared by every layer
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, ops=ops)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, ops=ops)
@@ -64,10 +63,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel, ops: TorchOps,
-                 method: LinearMethod | None) -> None:
+                 method: LinearMethod | None, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, ops=ops)
-        self.self_attn = LlamaAttention(cfg, dtype, tp, ops, method)
+        self.self_attn = LlamaAttention(cfg, dtype, tp, ops, method, rotary_emb)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, ops=ops)
         self.mlp = LlamaMLP(cfg, dtype, tp, ops, method)
 
@@ -84,7 +83,10 @@ class LlamaModel(nn.Module):
                  method: LinearMethod | None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, tp=tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, tp, ops, method) for _ in range(cfg.num_layers))
+        rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                     ops=ops)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, tp, ops, method, rotary_emb)
+                                    for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, ops=ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
