@@ -240,6 +240,9 @@ def _run_baseline(options: BenchOptions, timed: list[BenchRequest], result: RunR
 def run_bench(options: BenchOptions, out: Console, err: Console) -> dict[str, Any]:
     """Run the benchmark, print the report; returns the JSON-ready figures (also written to --json)."""
     options.validate()
+    threads = options.engine_options.get("threads")
+    if threads:  # also the baseline's and, with --url, the client's threads
+        torch.set_num_threads(threads)
     result, timed, facts = asyncio.run(_run_target(options, err))
     slo = Slo(options.slo_ttft_ms, options.slo_tpot_ms)
     sides = [BenchReport(facts["label"], summarize(result.records, slo, result.duration_s), result.engine_stats)]
