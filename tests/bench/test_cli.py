@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from llmctl.cli import app
 from llmctl.models.embedded import embedded_tokenizer
 
-SMALL = ["--num-prompts", "16", "--concurrency", "8", "--input-len", "32", "--output-len", "16", "--threads", "1"]
+ENGINE = ["--threads", "1", "--kv-cache-memory", "128MiB"]
+SMALL = ["--num-prompts", "16", "--concurrency", "8", "--input-len", "32", "--output-len", "16", *ENGINE]
 
 
 def bench(*args: str) -> tuple[int, str]:
@@ -65,7 +66,7 @@ def test_shared_prefix_reports_prefix_hits(tmp_path: Path):
     out = tmp_path / "out.json"
     code, output = bench("--dataset", "shared-prefix", "--num-users", "2", "--prefix-len", "64", "--input-len", "8",
                          "--output-len", "4", "--num-prompts", "12", "--concurrency", "2", "--request-rate", "200",
-                         "--threads", "1", "--json", str(out))
+                         *ENGINE, "--json", str(out))
     assert code == 0, output
     result = json.loads(out.read_text())["result"]
     check_consistent(result, completed=12, output_tokens=12 * 4, input_tokens=12 * 72)
@@ -79,7 +80,7 @@ def test_sharegpt_file_in_process(tmp_path: Path):
     path.write_text(json.dumps(conversations))
     out = tmp_path / "out.json"
     code, output = bench("--dataset", "sharegpt", "--dataset-path", str(path), "--num-prompts", "5",
-                         "--concurrency", "5", "--threads", "1", "--json", str(out))
+                         "--concurrency", "5", *ENGINE, "--json", str(out))
     assert code == 0, output
     data = json.loads(out.read_text())
     assert data["config"]["ignore_eos"] is False  # replies end where the model ends them
@@ -113,7 +114,7 @@ def test_server_errors_are_reported(live_server: str):
 def test_baseline_hf_side_by_side(tmp_path: Path):
     out = tmp_path / "base.json"
     code, output = bench("--num-prompts", "6", "--concurrency", "3", "--input-len", "16", "--output-len", "8",
-                         "--range-ratio", "0.5", "--threads", "1", "--baseline", "hf", "--json", str(out))
+                         "--range-ratio", "0.5", *ENGINE, "--baseline", "hf", "--json", str(out))
     assert code == 0, output
     data = json.loads(out.read_text())
     ours, base = data["result"], data["baseline"]
@@ -133,5 +134,5 @@ def test_baseline_hf_side_by_side(tmp_path: Path):
     (["--input-len", "5000", "--num-prompts", "1"], "max_model_len"),
 ])
 def test_bad_options_fail_in_one_line(args, message):
-    code, output = bench(*args, "--threads", "1")
+    code, output = bench(*args, *ENGINE)
     assert code == 1 and message in output and "Traceback" not in output
