@@ -19,7 +19,7 @@ from types import ModuleType
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "cpu" / "paged_decode_attention.cpp"
+SOURCE = Path(__file__).parent / "cpu" / "cpu_kernels.cpp"
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed: str | None = None
@@ -32,7 +32,7 @@ def _cpu_tag() -> str:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = platform.processor()
-    digest = hashlib.sha256((flags + SOURCE.read_text() + torch.__version__).encode()).hexdigest()
+    digest = hashlib.sha256((flags + SOURCE.read_text() + torch.__version__ + "omp").encode()).hexdigest()
     return digest[:10]
 
 
@@ -56,9 +56,11 @@ def load_native() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         try:
+            # -fopenmp: at::parallel_for is inline OpenMP; the module then needs libgomp.so.1, which
+            # resolves to the copy torch already loaded (same soname), so there is one thread pool.
             _module = load(name=f"llmctl_cpu_{_cpu_tag()}", sources=[str(SOURCE)],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno",
-                                         "-fno-trapping-math"], verbose=False)
+                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
+                                         "-fno-trapping-math"], extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:  # a compiler error, missing headers, a linker problem...
             _failed = f"building the native CPU kernel failed: {str(exc).strip().splitlines()[-1] if str(exc) else exc!r}"
             log.warning("%s; using the pure-torch path", _failed)
@@ -74,10 +76,41 @@ def paged_decode_attention_native(
     scale: float,
 ) -> torch.Tensor:
     """Same signature and result as ``paged_decode_attention_torch`` (up to rounding)."""
+    return _module_or_raise().paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+
+
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same signature and result as ``rms_norm_torch``; ``x`` may have any leading shape."""
+    shape = x.shape
+    out, new_residual = _module_or_raise().rms_norm(
+        x.reshape(-1, shape[-1]), weight, eps, None if residual is None else residual.reshape(-1, shape[-1]))
+    return out.view(shape), new_residual.view(shape)
+
+
+def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
+    """Same signature and result as ``silu_and_mul_torch`` (2-D input)."""
+    return _module_or_raise().silu_and_mul(x)
+
+
+def rotary_embedding_native(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                            cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same signature and result as ``rotary_embedding_torch``."""
+    module = _module_or_raise()
+    return module.rotate(query, positions, cos_sin_cache), module.rotate(key, positions, cos_sin_cache)
+
+
+def reshape_and_cache_native(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Same signature and effect as ``reshape_and_cache_torch`` (one memcpy per token, -1 skipped)."""
+    _module_or_raise().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def _module_or_raise() -> ModuleType:
     module = load_native()
     if module is None:
         raise RuntimeError(native_unavailable_reason() or "native CPU kernels unavailable")
-    return module.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    return module
 
 
 if __name__ == "__main__":  # `python -m kernels.cpu_native`: build ahead of time (scripts/setup.sh does)

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from kernels.activation import silu_and_mul_torch
-from kernels.cpu_native import load_native, paged_decode_attention_native
+from kernels.cpu_native import (
+    load_native,
+    paged_decode_attention_native,
+    reshape_and_cache_native,
+    rms_norm_native,
+    rotary_embedding_native,
+    silu_and_mul_native,
+)
 from kernels.decode_attention import paged_decode_attention_torch
 from kernels.kv_store import reshape_and_cache_torch
 from kernels.prefill_attention import attend_causal, paged_prefill_attention_torch
@@ -49,23 +56,30 @@ class TorchOps:
 
     name = "torch"
 
-    def __init__(self, native_cpu_decode: bool = False) -> None:
-        # The fused C++ decode kernel (kernels/cpu_native.py) for bf16/fp16 caches on a CPU; fp32
-        # stays on the reference, which is what the exactness tests compare with transformers.
-        self.native_decode = native_cpu_decode and load_native() is not None
+    def __init__(self, native_cpu: bool = False) -> None:
+        # The fused C++ kernels of kernels/cpu_native.py, on a CPU: decode attention for bf16/fp16,
+        # the elementwise ops for bf16 (where torch's own bf16 elementwise ops are slowest). fp32
+        # stays on the references: that is the path the exactness tests compare with transformers.
+        self.native = native_cpu and load_native() is not None
         # (positions, cache, dtype) -> cos, sin of the current step: every layer rotates the same
         # positions, so the gather runs once per step instead of once per layer.
         self._rope_key: tuple | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def _native_for(self, x: torch.Tensor) -> bool:
+        return self.native and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rms_norm_torch(x, weight, eps, residual)
+        kernel = rms_norm_native if self._native_for(x) else rms_norm_torch
+        return kernel(x, weight, eps, residual)
 
     def rotary_embedding(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._native_for(query):
+            return rotary_embedding_native(positions, query, key, cos_sin_cache)
         key_ = (positions, cos_sin_cache, query.dtype)
         if self._rope_key is None or any(a is not b for a, b in zip(self._rope_key, key_)):
             self._rope_key, self._rope = key_, rotary_cos_sin(positions, cos_sin_cache, query.dtype)
@@ -73,7 +87,7 @@ class TorchOps:
         return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul_torch(x)
+        return silu_and_mul_native(x) if self._native_for(x) else silu_and_mul_torch(x)
 
     def store_kv(
         self,
@@ -83,7 +97,10 @@ class TorchOps:
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        reshape_and_cache_torch(key, value, key_cache, value_cache, slot_mapping)
+        if self.native and key.device.type == "cpu" and key.dtype == key_cache.dtype:
+            reshape_and_cache_native(key, value, key_cache, value_cache, slot_mapping)
+        else:
+            reshape_and_cache_torch(key, value, key_cache, value_cache, slot_mapping)
 
     def prefill_attention(
         self,
@@ -116,13 +133,13 @@ class TorchOps:
         scale: float,
     ) -> torch.Tensor:
         kernel = paged_decode_attention_torch
-        if self.native_decode and query.dtype != torch.float32 and query.device.type == "cpu":
+        if self.native and query.dtype != torch.float32 and query.device.type == "cpu":
             kernel = paged_decode_attention_native
         return kernel(query, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
 
     @property
     def description(self) -> str:
-        return f"{self.name} + native CPU decode" if self.native_decode else self.name
+        return f"{self.name} + native CPU kernels" if self.native else self.name
 
 
 def select_ops(backend: str, device: torch.device) -> TorchOps:
@@ -133,7 +150,7 @@ def select_ops(backend: str, device: torch.device) -> TorchOps:
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     if backend == "torch":
-        return TorchOps(native_cpu_decode=device.type == "cpu")
+        return TorchOps(native_cpu=device.type == "cpu")
     from llmctl.layers.triton_ops import TritonOps  # imported lazily: triton is heavy to import
 
     return TritonOps()

@@ -63,3 +63,19 @@ def test_threads_split_heads_when_few_sequences():
     finally:
         torch.set_num_threads(old)
     torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_store_matches_reference_and_skips_padding(dtype):
+    from kernels.cpu_native import reshape_and_cache_native
+    from kernels.kv_store import reshape_and_cache_torch
+
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(7, 3 * 2 * 16, generator=gen).to(dtype)  # strided K/V views, as the model makes them
+    key, value = qkv[:, 32:64].view(7, 2, 16), qkv[:, 64:].view(7, 2, 16)
+    slots = torch.tensor([5, 0, -1, 63, 17, -1, 40])
+    caches = [torch.zeros(4, 16, 2, 16, dtype=dtype) for _ in range(4)]
+    reshape_and_cache_torch(key, value, caches[0], caches[1], slots)
+    reshape_and_cache_native(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[2].view(64, 2, 16)[63].equal(key[3])
