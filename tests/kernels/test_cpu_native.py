@@ -79,3 +79,47 @@ def test_kv_store_matches_reference_and_skips_padding(dtype):
     reshape_and_cache_native(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[2].view(64, 2, 16)[63].equal(key[3])
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_rms_norm_matches_reference(with_residual, rows):
+    from kernels.cpu_native import rms_norm_native
+    from kernels.rms_norm import rms_norm_torch
+
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=gen).bfloat16()
+    residual = torch.randn(rows, 256, generator=gen).bfloat16() if with_residual else None
+    weight = torch.randn(256, generator=gen).bfloat16()
+    (out, res), (ref_out, ref_res) = rms_norm_native(x, weight, 1e-5, residual), rms_norm_torch(x, weight, 1e-5, residual)
+    assert torch.equal(res, ref_res)  # the residual add rounds exactly like torch's bf16 add
+    # the fp32 sum of squares is accumulated in another order: at most one bf16 ulp, rarely
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=0, rtol=2**-6)  # one bf16 ulp
+    assert (out != ref_out).float().mean() < 0.01
+
+
+def test_silu_and_mul_matches_reference():
+    from kernels.activation import silu_and_mul_torch
+    from kernels.cpu_native import silu_and_mul_native
+
+    x = (torch.randn(37, 2 * 200, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
+    got, expected = silu_and_mul_native(x), silu_and_mul_torch(x)
+    torch.testing.assert_close(got.float(), expected.float(), atol=0, rtol=2**-6)  # one bf16 ulp
+    assert (got != expected).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rotary_matches_reference_on_strided_views(rotary_dim):
+    from kernels.cpu_native import rotary_embedding_native
+    from kernels.rotary import rotary_embedding_torch
+
+    gen = torch.Generator().manual_seed(rotary_dim)
+    tokens = 21
+    qkv = torch.randn(tokens, (8 + 2 + 2) * 64, generator=gen).bfloat16()
+    q, k = qkv[:, : 8 * 64].view(tokens, 8, 64), qkv[:, 8 * 64 : 10 * 64].view(tokens, 2, 64)
+    positions = torch.randint(0, 500, (tokens,), generator=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    freqs = torch.arange(512).float()[:, None] * inv_freq[None]
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    got, expected = rotary_embedding_native(positions, q, k, cache), rotary_embedding_torch(positions, q, k, cache)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])  # same rounding, step by step
