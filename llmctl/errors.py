@@ -27,5 +27,9 @@ class ConfigError(LlmctlError, ValueError):
     """An engine setting that cannot work (bad size, unknown dtype or backend, pool too small)."""
 
 
+class EngineBusyError(LlmctlError):
+    """The waiting queue is at its limit; the request was not queued (retry later)."""
+
+
 class HubError(LlmctlError):
     """The Hugging Face hub (or the endpoint in HF_ENDPOINT) refused or could not be reached."""

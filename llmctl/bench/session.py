@@ -197,7 +197,11 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
     from llmctl.engine.async_engine import AsyncEngine
     from llmctl.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(build_engine_config(spec, **options.engine_options))
+    config = build_engine_config(spec, **options.engine_options)
+    if (not options.as_text() and options.dataset != "sharegpt" and config.model != EMBEDDED_MODEL_NAME
+            and not (Path(config.model) / "tokenizer.json").is_file()):
+        config.skip_tokenizer = True  # token-id prompts: a checkpoint without tokenizer files still benchmarks
+    engine = LLMEngine(config)
     requests = build_requests(options, engine.tokenizer, engine.model.config.vocab_size, engine.max_model_len)
     too_long = max(r.prompt_len + r.output_len for r in requests)
     if too_long > engine.max_model_len:

@@ -14,6 +14,7 @@ from typing import Any
 
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.engine.outputs import RequestOutput
+from llmctl.errors import EngineBusyError
 from llmctl.sampling_params import SamplingParams
 
 
@@ -22,8 +23,9 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
         self.engine = engine
+        self.max_waiting = max_waiting  # refuse new requests while this many wait (None: no limit)
         self.lock = threading.Lock()
         self._work = threading.Event()
         self._stopping = False
@@ -80,7 +82,10 @@ class AsyncEngine:
         worker thread, as ``generate`` does, not on the event loop."""
         if self.error is not None:
             raise EngineDeadError(f"engine loop failed: {self.error!r}")
-        with self.lock:
+        with self.lock:  # the queue check and the add are one step: concurrent adds cannot overshoot
+            waiting = self.engine.scheduler.num_waiting
+            if self.max_waiting is not None and waiting >= self.max_waiting:
+                raise EngineBusyError(f"{waiting} requests are waiting (limit {self.max_waiting}); retry later")
             request_id = self.engine.add_request(prompt, params, **kwargs)
             self._streams[request_id] = (loop, queue)
         self._work.set()

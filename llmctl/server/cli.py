@@ -116,7 +116,7 @@ def serve(
 
     name = served_model_name or model
     state = ServerState()
-    async_engine = AsyncEngine(engine).start()
+    async_engine = AsyncEngine(engine, max_waiting=max_queue).start()
     app = build_app(async_engine, served_model_name=name, model_aliases={model, config.model},
                     api_key=api_key, max_queue=max_queue, state=state)
 

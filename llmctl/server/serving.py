@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from llmctl.engine.async_engine import AsyncEngine, EngineDeadError
 from llmctl.engine.outputs import CompletionOutput, RequestOutput
-from llmctl.errors import InvalidRequestError
+from llmctl.errors import EngineBusyError, InvalidRequestError
 from llmctl.sampling_params import SamplingParams
 from llmctl.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS, APIError, AssistantMessage, ChatChoice, ChatCompletionChunk,
@@ -34,6 +34,11 @@ from llmctl.tokenizer import Tokenizer
 
 T = TypeVar("T")
 RETRY_AFTER_S = 1
+
+
+def queue_full(detail: str) -> APIError:
+    return APIError(503, f"the server is overloaded: {detail} (--max-queue); retry later", type="server_error",
+                    code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 SSE_DONE = "data: [DONE]\n\n"
 TOKEN_CONTEXT = 4  # tokens decoded before a logprobs token to get its text right
 
@@ -99,6 +104,8 @@ class Generation:
         index, item = await self._queue.get()
         if isinstance(item, InvalidRequestError):
             raise bad_request(str(item))
+        if isinstance(item, EngineBusyError):
+            raise queue_full(str(item))
         if isinstance(item, EngineDeadError):
             raise APIError(500, str(item), type="server_error", code="engine_dead")
         if isinstance(item, BaseException):
@@ -209,12 +216,11 @@ class OpenAIServing:
         if self.state.draining:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
+        # A fast refusal; the engine checks again atomically with the add (AsyncEngine.max_waiting).
         waiting = self.async_engine.engine.scheduler.num_waiting  # a plain int: no lock needed
         if waiting >= self.max_queue:
             self.state.rejected_queue_full += 1
-            raise APIError(503, f"the server is overloaded: {waiting} requests are waiting "
-                                f"(--max-queue {self.max_queue}); retry later", type="server_error",
-                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise queue_full(f"{waiting} requests are waiting")
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
         """The requested budget, or all the context the prompt leaves. A prompt that leaves no room
@@ -262,7 +268,12 @@ class OpenAIServing:
         self.state.in_flight += 1
         handed_over = False
         try:
-            await unless_disconnected(request, generation.started())
+            try:
+                await unless_disconnected(request, generation.started())
+            except APIError as exc:
+                if exc.code == "queue_full":
+                    self.state.rejected_queue_full += 1
+                raise
             if stream is None:
                 await unless_disconnected(request, generation.finish())
                 return JSONResponse(respond(generation))
@@ -322,7 +333,10 @@ class OpenAIServing:
                     state = choices.setdefault(index, _ChoiceStream())
                     text = c.delta_text if state.started else echo.get(i, "") + c.delta_text
                     newly_finished = c.finished and not state.finished
-                    if not text and not newly_finished:
+                    # A chunk per step that produced tokens, even when they add no text yet (a split
+                    # multi-byte character, a held-back stop string prefix), as vLLM does: clients
+                    # time the first token by the first chunk.
+                    if not text and not c.delta_token_ids and not newly_finished:
                         continue
                     state.started = True
                     logprobs = None
@@ -399,7 +413,7 @@ class OpenAIServing:
                 for c in out.outputs:
                     state = choices.setdefault(c.index, _ChoiceStream())
                     newly_finished = c.finished and not state.finished
-                    if not c.delta_text and not newly_finished:
+                    if not c.delta_text and not c.delta_token_ids and not newly_finished:
                         continue
                     logprobs = None
                     if req.logprobs:

