@@ -1,4 +1,4 @@
-"""The native CPU decode kernel against the torch reference (it replaces it for bf16/fp16 caches)."""
+"""The native CPU kernels against their torch references (they replace them for bf16 on a CPU)."""
 
 from __future__ import annotations
 
