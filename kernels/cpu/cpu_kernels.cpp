@@ -58,6 +58,23 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// Each of ``rows`` score rows of length ``len`` becomes exp(s - max) in place; inv_sum[r] gets
+// 1 / (its sum), to scale the accumulated V once at the end.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* inv_sum) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * len;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = fast_exp(s[t] - m);
+      sum += s[t];
+    }
+    inv_sum[r] = 1.f / sum;
+  }
+}
+
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
 #pragma omp simd
@@ -106,18 +123,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block
           scores[r * len + t] = dot;
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {  // softmax, one row per query head
-        float* s = scores.data() + r * len;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = fast_exp(s[t] - m);
-          sum += s[t];
-        }
-        inv_sum[r] = 1.f / sum;
-      }
+      softmax_rows(scores.data(), rows, len, inv_sum.data());
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {  // pass 2: weighted sum of V
         load_row(row_of(v_cache, t), kv.data(), kv_len);
@@ -179,18 +185,7 @@ void decode_avx512_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, cons
           }
         }
         float inv_sum[64];
-        for (int64_t g = 0; g < group; ++g) {  // softmax
-          float* s = scores.data() + g * len;
-          float m = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < len; ++t) {
-            s[t] = fast_exp(s[t] - m);
-            sum += s[t];
-          }
-          inv_sum[g] = 1.f / sum;
-        }
+        softmax_rows(scores.data(), group, len, inv_sum);
         for (auto& a : acc) a = _mm512_setzero_ps();
         for (int64_t t = 0; t < len; ++t) {  // pass 2: sum of V weighted by each head's p
           const uint16_t* vr = slot_row(v_cache, t);
