@@ -124,10 +124,11 @@ def test_preempted_sequence_finds_its_blocks_again(llama_dir):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
 
 
-def steps_until_done(engine: LLMEngine, request_ids: set[str]) -> int:
+def steps_until_done(engine: LLMEngine, request_ids: set[str], max_steps: int = 5000) -> int:
     remaining = set(request_ids)
     steps = 0
     while remaining:
+        assert steps < max_steps, f"requests {sorted(remaining)} still unfinished after {max_steps} steps"
         for out in engine.step():
             if out.finished:
                 remaining.discard(out.request_id)
@@ -155,3 +156,15 @@ def test_light_user_is_not_starved_by_heavy_user(llama_dir):
     # one step to prefill its 10-token prompts, then 10 decode steps.
     assert fair_steps <= 12
     assert fcfs_steps > 10 * fair_steps
+
+
+def test_whole_prompts_of_two_users_are_not_starved_without_chunking(llama_dir):
+    """Chunked prefill off: two users' prompts each longer than half the budget still run (an even
+    split of the budget between the users would fit neither)."""
+    engine = make_engine(llama_dir, enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=100)
+    prompts = random_prompts(4, VOCAB, 55, 60, seed=40)
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), user=u)
+           for p, u in zip(prompts, "ABAB")]
+    steps = steps_until_done(engine, set(ids))
+    assert steps <= 4 * 4 + 4
+    assert all(r.prefill_tokens + r.decode_tokens <= 100 for r in engine.step_history)

@@ -8,7 +8,8 @@ Every step:
 2. **Prefill work fills the rest of the token budget**: chunks of prompts already admitted, then
    new admissions. The budget is split max-min fairly between users (a user asking for less than
    an equal share gets all it asks; the rest is shared by the others), FCFS by (priority, arrival)
-   within a user. With chunked prefill off a prompt is only scheduled whole.
+   within a user. With chunked prefill off a prompt is only scheduled whole, so the budget is not
+   split: users take turns by the seats they hold.
 3. **Fair seats.** When all ``max_num_seqs`` seats (or all blocks) are taken and a user holding
    fewer than its share ``max_num_seqs // active users`` is waiting, the most recent sequence of
    the user holding the most seats above its share is preempted to make room.
@@ -162,7 +163,10 @@ class Scheduler:
                 demands[seq.user] += seq.num_pending_tokens
         for user, queue in self.waiting.items():
             demands[user] += sum(entry[3].num_pending_tokens for entry in queue)
-        shares = max_min_fair_shares(demands, budget)
+        if chunked:
+            shares = max_min_fair_shares(demands, budget)
+        else:  # whole prompts only: splitting the budget could leave every user's share below its prompt
+            shares = dict.fromkeys(demands, budget)
 
         for seq in list(self.running):
             if seq.num_pending_tokens <= 1 or seq.seq_id in scheduled or seq.status is not SequenceStatus.RUNNING:
