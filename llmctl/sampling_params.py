@@ -50,8 +50,9 @@ class SamplingParams:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             bad(f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
-            bad(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed <= 2**64 - self.n):
+            # sample i is seeded with seed + i, and torch's generators take [-2**63, 2**64)
+            bad(f"seed must be an integer in [-2**63, 2**64 - n], got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             bad(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

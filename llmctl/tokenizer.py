@@ -123,8 +123,12 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
-        self.stream = DecodeStream(ids=list(prompt_token_ids[-self.PROMPT_CONTEXT:]),
-                                   skip_special_tokens=skip_special_tokens)
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # Feed the context through the stream itself rather than as its initial ids: a prompt that
+        # ends inside a multi-byte character then leaves that character pending, and the first
+        # generated token completes it instead of repeating the prompt's tail.
+        for token_id in prompt_token_ids[-self.PROMPT_CONTEXT:]:
+            self.stream.step(tokenizer.backend, token_id)
 
     def step(self, token_id: int) -> str:
         return self.stream.step(self.tokenizer.backend, token_id) or ""

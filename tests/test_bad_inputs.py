@@ -42,6 +42,7 @@ def assert_untouched(engine: LLMEngine) -> None:
         ("hello", {"n": 0}, "n must be an integer >= 1"),
         ("hello", {"logprobs": 50}, "logprobs must be an integer in [0, 20]"),
         ("hello", {"stop": [""]}, "stop must be a list of non-empty strings"),
+        ("hello", {"n": 2, "seed": 2**64 - 1}, "seed must be an integer in [-2**63, 2**64 - n]"),
     ],
 )
 def test_bad_request_is_refused_cleanly(engine, prompt, params, message):
@@ -158,3 +159,21 @@ def test_malformed_config(model_copy):
 def test_kv_pool_too_small_for_max_model_len(llama_dir):
     with pytest.raises(ConfigError, match="cannot hold one sequence"):
         LLMEngine(model=str(llama_dir), skip_tokenizer=True, kv_cache_memory=4 * 4096, max_model_len=512)
+
+
+def test_stop_strings_need_a_tokenizer(llama_dir):
+    engine = LLMEngine(model=str(llama_dir), skip_tokenizer=True, kv_cache_memory=1 << 20)
+    with pytest.raises(InvalidRequestError, match="stop strings need a tokenizer"):
+        engine.add_request([5, 6, 7], SamplingParams(stop=["x"]))
+    assert not engine.requests
+
+
+def test_kv_heads_that_tensor_parallelism_cannot_split():
+    import torch
+
+    from llmctl.distributed import TensorParallel
+    from llmctl.layers.linear import QKVParallelLinear
+
+    with pytest.raises(ValueError, match="6 KV heads cannot be split over tensor-parallel size 4"):
+        QKVParallelLinear(64, 8, 8, 6, dtype=torch.float32, tp=TensorParallel(rank=0, size=4))
+    QKVParallelLinear(64, 8, 8, 2, dtype=torch.float32, tp=TensorParallel(rank=3, size=4))  # replicated KV

@@ -67,6 +67,8 @@ class BlockMachine(RuleBasedStateMachine):
         engine.block_manager.check_invariants(engine.live_sequences())
         assert set(engine.requests) == self.live
         assert engine.scheduler.num_waiting == sum(len(q) for q in engine.scheduler.waiting.values())
+        # seats: a running sequence holds one, plus one per sample it will still fork (n > 1)
+        assert engine.scheduler._seats_in_use() <= engine.config.max_num_seqs
 
     def teardown(self):
         engine = getattr(self, "engine", None)

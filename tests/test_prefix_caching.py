@@ -168,3 +168,22 @@ def test_whole_prompts_of_two_users_are_not_starved_without_chunking(llama_dir):
     steps = steps_until_done(engine, set(ids))
     assert steps <= 4 * 4 + 4
     assert all(r.prefill_tokens + r.decode_tokens <= 100 for r in engine.step_history)
+
+
+def test_whole_prompt_is_admitted_while_another_user_keeps_decoding(llama_dir):
+    """Chunked prefill off: decodes of user B must not keep user A's long prompt out forever."""
+    engine = make_engine(llama_dir, enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=64)
+    short = iter(random_prompts(400, VOCAB, 3, 5, seed=51))
+    for _ in range(8):  # B's decodes already take more of the budget than A's prompt leaves room for
+        engine.add_request(next(short), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), user="B")
+        engine.step()
+    assert len(engine.scheduler.running) > 64 - 60
+    long_id = engine.add_request(random_prompts(1, VOCAB, 60, 60, seed=50)[0],
+                                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), user="A")
+    for step in range(200):
+        engine.add_request(next(short), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), user="B")
+        if any(out.request_id == long_id and out.finished for out in engine.step()):
+            break
+    else:
+        raise AssertionError("the long prompt never ran")
+    assert step < 10

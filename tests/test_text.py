@@ -89,3 +89,13 @@ def test_logprobs_through_engine(engine):
     for token, lp, top in zip(o.token_ids, o.logprobs, o.top_logprobs):
         assert len(top) == 3 and next(iter(top)) == token  # greedy: the chosen token is the most likely
         assert top[token] == pytest.approx(lp)
+
+
+def test_prompt_ending_inside_a_character_is_not_repeated(stories_dir):
+    tok = Tokenizer.from_dir(stories_dir)
+    ids = tok.encode("Lily said 你好", add_special_tokens=False)
+    # cut the prompt inside the last character: its remaining byte tokens are "generated"
+    for cut in range(len(ids) - 2, len(ids)):
+        stream = tok.decode_stream(ids[:cut])
+        generated = "".join(stream.step(t) for t in ids[cut:])
+        assert generated == "好", (cut, generated)

@@ -63,7 +63,8 @@ class AsyncEngine:
                     self._work.wait(timeout=0.5)
                     self._work.clear()
         except BaseException as exc:  # surface to every waiting client, never hang them
-            self.error = exc
+            with self.lock:  # adds check the error under the lock: none registers after this
+                self.error = exc
             for request_id in list(self._streams):
                 self._publish(request_id, EngineDeadError(f"engine loop failed: {exc!r}"))
             raise
@@ -86,6 +87,8 @@ class AsyncEngine:
             waiting = self.engine.scheduler.num_waiting
             if self.max_waiting is not None and waiting >= self.max_waiting:
                 raise EngineBusyError(f"{waiting} requests are waiting (limit {self.max_waiting}); retry later")
+            if self.error is not None:  # the loop died after the check above: do not wait forever
+                raise EngineDeadError(f"engine loop failed: {self.error!r}")
             request_id = self.engine.add_request(prompt, params, **kwargs)
             self._streams[request_id] = (loop, queue)
         self._work.set()

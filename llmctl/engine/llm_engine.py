@@ -120,7 +120,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, budget, config.enable_chunked_prefill), self.block_manager
         )
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.device)
         self.eos_token_ids: set[int] = set(cfg.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids
@@ -171,6 +171,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._request_counter)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this engine runs without one (use stop_token_ids)")
         token_ids, text = self._prompt_tokens(prompt)
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(

@@ -22,8 +22,9 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        # for unseeded requests; on the logits' device (a CUDA tensor needs a CUDA generator)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """``logits``: ``[len(seqs), vocab]`` float32, row ``i`` for ``seqs[i]``."""

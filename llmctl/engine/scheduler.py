@@ -148,14 +148,18 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 i += 1
 
-        # 2. prefill chunks of admitted prompts, then admissions, under max-min fair shares
+        # 2. prefill chunks of admitted prompts, then admissions, under max-min fair shares. With
+        # chunked prefill off a prompt must fit whole, so decodes are not charged against it (a
+        # prompt longer than what the decodes leave would otherwise wait as long as they run).
+        if not self.config.enable_chunked_prefill:
+            budget = self.config.max_num_batched_tokens
         if budget > 0:
-            budget = self._schedule_prefills(budget, out, scheduled)
+            self._schedule_prefills(budget, out, scheduled)
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         out.num_blocks_touched = self.block_manager.num_blocks_touched
         return out
 
-    def _schedule_prefills(self, budget: int, out: SchedulerOutput, scheduled: set[int]) -> int:
+    def _schedule_prefills(self, budget: int, out: SchedulerOutput, scheduled: set[int]) -> None:
         chunked = self.config.enable_chunked_prefill
         demands: dict[str, int] = defaultdict(int)
         for seq in self.running:
@@ -186,12 +190,12 @@ class Scheduler:
             if user is None:
                 break
             seq = self.waiting[user][0][3]
-            seats = 1 + seq.pending_forks
-            if len(self.running) + seats > self.config.max_num_seqs and not self._preempt_for_fairness(
-                user, out, scheduled
-            ):
-                blocked_users.add(user)
-                continue
+            seats = 1 + seq.pending_forks  # n > 1: its samples will be forked into seats of their own
+            while self._seats_in_use() + seats > self.config.max_num_seqs:
+                if not self._preempt_for_fairness(user, out, scheduled):
+                    break
+            if self._seats_in_use() + seats > self.config.max_num_seqs:
+                break  # the fairest next request waits for seats; nobody else jumps ahead of it
             cached = self.block_manager.find_cached_prefix(seq) if not seq.block_table else []
             pending = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.block_manager.block_size
             n = min(pending, shares.get(user, 0), budget)
@@ -213,7 +217,6 @@ class Scheduler:
                 budget -= n
                 continue
             break  # the pool is short and nobody holds more than their share: wait for blocks
-        return budget
 
     def _admit(self, seq: Sequence, num_cached_blocks: int) -> None:
         cached_tokens = num_cached_blocks * self.block_manager.block_size
@@ -226,11 +229,19 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def _next_user(self, blocked: set[str]) -> str | None:
-        """The waiting user holding the fewest seats (ties: the earliest head-of-queue request)."""
+    def _seats_by_user(self) -> dict[str, int]:
+        """Seats held: a running sequence holds one, plus one per sample it will fork (n > 1)."""
         seats: dict[str, int] = defaultdict(int)
         for seq in self.running:
-            seats[seq.user] += 1
+            seats[seq.user] += 1 + seq.pending_forks
+        return seats
+
+    def _seats_in_use(self) -> int:
+        return sum(1 + seq.pending_forks for seq in self.running)
+
+    def _next_user(self, blocked: set[str]) -> str | None:
+        """The waiting user holding the fewest seats (ties: the earliest head-of-queue request)."""
+        seats = self._seats_by_user()
         candidates = [u for u, q in self.waiting.items() if q and u not in blocked]
         if not candidates:
             return None
@@ -250,9 +261,7 @@ class Scheduler:
     def _preempt_for_fairness(self, user: str, out: SchedulerOutput, scheduled: set[int]) -> bool:
         """Free a seat (and its blocks) for ``user`` if it holds less than its fair share and another
         user holds more; the victim is that user's most recently admitted sequence."""
-        seats: dict[str, int] = defaultdict(int)
-        for seq in self.running:
-            seats[seq.user] += 1
+        seats = self._seats_by_user()
         active = set(seats) | set(self.waiting)
         fair = max(1, self.config.max_num_seqs // max(1, len(active)))
         if seats[user] >= fair:

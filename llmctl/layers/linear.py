@@ -155,6 +155,9 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, *, bias: bool = False,
                  dtype: torch.dtype, tp: TensorParallel = TensorParallel(), method: LinearMethod | None = None) -> None:
         self.num_heads = tp.shard(num_heads, "attention heads")
+        if num_kv_heads % tp.size and tp.size % num_kv_heads:
+            raise ValueError(f"{num_kv_heads} KV heads cannot be split over tensor-parallel size {tp.size} "
+                             "(one must divide the other)")
         self.kv_replicas = max(1, tp.size // num_kv_heads)
         self.num_kv_heads = max(1, num_kv_heads // tp.size)
         self.head_dim = head_dim
