@@ -23,7 +23,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # long lines stay whole when stderr is not a terminal
 
 
 def _version(value: bool) -> None:
@@ -62,7 +62,7 @@ def generate(
     from llmctl.engine.llm_engine import LLMEngine
     from llmctl.sampling_params import SamplingParams
 
-    text = sys.stdin.read() if prompt == "-" else prompt
+    text = sys.stdin.read().removesuffix("\n") if prompt == "-" else prompt
     with exit_on_error(err):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=request_seed, stop=stop or [], ignore_eos=ignore_eos)
@@ -89,10 +89,10 @@ def generate(
     sys.stdout.write("\n")
     generated = len(final.outputs[0].token_ids)
     decode_time = elapsed - (first_token - start)
-    rate = (generated - 1) / decode_time if generated > 1 and decode_time > 0 else 0.0
-    err.print(f"[dim]prompt {len(final.prompt_token_ids)} tokens · generated {generated} tokens "
-              f"({final.outputs[0].finish_reason}) · TTFT {1000 * (first_token - start):.0f} ms · "
-              f"{rate:.1f} tokens/s · total {elapsed:.2f}s[/]")
+    rate = f"{(generated - 1) / decode_time:.1f} tokens/s" if generated > 1 and decode_time > 0 else "n/a tokens/s"
+    err.print(f"[dim]prompt {len(final.prompt_token_ids)} tokens · generated {generated} "
+              f"token{'s' if generated != 1 else ''} ({final.outputs[0].finish_reason}) · "
+              f"TTFT {1000 * (first_token - start):.0f} ms · {rate} · total {elapsed:.2f}s[/]")
 
 
 def _register_feature_commands() -> None:

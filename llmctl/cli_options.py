@@ -102,5 +102,5 @@ def exit_on_error(console: Console | None = None) -> Iterator[None]:
     try:
         yield
     except LlmctlError as exc:
-        (console or Console(stderr=True)).print(f"[bold red]error:[/] {escape(str(exc))}")
+        (console or Console(stderr=True, soft_wrap=True)).print(f"[bold red]error:[/] {escape(str(exc))}")
         raise typer.Exit(1) from None

@@ -40,12 +40,18 @@ class EngineConfig:
             raise ConfigError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"threads must be at least 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ConfigError(f"unknown device {self.device!r}; choose auto, cpu or cuda")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: this torch build sees no CUDA device (use --device cpu or auto)")
         return torch.device(self.device)
 
 
@@ -53,7 +59,7 @@ def parse_size(text: str | int | None) -> int | None:
     """``"2GiB"``, ``"512MB"``, ``"1.5G"`` or a byte count -> bytes."""
     if text is None or isinstance(text, int):
         return text
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b?)\s*", text.lower())
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b?)\s*", text.lower())
     if not match:
         raise ConfigError(f"cannot read memory size {text!r} (examples: 2GiB, 512MB, 1073741824)")
     number, unit, _ = match.groups()

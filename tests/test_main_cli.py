@@ -32,6 +32,9 @@ def test_generate_on_embedded_default_is_labelled_random():
     ("args", "message"),
     [
         (["--kv-cache-memory", "abc"], "cannot read memory size 'abc'"),
+        (["--kv-cache-memory", "1.2.3"], "cannot read memory size '1.2.3'"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+        (["--threads", "0"], "threads must be at least 1"),
         (["--dtype", "int3"], "unknown dtype 'int3'"),
         (["--attention-backend", "cuda-magic"], "unknown attention backend 'cuda-magic'"),
         (["--temperature", "-1"], "temperature must be in [0, 100]"),
@@ -50,3 +53,11 @@ def test_missing_model_directory_is_a_clear_error(tmp_path):
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert "nope" in proc.stderr
+
+
+def test_stdin_prompt_drops_the_trailing_newline(stories_dir):
+    proc = subprocess.run([sys.executable, "-m", "llmctl.cli", "generate", str(stories_dir), "-", "-n", "5", "-t", "0"],
+                          input="Once upon a time\n", capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "prompt 5 tokens" in proc.stderr
+    assert proc.stdout.startswith("Once upon a time, there was")

@@ -37,7 +37,7 @@ def bench(
     served_model_name: Annotated[Optional[str], typer.Option(
         "--served-model-name", help="Model name to send with --url (default: the first of /v1/models).",
         rich_help_panel=TARGET)] = None,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LLMCTL_BENCH_API_KEY",
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LLMCTL_API_KEY",
                                                    help="Bearer token for --url.", rich_help_panel=TARGET)] = None,
     dataset: Annotated[str, typer.Option("--dataset", help="random | shared-prefix | sharegpt",
                                          rich_help_panel=WORKLOAD)] = "random",
@@ -72,8 +72,8 @@ def bench(
     slo_ttft_ms: Annotated[Optional[float], typer.Option("--slo-ttft-ms", help="Goodput counts requests with "
                                                          "TTFT at most this.", rich_help_panel=REPORT)] = 500.0,
     slo_tpot_ms: Annotated[Optional[float], typer.Option("--slo-tpot-ms", help="... and TPOT at most this "
-                                                         "(30 tok/s per stream).", rich_help_panel=REPORT,
-                                                         show_default="33.3")] = 1000 / 30,
+                                                         "(default 33.3: 30 tok/s per stream).",
+                                                         rich_help_panel=REPORT, show_default=False)] = 1000 / 30,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the figures to this JSON file.",
                                                       rich_help_panel=REPORT)] = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="hf: run the same workload through "
@@ -96,7 +96,7 @@ def bench(
     ShareGPT load, in process or against --url, optionally next to transformers static batching."""
     from llmctl.bench.session import BenchOptions, run_bench
 
-    out, err = Console(), Console(stderr=True)
+    out, err = Console(), Console(stderr=True, soft_wrap=True)
     options = BenchOptions(
         model=model, url=url, served_model_name=served_model_name, api_key=api_key, dataset=dataset,
         dataset_path=dataset_path, num_prompts=num_prompts, input_len=input_len, output_len=output_len,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import time
 from typing import Annotated, Optional
 
@@ -63,7 +65,7 @@ def chat(
     from llmctl.sampling_params import SamplingParams
 
     console = Console(highlight=False)
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
     try:
         with exit_on_error(err):
             try:
@@ -87,10 +89,19 @@ def chat(
         err.print("interrupted")
         raise typer.Exit(130) from None
 
-    repl = ChatRepl(engine, session, params, console)
+    repl = ChatRepl(engine, session, params, console,
+                    read_line=input if sys.stdin.isatty() else _echoing_input)
     repl.print_banner(load_seconds)
     enable_line_editing()
     repl.run()
+
+
+def _echoing_input(prompt: str) -> str:
+    """Piped input is not echoed by a terminal: print each line after its prompt, so the
+    transcript shows questions and answers in turn."""
+    line = input(prompt)
+    print(line, flush=True)
+    return line
 
 
 def register_commands(app: typer.Typer) -> None:

@@ -28,11 +28,25 @@ if TYPE_CHECKING:
     import uvicorn
 
 SERVER = "Server"
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _check_port_free(host: str, port: int) -> None:
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            err.print(f"[bold red]error:[/] cannot listen on {host}:{port}: {exc.strerror or exc} "
+                      "(another server? --port 0 picks a free port)")
+            raise typer.Exit(1) from None
 
 
 def _make_server(config: uvicorn.Config, on_ready: Callable[[int], None],
@@ -59,7 +73,7 @@ def serve(
     model: ModelArg,
     host: Annotated[str, typer.Option("--host", help="Address to bind (127.0.0.1: this machine only).",
                                       rich_help_panel=SERVER)] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", help="Port to bind; 0 picks a free one.",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to bind; 0 picks a free one.",
                                       rich_help_panel=SERVER)] = 8000,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LLMCTL_API_KEY",
                                                    help="Require `Authorization: Bearer KEY` on /v1/*.",
@@ -98,6 +112,7 @@ def serve(
     from llmctl.server.app import build_app
     from llmctl.server.serving import ServerState
 
+    _check_port_free(host, port)  # before loading the model, not after
     with exit_on_error(err):
         config = build_engine_config(
             model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,

@@ -19,7 +19,7 @@ from textual.widgets import DataTable, Footer, Static
 from llmctl.tui.blockmap import STATE_COLORS, STATE_NAMES
 from llmctl.tui.panels import BatchPanel, KvPanel, Line, ThroughputPanel
 from llmctl.tui.requests_table import COLUMN_KEYS, RequestsTable
-from llmctl.tui.sources import StatsSource
+from llmctl.tui.sources import SourceError, StatsSource
 from llmctl.tui.state import DashboardState
 
 HELP = """\
@@ -126,7 +126,9 @@ class TopApp(App[None]):
             if snapshot is not None:
                 self.state.ingest(snapshot)
         except Exception as exc:  # noqa: BLE001 - whatever went wrong, keep the last data and retry
-            self.state.mark_failure(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            # a SourceError already says what went wrong; anything else is named by its type
+            message = str(exc) if isinstance(exc, SourceError) else f"{type(exc).__name__}: {exc}"
+            self.state.mark_failure(message or type(exc).__name__)
         finally:
             self._polling = False
         self.redraw()

@@ -16,7 +16,7 @@ from llmctl.cli_options import (
 from llmctl.models.embedded import EMBEDDED_MODEL_NAME
 
 LOCAL = "Local engine (--local)"
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def run_app(app) -> None:
@@ -39,7 +39,9 @@ def register_commands(app: typer.Typer) -> None:
         = EMBEDDED_MODEL_NAME,
         rate: Annotated[float, typer.Option("--rate", min=0.01, help="Synthetic arrivals per second.",
                                             rich_help_panel=LOCAL)] = 3.0,
-        kv_cache_memory: KvMemoryOpt = "48MiB",
+        kv_cache_memory: Annotated[Optional[str], typer.Option(
+            "--kv-cache-memory", help="KV pool of the --local engine (small, so the block map shows it fill).",
+            rich_help_panel=LOCAL)] = "48MiB",
         max_num_seqs: MaxNumSeqsOpt = 48,
         max_num_batched_tokens: MaxBatchedTokensOpt = 1024,
         max_model_len: MaxModelLenOpt = None,

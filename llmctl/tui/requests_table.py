@@ -38,7 +38,8 @@ def _field(name: str) -> Callable[[dict[str, Any]], Any]:
 
 
 COLUMNS = (
-    Column("id", "id", _field("id"), lambda r: _natural(r["id"])),
+    # fixed width: a server's ids (cmpl- + 32 hex digits) would push the other columns off screen
+    Column("id", "id", _field("id"), lambda r: _natural(r["id"]), width=18),
     Column("user", "user", _field("user"), _field("user")),
     Column("state", "state", lambda r: Text(r["state"], style=STATE_STYLES.get(r["state"], "")), _field("state"),
            width=9),

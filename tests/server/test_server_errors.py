@@ -58,6 +58,7 @@ def test_bad_parameters_are_400(http, body, param, words):
 def test_bad_chat_parameters_are_400(http):
     for body, words in (({"messages": []}, "empty"), ({}, "messages: Field required"),
                         ({"messages": [{"content": "no role"}]}, "role"),
+                        ({"messages": [{"role": "bogus", "content": "Hi"}]}, "role"),
                         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "logprobs: true")):
         error = error_of(http.post("/v1/chat/completions", json={"model": "stories", **body}), 400)
         assert words in error["message"]
