@@ -78,8 +78,10 @@ def build_engine_config(
 ) -> EngineConfig:
     if attention_backend == "triton" and (device == "cpu" or not torch.cuda.is_available()):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before any kernel compiles
+    resolved = resolve_model(model, allow_pull=allow_pull)
     return EngineConfig(
-        model=resolve_model(model, allow_pull=allow_pull),
+        model=resolved,
+        model_name=model if resolved != model else None,
         dtype=dtype,
         device=device,
         attention_backend=attention_backend,

@@ -19,6 +19,7 @@ DEFAULT_CUDA_MEMORY_FRACTION = 0.90
 @dataclass
 class EngineConfig:
     model: str = EMBEDDED_MODEL_NAME
+    model_name: str | None = None  # how to show the model (a hub id) when ``model`` is its snapshot path
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda

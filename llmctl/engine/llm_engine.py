@@ -151,7 +151,7 @@ class LLMEngine:
             )
         model = load_model(model_dir, dtype=config.dtype, device=device, ops=ops)
         tokenizer = None if config.skip_tokenizer else Tokenizer.from_dir(Path(config.tokenizer or model_dir))
-        return model, tokenizer, str(config.model)
+        return model, tokenizer, config.model_name or str(config.model)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
