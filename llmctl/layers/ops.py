@@ -52,7 +52,8 @@ class AttentionMetadata:
 
 
 class TorchOps:
-    """Reference kernels in plain torch: the CPU path and the oracle of the Triton kernels."""
+    """The CPU path: plain-torch references (the oracle of the Triton kernels), with the fused
+    native CPU kernels taking over where they apply (see ``__init__``)."""
 
     name = "torch"
 
