@@ -133,6 +133,11 @@ class IncrementalDetokenizer:
     def step(self, token_id: int) -> str:
         return self.stream.step(self.tokenizer.backend, token_id) or ""
 
+    def flush(self) -> str:
+        """Text still held back when the sequence ends (bytes that never completed a character);
+        called once, after the last ``step``."""
+        return ""
+
 
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():

@@ -27,7 +27,7 @@ class CompletionOutput:
     index: int
     text: str  # everything generated so far (stop string excluded unless asked for)
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (see RequestOutput.error)
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     delta_text: str = ""  # new since the previous output of this request
     delta_token_ids: list[int] = field(default_factory=list)
@@ -49,3 +49,9 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     user: str = "default"
+    # Set when turning this request's tokens into output failed (detokenizer, stop strings,
+    # logprobs): the request alone is finished with finish_reason "error"; the engine goes on.
+    error: str | None = None
+    # SamplingParams.prompt_logprobs: per prompt position, {token_id: logprob} holding the prompt's
+    # own token plus the top-k alternatives; position 0 is None (nothing predicts it), as in vLLM.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

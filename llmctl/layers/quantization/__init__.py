@@ -1,0 +1,1 @@
+"""Quantized weights: packed formats, linear methods, and on-the-fly quantization."""
