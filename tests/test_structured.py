@@ -218,3 +218,28 @@ def test_unpack_matches_bit_arithmetic():
     expected = ((bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().reshape(5, -1)[:, :1250]
     assert torch.equal(unpack_bitmask(bitmask, 1250), expected)
     assert allocate_bitmask(3, 33).shape == (3, 2)
+
+
+def test_request_fields_map_to_one_spec():
+    from llmctl.structured.request import spec_from_request
+
+    schema = {"type": "object"}
+    assert spec_from_request() is None
+    assert spec_from_request(response_format={"type": "text"}) is None
+    assert spec_from_request(response_format={"type": "json_object"}) == StructuredOutputSpec.json_object()
+    assert (spec_from_request(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+            == StructuredOutputSpec.json_schema(schema))
+    assert spec_from_request(guided_json='{"type": "object"}') == StructuredOutputSpec.json_schema(schema)
+    assert spec_from_request(guided_choice=["a", "b"]) == StructuredOutputSpec.choice(["a", "b"])
+    assert spec_from_request(structured_outputs={"regex": "a+", "disable_fallback": True}) == StructuredOutputSpec.regex("a+")
+    assert spec_from_request(structured_outputs={"json_object": True}) == StructuredOutputSpec.json_object()
+    with pytest.raises(InvalidRequestError, match="one output constraint; got response_format, guided_regex"):
+        spec_from_request(response_format={"type": "json_object"}, guided_regex="a")
+    with pytest.raises(InvalidRequestError, match="json_schema.schema"):
+        spec_from_request(response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    with pytest.raises(InvalidRequestError, match="'yaml' is not supported"):
+        spec_from_request(response_format={"type": "yaml"})
+    with pytest.raises(InvalidRequestError, match="structural_tag is not supported"):
+        spec_from_request(structured_outputs={"structural_tag": "{}"})
+    with pytest.raises(InvalidRequestError, match="takes one constraint"):
+        spec_from_request(structured_outputs={"regex": "a", "choice": ["b"]})

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from llmctl.structured.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
-from llmctl.structured.bitmask import allocate_bitmask
+from llmctl.structured.bitmask import allocate_bitmask, apply_bitmask_
 from llmctl.structured.spec import StructuredOutputSpec
 from llmctl.tokenizer import Tokenizer
 
@@ -81,6 +81,13 @@ class StructuredOutputManager:
         bitmask = allocate_bitmask(len(rows), self.vocab_size)
         self.backend.fill_bitmasks([(matchers[row], i) for i, row in enumerate(rows)], bitmask)
         return bitmask, rows
+
+    def mask_logits_(self, logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:
+        """Forbid, in place, every token row ``i``'s matcher does not allow (rows without one are free)."""
+        found = self.bitmask_for(matchers)
+        if found is not None:
+            bitmask, rows = found
+            apply_bitmask_(logits, bitmask, None if len(rows) == logits.shape[0] else torch.tensor(rows))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
