@@ -205,8 +205,10 @@ def test_matchers_are_independent_and_roll_back(manager, tokenizer):
     both = manager.bitmask_for([first, None, second])
     assert both[1] == [0, 2]
     assert not torch.equal(both[0][0], start_mask[0]) and torch.equal(both[0][1], start_mask[0])
+    twin = first.copy()
     first.rollback(1)
     assert torch.equal(manager.bitmask_for([first])[0], start_mask)
+    assert torch.equal(manager.bitmask_for([twin])[0][0], both[0][0])  # the copy kept its state
 
 
 def test_no_constrained_rows_means_no_bitmask(manager):

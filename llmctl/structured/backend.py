@@ -29,6 +29,9 @@ class GrammarMatcher(Protocol):
     def rollback(self, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` accepted tokens."""
 
+    def copy(self) -> GrammarMatcher:
+        """An independent matcher in the same state (an ``n > 1`` sample forked off its parent)."""
+
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and nothing but EOS may follow: the sequence can stop here."""

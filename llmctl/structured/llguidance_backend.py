@@ -75,6 +75,9 @@ class LLGuidanceMatcher:
     def rollback(self, num_tokens: int) -> None:
         self._matcher.rollback(num_tokens)
 
+    def copy(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self._matcher.deep_copy())
+
     @property
     def is_terminated(self) -> bool:
         return self._matcher.is_stopped()
