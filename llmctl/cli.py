@@ -10,11 +10,9 @@ import typer
 from rich.console import Console
 
 from llmctl import __version__
-from llmctl.cli_options import (
-    BackendOpt, BlockSizeOpt, ChunkedPrefillOpt, DeviceOpt, DtypeOpt, KvMemoryOpt, MaxBatchedTokensOpt,
-    MaxModelLenOpt, MaxNumSeqsOpt, MemoryFractionOpt, ModelArg, PrefixCachingOpt, SeedOpt, ThreadsOpt,
-    build_engine_config, exit_on_error,
-)
+from llmctl.cli_help import SectionedCommand
+from llmctl.cli_options import ModelArg, config_for_model, engine_options, exit_on_error
+from llmctl.config import EngineConfig
 
 app = typer.Typer(
     name="llmctl",
@@ -22,6 +20,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 err = Console(stderr=True, soft_wrap=True)  # long lines stay whole when stderr is not a terminal
 
@@ -39,9 +38,10 @@ def main(version: Annotated[bool, typer.Option("--version", callback=_version, i
 
 
 @app.command()
+@engine_options(exclude=("max_num_seqs",))
 def generate(
     model: ModelArg,
-    prompt: Annotated[str, typer.Argument(help="Prompt text; '-' reads it from standard input.")],
+    prompt: Annotated[str, typer.Argument(metavar="PROMPT", help="Prompt text; '-' reads it from standard input.")],
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Tokens to generate at most.")] = 128,
     temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy.")] = 0.8,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
@@ -49,16 +49,10 @@ def generate(
     request_seed: Annotated[Optional[int], typer.Option("--sample-seed", help="Seed of this request's sampling.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep going past the end-of-sequence token.")] = False,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
-    max_model_len: MaxModelLenOpt = None,
-    kv_cache_memory: KvMemoryOpt = None,
-    block_size: BlockSizeOpt = 16,
-    attention_backend: BackendOpt = "auto",
-    seed: SeedOpt = 0,
-    threads: ThreadsOpt = None,
+    *,
+    engine_config: EngineConfig,
 ) -> None:
-    """Generate a completion of PROMPT, streaming the text, then print a stats line."""
+    """Generate a completion of PROMPT. The text streams to stdout, then a stats line to stderr."""
     from llmctl.engine.llm_engine import LLMEngine
     from llmctl.sampling_params import SamplingParams
 
@@ -66,9 +60,7 @@ def generate(
     with exit_on_error(err):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=request_seed, stop=stop or [], ignore_eos=ignore_eos)
-        config = build_engine_config(model, dtype=dtype, device=device, max_model_len=max_model_len,
-                                     kv_cache_memory=kv_cache_memory, block_size=block_size,
-                                     attention_backend=attention_backend, seed=seed, threads=threads)
+        config = config_for_model(engine_config, model)
         loaded = time.perf_counter()
         engine = LLMEngine(config)
         err.print(f"[dim]model: {engine.model_label} · {engine.dtype} · {engine.device} · "
@@ -105,6 +97,8 @@ def _register_feature_commands() -> None:
 
     for register in (register_hub_commands, register_chat, register_serve, register_bench, register_top):
         register(app)
+    for command in app.registered_commands:  # plain, sectioned help for every command
+        command.cls = SectionedCommand
 
 
 _register_feature_commands()

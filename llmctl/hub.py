@@ -1351,7 +1351,7 @@ def register_hub_commands(app: "typer.Typer") -> None:
         ),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
     ) -> None:
-        """Download a model's config, tokenizer and safetensors weights into the Hugging Face cache."""
+        """Download a model into the Hugging Face cache. Config, tokenizer and safetensors weights."""
         with _cli_errors():
             path = pull(model, token=token, console=Console(stderr=True), progress=not quiet)
         Console(soft_wrap=True).print(f"[green]✓[/green] {escape(model)} → {escape(str(path))}", highlight=False)
@@ -1403,7 +1403,7 @@ def register_hub_commands(app: "typer.Typer") -> None:
     def rm_command(
         model: str = typer.Argument(..., metavar="REPO_ID[@REVISION]", help="Cached model (all revisions unless @REVISION)."),
     ) -> None:
-        """Delete a model (or one revision of it) from the Hugging Face cache."""
+        """Delete a cached model, or one revision of it."""
         with _cli_errors():
             freed = remove(model)
         Console(soft_wrap=True).print(f"Removed {escape(model)} ({_fmt_size(freed)} freed)", highlight=False)

@@ -20,9 +20,9 @@ from llmctl.bench.datasets import (
 from llmctl.bench.metrics import RequestRecord, Slo, summarize
 from llmctl.bench.report import BenchReport, print_report, report_dict, write_json
 from llmctl.bench.runner import HttpTarget, InProcessTarget, RunResult, Target, run_load
-from llmctl.cli_options import build_engine_config, resolve_model
+from llmctl.cli_options import config_for_model, engine_option_list, resolve_model
+from llmctl.config import EMBEDDED_MODEL_NAME, EngineConfig
 from llmctl.errors import LlmctlError
-from llmctl.models.embedded import EMBEDDED_MODEL_NAME
 from llmctl.tokenizer import Tokenizer
 
 PROMPT_FORMATS = ("auto", "tokens", "text")
@@ -57,7 +57,7 @@ class BenchOptions:
     slo_tpot_ms: float | None = 1000 / 30
     json_path: Path | None = None
     baseline: str | None = None
-    engine_options: dict[str, Any] = field(default_factory=dict)
+    engine_config: EngineConfig = field(default_factory=EngineConfig)  # the in-process engine's settings
     argv: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -191,13 +191,13 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
         finally:
             await target.close()
         facts.update(tokenizer=tokenizer, model_spec=spec, label="server",
-                     model_label=f"{target.model}, served at {target.base_url}")
+                     model_label=f"{target.model}, served at {target.base_url}", engine_options=None)
         return result, timed, facts
 
     from llmctl.engine.async_engine import AsyncEngine
     from llmctl.engine.llm_engine import LLMEngine
 
-    config = build_engine_config(spec, **options.engine_options)
+    config = config_for_model(options.engine_config, spec)
     if (not options.as_text() and options.dataset != "sharegpt" and config.model != EMBEDDED_MODEL_NAME
             and not (Path(config.model) / "tokenizer.json").is_file()):
         config.skip_tokenizer = True  # token-id prompts: a checkpoint without tokenizer files still benchmarks
@@ -215,7 +215,8 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
     finally:
         async_engine.shutdown()
     facts.update(tokenizer=engine.tokenizer, llmctl_model=engine.model, label="llmctl",
-                 model_label=engine.model_label)
+                 model_label=engine.model_label,
+                 engine_options={o.name: getattr(config, o.name) for o in engine_option_list()})
     return result, timed, facts
 
 
@@ -226,7 +227,7 @@ def _run_baseline(options: BenchOptions, timed: list[BenchRequest], result: RunR
     require_transformers()
     model = facts.get("llmctl_model")
     if model is None:
-        model = _load_model_weights(facts["model_spec"], options.engine_options.get("dtype", "auto"))
+        model = _load_model_weights(facts["model_spec"], options.engine_config.dtype)
     hf = to_hf_model(model)
     # the same work on both sides: each request generates what it generated in the timed run
     same_work = [replace(r, output_len=rec.output_tokens) if rec.succeeded else r
@@ -244,7 +245,7 @@ def _run_baseline(options: BenchOptions, timed: list[BenchRequest], result: RunR
 def run_bench(options: BenchOptions, out: Console, err: Console) -> dict[str, Any]:
     """Run the benchmark, print the report; returns the JSON-ready figures (also written to --json)."""
     options.validate()
-    threads = options.engine_options.get("threads")
+    threads = options.engine_config.num_threads
     if threads:  # also the baseline's and, with --url, the client's threads
         torch.set_num_threads(threads)
     result, timed, facts = asyncio.run(_run_target(options, err))
@@ -262,7 +263,8 @@ def run_bench(options: BenchOptions, out: Console, err: Console) -> dict[str, An
     title = _describe(options, timed)
     print_report(out, sides, title, notes)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()
-              if k not in ("api_key", "argv")}
+              if k not in ("api_key", "argv", "engine_config")}
+    config["engine_options"] = facts["engine_options"]
     config.update(request_rate=None if math.isinf(options.request_rate) else options.request_rate,
                   argv=options.argv, model_label=facts["model_label"], torch_threads=torch.get_num_threads(),
                   ignore_eos=options.effective_ignore_eos, prompt_format="text" if options.as_text() else "tokens")
