@@ -91,7 +91,7 @@ def _register_feature_commands() -> None:
     """Each feature package owns its commands; this order is the order of ``--help``."""
     from llmctl.bench.cli import register_commands as register_bench
     from llmctl.chat import register_commands as register_chat
-    from llmctl.hub import register_hub_commands
+    from llmctl.hub.cli import register_hub_commands
     from llmctl.server.cli import register_commands as register_serve
     from llmctl.tui.cli import register_commands as register_top
 
