@@ -170,6 +170,8 @@ class TopApp(App[None]):
         status.append_text(Text.assemble("  ", ("llmctl top", "bold"), " · ", self.source.label))
         if snap is not None:
             status.append(f" · {snap['model']} · step {snap['step']:,} · up {_duration(snap['uptime_s'])}")
+            if snap.get("note"):  # e.g. drawn from a vLLM server's /metrics: what is missing
+                status.append(f" · {snap['note']}", "dim")
             server = snap.get("server")  # what `llmctl serve` adds to the engine's snapshot
             if server:
                 status.append(f" · {server.get('in_flight', 0)} in flight")
