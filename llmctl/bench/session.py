@@ -4,12 +4,14 @@ timed load with a live progress bar, optionally run the transformers baseline, r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import platform
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -177,6 +179,7 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
         target = HttpTarget(options.url, model=options.served_model_name, api_key=options.api_key,
                             ignore_eos=options.effective_ignore_eos)
         try:
+            server_stats = await _probe_server(target)
             try:
                 await target.connect()
             except ConnectionError as exc:
@@ -191,7 +194,9 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
         finally:
             await target.close()
         facts.update(tokenizer=tokenizer, model_spec=spec, label="server",
-                     model_label=f"{target.model}, served at {target.base_url}", engine_options=None)
+                     model_label=f"{target.model}, served at {target.base_url}",
+                     engine_options=server_stats["config"] if server_stats else None,
+                     settings=_server_settings(server_stats))
         return result, timed, facts
 
     from llmctl.engine.async_engine import AsyncEngine
@@ -216,8 +221,38 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
         async_engine.shutdown()
     facts.update(tokenizer=engine.tokenizer, llmctl_model=engine.model, label="llmctl",
                  model_label=engine.model_label,
+                 settings=f"torch threads: {torch.get_num_threads()} · {platform.machine()}",
                  engine_options={o.name: getattr(config, o.name) for o in engine_option_list()})
     return result, timed, facts
+
+
+async def _probe_server(target: HttpTarget) -> dict[str, Any] | None:
+    """Check the key before the load starts (a 401 is one clear line, not an error per request) and
+    read the server's engine settings from ``/v1/engine/stats`` when it is llmctl (None otherwise)."""
+    stats = None
+    for path in ("/v1/models", "/v1/engine/stats"):
+        try:
+            response = await target.client.get(path)
+        except httpx.HTTPError:
+            return None  # unreachable: connect() says so
+        if response.status_code == 401:
+            raise BenchError(f"401 from {target.base_url}: pass --api-key or set LLMCTL_API_KEY")
+        if path.endswith("stats") and response.status_code == 200:
+            with contextlib.suppress(ValueError):
+                stats = response.json()
+    return stats if isinstance(stats, dict) and isinstance(stats.get("config"), dict) else None
+
+
+def _server_settings(stats: dict[str, Any] | None) -> str:
+    """The serving engine's settings, as the report's note (the client's would say nothing)."""
+    if stats is None:
+        return "server: not llmctl (no /v1/engine/stats), so its engine settings are not known"
+    c = stats["config"]
+    return (f"server: llmctl · {c.get('dtype')} · {c.get('device')} · {c.get('attention_backend')} · "
+            f"max_num_seqs {c.get('max_num_seqs')} · max_num_batched_tokens {c.get('max_num_batched_tokens')} · "
+            f"{c.get('num_blocks')} KV blocks of {c.get('block_size')} · max_model_len {c.get('max_model_len')} · "
+            f"prefix caching {'on' if c.get('enable_prefix_caching') else 'off'} · "
+            f"chunked prefill {'on' if c.get('enable_chunked_prefill') else 'off'}")
 
 
 def _run_baseline(options: BenchOptions, timed: list[BenchRequest], result: RunResult, facts: dict[str, Any],
@@ -251,8 +286,7 @@ def run_bench(options: BenchOptions, out: Console, err: Console) -> dict[str, An
     result, timed, facts = asyncio.run(_run_target(options, err))
     slo = Slo(options.slo_ttft_ms, options.slo_tpot_ms)
     sides = [BenchReport(facts["label"], summarize(result.records, slo, result.duration_s), result.engine_stats)]
-    notes = [f"model: {facts['model_label']}", *facts["notes"],
-             f"torch threads: {torch.get_num_threads()} · {platform.machine()} · "
+    notes = [f"model: {facts['model_label']}", *facts["notes"], facts["settings"],
              f"{options.warmup} warm-up request(s), not counted"]
     if options.baseline == "hf":
         base = _run_baseline(options, timed, result, facts, err)
@@ -266,7 +300,8 @@ def run_bench(options: BenchOptions, out: Console, err: Console) -> dict[str, An
               if k not in ("api_key", "argv", "engine_config")}
     config["engine_options"] = facts["engine_options"]
     config.update(request_rate=None if math.isinf(options.request_rate) else options.request_rate,
-                  argv=options.argv, model_label=facts["model_label"], torch_threads=torch.get_num_threads(),
+                  argv=options.argv, model_label=facts["model_label"],
+                  torch_threads=torch.get_num_threads() if options.url is None else None,
                   ignore_eos=options.effective_ignore_eos, prompt_format="text" if options.as_text() else "tokens")
     data = report_dict(sides, config)
     if options.json_path is not None:
