@@ -56,6 +56,8 @@ def generate(
     from llmctl.engine.llm_engine import LLMEngine
     from llmctl.sampling_params import SamplingParams
 
+    if prompt == "-" and sys.stdin.isatty():  # otherwise it would wait in silence
+        err.print("[dim]reading the prompt from standard input: type it, then Ctrl-D[/]")
     text = sys.stdin.read().removesuffix("\n") if prompt == "-" else prompt
     with exit_on_error(err):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -82,9 +84,14 @@ def generate(
     generated = len(final.outputs[0].token_ids)
     decode_time = elapsed - (first_token - start)
     rate = f"{(generated - 1) / decode_time:.1f} tokens/s" if generated > 1 and decode_time > 0 else "n/a tokens/s"
-    err.print(f"[dim]prompt {len(final.prompt_token_ids)} tokens · generated {generated} "
-              f"token{'s' if generated != 1 else ''} ({final.outputs[0].finish_reason}) · "
+    err.print(f"[dim]prompt {tokens(len(final.prompt_token_ids))} · generated {tokens(generated)} "
+              f"({final.outputs[0].finish_reason}) · "
               f"TTFT {1000 * (first_token - start):.0f} ms · {rate} · total {elapsed:.2f}s[/]")
+
+
+def tokens(n: int) -> str:
+    """``1 token``, ``2 tokens``."""
+    return f"{n} token{'' if n == 1 else 's'}"
 
 
 def _register_feature_commands() -> None:

@@ -104,6 +104,26 @@ class EngineConfig:
         return torch.device(self.device)
 
 
+def format_size(n: int) -> str:
+    """Bytes in the units ``--kv-cache-memory`` reads back: ``36KiB``, ``1.5GiB``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.4g}{unit}"
+    return f"{n}B"
+
+
+def kv_pool_too_small(pool_bytes: int, block_bytes: int, block_size: int, max_model_len: int | None) -> ConfigError:
+    """The error for a KV pool that cannot hold one sequence, naming the smallest pool that can:
+    ``max_model_len`` tokens when it was given, else one block (then max_model_len is one block)."""
+    tokens = max_model_len if max_model_len else block_size
+    needed = -(-tokens // block_size) * block_bytes
+    what = f"one sequence of max_model_len={max_model_len} tokens" if max_model_len else "a single KV block"
+    return ConfigError(
+        f"a KV pool of {format_size(pool_bytes)} cannot hold {what} ({format_size(block_bytes)} per block of "
+        f"{block_size} tokens for this model): give --kv-cache-memory at least {format_size(needed)}"
+        + (" or lower --max-model-len" if max_model_len else ""))
+
+
 def available_host_memory() -> int:
     try:
         with open("/proc/meminfo") as f:
