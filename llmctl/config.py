@@ -31,7 +31,7 @@ CLI_METADATA_KEY = "llmctl.cli"
 class CliOption:
     """How one ``EngineConfig`` field appears on the command line."""
 
-    flag: str  # "--max-num-seqs", or "--on/--off" for a boolean
+    flag: str  # "--max-num-seqs"; "--name -n" adds a short alias; "--on/--off" for a boolean
     help: str
     parse: Callable[[Any], Any] | None = None  # what the user typed -> the field's value (e.g. "2GiB" -> bytes)
     cli_type: Any = None  # what the user types, when it is not the field's type

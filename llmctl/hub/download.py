@@ -24,10 +24,10 @@ import contextlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from rich.markup import escape

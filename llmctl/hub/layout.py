@@ -21,9 +21,9 @@ COMMIT_PREFIX = re.compile(r"^[0-9a-f]{7,40}$")
 
 # huggingface_hub's own rule for repo ids ("name" or "namespace/name").
 REPO_ID = re.compile(r"^(?:[\w.\-]{1,96}/)?[\w.\-]{1,96}$")
+
 # Top-level files inference needs, besides the safetensors weights.
 _CONFIG_FILES = ("config.json", "generation_config.json")
-
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
