@@ -31,8 +31,8 @@ Command = TypeVar("Command", bound=Callable[..., Any])
 
 ModelArg = Annotated[
     str,
-    typer.Argument(metavar="MODEL", help=f"A local model directory, a Hugging Face hub id (ORG/NAME or ORG/NAME@REVISION), or the "
-                        f"embedded default {EMBEDDED_MODEL_NAME!r} (random weights, no download)."),
+    typer.Argument(metavar="MODEL", help=f"A local model directory, a Hugging Face hub id (ORG/NAME or "
+                   f"ORG/NAME@REVISION), or the embedded default {EMBEDDED_MODEL_NAME!r} (random weights, no download)."),
 ]
 
 
