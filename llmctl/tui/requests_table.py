@@ -53,7 +53,7 @@ COLUMN_KEYS = tuple(c.key for c in COLUMNS)
 BY_KEY = {c.key: c for c in COLUMNS}
 # Which columns stay when the table is narrow: the first ones of this list, shown in COLUMNS order.
 PRIORITY = ("id", "state", "age", "generated", "prompt", "blocks", "preemptions", "cached", "user")
-MIN_ID_WIDTH = 10  # a server's ids (cmpl- + 32 hex digits) are cut with … below their length
+MIN_ID_WIDTH = 14  # at least this much of a long id (a server's: cmpl- + 32 hex digits) stays visible
 MAX_ID_WIDTH = 40
 CELL_PADDING = 1  # DataTable's, on each side of every column
 
@@ -63,7 +63,8 @@ def fit_columns(width: int, longest_id: int, longest_user: int) -> tuple[tuple[s
     column's width and the user column's. Columns that do not fit are dropped whole, never cut;
     what is left widens the id column up to the longest id."""
     widths = {c.key: c.width for c in COLUMNS}
-    widths["id"], widths["user"] = MIN_ID_WIDTH, max(4, longest_user)
+    min_id = min(MIN_ID_WIDTH, max(4, longest_id))  # short ids ("req-7") take no more than they need
+    widths["id"], widths["user"] = min_id, max(4, longest_user)
     chosen: list[str] = []
     used = 0
     for key in PRIORITY:
@@ -71,7 +72,7 @@ def fit_columns(width: int, longest_id: int, longest_user: int) -> tuple[tuple[s
         if used + need <= width or key == "id":
             chosen.append(key)
             used += need
-    id_width = min(max(MIN_ID_WIDTH, longest_id), MIN_ID_WIDTH + max(0, width - used), MAX_ID_WIDTH)
+    id_width = min(max(min_id, longest_id), min_id + max(0, width - used), MAX_ID_WIDTH)
     return tuple(k for k in COLUMN_KEYS if k in chosen), id_width, widths["user"]
 
 
@@ -97,6 +98,7 @@ class RequestsTable(DataTable):
         self.selected_id: str | None = None
         self.shown_columns: tuple[str, ...] = ()
         self._id_width = MIN_ID_WIDTH
+        self._fitted: tuple | None = None
         self._rows: dict[str, tuple] = {}
         self._requests: dict[str, dict[str, Any]] = {}
         self._id_of_cell: dict[str, str] = {}  # shortened id as shown -> request id
@@ -117,7 +119,7 @@ class RequestsTable(DataTable):
         fit = fit_columns(width, max((len(r["id"]) for r in requests), default=0),
                           max((len(str(r["user"])) for r in requests), default=0))
         shown, id_width, user_width = fit
-        if fit == getattr(self, "_fitted", None):
+        if fit == self._fitted:
             return
         self._fitted = fit
         cursor_key = self.cursor_request_id

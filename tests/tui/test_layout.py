@@ -15,7 +15,7 @@ import pytest
 from tui_helpers import drive, screen_text
 
 from llmctl.tui.app import TopApp
-from llmctl.tui.requests_table import BY_KEY, COLUMN_KEYS, RequestsTable
+from llmctl.tui.requests_table import BY_KEY, COLUMN_KEYS, RequestsTable, fit_columns, shorten_id
 from llmctl.tui.sources import ReplaySource
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -68,3 +68,14 @@ def test_layout_at_common_sizes(snapshots, size):
         assert text + "\n" == snapshot_file.read_text()
 
     drive(TopApp(ReplaySource(snapshots, label="http://127.0.0.1:8000"), interval=None), scenario, size=size)
+
+
+def test_a_servers_long_ids_keep_both_ends():
+    server_id = "cmpl-427286bb7a924d0f8c560b0e1a2b3c4d#1"  # cmpl- + 32 hex digits, sample 1 of n
+    shown, id_width, _ = fit_columns(76, len(server_id), 8)  # the table's width at 120 columns
+    assert id_width >= 14 and {"id", "state", "age"} <= set(shown)
+    short = shorten_id(server_id, id_width)
+    assert len(short) == id_width and short.startswith("cmpl-4") and short.endswith("c4d#1") and "…" in short
+    assert shorten_id("req-7", 14) == "req-7"
+    shown, id_width, _ = fit_columns(200, len(server_id), 8)
+    assert id_width == len(server_id) and set(shown) == set(COLUMN_KEYS)  # room enough: the whole id
