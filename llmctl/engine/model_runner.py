@@ -17,6 +17,8 @@ from llmctl.models.llama import LlamaForCausalLM
 
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V one block holds over all layers: the one place KV size is computed (from
+    the attention layers as built, so a tensor-parallel shard counts only its own heads)."""
     attn = model.attention_layers()[0]
     per_token = 2 * len(model.attention_layers()) * attn.num_kv_heads * attn.head_dim
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()

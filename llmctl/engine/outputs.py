@@ -10,8 +10,8 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None
     last_token_time: float | None = None  # the step that produced the newest token
-    previous_token_time: float | None = None  # the step before that gave this request a token
     finished_time: float | None = None
+    previous_token_time: float | None = None  # the step before that gave this request a token
 
     @property
     def ttft(self) -> float | None:
