@@ -40,11 +40,6 @@ class ModelOutput:
     prompt_logits: list[PromptLogits] = field(default_factory=list)
 
 
-def wants_prompt_logits(seq: Sequence) -> bool:
-    """Prompt logprobs are computed while the prompt is, before the first output token."""
-    return seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
-
-
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int, device: torch.device,
                  kv_dtype: torch.dtype) -> None:
@@ -87,7 +82,7 @@ class ModelRunner:
         for item in prefills:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
-            if wants_prompt_logits(seq) and end > start:
+            if seq.needs_prompt_logits and end > start:
                 rows = hidden[offset : offset + end - start]
                 found.append(PromptLogits(seq, start + 1, self.model.compute_logits(rows).float()))
             offset += item.num_new_tokens

@@ -16,6 +16,11 @@ Every step:
 
 The scheduler never fails a request for lack of blocks: preempted sequences wait at the head of
 their user's queue and resume, finding their full blocks again in the prefix cache.
+
+After the model ran, ``update_from_output`` does the step's bookkeeping in one place (as nano-vllm's
+``postprocess``): computed K/V, ``n > 1`` forks, the sampled tokens, and the end of sequences that
+hit EOS, a stop token id, ``max_tokens`` or ``max_model_len``. The scheduler owns the block manager:
+every block is taken and given back through it.
 """
 
 from __future__ import annotations
@@ -218,7 +223,9 @@ class Scheduler:
                     break
             if self._seats_in_use() + seats > self.config.max_num_seqs:
                 break  # the fairest next request waits for seats; nobody else jumps ahead of it
-            cached = self.block_manager.find_cached_prefix(seq) if self._may_use_prefix_cache(seq) else []
+            # a sequence holding no blocks may adopt cached ones, unless it needs its prompt's logits
+            may_hit = not seq.block_table and not seq.needs_prompt_logits
+            cached = self.block_manager.find_cached_prefix(seq) if may_hit else []
             pending = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.block_manager.block_size
             n = min(pending, shares.get(user, 0), budget)
             if n <= 0 or (not chunked and n < pending):
@@ -239,14 +246,6 @@ class Scheduler:
                 budget -= n
                 continue
             break  # the pool is short and nobody holds more than their share: wait for blocks
-
-    @staticmethod
-    def _may_use_prefix_cache(seq: Sequence) -> bool:
-        """A sequence that holds no blocks may adopt cached ones, unless it still needs the logits
-        of its prompt positions (``prompt_logprobs``): a hit would skip computing them."""
-        if seq.block_table:
-            return False
-        return seq.params.prompt_logprobs is None or seq.num_output_tokens > 0
 
     def _admit(self, seq: Sequence, num_cached_blocks: int) -> None:
         cached_tokens = num_cached_blocks * self.block_manager.block_size

@@ -79,5 +79,11 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def needs_prompt_logits(self) -> bool:
+        """``prompt_logprobs`` are computed with the prompt, before the first output token; until
+        then no prefix-cache hit may skip a prompt position."""
+        return self.params.prompt_logprobs is not None and self.num_output_tokens == 0
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
