@@ -3,6 +3,7 @@ REPL in process, and the command driven through a pseudo-terminal as a user driv
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import re
@@ -279,16 +280,17 @@ def test_word_wrap_holds_a_word_until_it_is_complete():
 
 def test_embedded_model_stops_at_im_end(engine):
     im_end = engine.tokenizer.backend.token_to_id("<|im_end|>")
-    assert im_end in engine.eos_token_ids
+    assert im_end in engine.scheduler.config.eos_token_ids  # the stop tokens the scheduler checks
     # force the end-of-turn token: only <|im_end|> is allowed, so the answer must end on it at once
     params = SamplingParams(max_tokens=50, temperature=0)
     request_id = engine.add_request(engine.tokenizer.encode("hi", add_special_tokens=False), params)
     logits_hook = engine.runner.execute
 
     def only_im_end(sched):
-        forced = torch.full_like(logits_hook(sched), float("-inf"))
+        output = logits_hook(sched)
+        forced = torch.full_like(output.logits, float("-inf"))
         forced[:, im_end] = 0.0
-        return forced
+        return dataclasses.replace(output, logits=forced)
 
     engine.runner.execute = only_im_end
     try:
