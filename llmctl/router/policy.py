@@ -8,10 +8,13 @@ Prefix-aware routing, in order:
 2. **Consistent hashing.** A prefix never seen goes to the replica its ``ring_key`` (the hash of
    its first few chunks) lands on, on a ring with ``VNODES`` points per replica. When a replica
    joins or leaves, only the prefixes on its arcs move.
-3. **Bounded load.** Either choice is taken only while that replica carries fewer than
+3. **Bounded load.** Either choice is taken while that replica carries fewer than
    ``ceil(load_factor * (in-flight + 1) / replicas)`` of this router's requests (consistent
-   hashing with bounded loads, Mirrokni et al. 2018); above it the request goes to the least
-   loaded replica, so a hot prefix spills over instead of queueing behind itself.
+   hashing with bounded loads, Mirrokni et al. 2018), or no more than ``MIN_SPREAD - 1`` above
+   the least loaded one; beyond both the request goes to the least loaded replica, so a hot
+   prefix spills over instead of queueing behind itself. The spread keeps a lightly loaded
+   router from scattering prefixes: at 1 request in flight the bound alone would already call
+   its replica full, although a batching server takes dozens at no cost.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from llmctl.router.replicas import Replica
 VNODES = 64
 DEFAULT_LOAD_FACTOR = 1.25
 DEFAULT_TABLE_SIZE = 65536
+MIN_SPREAD = 2
 
 
 @dataclass(frozen=True)
@@ -88,12 +92,15 @@ class PrefixAwarePolicy:
         if preferred is None:
             owner = self._ring.owner(key.ring_key, set(by_url))
             preferred, reason = (by_url[owner] if owner else None), "ring"
-        total = sum(r.in_flight for r in candidates)
-        bound = math.ceil(self.load_factor * (total + 1) / len(candidates))
-        if preferred is None or preferred.in_flight >= bound:
+        if preferred is None or self._overloaded(preferred, candidates):
             preferred, reason = least_loaded(candidates), "least_loaded"
         self._remember(key, preferred.url, by_url)
         return Choice(preferred, reason)
+
+    def _overloaded(self, replica: Replica, candidates: Sequence[Replica]) -> bool:
+        total = sum(r.in_flight for r in candidates)
+        bound = math.ceil(self.load_factor * (total + 1) / len(candidates))
+        return replica.in_flight >= bound and replica.in_flight >= least_loaded(candidates).in_flight + MIN_SPREAD
 
     def _remembered(self, key: PrefixKey, by_url: dict[str, Replica]) -> Replica | None:
         for chain_hash in reversed(key.chain):
