@@ -100,10 +100,10 @@ def question(index: int) -> str:
     return f"Question {index}: " + " ".join(pick.choice(WORDS) for _ in range(5)) + "?"
 
 
-def shared_prefix_workload(systems: range, questions: int) -> list[dict]:
+def shared_prefix_workload(systems: range, questions: int, max_tokens: int = 2) -> list[dict]:
     """Every system prompt with every question, interleaved (s0 q0, s1 q0, ..., s0 q1, ...)."""
     return [{"messages": [{"role": "system", "content": system_prompt(s)}, {"role": "user", "content": question(q)}],
-             "max_tokens": 2, "temperature": 0} for q in range(questions) for s in systems]
+             "max_tokens": max_tokens, "temperature": 0} for q in range(questions) for s in systems]
 
 
 def prefix_cache_counters(urls: list[str]) -> tuple[float, float]:
