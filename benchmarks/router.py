@@ -34,7 +34,8 @@ def _ttft(router: str, body: dict) -> float:
     """Seconds from sending the request to the first chunk that carries a token (text, or the end
     of a choice whose first token decodes to nothing); the opening role-only chunk does not count."""
     start = time.perf_counter()
-    with httpx.stream("POST", f"{router}/v1/chat/completions", json={**body, "stream": True, "ignore_eos": True}, timeout=300) as response:
+    body = {**body, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{router}/v1/chat/completions", json=body, timeout=300) as response:
         response.raise_for_status()
         first = None
         for line in response.iter_lines():

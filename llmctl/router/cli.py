@@ -49,7 +49,8 @@ def router(
                                              "(64 ~ one 16-token KV block).", rich_help_panel=ROUTING)]
     = DEFAULT_CHUNK_BYTES,
     ring_chunks: Annotated[int, typer.Option("--ring-chunks", min=1, help="Leading chunks that place a new "
-                                             "prefix on the hash ring.", rich_help_panel=ROUTING)] = DEFAULT_RING_CHUNKS,
+                                             "prefix on the hash ring.", rich_help_panel=ROUTING)]
+    = DEFAULT_RING_CHUNKS,
     max_attempts: Annotated[int, typer.Option("--max-attempts", min=1, help="Replicas tried per request "
                                               "before it fails.", rich_help_panel=ROUTING)] = 3,
     health_interval: Annotated[float, typer.Option("--health-interval", min=0.05, help="Seconds between "

@@ -59,7 +59,8 @@ class Upstream:
     query: str = ""
 
 
-Chooser = Callable[[set[str]], "tuple[Replica, str] | None"]
+# the replica for the next attempt and why (a metric label), given the URLs already tried
+Chooser = Callable[[set[str]], tuple[Replica, str] | None]
 
 
 class Forwarder:

@@ -77,7 +77,8 @@ def _run_entrypoint(tmp_path: Path, *args: str, env: dict[str, str] | None = Non
 def test_entrypoint_turns_environment_into_serve_flags(tmp_path):
     argv = _run_entrypoint(tmp_path, "serve", "--seed", "7", env={
         "LLMCTL_MODEL": "Qwen/Qwen2.5-0.5B-Instruct", "LLMCTL_DRAIN_TIMEOUT": "60", "LLMCTL_THREADS": "8",
-        "LLMCTL_KV_CACHE_MEMORY": "8GiB", "LLMCTL_SERVED_MODEL_NAME": "qwen small", "LLMCTL_EXTRA_ARGS": "--no-access-log"})
+        "LLMCTL_KV_CACHE_MEMORY": "8GiB", "LLMCTL_SERVED_MODEL_NAME": "qwen small",
+        "LLMCTL_EXTRA_ARGS": "--no-access-log"})
     assert argv == ["serve", "Qwen/Qwen2.5-0.5B-Instruct", "--host", "0.0.0.0", "--port", "8000",
                     "--served-model-name", "qwen small", "--drain-timeout", "60", "--kv-cache-memory", "8GiB",
                     "--threads", "8", "--seed", "7", "--no-access-log"]

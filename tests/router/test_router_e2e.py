@@ -36,8 +36,10 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
 
 
 def _normalized_events(text: str) -> list[str]:
-    """The SSE events with the per-request id and timestamp blanked out."""
+    """The SSE events with the per-request id and timestamp blanked out, and the count of cached
+    prompt tokens (which depends on what the replica served before)."""
     text = re.sub(r'"id":\s*"[^"]*"', '"id":""', text)
+    text = re.sub(r'"cached_tokens":\s*\d+', '"cached_tokens":0', text)
     return re.sub(r'"created":\s*\d+', '"created":0', text).split("\n\n")
 
 
@@ -86,19 +88,20 @@ def test_prefix_aware_routing_at_least_doubles_the_prefix_cache_hit_rate(cluster
     assert metric_value(router, "llmctl:router_routing_decisions_total", reason="affinity") >= 16
 
 
-def _stream_one(router: str, body: dict, started: threading.Event | None = None) -> dict:
+API_KEY = "router-test-key"
+
+
+def _stream_one(router: str, body: dict) -> dict:
     """One streamed chat request; whether bytes came back, whether it finished cleanly."""
     result = {"started": False, "finished": False, "status": None}
     try:
-        with httpx.stream("POST", f"{router}/v1/chat/completions", json={**body, "stream": True,
-                                                                        "max_tokens": 8}, timeout=120) as response:
+        with httpx.stream("POST", f"{router}/v1/chat/completions", json={**body, "stream": True, "max_tokens": 8},
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as response:
             result["status"] = response.status_code
             events = []
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     result["started"] = True
-                    if started is not None:
-                        started.set()
                     events.append(line[6:])
             result["finished"] = (events[-1:] == ["[DONE]"] and '"error"' not in "".join(events)
                                   and any('"finish_reason":"length"' in e.replace(" ", "") for e in events))
@@ -110,8 +113,12 @@ def _stream_one(router: str, body: dict, started: threading.Event | None = None)
 def test_killing_a_replica_mid_run_loses_no_request_that_had_not_started_streaming(cluster):
     # A router that checks health only every 30 s: requests still go to the dead replica after the
     # kill, and must be retried elsewhere (the kill is found by the failed connection, not a probe).
-    router = start_router(cluster["urls"], cluster["log_dir"], "--policy", "prefix", "--health-interval", "30")
+    # It also wants an API key (the replicas want none: the header passes through them unread).
+    router = start_router(cluster["urls"], cluster["log_dir"], "--policy", "prefix", "--health-interval", "30",
+                          "--api-key", API_KEY)
     cluster["processes"].append(router)
+    refused = httpx.post(f"{router.url}/v1/chat/completions", json=shared_prefix_workload(range(1), 1)[0], timeout=60)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
     workload = shared_prefix_workload(range(200, 208), questions=3)
     victim = cluster["replicas"][0]
     results: list[dict] = []

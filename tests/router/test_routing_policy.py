@@ -41,8 +41,9 @@ def test_short_prompt_has_no_chain_but_a_ring_key():
 def test_routing_bytes_of_each_request_shape():
     assert routing_bytes("/v1/completions", {"prompt": "Once"}) == b"Once"
     assert routing_bytes("/v1/completions", {"prompt": ["Once", "Twice"]}) == b"Once"
-    assert routing_bytes("/v1/completions", {"prompt": [1, 2]}) == routing_bytes("/v1/completions", {"prompt": [[1, 2]]})
-    assert routing_bytes("/v1/completions", {"prompt": [1, 2]}) != routing_bytes("/v1/completions", {"prompt": [1, 3]})
+    tokens = routing_bytes("/v1/completions", {"prompt": [1, 2]})
+    assert tokens == routing_bytes("/v1/completions", {"prompt": [[1, 2]]})
+    assert tokens != routing_bytes("/v1/completions", {"prompt": [1, 3]})
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
     assert routing_bytes("/v1/chat/completions", parts) == routing_bytes(
         "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
@@ -136,3 +137,20 @@ def test_make_policy_rejects_unknown_names_and_bad_load_factors():
         make_policy("random")
     with pytest.raises(ValueError, match="at least 1"):
         make_policy("prefix", load_factor=0.5)
+
+
+def test_router_command_is_registered_and_refuses_bad_replica_flags():
+    from typer.testing import CliRunner
+
+    from llmctl.cli import app
+
+    runner = CliRunner()
+    assert "router" in runner.invoke(app, ["--help"]).output
+    no_replicas = runner.invoke(app, ["router"], env={"LLMCTL_ROUTER_REPLICAS": ""})
+    assert no_replicas.exit_code == 1 and "--replica URL" in no_replicas.output
+    not_a_url = runner.invoke(app, ["router", "--replica", "10.0.0.7:8000"])
+    assert not_a_url.exit_code == 1 and "http://" in not_a_url.output
+    bad_discover = runner.invoke(app, ["router", "--discover", "llmctl-headless"])
+    assert bad_discover.exit_code == 1 and "NAME:PORT" in bad_discover.output
+    bad_policy = runner.invoke(app, ["router", "--replica", "http://127.0.0.1:1", "--policy", "random"])
+    assert bad_policy.exit_code == 1 and "unknown --policy" in bad_policy.output
