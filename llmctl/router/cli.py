@@ -76,6 +76,7 @@ def router(
         err.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(1) from None
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request and probe
     settings = RouterSettings(api_key=api_key, chunk_bytes=chunk_bytes, ring_chunks=ring_chunks,
                               max_attempts=max_attempts)
     app = build_router_app(urls, chosen_policy, settings, discover=discover, health_interval=health_interval,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -147,3 +148,5 @@ def test_killing_a_replica_mid_run_loses_no_request_that_had_not_started_streami
     assert len(broken) <= CONCURRENCY  # at most the streams running on the victim when it died
     assert metric_value(router.url, "llmctl:router_retries_total", reason="transport") >= 1
     assert metric_value(router.url, "llmctl:router_replica_healthy", replica=victim.url) == 0
+    router.proc.send_signal(signal.SIGTERM)  # idle: it stops at once, and exits 0
+    assert router.proc.wait(timeout=30) == 0
