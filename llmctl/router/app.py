@@ -43,11 +43,13 @@ def _unauthorized() -> JSONResponse:
 
 def build_router_app(urls: list[str], policy: Policy, settings: RouterSettings, *,
                      discover: str | None = None, health_interval: float = 2.0,
-                     max_backoff: float = 30.0, discovery_interval: float = 10.0) -> FastAPI:
-    """The app; its replica health/discovery task runs for the app's lifespan."""
+                     max_backoff: float = 30.0, discovery_interval: float = 10.0,
+                     client: httpx.AsyncClient | None = None) -> FastAPI:
+    """The app; its replica health/discovery task runs for the app's lifespan. ``client`` (the
+    connection pool to the replicas) is made here unless given."""
     timeout = httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout)
-    client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
-                                                                    max_keepalive_connections=64))
+    client = client or httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
+                                                                              max_keepalive_connections=64))
     replicas = ReplicaSet(client, urls, discover=discover, interval=health_interval, max_backoff=max_backoff,
                           discovery_interval=discovery_interval)
     metrics = RouterMetrics(replicas)
@@ -64,6 +66,7 @@ def build_router_app(urls: list[str], policy: Policy, settings: RouterSettings, 
 
     app = FastAPI(title="llmctl router", version=__version__, lifespan=lifespan)
     app.state.replicas = replicas
+    app.state.metrics = metrics
 
     def authorized(request: Request) -> bool:
         if settings.api_key is None:

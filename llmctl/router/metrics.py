@@ -40,7 +40,7 @@ class RouterMetrics:
                                 ["replica", "code"], registry=self.registry)
         self.decisions = Counter("llmctl:router_routing_decisions", "Routing decisions, by why that replica.",
                                  ["reason"], registry=self.registry)
-        self.retries = Counter("llmctl:router_retries", "Requests sent again to another replica, by cause.",
+        self.retries = Counter("llmctl:router_retries", "Requests sent again to another replica, by what failed first.",
                                ["reason"], registry=self.registry)
         self.failures = Counter("llmctl:router_failures", "Requests the router could not complete, by cause.",
                                 ["reason"], registry=self.registry)

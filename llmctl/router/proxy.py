@@ -76,6 +76,7 @@ class Forwarder:
         arrived = time.perf_counter()
         tried: set[str] = set()
         last: Response | None = None
+        retry_cause: str | None = None
         for attempt in range(self.max_attempts):
             chosen = choose(tried)
             if chosen is None:
@@ -83,12 +84,12 @@ class Forwarder:
             replica, reason = chosen
             tried.add(replica.url)
             self.metrics.decisions.labels(reason).inc()
-            if attempt:
-                log.info("retrying on %s (attempt %d)", replica.url, attempt + 1)
+            if retry_cause is not None:
+                self.metrics.retries.labels(retry_cause).inc()
+                log.info("retrying on %s (attempt %d) after %s", replica.url, attempt + 1, retry_cause)
             answer, retry_cause = await self._attempt(replica, upstream, stream=stream, arrived=arrived)
             if retry_cause is None:
                 return answer
-            self.metrics.retries.labels(retry_cause).inc()
             last = answer if answer is not None else last
         if last is not None:  # every replica tried answered an error: pass the last one on
             return last
