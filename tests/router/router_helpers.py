@@ -90,9 +90,11 @@ def start_router(replica_urls: list[str], log_dir: Path, *flags: str) -> Process
 
 
 def system_prompt(index: int) -> str:
-    """About 300 bytes (~100 tokens of the embedded model): six or seven KV blocks."""
+    """About 300 bytes (~100 tokens of the embedded model): six or seven KV blocks. The prompts
+    differ from their first token on (a shared opening like "System prompt" would put a common
+    first KV block, cached everywhere, into every policy's hit rate)."""
     pick = random.Random(index)
-    return f"System prompt {index}. " + " ".join(pick.choice(WORDS) for _ in range(45))
+    return f"{index}. " + " ".join(pick.choice(WORDS) for _ in range(48))
 
 
 def question(index: int) -> str:
