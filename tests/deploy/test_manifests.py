@@ -10,6 +10,7 @@ import subprocess
 
 import kubernetes_validate
 import pytest
+import yaml
 from deploy_helpers import KUBERNETES_DIR, OVERLAYS, REPO_ROOT, checkov_binary, documents, find, render
 
 # Custom resources whose schemas ship with their operators, not with Kubernetes: checked by hand below
@@ -67,7 +68,8 @@ def test_checkov_finds_no_failed_check_and_every_skip_says_why(rendered, tmp_pat
         assert not failed, failed
         assert report["summary"]["passed"] > 20
         for skipped in report["results"]["skipped_checks"]:
-            reason = (skipped.get("suppress_comment") or skipped["check_result"].get("suppress_comment") or "").strip()
+            result = skipped["check_result"]
+            reason = (skipped.get("suppress_comment") or result.get("suppress_comment") or "").strip()
             assert len(reason) > 30, f"{skipped['check_id']} skipped without a reason"
 
 
@@ -100,8 +102,6 @@ def test_probes_use_health_and_the_startup_probe_allows_for_model_loading(render
 
 
 def test_hpa_asks_for_the_metric_the_adapter_rule_serves_and_keda_matches_it(rendered):
-    import yaml
-
     hpa = find(rendered["cpu"], "HorizontalPodAutoscaler", "llmctl")
     (metric,) = hpa["spec"]["metrics"]
     assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue"
