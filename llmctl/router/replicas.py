@@ -100,12 +100,12 @@ class ReplicaSet:
             response = await self.client.get(f"{replica.url}/health", timeout=self.timeout)
             status = "ok"
             if response.status_code == 200 and response.content.strip().startswith(b"{"):
-                status = str(response.json().get("status", "ok"))
+                status = str(response.json().get("status", "ok"))  # a JSON object: checked above
             if response.status_code != 200 or status != "ok":
                 self.mark_failed(replica, f"/health: {response.status_code} {status}")
             else:
                 self._mark_ok(replica)
-        except (httpx.HTTPError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever a replica answers, the watcher keeps running
             self.mark_failed(replica, f"/health: {type(exc).__name__}: {exc}")
 
     async def resolve(self) -> None:

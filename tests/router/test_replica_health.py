@@ -126,3 +126,20 @@ def test_discovery_keeps_the_replicas_when_dns_fails(monkeypatch):
 def test_discovery_target_must_be_name_and_port(bad):
     with pytest.raises(ValueError, match="NAME:PORT"):
         parse_discovery(bad)
+
+
+def test_a_garbled_health_answer_takes_the_replica_out_without_stopping_the_checks():
+    upstreams = Upstreams()
+    a = "http://10.1.0.1:8000"
+    upstreams.answers = {a: (200, b'{"status": "ok"')}  # cut short: not JSON
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(upstreams)) as client:
+            replicas = ReplicaSet(client, [a], interval=1.0)
+            await replicas.check(replicas.replicas[a])
+            assert not replicas.healthy() and "JSONDecodeError" in replicas.replicas[a].last_error
+            upstreams.answers[a] = (200, b'{"status": "ok"}')
+            await replicas.check(replicas.replicas[a])
+            assert replicas.healthy()
+
+    _run(scenario())
