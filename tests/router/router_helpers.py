@@ -76,14 +76,17 @@ def start_replicas(count: int, log_dir: Path, *extra: str) -> list[Process]:
     return replicas
 
 
-def start_router(replica_urls: list[str], log_dir: Path, *flags: str) -> Process:
+def start_router(replica_urls: list[str], log_dir: Path, *flags: str, expect_healthy: int | None = None) -> Process:
+    """A router over ``replica_urls`` (or what its flags discover), ready once ``expect_healthy``
+    replicas (default: all of ``replica_urls``) are in its rotation."""
     command = [sys.executable, "-m", "llmctl.router", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
                *[arg for url in replica_urls for arg in ("--replica", url)], *flags]
     name = "router-" + "-".join(f.strip("-") for f in flags[:2])
     router = Process(command, r"llmctl router: .* at (http://127\.0\.0\.1:\d+)/v1", log_dir / f"{name}.log")
     router.wait_ready()
     deadline = time.monotonic() + 30
-    while httpx.get(f"{router.url}/health").json()["healthy_replicas"] < len(replica_urls):
+    expected = len(replica_urls) if expect_healthy is None else expect_healthy
+    while httpx.get(f"{router.url}/health").json()["healthy_replicas"] < expected:
         assert time.monotonic() < deadline, "the router never saw every replica healthy"
         time.sleep(0.1)
     return router

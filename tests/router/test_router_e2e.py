@@ -8,6 +8,7 @@ import json
 import re
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -65,6 +66,21 @@ def test_streaming_through_the_router_equals_streaming_direct(cluster):
     assert httpx.get(f"{router}/v1/models", timeout=60).json()["data"][0]["id"] == "tiny-random-llama"
 
 
+def test_router_discovers_replicas_through_dns(cluster):
+    """``--discover NAME:PORT`` as with a headless Service; here the name is localhost."""
+    replica = cluster["urls"][1]
+    port = replica.rsplit(":", 1)[1]
+    router = start_router([], cluster["log_dir"], "--discover", f"localhost:{port}", "--discovery-interval", "1",
+                          expect_healthy=1)
+    cluster["processes"].append(router)
+    table = httpx.get(f"{router.url}/router/replicas", timeout=10).json()["replicas"]
+    assert {"url": replica, "healthy": True} in [{k: r[k] for k in ("url", "healthy")} for r in table]
+    answer = httpx.post(f"{router.url}/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 2},
+                        timeout=60)
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+    router.kill()
+
+
 def _hit_rate(cluster: dict, policy: str, systems: range) -> float:
     before = prefix_cache_counters(cluster["urls"])
     router = cluster["routers"][policy].url
@@ -111,17 +127,29 @@ def _stream_one(router: str, body: dict) -> dict:
     return result
 
 
+def _idle_replica(cluster: dict, router: str) -> Process:
+    by_url = {p.url: p for p in cluster["replicas"]}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        table = httpx.get(f"{router}/router/replicas", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+        idle = [r["url"] for r in table["replicas"] if r["in_flight"] == 0 and r["url"] in by_url]
+        if idle:
+            return by_url[idle[0]]
+        time.sleep(0.02)
+    raise AssertionError("no replica was ever idle")
+
+
 def test_killing_a_replica_mid_run_loses_no_request_that_had_not_started_streaming(cluster):
-    # A router that checks health only every 30 s: requests still go to the dead replica after the
-    # kill, and must be retried elsewhere (the kill is found by the failed connection, not a probe).
-    # It also wants an API key (the replicas want none: the header passes through them unread).
-    router = start_router(cluster["urls"], cluster["log_dir"], "--policy", "prefix", "--health-interval", "30",
+    # A router that checks health only every 30 s, and round-robin: requests still go to the dead
+    # replica after the kill, and must be retried elsewhere (the kill is found by a refused
+    # connection, not by a probe). It also wants an API key (the replicas want none: the header
+    # passes through them unread).
+    router = start_router(cluster["urls"], cluster["log_dir"], "--policy", "round-robin", "--health-interval", "30",
                           "--api-key", API_KEY)
     cluster["processes"].append(router)
     refused = httpx.post(f"{router.url}/v1/chat/completions", json=shared_prefix_workload(range(1), 1)[0], timeout=60)
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
     workload = shared_prefix_workload(range(200, 208), questions=3)
-    victim = cluster["replicas"][0]
     results: list[dict] = []
     lock = threading.Lock()
     done_before_kill = threading.Semaphore(0)
@@ -136,6 +164,9 @@ def test_killing_a_replica_mid_run_loses_no_request_that_had_not_started_streami
         futures = [pool.submit(send, body) for body in workload]
         for _ in range(6):  # mid-run: after six requests have finished
             assert done_before_kill.acquire(timeout=120)
+        # the victim: a replica with nothing in flight, so that no broken stream gives its death away
+        # before a request meets the refused connection (the unit tests cover broken streams)
+        victim = _idle_replica(cluster, router.url)
         victim.proc.kill()
         victim.proc.wait(timeout=10)
         for future in futures:
