@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmctl.errors import InvalidRequestError
+from llmctl.structured.spec import StructuredOutputSpec
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 (ban) .. 100 (force)
 
 
 @dataclass
@@ -29,6 +31,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # as logprobs, for every prompt token (echo, perplexity)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # logits processors (vLLM's definitions; see llmctl/engine/logits_processors.py)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    # the output must match this (JSON schema, regex, choice, grammar): enforced while sampling
+    structured_outputs: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +74,26 @@ class SamplingParams:
             bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
+        self._validate_logits_processors(bad)
+
+    def _validate_logits_processors(self, bad) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                bad(f"{name} must be in [-2, 2], got {value!r}")
+        if not isinstance(self.repetition_penalty, (int, float)) or not 0 < self.repetition_penalty <= 100:
+            bad(f"repetition_penalty must be in (0, 100] (1 = off), got {self.repetition_penalty!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or token < 0:
+                bad(f"logit_bias keys must be token ids (non-negative integers), got {token!r}")
+            if not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                bad(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputSpec):
+            bad("structured_outputs must be a StructuredOutputSpec")
 
     @property
     def greedy(self) -> bool:
@@ -71,6 +102,15 @@ class SamplingParams:
     @property
     def needs_filtering(self) -> bool:
         return self.top_k > 0 or self.top_p < 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Anything to do before the temperature: penalties, ``logit_bias``, ``min_tokens``."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
     def sample_seed(self, index: int) -> int | None:
         return None if self.seed is None else self.seed + index

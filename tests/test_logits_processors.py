@@ -47,7 +47,7 @@ def seq(prompt, output, **params):
     p = SimpleNamespace(**defaults)
     p.has_penalties = p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
     return SimpleNamespace(token_ids=prompt + output, num_prompt_tokens=len(prompt), output_token_ids=output,
-                           num_output_tokens=len(output), params=p)
+                           num_output_tokens=len(output), params=p, grammar=None)
 
 
 ROWS = [

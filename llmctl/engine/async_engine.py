@@ -92,6 +92,7 @@ class AsyncEngine:
         worker thread, as ``generate`` does, not on the event loop."""
         if self.error is not None:
             raise EngineDeadError(self.dead_error)
+        self.engine.prepare(params)  # compile a grammar here, outside the lock the loop steps under
         with self.lock:  # the queue check and the add are one step: concurrent adds cannot overshoot
             if self.max_waiting is not None:
                 _, waiting = self.engine.scheduler.num_requests()

@@ -16,6 +16,7 @@ update -> process outputs, and returns what each request produced::
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -37,6 +38,7 @@ from llmctl.layers.ops import select_ops
 from llmctl.models.embedded import EMBEDDED_LABEL, EMBEDDED_MODEL_NAME, load_embedded
 from llmctl.models.loader import load_model
 from llmctl.sampling_params import SamplingParams
+from llmctl.structured import CompiledGrammar, StructuredOutputManager
 from llmctl.tokenizer import Tokenizer
 
 
@@ -64,7 +66,9 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
             enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching, eos_token_ids=frozenset(eos_token_ids)))
-        self.sampler = Sampler(config.seed, self.device)
+        self.sampler = Sampler(config.seed, self.device, frozenset(eos_token_ids))
+        self._structured_outputs: StructuredOutputManager | None = None
+        self._structured_lock = threading.Lock()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._request_counter = itertools.count()
@@ -136,6 +140,10 @@ class LLMEngine:
             )
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        vocab = self.model.config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError(f"logit_bias token {max(params.logit_bias)} is out of the vocabulary [0, {vocab})")
+        grammar = self.prepare(params).new_matcher() if params.structured_outputs is not None else None
         now = time.time() if arrival_time is None else arrival_time
         user = user or "default"
         seq = Sequence(request_id, list(token_ids), len(token_ids), params, user=user, priority=priority,
@@ -143,11 +151,32 @@ class LLMEngine:
         seed = params.sample_seed(0)
         if seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+        seq.grammar = grammar
         self.output_processor.add_request(RequestState(request_id, text, token_ids, params, user,
                                                        RequestMetrics(now)), seq)
         self.stats.request_added(len(token_ids))
         self.scheduler.add(seq)
         return request_id
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The grammar engine for this model's vocabulary, built on first use (it reads the whole
+        vocabulary once)."""
+        with self._structured_lock:
+            if self._structured_outputs is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError("structured outputs need a tokenizer; this engine runs without one")
+                self._structured_outputs = StructuredOutputManager.for_tokenizer(
+                    self.tokenizer, self.model.config.vocab_size)
+                self.sampler.structured_outputs = self._structured_outputs
+            return self._structured_outputs
+
+    def prepare(self, params: SamplingParams) -> CompiledGrammar | None:
+        """Compile the request's grammar (cached; on the manager's threads). ``AsyncEngine`` calls
+        this before taking the engine lock, so the loop never waits for a compilation."""
+        if params.structured_outputs is None:
+            return None
+        return self.structured_outputs.compile(params.structured_outputs)
 
     def _prompt_tokens(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

@@ -70,13 +70,18 @@ def _sparse_entries(entries: list[tuple[int, int, float]], device: torch.device)
             torch.tensor(values, dtype=torch.float32, device=device))
 
 
+def _grammar_done(seq: Sequence) -> bool:
+    """A complete structured output may only end: min_tokens must not forbid its EOS."""
+    return seq.grammar is not None and seq.grammar.is_terminated
+
+
 def _apply_min_tokens_and_bias(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> None:
     vocab = logits.shape[1]
     forbidden: list[tuple[int, int, float]] = []
     bias: list[tuple[int, int, float]] = []
     for row, seq in enumerate(seqs):
         params = seq.params
-        if seq.num_output_tokens < params.min_tokens:
+        if seq.num_output_tokens < params.min_tokens and not _grammar_done(seq):
             stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
             forbidden += [(row, t, 0.0) for t in stops if t < vocab]
         if params.logit_bias:

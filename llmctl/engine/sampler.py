@@ -3,6 +3,11 @@
 Greedy rows take the argmax. Sampled rows apply temperature, then top-k and top-p, then draw with
 the exponential race (``argmax(p / Exp(1))`` is a draw from ``p``): the noise of a seeded sequence
 comes from its own generator, so its tokens do not depend on what it is batched with.
+
+Before that, on the whole batch's tensor: the grammar bitmask of the structured-output rows, then
+``min_tokens``, ``logit_bias`` and the penalties (``logits_processors``); ``min_p`` follows the
+temperature. Constrained and free rows share the step; a row that asked for nothing is untouched.
+Logprobs are those of the model's own distribution (before any of this), as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -11,8 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmctl.engine.logits_processors import apply_logits_processors_, apply_min_p_rows_
 from llmctl.engine.model_runner import ModelOutput, PromptLogits
 from llmctl.engine.sequence import Sequence
+from llmctl.structured.manager import StructuredOutputManager
 
 
 @dataclass
@@ -34,9 +41,12 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu",
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         # for unseeded requests; on the logits' device (a CUDA tensor needs a CUDA generator)
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.eos_token_ids = eos_token_ids  # what min_tokens holds back
+        self.structured_outputs: StructuredOutputManager | None = None  # set with the first grammar
 
     def sample(self, output: ModelOutput, seqs: list[Sequence]) -> SampleResult:
         """One token per sequence from the step's logits, and the prompt logprobs asked for."""
@@ -46,6 +56,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """``logits``: ``[len(seqs), vocab]`` float32, row ``i`` for ``seqs[i]``."""
+        model_logits = logits
+        logits = self._adjusted(logits, seqs)
         tokens = logits.max(dim=-1).indices  # max() is ~3x faster than argmax() on CPU
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled_rows:
@@ -60,14 +72,32 @@ class Sampler:
         want = [s.params.logprobs for s in seqs]
         if all(w is None for w in want):
             return SampleResult(token_ids, None, None)
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(model_logits, dim=-1)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
         return SampleResult(token_ids, chosen, _top_k([w or 0 for w in want], logprobs))
+
+    def _adjusted(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The logits with grammar masks, min_tokens, logit_bias and penalties applied (a copy when
+        logprobs need the model's own)."""
+        grammars = [s.grammar for s in seqs]
+        constrained = any(g is not None for g in grammars)
+        if not constrained and not any(s.params.adjusts_logits for s in seqs):
+            return logits
+        with torch.inference_mode():  # the model's logits are inference tensors: updated in place here
+            if any(s.params.logprobs is not None for s in seqs):
+                logits = logits.clone()
+            if constrained:
+                assert self.structured_outputs is not None, "a sequence has a grammar but the sampler no manager"
+                self.structured_outputs.mask_logits_(logits, grammars)
+            apply_logits_processors_(logits, seqs, self.eos_token_ids)
+        return logits
 
     @staticmethod
     def _probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         temperature = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
         logits = logits / temperature[:, None]
+        if any(s.params.min_p > 0 for s in seqs):
+            apply_min_p_rows_(logits, [s.params.min_p for s in seqs])
         if any(s.params.needs_filtering for s in seqs):
             logits = _top_k_top_p(logits, [s.params.top_k for s in seqs], [s.params.top_p for s in seqs])
         return torch.softmax(logits, dim=-1)

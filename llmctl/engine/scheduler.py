@@ -26,11 +26,14 @@ every block is taken and given back through it.
 from __future__ import annotations
 
 import heapq
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -328,12 +331,15 @@ class Scheduler:
         for seq, token in zip(out.sampling, sampled_token_ids, strict=True):
             seq.token_ids.append(token)
             reason = self._stop_reason(seq, token)
+            if reason is None and seq.grammar is not None and not seq.grammar.accept_token(token):
+                logger.warning("sequence %s: token %d broke its grammar (%s)", seq.seq_id, token, seq.grammar.error)
+                reason = FinishReason.ERROR
             if reason is not None:
                 self.finish(seq, reason)
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params
-        if token in self.config.eos_token_ids and not params.ignore_eos:
+        if token in self.config.eos_token_ids and (not params.ignore_eos or _grammar_done(seq)):
             return FinishReason.STOP
         if token in params.stop_token_ids:
             seq.stop_reason = token
@@ -351,3 +357,9 @@ class Scheduler:
             self.block_manager.fork(parent, child)
             child.status = SequenceStatus.RUNNING
         self.running[at:at] = children
+
+
+def _grammar_done(seq: Sequence) -> bool:
+    """A structured output whose grammar is complete ends at EOS even with ``ignore_eos``: its mask
+    allows nothing else."""
+    return seq.grammar is not None and seq.grammar.is_terminated

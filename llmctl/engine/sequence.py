@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from llmctl.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llmctl.structured.backend import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -49,6 +53,7 @@ class Sequence:
     num_preemptions: int = 0
     pending_forks: int = 0  # siblings to fork off when the prompt's last chunk samples (n > 1)
     generator: torch.Generator | None = None
+    grammar: GrammarMatcher | None = None  # structured outputs: where the output stands in its grammar
 
     def fork(self, index: int) -> Sequence:
         """Sample ``index`` of the same request: the same tokens so far, its own seed (``seed + index``)
@@ -59,6 +64,8 @@ class Sequence:
         seed = self.params.sample_seed(index)
         if seed is not None and self.generator is not None:
             child.generator = torch.Generator(device=self.generator.device).manual_seed(seed)
+        if self.grammar is not None:
+            child.grammar = self.grammar.copy()
         return child
 
     @property

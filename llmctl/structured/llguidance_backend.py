@@ -23,9 +23,10 @@ from llmctl.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-# Whitespace allowed between JSON tokens: enough for pretty-printed output, but bounded, so that a
-# model (or a noise model) cannot emit whitespace forever inside a schema-constrained object.
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
+# Whitespace allowed between JSON tokens, as llama.cpp's JSON grammars allow it: nothing, one space,
+# or a line break and up to 20 spaces/tabs of indentation. Enough for compact and pretty-printed
+# output, but bounded, so a model (or a noise model) cannot pad an object with whitespace forever.
+JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"
 JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE, "lenient": False}
 
 
