@@ -137,3 +137,24 @@ def test_auto_and_none_impose_no_grammar_and_unknown_names_are_refused():
     with pytest.raises(InvalidRequestError, match="send_email.*get_weather, get_time"):
         tool_choice_spec(TOOLS, {"type": "function", "function": {"name": "send_email"}})
     assert parse_forced_calls('{"city": "Par', TOOLS, "required") == []  # cut short by max_tokens
+
+
+@pytest.mark.parametrize("tool_choice, text, content, calls", [
+    ("auto", 'Hi <tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>', "Hi",
+     [("get_time", {"zone": "utc"})]),
+    ("required", '[{"name": "get_time", "parameters": {"zone": "cet"}}]', "", [("get_time", {"zone": "cet"})]),
+    ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Rome", "unit": "f"}', "",
+     [("get_weather", {"city": "Rome", "unit": "f"})]),
+    ("required", '[{"name": "get_time", "param', '[{"name": "get_time", "param', []),  # cut short: kept as text
+])
+def test_reply_parser_streams_and_whole_agree(tool_choice, text, content, calls):
+    from llmctl.structured.tools import reply_parser
+
+    assert reply_parser(TOOLS, "none") is None and reply_parser(None, "auto") is None
+    whole = reply_parser(TOOLS, tool_choice)
+    first, last = whole.feed(text), whole.finish()
+    streamed = reply_parser(TOOLS, tool_choice)
+    deltas = [streamed.feed(text[i : i + 3]) for i in range(0, len(text), 3)] + [streamed.finish()]
+    for parts in ([first, last], deltas):
+        assert "".join(d.content for d in parts) == content
+        assert call_summary([c for d in parts for c in d.tool_calls]) == calls

@@ -3,9 +3,10 @@
 
 Requests accept and ignore OpenAI fields that do not change the output (``metadata``, ``store``,
 ``parallel_tool_calls``, ...), as vLLM does; fields that would change the output and that llmctl
-cannot honour (penalties, ``logit_bias``, tools, JSON modes) are refused with a 400 rather than
-silently dropped. vLLM's extra sampling fields (``top_k``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``skip_special_tokens``) are accepted too.
+cannot honour are refused with a 400 rather than silently dropped. vLLM's extra sampling fields
+(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``skip_special_tokens``) and structured-output fields
+(``guided_json``/``_regex``/``_choice``/``_grammar``, ``structured_outputs``) are accepted too.
 
 Responses are dumped whole, ``null`` fields included, as OpenAI's are; only a stream's ``delta``
 drops its unset fields, so it carries just what changed.
@@ -18,7 +19,10 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from llmctl.errors import InvalidRequestError
 from llmctl.sampling_params import SamplingParams
+from llmctl.structured.request import spec_from_request
+from llmctl.structured.spec import StructuredOutputSpec
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
@@ -63,6 +67,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str = "text"
+    json_schema: Optional[dict[str, Any]] = None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -86,21 +97,38 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     repetition_penalty: Optional[float] = None
     min_tokens: int = 0
+    min_p: Optional[float] = None
+    # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: Optional[ResponseFormat] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
 
     def refuse_unsupported(self) -> None:
         """Refuse parameters that would change the output in ways llmctl does not implement."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported by llmctl (only 0 is accepted)", name)
-        if self.repetition_penalty not in (None, 1, 1.0):
-            raise bad_request("repetition_penalty is not supported by llmctl (only 1 is accepted)",
-                              "repetition_penalty")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by llmctl", "logit_bias")
-        if self.min_tokens:
-            raise bad_request("min_tokens is not supported by llmctl", "min_tokens")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+
+    def output_spec(self, tool_choice_spec: StructuredOutputSpec | None = None) -> StructuredOutputSpec | None:
+        """The one output constraint the request asks for; a 400 naming the problem otherwise."""
+        try:
+            return spec_from_request(
+                response_format=self.response_format.model_dump() if self.response_format else None,
+                guided_json=self.guided_json, guided_regex=self.guided_regex, guided_choice=self.guided_choice,
+                guided_grammar=self.guided_grammar, structured_outputs=self.structured_outputs,
+                tool_choice_spec=tool_choice_spec)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), "response_format") from None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ``InvalidRequestError`` (a 400) on out-of-range values."""
@@ -117,6 +145,12 @@ class _Request(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self._logit_bias(),
+            min_p=self.min_p or 0.0,
+            min_tokens=self.min_tokens,
         )
 
     @property
@@ -168,6 +202,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool result answers this call
 
     def for_template(self) -> dict[str, Any]:
         """The message as the chat template sees it: text content only."""
@@ -183,13 +219,40 @@ class ChatMessage(BaseModel):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
-class ResponseFormat(BaseModel):
+class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    type: str = "text"
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: NamedToolChoiceFunction
 
 
 class ChatCompletionRequest(_Request):
@@ -201,20 +264,29 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    response_format: Optional[ResponseFormat] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    tools: Optional[list[ToolDefinition]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if not self.messages:
             raise bad_request("messages is empty", "messages")
-        if self.tools:
-            raise bad_request("tool calling is not supported by llmctl", "tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request("only response_format type 'text' is supported by llmctl", "response_format")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise bad_request("tool_choice needs tools", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+
+    @property
+    def tool_list(self) -> list[dict[str, Any]]:
+        """The tools as plain OpenAI dicts (what chat templates and the tool helpers take)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    @property
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -290,6 +362,7 @@ class ChatLogprobs(_Response):
 class AssistantMessage(_Response):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
 
 class ChatChoice(_Response):
@@ -312,6 +385,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
     @model_serializer(mode="wrap")
     def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -10,6 +10,7 @@ a client that goes away aborts it: the engine frees its blocks at the next step 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -30,6 +31,9 @@ from llmctl.server.protocol import (
     CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails,
     TokenLogprob, TopLogprob, Usage, bad_request,
 )
+from llmctl.structured.spec import StructuredOutputSpec
+from llmctl.structured.tools import (ParsedDelta, ReplyParser, messages_for_template, reply_parser, template_variables,
+                                     tool_choice_spec)
 from llmctl.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -180,6 +184,7 @@ class _ChoiceStream:
     tokens_sent: int = 0
     finished: bool = False
     text_offset: int = 0
+    sent_tool_calls: bool = False
 
 
 @dataclass
@@ -306,7 +311,7 @@ class OpenAIServing:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         for prompt in prompts:
             self._max_tokens(len(prompt), max_tokens, "max_tokens")
-        params = req.sampling_params(max_tokens, req.logprobs)
+        params = _constrained(req.sampling_params(max_tokens, req.logprobs), req.output_spec())
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = req.model or self.served_model_name
@@ -383,21 +388,27 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest, request: Request) -> Any:
         self.check_model(req.model)
         req.refuse_unsupported()
-        text = self.tokenizer.apply_chat_template([m.for_template() for m in req.messages])
+        tools, tool_choice = req.tool_list, req.effective_tool_choice
+        forced = tool_choice_spec(tools, tool_choice) if tools else None  # required / named: a grammar
+        messages = messages_for_template([m.for_template() for m in req.messages])
+        text = self.tokenizer.apply_chat_template(messages, **template_variables(tools))
         prompt = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(len(prompt), req.requested_max_tokens, param)
-        params = req.sampling_params(max_tokens, req.engine_logprobs)
+        params = _constrained(req.sampling_params(max_tokens, req.engine_logprobs), req.output_spec(forced))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = req.model or self.served_model_name
 
         def respond(generation: Generation) -> dict[str, Any]:
             out = generation.final[0]
-            choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                                  logprobs=self._chat_logprobs(out, c, 0, len(c.token_ids)) if req.logprobs else None,
-                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                       for c in out.outputs]
+            choices = []
+            for c in out.outputs:
+                message, finish_reason = _assistant_message(c.text, reply_parser(tools, tool_choice), c.finish_reason)
+                choices.append(ChatChoice(
+                    index=c.index, message=message,
+                    logprobs=self._chat_logprobs(out, c, 0, len(c.token_ids)) if req.logprobs else None,
+                    finish_reason=finish_reason, stop_reason=c.stop_reason))
             return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                           usage=generation.usage()).model_dump()
 
@@ -409,6 +420,7 @@ class OpenAIServing:
                 yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""),
                                              logprobs=None, finish_reason=None))
             choices: dict[int, _ChoiceStream] = {}
+            parsers: dict[int, ReplyParser | None] = {}
             async for _, out in generation.outputs():
                 for c in out.outputs:
                     state = choices.setdefault(c.index, _ChoiceStream())
@@ -420,9 +432,10 @@ class OpenAIServing:
                         logprobs = self._chat_logprobs(out, c, state.tokens_sent, len(c.token_ids))
                         state.tokens_sent = len(c.token_ids)
                     state.finished = c.finished
-                    delta = DeltaMessage(content=c.delta_text) if c.delta_text else DeltaMessage()
+                    parser = parsers.setdefault(c.index, reply_parser(tools, tool_choice))
+                    delta, finish_reason = _stream_delta(parser, c.delta_text, c.finish_reason, state)
                     yield chunk(ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
-                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                 finish_reason=finish_reason, stop_reason=c.stop_reason))
             if req.include_usage:
                 yield sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                               usage=generation.usage()).to_json())
@@ -443,3 +456,38 @@ class OpenAIServing:
             content.append(TokenLogprob(token=token, logprob=c.logprobs[position], bytes=list(token.encode("utf-8")),
                                         top_logprobs=alternatives))
         return ChatLogprobs(content=content)
+
+
+# ---- structured outputs and tool calls -------------------------------------------------------------
+def _constrained(params: SamplingParams, spec: StructuredOutputSpec | None) -> SamplingParams:
+    return params if spec is None else dataclasses.replace(params, structured_outputs=spec)
+
+
+def _tool_finish(finish_reason: str | None, made_calls: bool) -> str | None:
+    """A reply that ends in tool calls finishes with "tool_calls", as OpenAI's do."""
+    return "tool_calls" if made_calls and finish_reason == "stop" else finish_reason
+
+
+def _assistant_message(text: str, parser: ReplyParser | None, finish_reason: str | None
+                       ) -> tuple[AssistantMessage, str | None]:
+    if parser is None:
+        return AssistantMessage(content=text), finish_reason
+    first, last = parser.feed(text), parser.finish()
+    calls = [{k: v for k, v in call.items() if k != "index"} for call in first.tool_calls + last.tool_calls]
+    content = first.content + last.content
+    return (AssistantMessage(content=content or (None if calls else ""), tool_calls=calls or None),
+            _tool_finish(finish_reason, bool(calls)))
+
+
+def _stream_delta(parser: ReplyParser | None, text: str, finish_reason: str | None,
+                  state: _ChoiceStream) -> tuple[DeltaMessage, str | None]:
+    """One chunk's delta: content, or the tool calls that completed (whole, each with its index)."""
+    if parser is None:
+        return (DeltaMessage(content=text) if text else DeltaMessage()), finish_reason
+    parsed = parser.feed(text)
+    if finish_reason is not None:
+        end = parser.finish()
+        parsed = ParsedDelta(parsed.content + end.content, parsed.tool_calls + end.tool_calls)
+    state.sent_tool_calls = state.sent_tool_calls or bool(parsed.tool_calls)
+    delta = DeltaMessage(content=parsed.content or None, tool_calls=parsed.tool_calls or None)
+    return delta, _tool_finish(finish_reason, state.sent_tool_calls)

@@ -259,3 +259,34 @@ def parse_forced_calls(text: str, tools: list[dict[str, Any]], tool_choice: Any)
         return [new_call(function["name"], data)] if isinstance(data, dict) else []
     calls = [_call_from_json(item, set(tool_names(tools))) for item in data] if isinstance(data, list) else []
     return [c for c in calls if c is not None]
+
+
+class ReplyParser:
+    """What the chat endpoint does with one choice's text when tools are offered: ``auto`` parses
+    calls out of the text as it streams; ``required``/named choice (the text is the constrained
+    JSON) parses it at the end. Fed deltas, or the whole reply at once; both give the same result."""
+
+    def __init__(self, tools: list[dict[str, Any]], tool_choice: Any) -> None:
+        self.tools, self.tool_choice = tools, tool_choice
+        self.forced = tool_choice == "required" or isinstance(tool_choice, dict)
+        self.auto = None if self.forced else ToolCallParser(tools)
+        self.held = ""
+
+    def feed(self, text: str) -> ParsedDelta:
+        if self.auto is not None:
+            return self.auto.feed(text)
+        self.held += text
+        return ParsedDelta()
+
+    def finish(self) -> ParsedDelta:
+        if self.auto is not None:
+            return self.auto.finish()
+        calls = parse_forced_calls(self.held, self.tools, self.tool_choice)
+        if not calls:  # cut short (max_tokens): the text is all there is
+            return ParsedDelta(self.held)
+        return ParsedDelta("", [{"index": i, **call} for i, call in enumerate(calls)])
+
+
+def reply_parser(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ReplyParser | None:
+    """None when the reply is plain content: no tools, or ``tool_choice`` "none"."""
+    return ReplyParser(tools, tool_choice) if tools and tool_choice != "none" else None

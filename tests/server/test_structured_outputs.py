@@ -47,7 +47,7 @@ CHOICES = ["red", "green", "blue and gold"]
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server("tiny-random-llama", "--max-model-len", "512", "--kv-cache-memory", "64MiB",
+    return start_server("tiny-random-llama", "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--dtype", "float32",
                         env={"LLMCTL_API_KEY": API_KEY})
 
 
