@@ -244,9 +244,10 @@ def test_embedded_model_stops_at_im_end(engine):
     logits_hook = engine.runner.execute
 
     def only_im_end(sched):
-        forced = torch.full_like(logits_hook(sched), float("-inf"))
-        forced[:, im_end] = 0.0
-        return forced
+        output = logits_hook(sched)
+        output.logits = torch.full_like(output.logits, float("-inf"))
+        output.logits[:, im_end] = 0.0
+        return output
 
     engine.runner.execute = only_im_end
     try:

@@ -59,11 +59,12 @@ class LLMEngine:
         eos_token_ids = set(self.model.config.eos_token_ids)
         if self.tokenizer is not None:
             eos_token_ids |= self.tokenizer.eos_token_ids
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            enable_prefix_caching=config.enable_prefix_caching, eos_token_ids=frozenset(eos_token_ids)))
+            enable_prefix_caching=config.enable_prefix_caching, eos_token_ids=self.eos_token_ids))
         self.sampler = Sampler(config.seed, self.device)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
