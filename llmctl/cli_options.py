@@ -47,6 +47,11 @@ SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for requests that do 
                                       rich_help_panel=ENGINE)]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: all cores).",
                                                    rich_help_panel=ENGINE)]
+QuantizationOpt = Annotated[str, typer.Option(
+    "--quantization", help="none | int8 | int4 | fp8: quantize linear layers while loading a float checkpoint "
+                           "(embedding and LM head stay unquantized).", rich_help_panel=ENGINE)]
+QuantizationGroupSizeOpt = Annotated[int, typer.Option(
+    "--quantization-group-size", help="Inputs per int4 scale/zero group: 32 | 64 | 128.", rich_help_panel=ENGINE)]
 
 
 def resolve_model(spec: str, *, allow_pull: bool | None = None) -> str:
@@ -75,6 +80,8 @@ def build_engine_config(
     seed: int = 0,
     threads: int | None = None,
     allow_pull: bool | None = None,
+    quantization: str = "none",
+    quantization_group_size: int = 64,
 ) -> EngineConfig:
     if attention_backend == "triton" and (device == "cpu" or not torch.cuda.is_available()):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before any kernel compiles
@@ -95,6 +102,8 @@ def build_engine_config(
         enable_chunked_prefill=enable_chunked_prefill,
         seed=seed,
         num_threads=threads,
+        quantization=quantization,
+        quantization_group_size=quantization_group_size,
     )
 
 

@@ -149,7 +149,8 @@ class LLMEngine:
                 f"{config.model}: no such model directory (use a local folder with config.json and "
                 f"*.safetensors, a pulled hub id, or the embedded default {EMBEDDED_MODEL_NAME!r})"
             )
-        model = load_model(model_dir, dtype=config.dtype, device=device, ops=ops)
+        model = load_model(model_dir, dtype=config.dtype, device=device, ops=ops, quantization=config.quantization,
+                           quantization_group_size=config.quantization_group_size)
         tokenizer = None if config.skip_tokenizer else Tokenizer.from_dir(Path(config.tokenizer or model_dir))
         return model, tokenizer, config.model_name or str(config.model)
 

@@ -1,0 +1,121 @@
+"""Native CPU kernels for quantized linear layers (C++ in kernels/cpu/quant_kernels.cpp), built on
+first use with torch's extension builder and cached per CPU, like ``kernels/cpu_native.py``.
+
+A separate module from the other native kernels so that either builds alone. Optional: without a
+C++ compiler, on a CPU without AVX2/FMA/F16C, or with ``LLMCTL_NATIVE_CPU_KERNELS=0``, quantized
+layers use the torch reference (``kernels/quant_linear.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "cpu" / "quant_kernels.cpp"
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_failed: str | None = None
+
+# Rows of x up to which the int4/int8 kernels quantize the activations and use integer dot
+# products; above, they dequantize slabs of the weight for torch's GEMM (measured crossover on a
+# Zen 3; the two paths agree to within the activation rounding).
+INT_PATH_MAX_ROWS = 32
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def _cpu_tag() -> str:
+    key = " ".join(sorted(_cpu_flags())) + SOURCE.read_text() + torch.__version__
+    return hashlib.sha256(key.encode()).hexdigest()[:10]
+
+
+def native_unavailable_reason() -> str | None:
+    if os.environ.get("LLMCTL_NATIVE_CPU_KERNELS", "1") == "0":
+        return "disabled by LLMCTL_NATIVE_CPU_KERNELS=0"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"quantized CPU kernels are built for x86-64 Linux only (this is {platform.system()} {platform.machine()})"
+    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(sorted(missing))}"
+    if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")):
+        return "no C++ compiler found"
+    return _failed
+
+
+def load_quant_native() -> ModuleType | None:
+    """The compiled module, building it on first call; None (with the reason logged once) when it
+    cannot be built here."""
+    global _module, _failed
+    with _lock:
+        if _module is not None or native_unavailable_reason() is not None:
+            return _module
+        from torch.utils.cpp_extension import load
+
+        try:
+            # AVX2+FMA+F16C baseline; the AVX-512 functions carry their own target attributes.
+            _module = load(name=f"llmctl_quant_{_cpu_tag()}", sources=[str(SOURCE)],
+                           extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fno-math-errno",
+                                         "-fno-trapping-math"], extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as exc:  # a compiler error, missing headers, a linker problem...
+            _failed = f"building the quantized CPU kernels failed: {str(exc).strip().splitlines()[-1] if str(exc) else exc!r}"
+            log.warning("%s; using the torch reference", _failed)
+        return _module
+
+
+def _module_or_raise() -> ModuleType:
+    module = load_quant_native()
+    if module is None:
+        raise RuntimeError(native_unavailable_reason() or "quantized CPU kernels unavailable")
+    return module
+
+
+def supports(packed) -> bool:
+    """Whether the native kernels take this packed weight's shape and grouping."""
+    from llmctl.layers.quantization.formats import PackedFp8, PackedInt4, PackedInt8
+
+    n, k = packed.shape
+    if isinstance(packed, PackedInt4):
+        return packed.group_size % 32 == 0
+    if isinstance(packed, PackedInt8):
+        return k % 32 == 0 and (packed.group_size == 16 or packed.group_size % 32 == 0)
+    return isinstance(packed, PackedFp8) and k % 16 == 0
+
+
+def quant_linear_native(x: torch.Tensor, packed, mode: int = 0) -> torch.Tensor:
+    """``x [M, K] @ dequantize(packed)^T`` in ``x``'s dtype; ``mode`` 0 picks the path by M, 1 forces
+    the integer (int4/int8) or direct (fp8) path, 2 the dequantized-slab GEMM."""
+    from llmctl.layers.quantization.formats import PackedInt4, PackedInt8
+
+    module = _module_or_raise()
+    if isinstance(packed, PackedInt4):
+        return module.int4_linear(x, packed.qweight, packed.scales, packed.mins, packed.group_size, mode,
+                                  INT_PATH_MAX_ROWS)
+    if isinstance(packed, PackedInt8):
+        return module.int8_linear(x, packed.qweight, packed.scales, packed.mins, packed.group_size, mode,
+                                  INT_PATH_MAX_ROWS)
+    return module.fp8_linear(x, packed.qweight, packed.scales, mode, INT_PATH_MAX_ROWS)
+
+
+if __name__ == "__main__":  # `python -m kernels.quant_native`: build ahead of time
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    module = load_quant_native()
+    print(f"quantized CPU kernels: {module.__file__ + ' (' + module.isa() + ')' if module else native_unavailable_reason()}")
+    sys.exit(0)
