@@ -25,10 +25,9 @@ _lock = threading.Lock()
 _module: ModuleType | None = None
 _failed: str | None = None
 
-# Rows of x up to which the int4/int8 kernels quantize the activations and use integer dot
-# products; above, they dequantize slabs of the weight for torch's GEMM (measured crossover on a
-# Zen 3; the two paths agree to within the activation rounding).
-INT_PATH_MAX_ROWS = 32
+# Rows of x up to which the fp8 kernel converts weights inside its dot products; above, it dequantizes
+# slabs of the weight for torch's GEMM (both compute the same float products).
+FP8_DIRECT_MAX_ROWS = 32
 
 
 def _cpu_flags() -> set[str]:
@@ -97,19 +96,22 @@ def supports(packed) -> bool:
     return isinstance(packed, PackedFp8) and k % 16 == 0
 
 
-def quant_linear_native(x: torch.Tensor, packed, mode: int = 0) -> torch.Tensor:
-    """``x [M, K] @ dequantize(packed)^T`` in ``x``'s dtype; ``mode`` 0 picks the path by M, 1 forces
-    the integer (int4/int8) or direct (fp8) path, 2 the dequantized-slab GEMM."""
+def quant_linear_native(x: torch.Tensor, packed, slab: bool | None = None) -> torch.Tensor:
+    """``x [M, K] @ dequantize(packed)^T`` in ``x``'s dtype.
+
+    ``slab`` False: int4/int8 multiply int8-rounded activations in integers, fp8 converts weights in
+    the dot products; True: dequantize slabs of the weight and use torch's GEMM with the exact
+    activations. None: fp8 by the number of rows, int4/int8 the integer path (at any M, so results
+    do not depend on the batch) unless ``LLMCTL_QUANT_EXACT_ACTIVATIONS=1``."""
     from llmctl.layers.quantization.formats import PackedInt4, PackedInt8
 
     module = _module_or_raise()
-    if isinstance(packed, PackedInt4):
-        return module.int4_linear(x, packed.qweight, packed.scales, packed.mins, packed.group_size, mode,
-                                  INT_PATH_MAX_ROWS)
-    if isinstance(packed, PackedInt8):
-        return module.int8_linear(x, packed.qweight, packed.scales, packed.mins, packed.group_size, mode,
-                                  INT_PATH_MAX_ROWS)
-    return module.fp8_linear(x, packed.qweight, packed.scales, mode, INT_PATH_MAX_ROWS)
+    if isinstance(packed, (PackedInt4, PackedInt8)):
+        int_path = not (os.environ.get("LLMCTL_QUANT_EXACT_ACTIVATIONS") == "1" if slab is None else slab)
+        linear = module.int4_linear if isinstance(packed, PackedInt4) else module.int8_linear
+        return linear(x, packed.qweight, packed.scales, packed.mins, packed.group_size, int_path)
+    direct = x.shape[0] <= FP8_DIRECT_MAX_ROWS if slab is None else not slab
+    return module.fp8_linear(x, packed.qweight, packed.scales, direct)
 
 
 if __name__ == "__main__":  # `python -m kernels.quant_native`: build ahead of time

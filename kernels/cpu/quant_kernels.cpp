@@ -11,8 +11,10 @@
 //   with the exact float sum of x.
 // - fp8 (e4m3fn) weights: bytes become fp16 by moving the bit fields ((b & 0x80) << 8 | (b & 0x7f) << 7
 //   is the same number times 2^-8, subnormals included), F16C converts to fp32, fp32 FMAs with x.
-// Prefill (many rows) is compute-bound: a slab of weight rows is dequantized to fp32 and multiplied
-// with at::mm (torch's BLAS), which re-uses each weight across all rows of x.
+// Prefill (many rows) is compute-bound. fp8 then dequantizes a slab of weight rows to fp32 and
+// multiplies it with at::mm (torch's BLAS), which re-uses each weight across all rows of x. int4 and
+// int8 keep the integer path at every M, so that a row's result never depends on the batch it is in
+// (batched == unbatched); their slab path, with exact float activations, is there on request.
 //
 // ISA: the AVX2+FMA+F16C code is the baseline; AVX-512 (BW/VL + VNNI) variants of the int4/int8
 // dot products are compiled with target attributes and chosen at run time by __builtin_cpu_supports.
@@ -342,11 +344,8 @@ void check_weight(const torch::Tensor& x, const torch::Tensor& scales, int64_t k
   TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous(), "scales must be contiguous float32");
 }
 
-// mode: 0 auto (integer path for M <= int_max_rows), 1 integer path, 2 dequantized slabs.
-bool use_int_path(int64_t mode, int64_t m, int64_t int_max_rows) { return mode == 1 || (mode == 0 && m <= int_max_rows); }
-
 torch::Tensor int4_linear(const torch::Tensor& x_in, const torch::Tensor& qweight, const torch::Tensor& scales,
-                          const torch::Tensor& mins, int64_t group, int64_t mode, int64_t int_max_rows) {
+                          const torch::Tensor& mins, int64_t group, bool int_path) {
   const int64_t n = qweight.size(0), k = qweight.size(1) * 2;
   check_weight(x_in, scales, k);
   TORCH_CHECK(qweight.scalar_type() == torch::kByte && qweight.is_contiguous(), "qweight must be contiguous uint8");
@@ -356,7 +355,7 @@ torch::Tensor int4_linear(const torch::Tensor& x_in, const torch::Tensor& qweigh
   const float *s = scales.data_ptr<float>(), *mn = mins.data_ptr<float>();
   const int64_t groups = k / group;
   torch::Tensor out;
-  if (use_int_path(mode, x.size(0), int_max_rows)) {
+  if (int_path) {
     const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*even_odd=*/true);
     out = torch::empty({x.size(0), n}, x.options());
     IntRowFn fn = g_isa == Isa::avx512_vnni ? erase<uint8_t, int4_row_avx512> : erase<uint8_t, int4_row_avx2>;
@@ -370,7 +369,7 @@ torch::Tensor int4_linear(const torch::Tensor& x_in, const torch::Tensor& qweigh
 }
 
 torch::Tensor int8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight, const torch::Tensor& scales,
-                          const c10::optional<torch::Tensor>& mins, int64_t group, int64_t mode, int64_t int_max_rows) {
+                          const c10::optional<torch::Tensor>& mins, int64_t group, bool int_path) {
   const int64_t n = qweight.size(0), k = qweight.size(1);
   check_weight(x_in, scales, k);
   TORCH_CHECK(qweight.scalar_type() == torch::kChar && qweight.is_contiguous(), "qweight must be contiguous int8");
@@ -382,7 +381,7 @@ torch::Tensor int8_linear(const torch::Tensor& x_in, const torch::Tensor& qweigh
   const float* mn = mins.has_value() ? mins->data_ptr<float>() : nullptr;
   const int64_t groups = k / group;
   torch::Tensor out;
-  if (use_int_path(mode, x.size(0), int_max_rows)) {
+  if (int_path) {
     const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*even_odd=*/false);
     out = torch::empty({x.size(0), n}, x.options());
     IntRowFn fn = g_isa == Isa::avx512_vnni ? erase<int8_t, int8_row_avx512> : erase<int8_t, int8_row_avx2>;
@@ -396,7 +395,7 @@ torch::Tensor int8_linear(const torch::Tensor& x_in, const torch::Tensor& qweigh
 }
 
 torch::Tensor fp8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight, const torch::Tensor& scales,
-                         int64_t mode, int64_t direct_max_rows) {
+                         bool direct) {
   const int64_t n = qweight.size(0), k = qweight.size(1);
   check_weight(x_in, scales, k);
   TORCH_CHECK(qweight.scalar_type() == torch::kByte && qweight.is_contiguous(), "qweight must be contiguous uint8");
@@ -406,7 +405,7 @@ torch::Tensor fp8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight
   const float* s = scales.data_ptr<float>();
   const int64_t m = x.size(0);
   torch::Tensor out;
-  if (use_int_path(mode, m, direct_max_rows)) {
+  if (direct) {
     out = torch::empty({m, n}, x.options());
     const float* xp = x.data_ptr<float>();
     float* o = out.data_ptr<float>();

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.no_device  # CPU kernels: run whatever the Triton test 
 if native_unavailable_reason() is not None:
     pytest.skip(f"quantized CPU kernels: {native_unavailable_reason()}", allow_module_level=True)
 
-INT_PATH, SLAB_PATH = 1, 2
+INT_PATH, SLAB_PATH = False, True
 
 
 def _isas() -> list[str]:
@@ -112,12 +112,22 @@ def test_half_precision_activations(isa, kind, dtype):
     torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=1e-2)
 
 
-def test_auto_mode_picks_integer_path_for_decode_and_slabs_for_prefill():
-    packed = _packed("int8", _weights(32, 128, seed=7))
+@pytest.mark.parametrize("kind", ["int4g64", "int8"])
+def test_integer_rows_do_not_depend_on_the_batch(kind):
+    """Each row's result is bitwise the same alone or among 100 rows (batched == unbatched)."""
+    packed = _packed(kind, _weights(32, 128, seed=7))
     x = torch.randn(100, 128)
-    decode, prefill = quant_linear_native(x[:2], packed), quant_linear_native(x, packed)
-    assert torch.equal(decode, quant_linear_native(x[:2], packed, INT_PATH))
-    assert torch.equal(prefill, quant_linear_native(x, packed, SLAB_PATH))
+    together = quant_linear_native(x, packed)
+    assert torch.equal(together, quant_linear_native(x, packed, INT_PATH))
+    for i in (0, 5, 99):
+        assert torch.equal(quant_linear_native(x[i : i + 1], packed)[0], together[i])
+
+
+def test_fp8_picks_direct_path_for_decode_and_slabs_for_prefill():
+    packed = _packed("fp8", _weights(32, 128, seed=7))
+    x = torch.randn(100, 128)
+    assert torch.equal(quant_linear_native(x[:2], packed), quant_linear_native(x[:2], packed, INT_PATH))
+    assert torch.equal(quant_linear_native(x, packed), quant_linear_native(x, packed, SLAB_PATH))
 
 
 def test_zero_and_extreme_rows():

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from llmctl.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
@@ -31,7 +32,11 @@ class PackedLinearMethod:
         pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return quant_linear(x, read_packed(layer), bias)
+        packed = read_packed(layer)
+        padding = packed.shape[1] - x.shape[-1]
+        if padding:  # zero inputs meet the zero-padded weight columns
+            x = F.pad(x, (0, padding))
+        return quant_linear(x, packed, bias)
 
 
 def _layer_device(layer: nn.Module) -> torch.device:
@@ -42,12 +47,14 @@ def _layer_device(layer: nn.Module) -> torch.device:
 def install_packed_weight(layer: LinearBase, packed: PackedWeight) -> None:
     """Puts an already-packed ``[out_features, in_features]`` weight into a built linear layer (a
     merged QKV / gate-up layer takes its parts concatenated along dim 0) and frees the dense weight.
-    The bias, if any, stays a plain parameter. Tensor parallel size 1 only."""
+    The bias, if any, stays a plain parameter. Tensor parallel size 1 only. The packed weight may
+    have extra zero input columns (padding to a whole group); inputs are then zero-padded to match."""
     if layer.tp.size != 1:
         raise ValueError("packed weights are supported with tensor parallel size 1 only")
-    expected = (layer.out_features, layer.in_features)
-    if tuple(packed.shape) != expected:
-        raise ValueError(f"{type(layer).__name__}: packed weight has shape {tuple(packed.shape)}, layer needs {expected}")
+    n, k = packed.shape
+    if n != layer.out_features or not layer.in_features <= k < layer.in_features + 128:
+        raise ValueError(f"{type(layer).__name__}: packed weight has shape {(n, k)}, "
+                         f"layer needs {(layer.out_features, layer.in_features)}")
     attach_packed(layer, packed, _layer_device(layer))
     layer.method = PackedLinearMethod()
 
@@ -59,7 +66,12 @@ class OnTheFlyQuantMethod(UnquantizedLinearMethod):
         self.kind, self.group_size = kind, group_size
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        install_packed_weight(layer, quantize(layer.weight.data, self.kind, self.group_size))
+        weight = layer.weight.data
+        multiple = {"int4": self.group_size, "int8": 32, "fp8": 16}[self.kind]  # what the kernels take
+        padding = -weight.shape[1] % multiple
+        if padding:  # e.g. 172 intermediate features: pad to whole groups with zero columns
+            weight = F.pad(weight, (0, padding))
+        install_packed_weight(layer, quantize(weight, self.kind, self.group_size))
 
 
 def linear_method_for(kind: str, group_size: int = 64) -> LinearMethod | None:
