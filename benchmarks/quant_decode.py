@@ -4,7 +4,7 @@ The model is a random-weight Llama with SmolLM2-135M's shapes (30 layers, hidden
 heads, vocabulary 49,152; built with ``transformers`` into a temporary directory) unless a model
 directory is given. Decode tok/s = 32 / (time for 33 tokens - time for 1 token), best of REPEATS.
 
-    python benchmarks/quant_decode.py [MODEL_DIR] [--kinds none,int8,int4:64,fp8] [--dtype float32]
+    python benchmarks/quant_decode.py [MODEL_DIR] [--kinds none,int8,int4:64,fp8] [--dtype float32] [--threads N]
 """
 
 from __future__ import annotations
@@ -47,14 +47,18 @@ def main() -> None:
     parser.add_argument("model", nargs="?", type=Path)
     parser.add_argument("--kinds", default="none,int8,int4:64,fp8")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or smollm2_shaped(Path(tmp) / "smollm2-shaped")
         print(f"model {model_dir.name}, dtype {args.dtype}, {torch.get_num_threads()} threads")
         for spec in args.kinds.split(","):
             kind, _, group = spec.partition(":")
             engine = LLMEngine(model=str(model_dir), skip_tokenizer=True, dtype=args.dtype, quantization=kind,
-                               quantization_group_size=int(group or 64), kv_cache_memory=64 << 20)
+                               quantization_group_size=int(group or 64), kv_cache_memory=64 << 20,
+                               num_threads=args.threads)
             timed(engine, 4)  # warm-up (and the native kernels' build, if not cached)
             best = min(timed(engine, DECODE_TOKENS + 1) - timed(engine, 1) for _ in range(REPEATS))
             print(f"{spec:8s} {DECODE_TOKENS / best:7.1f} tok/s   weights {weight_bytes(engine.model) / 2**20:7.1f} MiB",
