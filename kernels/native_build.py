@@ -108,6 +108,13 @@ def cache_key(sources: Sequence[Path], headers: Sequence[Path], flags: Sequence[
     return digest.hexdigest()[:16]
 
 
+def module_name_for(name: str, sources: Sequence[str | Path], extra_cflags: Sequence[str] = (),
+                    extra_ldflags: Sequence[str] = (), headers: Sequence[str | Path] = ()) -> str:
+    """``name`` plus the cache key: the file stem of the built module and of its lock."""
+    flags = [*extra_cflags, "|", *extra_ldflags]
+    return f"{name}_{cache_key([Path(s) for s in sources], [Path(h) for h in headers], flags)}"
+
+
 def build_extension(name: str, sources: Sequence[str | Path], extra_cflags: Sequence[str] = (),
                     extra_ldflags: Sequence[str] = (), headers: Sequence[str | Path] = (),
                     timeout_s: float | None = None) -> ModuleType | None:
@@ -116,9 +123,8 @@ def build_extension(name: str, sources: Sequence[str | Path], extra_cflags: Sequ
     reason = unavailable_reason()
     if reason is not None:
         return _fail(name, reason)
-    source_paths, header_paths = [Path(s) for s in sources], [Path(h) for h in headers]
-    flags = [*extra_cflags, "|", *extra_ldflags]
-    module_name = f"{name}_{cache_key(source_paths, header_paths, flags)}"
+    source_paths = [Path(s) for s in sources]
+    module_name = module_name_for(name, sources, extra_cflags, extra_ldflags, headers)
     folder = cache_dir()
     target = folder / f"{module_name}.so"
     if target.exists():
