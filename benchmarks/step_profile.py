@@ -1,12 +1,14 @@
 """Where a decode step of a small model spends its time on a CPU: engine step wall time, the model
 forward alone, and a torch.profiler breakdown of one forward by op (self CPU time).
 
-usage: python benchmarks/step_profile.py [MODEL] [--batch N ...] [--dtype D] [--steps K]
+usage: python benchmarks/step_profile.py [MODEL] [--batch N ...] [--dtype D] [--steps K] [--threads T]
 
 MODEL is ``smollm2-random`` (default: SmolLM2-135M's shape -- 30 layers, hidden 576, 9 heads /
 3 KV heads, intermediate 1536, vocab 49152 -- at random weights, built with transformers' LlamaConfig
 into a temp folder), ``tiny-random-llama`` (the embedded model) or a model folder. Each batch runs
-prompts of 128 tokens, then times K decode steps; figures are medians.
+prompts of 128 tokens, then times K decode steps (median wall time) and K forwards of the last
+step's batch (median wall time, and the least CPU time: on a machine shared with other work, CPU
+time with --threads 1 is the figure that compares two versions fairly).
 """
 
 from __future__ import annotations
@@ -57,16 +59,17 @@ def profile(engine: LLMEngine, batch: int, steps: int) -> None:
         walls.append(time.perf_counter() - start)
     # the forward alone, on the last step's batch
     runner, sched = engine.runner, engine.scheduler.schedule()
-    forward = []
+    forward, cpu = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         runner.execute(sched)
         forward.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         runner.execute(sched)
     step_ms, fwd_ms = 1000 * statistics.median(walls), 1000 * statistics.median(forward)
     print(f"\n=== batch {batch}: engine step {step_ms:.2f} ms (median of {steps}), model forward + logits "
-          f"{fwd_ms:.2f} ms, rest of the step {step_ms - fwd_ms:.2f} ms")
+          f"{fwd_ms:.2f} ms (least CPU time {1000 * min(cpu):.2f} ms), rest of the step {step_ms - fwd_ms:.2f} ms")
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
     print(f"profiled forward: {total / 1000:.2f} ms self CPU over {sum(e.count for e in events)} op calls")
@@ -79,7 +82,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = str(smollm2_random_dir()) if args.model == "smollm2-random" else args.model
     try:
         from kernels.cpu_features import cpu_model, isa_level
