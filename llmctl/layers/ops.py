@@ -14,6 +14,7 @@ import torch
 from kernels.activation import silu_and_mul_torch
 from kernels.cpu_native import (
     load_native,
+    native_isa,
     paged_decode_attention_native,
     reshape_and_cache_native,
     rms_norm_native,
@@ -60,7 +61,7 @@ class TorchOps:
     def __init__(self, native_cpu: bool = False) -> None:
         # The fused C++ kernels of kernels/cpu_native.py take over on a CPU for fp32 and bf16 (and
         # decode attention for fp16 too): measured 2-50x faster per call than the torch op chains
-        # at decode sizes (docs/benchmarks.md), and within float rounding of the references, which
+        # at decode sizes (docs/kernels.md), and within float rounding of the references, which
         # keeps greedy output token-identical to transformers in the exactness tests.
         self.native = native_cpu and load_native() is not None
         # (positions, cache, dtype) -> cos, sin of the current step: every layer rotates the same
@@ -141,7 +142,7 @@ class TorchOps:
 
     @property
     def description(self) -> str:
-        return f"{self.name} + native CPU kernels" if self.native else self.name
+        return f"{self.name} + native CPU kernels ({native_isa()})" if self.native else self.name
 
 
 def select_ops(backend: str, device: torch.device) -> TorchOps:
