@@ -139,6 +139,7 @@ def build_extension(name: str, sources: Sequence[str | Path], extra_cflags: Sequ
             if not lock.wait(timeout_s):
                 return _fail(name, f"another process (pid {lock.holder() or '?'}) is still building the {name} "
                                    f"kernels after {timeout_s:.0f} s (LLMCTL_NATIVE_BUILD_TIMEOUT)")
+            _remove_orphans(folder, module_name)
             if not target.exists():  # else a process we waited for has just built it
                 error = _compile(name, module_name, source_paths, extra_cflags, extra_ldflags, target)
                 if error:
@@ -257,6 +258,14 @@ class BuildLock:
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
         return True
+
+
+def _remove_orphans(folder: Path, module_name: str) -> None:
+    """Partial outputs of builds that were killed (SIGKILL leaves no chance to clean up)."""
+    for partial in folder.glob(f"{module_name}.*.partial.so"):
+        pid = partial.name.split(".")[-3]
+        if pid.isdigit() and not _alive(int(pid)):
+            partial.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:

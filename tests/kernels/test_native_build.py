@@ -50,9 +50,13 @@ def dead_pid() -> int:
 
 def test_a_lock_left_by_a_killed_build_is_taken_over(tiny, capfd):
     flags = ["-DOFFSET=1"]
-    lock_file(tiny, flags).write_text(f"{dead_pid()}\n")  # what a build killed mid-way leaves
+    pid = dead_pid()  # what a build killed mid-way leaves: its lock file and a partial output
+    lock_file(tiny, flags).write_text(f"{pid}\n")
+    partial = lock_file(tiny, flags).with_suffix(f".{pid}.partial.so")
+    partial.write_bytes(b"half a module")
     module = build_extension("tiny", [tiny], flags, timeout_s=5)
     assert module is not None and module.add(2, 3) == 6
+    assert not partial.exists()
     err = capfd.readouterr().err
     assert "building the native tiny kernels" in err and "waiting" not in err
     # built once: a second call (another start) imports the cached module without building
