@@ -156,8 +156,3 @@ class ModelConfig:
         ``self.dtype_choice`` for the startup line."""
         self.dtype_choice = choose_dtype(requested, self.torch_dtype, device)
         return self.dtype_choice.dtype
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, per unit of element size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
