@@ -103,10 +103,15 @@ def _module_or_raise() -> ModuleType:
     return module
 
 
-if __name__ == "__main__":  # `python -m kernels.cpu_native`: build ahead of time (scripts/setup.sh does)
+if __name__ == "__main__":  # `python -m kernels.cpu_native`: build every native kernel ahead of time
     import sys
+
+    from kernels.quant_native import load_quant_native
+    from kernels.quant_native import native_unavailable_reason as quant_unavailable_reason
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     module = load_native()
     print(f"native CPU kernels: {f'{module.__file__} ({isa_level()})' if module else native_unavailable_reason()}")
+    quant = load_quant_native()
+    print(f"quantized CPU kernels: {quant.__file__ if quant else quant_unavailable_reason()}")
     sys.exit(0)

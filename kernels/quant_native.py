@@ -1,5 +1,5 @@
-"""Native CPU kernels for quantized linear layers (C++ in kernels/cpu/quant_kernels.cpp), built on
-first use with torch's extension builder and cached per CPU, like ``kernels/cpu_native.py``.
+"""Native CPU kernels for quantized linear layers (C++ in kernels/cpu/quant_kernels.cpp), built
+once by the shared builder (``kernels/native_build.py``: cache key, stale-lock takeover, time limit).
 
 A separate module from the other native kernels so that either builds alone. Optional: without a
 C++ compiler, on a CPU without AVX2/FMA/F16C, or with ``LLMCTL_NATIVE_CPU_KERNELS=0``, quantized
@@ -8,72 +8,51 @@ layers use the torch reference (``kernels/quant_linear.py``).
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import os
 import platform
-import shutil
 import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-log = logging.getLogger(__name__)
+from kernels.cpu_features import cpu_flags
+from kernels.native_build import FAILURES, build_extension, unavailable_reason
+
+NAME = "llmctl_quant"
 SOURCE = Path(__file__).parent / "cpu" / "quant_kernels.cpp"
+# AVX2+FMA+F16C is the baseline (checked below before building); the AVX-512 functions carry their
+# own target attributes and are chosen at run time.
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _module: ModuleType | None = None
-_failed: str | None = None
+_tried = False
 
 # Rows of x up to which the fp8 kernel converts weights inside its dot products; above, it dequantizes
 # slabs of the weight for torch's GEMM (both compute the same float products).
 FP8_DIRECT_MAX_ROWS = 32
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.partition(":")[2].split())
-
-
-def _cpu_tag() -> str:
-    key = " ".join(sorted(_cpu_flags())) + SOURCE.read_text() + torch.__version__
-    return hashlib.sha256(key.encode()).hexdigest()[:10]
-
-
 def native_unavailable_reason() -> str | None:
     if os.environ.get("LLMCTL_NATIVE_CPU_KERNELS", "1") == "0":
         return "disabled by LLMCTL_NATIVE_CPU_KERNELS=0"
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"quantized CPU kernels are built for x86-64 Linux only (this is {platform.system()} {platform.machine()})"
-    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"quantized CPU kernels are built for x86-64 only (this is {platform.machine()})"
+    missing = {"avx2", "fma", "f16c"} - cpu_flags()
     if missing:
         return f"this CPU lacks {', '.join(sorted(missing))}"
-    if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")):
-        return "no C++ compiler found"
-    return _failed
+    return unavailable_reason() or FAILURES.get(NAME)
 
 
 def load_quant_native() -> ModuleType | None:
-    """The compiled module, building it on first call; None (with the reason logged once) when it
-    cannot be built here."""
-    global _module, _failed
+    """The compiled module, building it on first call; None when it cannot be had here (the
+    builder says why once on stderr)."""
+    global _module, _tried
     with _lock:
-        if _module is not None or native_unavailable_reason() is not None:
-            return _module
-        from torch.utils.cpp_extension import load
-
-        try:
-            # AVX2+FMA+F16C baseline; the AVX-512 functions carry their own target attributes.
-            _module = load(name=f"llmctl_quant_{_cpu_tag()}", sources=[str(SOURCE)],
-                           extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fno-math-errno",
-                                         "-fno-trapping-math"], extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as exc:  # a compiler error, missing headers, a linker problem...
-            _failed = f"building the quantized CPU kernels failed: {str(exc).strip().splitlines()[-1] if str(exc) else exc!r}"
-            log.warning("%s; using the torch reference", _failed)
+        if _module is None and not _tried and native_unavailable_reason() is None:
+            _tried = True
+            _module = build_extension(NAME, [SOURCE], CFLAGS, LDFLAGS)
         return _module
 
 
