@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from llmctl.config import EngineConfig, resolve_kv_cache_bytes
+from llmctl.config import EngineConfig, kv_pool_too_small, resolve_kv_cache_bytes
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.model_runner import ModelRunner, kv_block_bytes
 from llmctl.engine.output_processor import OutputProcessor, RequestState
@@ -73,8 +73,9 @@ class LLMEngine:
         """(KV blocks, max_model_len): the pool from the memory budget, the length from the model's
         limit, capped by what the pool can hold."""
         config, cfg = self.config, self.model.config
-        num_blocks = resolve_kv_cache_bytes(config, self.device) // kv_block_bytes(
-            self.model, config.block_size, self.dtype)
+        pool_bytes = resolve_kv_cache_bytes(config, self.device)
+        block_bytes = kv_block_bytes(self.model, config.block_size, self.dtype)
+        num_blocks = pool_bytes // block_bytes
         capacity = num_blocks * config.block_size
         model_limit = cfg.max_position_embeddings
         if cfg.sliding_window:  # attention here is full-context; stay inside the window where both agree
@@ -86,10 +87,7 @@ class LLMEngine:
             if max_model_len > model_limit:
                 raise ConfigError(f"max_model_len {max_model_len} exceeds the model's limit {model_limit}")
         if max_model_len > capacity or num_blocks < 1:
-            raise ConfigError(
-                f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one sequence of "
-                f"max_model_len={max_model_len} tokens: raise --kv-cache-memory or lower --max-model-len"
-            )
+            raise kv_pool_too_small(pool_bytes, block_bytes, config.block_size, config.max_model_len)
         return num_blocks, max_model_len
 
     @staticmethod
