@@ -100,7 +100,7 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str, model_aliase
     (shared with the process that runs the server) carries the drain flag."""
     state = state or ServerState()
     serving = OpenAIServing(async_engine, served_model_name=served_model_name, model_aliases=set(model_aliases),
-                            max_queue=max_queue, state=state)
+                            state=state)
     metrics = ServerMetrics(async_engine, served_model_name)
     engine = async_engine.engine
     app = FastAPI(title="llmctl", version=__version__,

@@ -1,16 +1,23 @@
 """The completions and chat endpoints: an OpenAI request becomes engine requests (one per prompt),
 and the engine's per-step outputs become an OpenAI response or a stream of server-sent events.
 
-A request is checked (model, queue room, prompt length) before anything is queued, and a streamed
+A request is checked (model, prompt length) before anything is queued; the engine itself checks
+the queue limit atomically with the add (``EngineBusyError``: 503 + Retry-After). A streamed
 response starts only once every prompt produced its first output, so a request the engine refuses
 gets a proper 400 instead of a broken stream. From the moment a request is queued until it ends,
 a client that goes away aborts it: the engine frees its blocks at the next step boundary.
+
+A request that fails on its own (the engine finishes it with ``finish_reason`` "error", e.g. its
+detokenizer raised) is answered with a 500 naming the cause, or, once its stream has started, with
+an error event and ``[DONE]``; the other requests go on. The same happens to the requests still
+running when a drain is cut short (``ServerState.cancel_all``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -33,12 +40,25 @@ from llmctl.server.protocol import (
 from llmctl.tokenizer import Tokenizer
 
 T = TypeVar("T")
+logger = logging.getLogger("llmctl.server")
 RETRY_AFTER_S = 1
 
 
 def queue_full(detail: str) -> APIError:
-    return APIError(503, f"the server is overloaded: {detail} (--max-queue); retry later", type="server_error",
+    return APIError(503, f"the server is overloaded: {detail} (--max-queue)", type="server_error",
                     code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def request_failed(out: RequestOutput) -> APIError:
+    return APIError(500, f"this request failed while its output was produced: {out.error or 'unknown error'}",
+                    type="server_error", code="request_failed")
+
+
+def shutting_down(message: str) -> APIError:
+    return APIError(503, message, type="server_error", code="shutting_down",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 SSE_DONE = "data: [DONE]\n\n"
 TOKEN_CONTEXT = 4  # tokens decoded before a logprobs token to get its text right
 
@@ -84,6 +104,7 @@ class Generation:
                  request_id: str, user: str | None) -> None:
         self.num_prompts = len(prompts)
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self.num_requests = self.num_prompts * params.n
         self._unfinished = set(range(self.num_prompts))
         self._buffer: list[tuple[int, RequestOutput]] = []
         self.final: dict[int, RequestOutput] = {}
@@ -108,8 +129,12 @@ class Generation:
             raise queue_full(str(item))
         if isinstance(item, EngineDeadError):
             raise APIError(500, str(item), type="server_error", code="engine_dead")
+        if isinstance(item, APIError):
+            raise item
         if isinstance(item, BaseException):
             raise APIError(500, f"internal error: {item!r}", type="server_error")
+        if item.error is not None or any(c.finish_reason == "error" for c in item.outputs):
+            raise request_failed(item)
         self.final[index] = item
         if item.finished:
             self._unfinished.discard(index)
@@ -138,6 +163,11 @@ class Generation:
         for task in self._tasks:
             task.cancel()
 
+    def fail(self, error: APIError) -> None:
+        """End this API call with ``error`` (its stream: an error event, then ``[DONE]``); its
+        engine requests are aborted when the response closes."""
+        self._queue.put_nowait((-1, error))
+
     def usage(self) -> Usage:
         prompt = sum(len(out.prompt_token_ids) for out in self.final.values())
         completion = sum(len(c.token_ids) for out in self.final.values() for c in out.outputs)
@@ -147,12 +177,16 @@ class Generation:
 
 
 async def _errors_as_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """If the engine fails mid-stream, tell the client in an error event, then end the stream."""
+    """If the request fails mid-stream, tell the client in an error event, then end the stream."""
     try:
         async for event in events:
             yield event
     except APIError as exc:
         yield sse(json.dumps(exc.body()))
+        yield SSE_DONE
+    except Exception as exc:  # a bug in building this response: this stream alone ends
+        logger.exception("streamed response failed")
+        yield sse(json.dumps(APIError(500, f"internal error: {exc!r}", type="server_error").body()))
         yield SSE_DONE
 
 
@@ -184,17 +218,28 @@ class _ChoiceStream:
 
 @dataclass
 class ServerState:
-    """Shared by the routes: drain flag and the count of API calls being answered."""
+    """Shared by the routes and the process: drain flag and the API calls being answered."""
 
     draining: bool = False
-    in_flight: int = 0
     rejected_queue_full: int = 0
     started: float = field(default_factory=time.time)
+    live: set[Generation] = field(default_factory=set)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.live)
+
+    def cancel_all(self, message: str) -> int:
+        """Fail every API call still running (a drain cut short); how many engine requests that was."""
+        cancelled = sum(generation.num_requests for generation in self.live)
+        for generation in self.live:
+            generation.fail(shutting_down(message))
+        return cancelled
 
 
 class OpenAIServing:
     def __init__(self, async_engine: AsyncEngine, *, served_model_name: str, model_aliases: set[str],
-                 max_queue: int, state: ServerState) -> None:
+                 state: ServerState) -> None:
         engine = async_engine.engine
         if engine.tokenizer is None:
             raise ValueError("the server needs a tokenizer (the engine was built with skip_tokenizer)")
@@ -203,7 +248,6 @@ class OpenAIServing:
         self.max_model_len = engine.max_model_len
         self.served_model_name = served_model_name
         self.model_aliases = {served_model_name, *model_aliases}
-        self.max_queue = max_queue
         self.state = state
 
     # ---- checks --------------------------------------------------------------------------------
@@ -214,13 +258,7 @@ class OpenAIServing:
 
     def check_capacity(self) -> None:
         if self.state.draining:
-            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
-        # A fast refusal; the engine checks again atomically with the add (AsyncEngine.max_waiting).
-        waiting = self.async_engine.engine.scheduler.num_waiting  # a plain int: no lock needed
-        if waiting >= self.max_queue:
-            self.state.rejected_queue_full += 1
-            raise queue_full(f"{waiting} requests are waiting")
+            raise shutting_down("the server is shutting down")
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
         """The requested budget, or all the context the prompt leaves. A prompt that leaves no room
@@ -265,7 +303,7 @@ class OpenAIServing:
                    stream: Callable[[Generation], AsyncIterator[str]] | None) -> Any:
         self.check_capacity()
         generation = Generation(self.async_engine, prompts, params, request_id, user)
-        self.state.in_flight += 1
+        self.state.live.add(generation)
         handed_over = False
         try:
             try:
@@ -284,7 +322,7 @@ class OpenAIServing:
         finally:
             if not handed_over:
                 generation.cancel()
-                self.state.in_flight -= 1
+                self.state.live.discard(generation)
 
     def _closer(self, generation: Generation) -> Callable[[], None]:
         closed = False
@@ -294,7 +332,7 @@ class OpenAIServing:
             if not closed:
                 closed = True
                 generation.cancel()
-                self.state.in_flight -= 1
+                self.state.live.discard(generation)
 
         return close
 

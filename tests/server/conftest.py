@@ -14,9 +14,9 @@ def start_server(tmp_path_factory) -> Iterator:
     """A factory: ``start_server(model, *flags)``; every server started is killed at the end."""
     started: list[ServerProcess] = []
 
-    def start(model: str, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+    def start(model: str, *args: str, env: dict[str, str] | None = None, **kwargs) -> ServerProcess:
         log = tmp_path_factory.mktemp("serve") / "server.log"
-        server = ServerProcess(model, *args, log_path=log, env=env)
+        server = ServerProcess(model, *args, log_path=log, env=env, **kwargs)
         started.append(server)
         return server
 
