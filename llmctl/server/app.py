@@ -29,6 +29,7 @@ from llmctl.server.protocol import (
 from llmctl.server.serving import OpenAIServing, ServerState, sse
 
 DEFAULT_MAX_QUEUE = 1024
+MAX_BODY_BYTES = 8 << 20  # larger bodies get a 413 (a full-context prompt as token ids is far smaller)
 STATS_MIN_INTERVAL_S = 0.05
 DRAIN_POLL_S = 0.25  # how soon a stats stream notices that the server drains
 Body = TypeVar("Body", bound=BaseModel)
@@ -62,26 +63,43 @@ def _describe_validation_errors(errors: Iterable[dict[str, Any]]) -> tuple[str, 
     """pydantic's errors as one line, and the first offending parameter."""
     parts, param = [], None
     for error in errors:
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
         if error.get("type") == "json_invalid":
             return f"malformed JSON body: {error.get('ctx', {}).get('error', error.get('msg'))}", None
-        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        if error.get("type") == "model_type" and not loc:
+            return "the request body must be a JSON object", None
         where = ".".join(loc)
         param = param or (loc[0] if loc else None)
         parts.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
     return "; ".join(parts) or "invalid request", param
 
 
+async def read_body(request: Request) -> bytes:
+    """The body, refused with a 413 as soon as it is known to exceed ``MAX_BODY_BYTES``."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise body_too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise body_too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def body_too_large() -> APIError:
+    return APIError(413, f"the request body is larger than the server's limit of {MAX_BODY_BYTES} bytes",
+                    code="request_too_large")
+
+
 async def parse_body(request: Request, model: type[Body]) -> Body:
-    """The JSON body as ``model``; any content type is read as JSON (curl's default included)."""
-    raw = await request.body()
+    """The JSON body as ``model``, validated strictly; any content type is read as JSON (curl's
+    default included). The JSON parser (pydantic's) refuses lone surrogate escapes and bodies
+    nested deeper than 200 levels, which ``json.loads`` would accept or overflow the stack on."""
+    raw = await read_body(request)
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"malformed JSON body: {exc}") from None
-    if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
+        return model.model_validate_json(raw)
     except ValidationError as exc:
         message, param = _describe_validation_errors(exc.errors())
         raise bad_request(message, param) from None

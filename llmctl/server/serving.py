@@ -124,7 +124,8 @@ class Generation:
     async def _next(self) -> tuple[int, RequestOutput]:
         index, item = await self._queue.get()
         if isinstance(item, InvalidRequestError):
-            raise bad_request(str(item))
+            message = str(item)
+            raise bad_request(message, "prompt" if message.startswith("prompt") else None)
         if isinstance(item, EngineBusyError):
             raise queue_full(str(item))
         if isinstance(item, EngineDeadError):
@@ -246,6 +247,7 @@ class OpenAIServing:
         self.async_engine = async_engine
         self.tokenizer: Tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.vocab_size: int = engine.model.config.vocab_size
         self.served_model_name = served_model_name
         self.model_aliases = {served_model_name, *model_aliases}
         self.state = state
@@ -278,6 +280,10 @@ class OpenAIServing:
             if not prompt:
                 raise bad_request("prompt is empty", "prompt")
             return self.tokenizer.encode(prompt)
+        if not prompt:
+            raise bad_request("prompt is empty", "prompt")
+        if not all(0 <= t < self.vocab_size for t in prompt):
+            raise bad_request(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
         return list(prompt)
 
     def _token_text(self, context: list[int], token_id: int) -> str:

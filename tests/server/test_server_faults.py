@@ -39,10 +39,11 @@ def test_a_failing_request_fails_alone(start_server, stories_dir):
             bad = pool.submit(client.post, "/v1/completions", json={"prompt": "FAULT Once upon a time", **GREEDY})
             bad_stream = pool.submit(stream_events, client, {"prompt": "FAULT Lily", **GREEDY})
             good_stream = pool.submit(stream_events, client, {"prompt": "Once upon a time", **GREEDY})
-        for response in good:
+        for response in (future.result() for future in good):
             assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected_text
-        assert bad.result().status_code == 500, bad.result().text
-        error = bad.result().json()["error"]
+        response = bad.result()
+        assert response.status_code == 500, response.text
+        error = response.json()["error"]
         assert error["code"] == "request_failed" and "injected detokenizer fault" in error["message"]
         events = bad_stream.result()
         assert events[-1] == "[DONE]" and "error" in events[-2]
