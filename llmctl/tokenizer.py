@@ -94,10 +94,43 @@ class Tokenizer:
     def byte_fallback_tokens(self) -> dict[int, int]:
         """``{id: byte}`` for the ``<0xNN>`` tokens of a SentencePiece byte-fallback vocabulary
         (empty for other tokenizers, byte-level BPE included)."""
-        if '"ByteFallback"' not in json.dumps(json.loads(self.backend.to_str()).get("decoder")):
+        if '"ByteFallback"' not in self._decoder_json:
             return {}
         return {i: int(m.group(1), 16) for token, i in self.backend.get_vocab(with_added_tokens=False).items()
                 if (m := _BYTE_TOKEN.fullmatch(token))}
+
+    @cached_property
+    def _decoder_json(self) -> str:
+        return json.dumps(json.loads(self.backend.to_str()).get("decoder"))
+
+    @cached_property
+    def _byte_level_chars(self) -> dict[str, int] | None:
+        """GPT-2's byte-to-character alphabet, inverted, when the decoder is byte-level."""
+        return {char: byte for byte, char in _bytes_to_unicode().items()} if '"ByteLevel"' in self._decoder_json else None
+
+    @cached_property
+    def _anchor(self) -> list[int]:
+        """A plain token to decode others after, so that a SentencePiece word keeps its leading
+        space (``decode`` strips it at the start of a text)."""
+        return self.encode("a", add_special_tokens=False)[-1:]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` adds to a text: one byte for a byte-fallback token, the raw
+        bytes of a byte-level token (part of a character, where ``decode`` would show U+FFFD), a
+        SentencePiece word with its leading space, a special token's own text."""
+        if (byte := self.byte_fallback_tokens.get(token_id)) is not None:
+            return bytes([byte])
+        token = self.backend.id_to_token(token_id)
+        if token is None:
+            return b""
+        if token_id in self.backend.get_added_tokens_decoder():
+            return token.encode()
+        chars = self._byte_level_chars
+        if chars is not None:
+            return bytes(chars[c] for c in token) if all(c in chars for c in token) else token.encode()
+        before = self.decode(self._anchor, skip_special_tokens=False)
+        after = self.decode([*self._anchor, token_id], skip_special_tokens=False)
+        return (after[len(before):] if after.startswith(before) else self.decode([token_id])).encode()
 
     def decode_stream(self, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_token_ids, skip_special_tokens)
@@ -234,6 +267,19 @@ class IncrementalDetokenizer:
         while window[-length] in self._skipped:  # skipped ids before the run are not part of it
             length -= 1
         return length, bytes(run)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for every byte (the byte-level BPE alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return chars
 
 
 def _common_prefix_len(a: str, b: str) -> int:

@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -28,14 +28,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from llmctl.engine.async_engine import AsyncEngine, EngineDeadError
-from llmctl.engine.outputs import CompletionOutput, RequestOutput
+from llmctl.engine.outputs import RequestOutput
 from llmctl.errors import EngineBusyError, InvalidRequestError
 from llmctl.sampling_params import SamplingParams
+from llmctl.server.logprobs import LogprobsFormatter, TokenTexts
 from llmctl.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS, APIError, AssistantMessage, ChatChoice, ChatCompletionChunk,
-    ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, CompletionChoice,
-    CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails,
-    TokenLogprob, TopLogprob, Usage, bad_request,
+    ChatCompletionRequest, ChatCompletionResponse, ChatStreamChoice, CompletionChoice, CompletionChunk,
+    CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails, Usage, bad_request,
 )
 from llmctl.tokenizer import Tokenizer
 
@@ -60,7 +60,6 @@ def shutting_down(message: str) -> APIError:
 
 
 SSE_DONE = "data: [DONE]\n\n"
-TOKEN_CONTEXT = 4  # tokens decoded before a logprobs token to get its text right
 
 
 def sse(payload: str) -> str:
@@ -211,10 +210,9 @@ class EngineStreamResponse(StreamingResponse):
 class _ChoiceStream:
     """What one streamed choice already sent."""
 
+    texts: TokenTexts
     started: bool = False
-    tokens_sent: int = 0
     finished: bool = False
-    text_offset: int = 0
 
 
 @dataclass
@@ -246,6 +244,7 @@ class OpenAIServing:
             raise ValueError("the server needs a tokenizer (the engine was built with skip_tokenizer)")
         self.async_engine = async_engine
         self.tokenizer: Tokenizer = engine.tokenizer
+        self.logprobs = LogprobsFormatter(engine.tokenizer)
         self.max_model_len = engine.max_model_len
         self.vocab_size: int = engine.model.config.vocab_size
         self.served_model_name = served_model_name
@@ -285,23 +284,6 @@ class OpenAIServing:
         if not all(0 <= t < self.vocab_size for t in prompt):
             raise bad_request(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
         return list(prompt)
-
-    def _token_text(self, context: list[int], token_id: int) -> str:
-        """The text ``token_id`` adds after ``context`` (the few tokens before it). Decoding the token
-        alone would lose the leading space SentencePiece tokenizers drop at the start of a text."""
-        prefix = self.tokenizer.decode(context, skip_special_tokens=False)
-        full = self.tokenizer.decode([*context, token_id], skip_special_tokens=False)
-        if full.startswith(prefix) and not prefix.endswith("\ufffd"):
-            return full[len(prefix):]
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _contexts(self, out: RequestOutput, c: CompletionOutput, start: int, end: int) -> Iterator[list[int]]:
-        """For each generated position in ``start:end``, the tokens just before it."""
-        tokens = [*out.prompt_token_ids[-TOKEN_CONTEXT:], *c.token_ids[:end]]
-        offset = min(len(out.prompt_token_ids), TOKEN_CONTEXT)
-        for position in range(start, end):
-            at = offset + position
-            yield tokens[max(0, at - TOKEN_CONTEXT):at]
 
     # ---- running -------------------------------------------------------------------------------
     async def _run(self, request: Request, prompts: list[list[int]], params: SamplingParams, request_id: str,
@@ -362,7 +344,8 @@ class OpenAIServing:
                 for c in out.outputs:
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs = self._completion_logprobs(out, c, 0, len(c.token_ids), 0)[0]
+                        texts = self.logprobs.texts(out.prompt_token_ids, params.skip_special_tokens)
+                        logprobs = self.logprobs.completion(c, texts, len(c.token_ids))
                     choices.append(CompletionChoice(index=i * req.n + c.index, text=echo.get(i, "") + c.text,
                                                     logprobs=logprobs, finish_reason=c.finish_reason,
                                                     stop_reason=c.stop_reason))
@@ -374,7 +357,8 @@ class OpenAIServing:
             async for i, out in generation.outputs():
                 for c in out.outputs:
                     index = i * req.n + c.index
-                    state = choices.setdefault(index, _ChoiceStream())
+                    state = choices.get(index) or choices.setdefault(index, _ChoiceStream(
+                        self.logprobs.texts(out.prompt_token_ids, params.skip_special_tokens)))
                     text = c.delta_text if state.started else echo.get(i, "") + c.delta_text
                     newly_finished = c.finished and not state.finished
                     # A chunk per step that produced tokens, even when they add no text yet (a split
@@ -385,9 +369,7 @@ class OpenAIServing:
                     state.started = True
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs, state.text_offset = self._completion_logprobs(
-                            out, c, state.tokens_sent, len(c.token_ids), state.text_offset)
-                        state.tokens_sent = len(c.token_ids)
+                        logprobs = self.logprobs.completion(c, state.texts, len(c.token_ids))
                     state.finished = c.finished
                     chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[CompletionChoice(
                         index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
@@ -404,25 +386,6 @@ class OpenAIServing:
     def _prompt_text(self, prompt_ids: list[int]) -> str:
         return self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
 
-    def _completion_logprobs(self, out: RequestOutput, c: CompletionOutput, start: int, end: int,
-                             text_offset: int) -> tuple[CompletionLogprobs, int]:
-        """Tokens ``start:end`` of a choice in the legacy completions format. The chosen token is
-        always among its position's ``top_logprobs`` (so there may be logprobs + 1 entries)."""
-        result = CompletionLogprobs()
-        for position, context in zip(range(start, end), self._contexts(out, c, start, end)):
-            token_id = c.token_ids[position]
-            token = self._token_text(context, token_id)
-            chosen = c.logprobs[position]
-            candidates = dict(c.top_logprobs[position]) if c.top_logprobs else {}
-            candidates.setdefault(token_id, chosen)
-            result.tokens.append(token)
-            result.token_logprobs.append(chosen)
-            result.top_logprobs.append({self._token_text(context, t): lp for t, lp in
-                                        sorted(candidates.items(), key=lambda kv: -kv[1])})
-            result.text_offset.append(text_offset)
-            text_offset += len(token)
-        return result, text_offset
-
     # ---- chat ----------------------------------------------------------------------------------
     async def create_chat_completion(self, req: ChatCompletionRequest, request: Request) -> Any:
         self.check_model(req.model)
@@ -432,6 +395,7 @@ class OpenAIServing:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(len(prompt), req.requested_max_tokens, param)
         params = req.sampling_params(max_tokens, req.engine_logprobs)
+        skip = params.skip_special_tokens
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = req.model or self.served_model_name
@@ -439,7 +403,8 @@ class OpenAIServing:
         def respond(generation: Generation) -> dict[str, Any]:
             out = generation.final[0]
             choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                                  logprobs=self._chat_logprobs(out, c, 0, len(c.token_ids)) if req.logprobs else None,
+                                  logprobs=self.logprobs.chat(c, self.logprobs.texts(out.prompt_token_ids, skip),
+                                                              len(c.token_ids), skip) if req.logprobs else None,
                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                        for c in out.outputs]
             return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
@@ -455,14 +420,14 @@ class OpenAIServing:
             choices: dict[int, _ChoiceStream] = {}
             async for _, out in generation.outputs():
                 for c in out.outputs:
-                    state = choices.setdefault(c.index, _ChoiceStream())
+                    state = choices.get(c.index) or choices.setdefault(c.index, _ChoiceStream(
+                        self.logprobs.texts(out.prompt_token_ids, params.skip_special_tokens)))
                     newly_finished = c.finished and not state.finished
                     if not c.delta_text and not c.delta_token_ids and not newly_finished:
                         continue
                     logprobs = None
                     if req.logprobs:
-                        logprobs = self._chat_logprobs(out, c, state.tokens_sent, len(c.token_ids))
-                        state.tokens_sent = len(c.token_ids)
+                        logprobs = self.logprobs.chat(c, state.texts, len(c.token_ids), skip)
                     state.finished = c.finished
                     delta = DeltaMessage(content=c.delta_text) if c.delta_text else DeltaMessage()
                     yield chunk(ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
@@ -474,16 +439,3 @@ class OpenAIServing:
 
         return await self._run(request, [prompt], params, request_id, req.user, respond,
                                stream if req.stream else None)
-
-    def _chat_logprobs(self, out: RequestOutput, c: CompletionOutput, start: int, end: int) -> ChatLogprobs:
-        content = []
-        for position, context in zip(range(start, end), self._contexts(out, c, start, end)):
-            token = self._token_text(context, c.token_ids[position])
-            top = sorted((c.top_logprobs[position] if c.top_logprobs else {}).items(), key=lambda kv: -kv[1])
-            alternatives = []
-            for token_id, logprob in top:
-                text = self._token_text(context, token_id)
-                alternatives.append(TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8"))))
-            content.append(TokenLogprob(token=token, logprob=c.logprobs[position], bytes=list(token.encode("utf-8")),
-                                        top_logprobs=alternatives))
-        return ChatLogprobs(content=content)
