@@ -90,7 +90,7 @@ def as_output(tok: Tokenizer, prompt: list[int], text: str, top: int) -> Complet
                             logprobs=[-1.0] * len(ids), top_logprobs=tops)
 
 
-@pytest.mark.parametrize("text", ["中文：猫", " 你好 🙂 done", "🐱🚀日本語", " café — «ok»"])
+@pytest.mark.parametrize("text", ["中文：猫", " 你好 🙂 done", "🐱🚀日本語", " café — «ok» 🙂"])
 def test_characters_split_over_byte_tokens(tok, text):
     """The issue's case: CJK and emoji whose bytes are spread over several tokens."""
     fmt = LogprobsFormatter(tok)

@@ -16,6 +16,7 @@ running when a drain is cut short (``ServerState.cancel_all``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -390,11 +391,12 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest, request: Request) -> Any:
         self.check_model(req.model)
         req.refuse_unsupported()
+        # the parameters first: their errors do not depend on the model's template
+        params = req.sampling_params(req.requested_max_tokens or 1, req.engine_logprobs)
         text = self.tokenizer.apply_chat_template([m.for_template() for m in req.messages])
         prompt = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self._max_tokens(len(prompt), req.requested_max_tokens, param)
-        params = req.sampling_params(max_tokens, req.engine_logprobs)
+        params = dataclasses.replace(params, max_tokens=self._max_tokens(len(prompt), req.requested_max_tokens, param))
         skip = params.skip_special_tokens
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
