@@ -392,11 +392,12 @@ class OpenAIServing:
         self.check_model(req.model)
         req.refuse_unsupported()
         # the parameters first: their errors do not depend on the model's template
-        params = req.sampling_params(req.requested_max_tokens or 1, req.engine_logprobs)
+        requested = req.requested_max_tokens
+        params = req.sampling_params(1 if requested is None else requested, req.engine_logprobs)
         text = self.tokenizer.apply_chat_template([m.for_template() for m in req.messages])
         prompt = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        params = dataclasses.replace(params, max_tokens=self._max_tokens(len(prompt), req.requested_max_tokens, param))
+        params = dataclasses.replace(params, max_tokens=self._max_tokens(len(prompt), requested, param))
         skip = params.skip_special_tokens
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
