@@ -106,9 +106,29 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
 
 
 def _request_schema(model: type[BaseModel]) -> dict[str, Any]:
-    """OpenAPI body description for routes that parse their body themselves."""
+    """OpenAPI body description for routes that parse their body themselves (its nested models
+    are moved to ``components`` by ``_hoist_definitions``)."""
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema(
         ref_template="#/components/schemas/{model}")}}}}
+
+
+def _hoist_definitions(app: FastAPI) -> None:
+    """Make ``/openapi.json`` self-contained: the ``$defs`` of the request bodies above become
+    ``components/schemas``, where their references point (so that a client generator or a fuzzer
+    such as schemathesis sees the whole body)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    for media in operation.get("requestBody", {}).get("content", {}).values():
+                        components.update(media.get("schema", {}).pop("$defs", {}))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def build_app(async_engine: AsyncEngine, *, served_model_name: str, model_aliases: Iterable[str] = (),
@@ -209,4 +229,5 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str, model_aliase
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    _hoist_definitions(app)
     return app
