@@ -161,6 +161,10 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str, model_aliase
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(APIError(500, str(exc), type="server_error", code="engine_dead"))
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:  # a bug: still OpenAI's error JSON
+        return error_response(APIError(500, f"internal error: {exc!r}", type="server_error"))
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _describe_validation_errors(exc.errors())
