@@ -23,7 +23,7 @@ def _byte_level_json() -> str:
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=["<s>", "</s>", "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=["<s>", "</s>", "<|im_end|>", "<|im_start|>"],
                                   show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([MIXED_TEXT * 3] * 20, trainer=trainer)
     return tok.to_str()

@@ -16,8 +16,8 @@ def load_soak():
     return module
 
 
-def test_ci_soak(start_server):
-    server = start_server("tiny-random-llama", "--max-model-len", "128", "--kv-cache-memory", "64MiB")
+def test_ci_soak(start_server, tiny_chat_model):
+    server = start_server(tiny_chat_model, "--max-model-len", "128", "--kv-cache-memory", "64MiB")
     summary = load_soak().run_soak(server.url, server.proc.pid, requests=300, concurrency=32, seed=5,
                                    warmup=60, rss_bound_mib=64)
     assert summary["ok"], summary
