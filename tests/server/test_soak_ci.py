@@ -5,6 +5,7 @@ in use and no request left once idle, bounded RSS growth."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 from server_helpers import REPO_ROOT
 
@@ -12,6 +13,7 @@ from server_helpers import REPO_ROOT
 def load_soak():
     spec = importlib.util.spec_from_file_location("soak", REPO_ROOT / "benchmarks" / "soak.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
 
