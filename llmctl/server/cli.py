@@ -24,11 +24,8 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.console import Console
 
-from llmctl.cli_options import (
-    BackendOpt, BlockSizeOpt, ChunkedPrefillOpt, DeviceOpt, DtypeOpt, KvMemoryOpt, MaxBatchedTokensOpt,
-    MaxModelLenOpt, MaxNumSeqsOpt, MemoryFractionOpt, ModelArg, PrefixCachingOpt, SeedOpt, ThreadsOpt,
-    build_engine_config, exit_on_error,
-)
+from llmctl.cli_options import ModelArg, config_for_model, engine_options, exit_on_error
+from llmctl.config import EngineConfig
 
 if TYPE_CHECKING:
     import uvicorn
@@ -116,6 +113,7 @@ def _make_server(config: uvicorn.Config, *, state: ServerState, async_engine: As
     return DrainingServer(config)
 
 
+@engine_options()
 def serve(
     model: ModelArg,
     host: Annotated[str, typer.Option("--host", help="Address to bind (127.0.0.1: this machine only).",
@@ -137,21 +135,10 @@ def serve(
                                            rich_help_panel=SERVER)] = "info",
     access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="Log every request.",
                                              rich_help_panel=SERVER)] = True,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
-    max_model_len: MaxModelLenOpt = None,
-    max_num_seqs: MaxNumSeqsOpt = 256,
-    max_num_batched_tokens: MaxBatchedTokensOpt = 2048,
-    block_size: BlockSizeOpt = 16,
-    kv_cache_memory: KvMemoryOpt = None,
-    memory_fraction: MemoryFractionOpt = 0.9,
-    enable_prefix_caching: PrefixCachingOpt = True,
-    enable_chunked_prefill: ChunkedPrefillOpt = True,
-    attention_backend: BackendOpt = "auto",
-    seed: SeedOpt = 0,
-    threads: ThreadsOpt = None,
+    *,
+    engine_config: EngineConfig,
 ) -> None:
-    """Serve MODEL over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)."""
+    """Serve MODEL over an OpenAI-compatible HTTP API. Completions, chat, streaming, /metrics."""
     import uvicorn
 
     from llmctl.engine.async_engine import AsyncEngine
@@ -161,12 +148,7 @@ def serve(
 
     _check_port_free(host, port)  # before loading the model, not after
     with exit_on_error(err):
-        config = build_engine_config(
-            model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, kv_cache_memory=kv_cache_memory,
-            memory_fraction=memory_fraction, enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill, attention_backend=attention_backend, seed=seed,
-            threads=threads)
+        config = config_for_model(engine_config, model)
         loading = time.perf_counter()
         engine = LLMEngine(config)
     if engine.tokenizer is None:
