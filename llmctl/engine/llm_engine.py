@@ -49,7 +49,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.ops = select_ops(config.attention_backend, self.device)
         self.model, self.tokenizer, self.model_label = self._load(config, self.ops)
-        self.dtype = next(self.model.parameters()).dtype
+        self.dtype = self.model.model.norm.weight.dtype  # the activation/KV dtype (weights may be packed)
         num_blocks, self.max_model_len = self._size_kv_pool()
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
                                   device=self.device, kv_dtype=self.dtype)
@@ -68,6 +68,13 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._request_counter = itertools.count()
+
+    @property
+    def dtype_description(self) -> str:
+        """The dtype and, where it was chosen automatically, why (for start-up lines)."""
+        name = str(self.dtype).removeprefix("torch.")
+        choice = getattr(self.model.config, "dtype_choice", None)
+        return f"{name} ({choice.reason})" if choice is not None and choice.reason else name
 
     def _size_kv_pool(self) -> tuple[int, int]:
         """(KV blocks, max_model_len): the pool from the memory budget, the length from the model's
