@@ -81,6 +81,11 @@ class EngineConfig:
     skip_tokenizer: bool = False  # token-id prompts only (benchmarks, tests of raw models)
     num_threads: int | None = field(default=None, metadata=cli(
         "--threads", "CPU threads for torch (default: all cores)."))
+    quantization: str = field(default="none", metadata=cli(
+        "--quantization", "none | int8 | int4 | fp8: quantize the linear layers of a float checkpoint while loading "
+        "(the embedding and LM head stay unquantized)."))
+    quantization_group_size: int = field(default=64, metadata=cli(
+        "--quantization-group-size", "Inputs per int4 scale/zero group: 32, 64 or 128."))
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -91,6 +96,10 @@ class EngineConfig:
             raise ConfigError(f"threads must be at least 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.quantization not in ("none", "int8", "int4", "fp8"):
+            raise ConfigError(f"unknown quantization {self.quantization!r}; choose none, int8, int4 or fp8")
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ConfigError(f"quantization group size must be 32, 64 or 128, got {self.quantization_group_size}")
 
     def resolve_device(self) -> torch.device:
         import torch

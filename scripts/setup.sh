@@ -10,6 +10,7 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[dev]"
-# Build the optional native CPU decode-attention kernel now (about 30 s, cached per machine), so
-# the first engine start does not pay for it. Without a C++ compiler the engine uses pure torch.
+# Build the optional native CPU kernels now (about a minute on 2 cores; one portable build with
+# per-ISA variants, cached per install and toolchain), so the first engine start does not pay for
+# it. Without a C++ compiler the engine uses pure torch.
 .venv/bin/python -m kernels.cpu_native

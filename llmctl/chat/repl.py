@@ -173,7 +173,7 @@ class ChatRepl:
     # ---- the loop ------------------------------------------------------------------------------
     def print_banner(self, load_seconds: float) -> None:
         engine = self.engine
-        dtype = str(engine.dtype).removeprefix("torch.")
+        dtype = engine.dtype_description
         self.console.print(f"[bold]llmctl chat[/] · {escape(engine.model_label)}")
         self.console.print(f"[dim]{dtype} · {engine.device} · context {engine.max_model_len} tokens · "
                            f"load {load_seconds:.1f} s[/]")

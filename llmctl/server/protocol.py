@@ -8,6 +8,10 @@ cannot honour are refused with a 400 rather than silently dropped. vLLM's extra 
 ``include_stop_str_in_output``, ``skip_special_tokens``) and structured-output fields
 (``guided_json``/``_regex``/``_choice``/``_grammar``, ``structured_outputs``) are accepted too.
 
+Requests are validated strictly, as OpenAI's API does: a wrong type is a 400, never coerced
+(``"stream": "yes"``, ``"max_tokens": "5"``, ``"temperature": true``), NaN and infinities are
+refused, and every error names the offending field in ``param``.
+
 Responses are dumped whole, ``null`` fields included, as OpenAI's are; only a stream's ``delta``
 drops its unset fields, so it carries just what changed.
 """
@@ -15,7 +19,7 @@ drops its unset fields, so it carries just what changed.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -61,21 +65,24 @@ class ErrorResponse(BaseModel):
 
 
 # ---- requests -----------------------------------------------------------------------------------
+STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     include_usage: bool = False
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     type: str = "text"
     json_schema: Optional[dict[str, Any]] = None
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: Optional[str] = None
     temperature: Optional[float] = None
@@ -111,6 +118,17 @@ class _Request(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """A 400 naming the field on out-of-range values."""
+        try:
+            return self._sampling_params(max_tokens, logprobs)
+        except InvalidRequestError as exc:  # its message starts with the parameter's name
+            name = str(exc).split(" ", 1)[0]
+            raise bad_request(str(exc), self.API_NAMES.get(name, name if name in type(self).model_fields else None)) \
+                from None
+
+    API_NAMES: ClassVar[dict[str, str]] = {"structured_outputs": "response_format"}  # SamplingParams -> request
+
     def output_spec(self, tool_choice_spec: StructuredOutputSpec | None = None) -> StructuredOutputSpec | None:
         """The one output constraint the request asks for; a 400 naming the problem otherwise."""
         try:
@@ -130,8 +148,7 @@ class _Request(BaseModel):
         except ValueError:
             raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Raises ``InvalidRequestError`` (a 400) on out-of-range values."""
+    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
@@ -190,14 +207,14 @@ class CompletionRequest(_Request):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     type: str
     text: Optional[str] = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[ContentPart]]] = None
@@ -227,7 +244,7 @@ class ChatMessage(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     name: str
     description: Optional[str] = None
@@ -236,20 +253,20 @@ class FunctionDefinition(BaseModel):
 
 
 class ToolDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
 class NamedToolChoiceFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     name: str
 
 
 class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     type: Literal["function"]
     function: NamedToolChoiceFunction
@@ -266,6 +283,8 @@ class ChatCompletionRequest(_Request):
     top_logprobs: Optional[int] = None
     tools: Optional[list[ToolDefinition]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+
+    API_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
