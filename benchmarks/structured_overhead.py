@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--kv-cache-memory", default="512MiB")
+    parser.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="bytes")
     parser.add_argument("--skip-engine", action="store_true", help="only the grammar-alone measurement")
     args = parser.parse_args()
     print(json.dumps({"grammar_alone_smollm2_vocab": grammar_alone(args)}))
