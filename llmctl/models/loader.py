@@ -53,10 +53,15 @@ def iterate_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor
             raise ModelLoadError(f"{path}: cannot read safetensors file ({exc}); it may be corrupt or truncated") from exc
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+def load_weights(model: LlamaForCausalLM, model_dir: Path,
+                 tensors: Iterator[tuple[Path, str, torch.Tensor]] | None = None) -> None:
+    """Checkpoint tensors (by default the safetensors files in ``model_dir``; a GGUF loader passes
+    its own, renamed) into the model's parameters, merged projections part by part."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    for path, name, tensor in iterate_tensors(safetensors_files(model_dir)):
+    if tensors is None:
+        tensors = iterate_tensors(safetensors_files(model_dir))
+    for path, name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
