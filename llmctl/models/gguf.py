@@ -54,21 +54,6 @@ _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 _IGNORED_TENSORS = {"rope_freqs.weight"}  # derived rotary factors; the config says the same
 
 
-def find_gguf_file(spec: str | Path) -> Path | None:
-    """The GGUF file a model argument names: a ``.gguf`` path, or a directory (a hub snapshot)
-    that has ``.gguf`` files and no config.json. None when it is not a GGUF model."""
-    path = Path(spec)
-    if path.suffix == ".gguf":
-        return path
-    if not path.is_dir() or (path / "config.json").is_file():
-        return None
-    files = sorted(path.glob("*.gguf"))
-    if len(files) > 1:
-        names = ", ".join(f.name for f in files)
-        raise ModelLoadError(f"{path}: holds several GGUF files ({names}); name the one to load")
-    return files[0] if files else None
-
-
 def open_gguf(path: Path) -> GGUFReader:
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
@@ -209,6 +194,3 @@ def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchO
         load_weights(model, path, tensors)
     model.process_weights_after_loading()
     return model, tokenizer
-
-
-__all__ = ["find_gguf_file", "load_gguf", "open_gguf", "read_metadata", "gguf_config_dict"]
