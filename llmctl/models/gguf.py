@@ -16,8 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from llmctl.errors import ModelLoadError, UnsupportedModelError
 from llmctl.layers.ops import TorchOps
@@ -54,17 +55,39 @@ _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 _IGNORED_TENSORS = {"rope_freqs.weight"}  # derived rotary factors; the config says the same
 
 
+class _TensorInfoError(ValueError):
+    pass
+
+
+class _CheckedReader(GGUFReader):
+    """``GGUFReader`` that names the tensor whose type id is unknown or whose data runs past the
+    end of the file (the plain reader fails on those with a bare numpy or enum error)."""
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, offset = field.parts
+            name = bytes(name_data).decode("utf-8", "replace")
+            try:
+                qtype = GGMLQuantizationType(int(raw_dtype[0]))
+            except ValueError:
+                raise _TensorInfoError(f"tensor {name!r} has unknown tensor type id {int(raw_dtype[0])}") from None
+            block_size, type_size = GGML_QUANT_SIZES[qtype]
+            end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block_size
+            if end > len(self.data):
+                raise _TensorInfoError(f"tensor {name!r} runs past the end of the file; it is truncated")
+        super()._build_tensors(start_offs, fields)
+
+
 def open_gguf(path: Path) -> GGUFReader:
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
     try:
-        reader = GGUFReader(path)
+        reader = _CheckedReader(path)
+    except _TensorInfoError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
     except (ValueError, IndexError, KeyError, TypeError, OSError, OverflowError) as exc:
         raise ModelLoadError(f"{path}: not a readable GGUF file, it may be corrupt or truncated ({exc})") from exc
-    size = path.stat().st_size
     for tensor in reader.tensors:
-        if tensor.data_offset + tensor.n_bytes > size or tensor.data.nbytes != tensor.n_bytes:
-            raise ModelLoadError(f"{path}: tensor {tensor.name!r} runs past the end of the file; it is truncated")
         if tensor.tensor_type not in gguf_quants.SUPPORTED_TYPES:
             supported = ", ".join(t.name for t in gguf_quants.SUPPORTED_TYPES)
             raise ModelLoadError(f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
@@ -171,6 +194,15 @@ def iterate_gguf_tensors(reader: GGUFReader, cfg: ModelConfig, path: Path,
         yield name, value
 
 
+def gguf_tokenizer(path: Path, meta: dict[str, Any] | None = None) -> Tokenizer:
+    """The tokenizer a GGUF file describes (its metadata is read when not given)."""
+    meta = read_metadata(open_gguf(path), path) if meta is None else meta
+    try:
+        return build_gguf_tokenizer(meta, source=str(path))
+    except (GGUFTokenizerError, KeyError, TypeError, IndexError) as exc:
+        raise ModelLoadError(f"{path}: cannot build the tokenizer: {exc}") from exc
+
+
 def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchOps,
               with_tokenizer: bool = True) -> tuple[LlamaForCausalLM, Tokenizer | None]:
     """Model and tokenizer from one GGUF file. The weights are dequantized to ``dtype``
@@ -181,12 +213,7 @@ def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchO
     arch = meta.get("general.architecture")
     names = {t.name for t in reader.tensors}
     cfg = ModelConfig.from_dict(gguf_config_dict(meta, names, path), source=str(path))
-    tokenizer = None
-    if with_tokenizer:
-        try:
-            tokenizer = build_gguf_tokenizer(meta, source=str(path))
-        except (GGUFTokenizerError, KeyError, TypeError, IndexError) as exc:
-            raise ModelLoadError(f"{path}: cannot build the tokenizer: {exc}") from exc
+    tokenizer = gguf_tokenizer(path, meta) if with_tokenizer else None
     model = build_model(cfg, dtype=cfg.resolve_dtype(dtype, device), device=device, ops=ops)
     tensors = ((path, name, gguf_quants.to_float(value))
                for name, value in iterate_gguf_tensors(reader, cfg, path, ARCHITECTURES[arch][1]))
