@@ -148,7 +148,8 @@ class LLMEngine:
             from llmctl.models.gguf import load_gguf
 
             model, tokenizer = load_gguf(gguf_file, dtype=config.dtype, device=device, ops=ops,
-                                         with_tokenizer=not config.skip_tokenizer)
+                                         with_tokenizer=not config.skip_tokenizer,
+                                         quantization=getattr(config, "quantization", "none"))
             return model, tokenizer, config.model_name or str(config.model)
         model_dir = Path(config.model)
         if not model_dir.is_dir():

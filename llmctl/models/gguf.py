@@ -203,10 +203,14 @@ def gguf_tokenizer(path: Path, meta: dict[str, Any] | None = None) -> Tokenizer:
         raise ModelLoadError(f"{path}: cannot build the tokenizer: {exc}") from exc
 
 
-def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchOps,
-              with_tokenizer: bool = True) -> tuple[LlamaForCausalLM, Tokenizer | None]:
-    """Model and tokenizer from one GGUF file. The weights are dequantized to ``dtype``
-    (float32 unless asked: the fidelity path)."""
+def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchOps, with_tokenizer: bool = True,
+              quantization: str = "auto") -> tuple[LlamaForCausalLM, Tokenizer | None]:
+    """Model and tokenizer from one GGUF file. ``quantization="auto"`` keeps the file's quantized
+    tensors packed in memory (computed by the packed kernels); ``"none"`` dequantizes every weight
+    to ``dtype`` (float32 unless asked), the path that matches transformers exactly."""
+    if quantization not in ("auto", "none"):
+        raise ModelLoadError(f"{path}: a GGUF file is already quantized; --quantization {quantization} applies to "
+                             "float checkpoints (use none to dequantize it)")
     path = Path(path)
     reader = open_gguf(path)
     meta = read_metadata(reader, path)
@@ -215,9 +219,14 @@ def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchO
     cfg = ModelConfig.from_dict(gguf_config_dict(meta, names, path), source=str(path))
     tokenizer = gguf_tokenizer(path, meta) if with_tokenizer else None
     model = build_model(cfg, dtype=cfg.resolve_dtype(dtype, device), device=device, ops=ops)
-    tensors = ((path, name, gguf_quants.to_float(value))
-               for name, value in iterate_gguf_tensors(reader, cfg, path, ARCHITECTURES[arch][1]))
+    tensors = iterate_gguf_tensors(reader, cfg, path, ARCHITECTURES[arch][1])
     with torch.no_grad():
-        load_weights(model, path, tensors)
+        if quantization == "none":
+            rest = ((path, name, gguf_quants.to_float(value)) for name, value in tensors)
+        else:
+            from llmctl.models.gguf_packed import install_packed
+
+            rest = install_packed(model, tensors, path)
+        load_weights(model, path, rest)
     model.process_weights_after_loading()
     return model, tokenizer
