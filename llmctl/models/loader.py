@@ -91,12 +91,17 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path,
 
 
 def expected_checkpoint_names(model: LlamaForCausalLM) -> set[str]:
-    """Every parameter, with merged projections counted once per part."""
+    """Every parameter, with merged projections counted once per part. Packed weights a loader
+    installed before (a GGUF file's quantized tensors) are not checkpoint names."""
     names: set[str] = set()
     parts_of = {}
     for merged, part in model.packed_modules.values():
         parts_of.setdefault(merged, []).append(part)
+    installed = {f"{module_name}.{field}" for module_name, module in model.named_modules()
+                 if getattr(module, "packed_format", None) for field in ("qweight", "scales", "mins")}
     for name, _ in model.named_parameters():  # tied weights appear once
+        if name in installed:
+            continue
         merged = next((m for m in parts_of if f".{m}." in name), None)
         names.update({f"{name}#{p}" for p in parts_of[merged]} if merged else {name})
     return names
