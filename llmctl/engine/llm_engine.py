@@ -92,7 +92,7 @@ class LLMEngine:
         self.ops = select_ops(config.attention_backend, self.device)
         self.model, self.tokenizer, self.model_label = self._load(config, self.ops)
         cfg = self.model.config
-        self.dtype = next(self.model.parameters()).dtype
+        self.dtype = self.model.model.norm.weight.dtype  # activations; a packed (GGUF) model has int8 parameters first
 
         block_bytes = kv_block_bytes(self.model, config.block_size, self.dtype)
         num_blocks = resolve_kv_cache_bytes(config, self.device) // block_bytes
