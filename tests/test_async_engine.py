@@ -45,12 +45,12 @@ def test_concurrent_streams_and_early_close(async_engine):
             assert EXPECTED.startswith(text) and len(text) < len(EXPECTED)
     engine = async_engine.engine
     deadline = time.time() + 10  # aborts run in worker threads: give them a moment
-    while time.time() < deadline and engine.finished_requests["abort"] < 4:
+    while time.time() < deadline and engine.stats.requests_finished["abort"] < 4:
         time.sleep(0.01)
     with async_engine.lock:
         assert not engine.requests
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert engine.finished_requests["abort"] == 4
+    assert engine.stats.requests_finished["abort"] == 4
 
 
 def test_invalid_request_raises_immediately(async_engine):

@@ -51,7 +51,7 @@ def test_sixteen_staggered_requests_match_transformers(hf_model_dirs, family):
                 results[out.request_id] = out.outputs[0].token_ids
         steps += 1
         engine.block_manager.check_invariants(engine.live_sequences())
-    mixed = [r.num_seqs for r in engine.step_history if r.prefill_tokens and r.decode_tokens]
+    mixed = [r.num_seqs for r in engine.stats.steps if r.prefill_tokens and r.decode_tokens]
     assert mixed, "no step mixed prefill and decode"
     for request_id, n, want in zip(ids, lengths, expected):
         assert results[request_id] == want[:n], request_id

@@ -53,9 +53,9 @@ def test_outputs_identical_with_caching_and_chunking_on_and_off(llama_dir, greed
         hits = engine.scheduler.prefix_hit_tokens
         assert (hits > 0) == caching
         if chunked:
-            assert max(r.prefill_tokens + r.decode_tokens for r in engine.step_history) <= 32
+            assert max(r.prefill_tokens + r.decode_tokens for r in engine.stats.steps) <= 32
         else:
-            assert any(r.prefill_tokens > 32 for r in engine.step_history)
+            assert any(r.prefill_tokens > 32 for r in engine.stats.steps)
     baseline = results[False, False]
     for key, value in results.items():
         assert value == baseline, key
@@ -89,7 +89,7 @@ def test_n4_samples_share_prompt_blocks_and_equal_single_runs(llama_dir):
     params = SamplingParams(n=4, temperature=1.0, seed=500, max_tokens=10, ignore_eos=True)
     request_id = engine.add_request(prompt, params)
     engine.step()  # prefill, then fork into 4 samples that each sampled a first token
-    seqs = engine.requests[request_id].seqs
+    seqs = engine.requests[request_id].sequences()
     assert len(seqs) == 4
     tables = {tuple(s.block_table) for s in seqs}
     assert len(tables) == 1 and len(next(iter(tables))) == 3  # the prompt's blocks are held once
@@ -167,7 +167,7 @@ def test_whole_prompts_of_two_users_are_not_starved_without_chunking(llama_dir):
            for p, u in zip(prompts, "ABAB")]
     steps = steps_until_done(engine, set(ids))
     assert steps <= 4 * 4 + 4
-    assert all(r.prefill_tokens + r.decode_tokens <= 100 for r in engine.step_history)
+    assert all(r.prefill_tokens + r.decode_tokens <= 100 for r in engine.stats.steps)
 
 
 def test_whole_prompt_is_admitted_while_another_user_keeps_decoding(llama_dir):

@@ -10,10 +10,9 @@ Per request (all times in seconds, on one monotonic clock):
   chunk carrying several tokens counts once, as a client sees it.
 
 Over a run: throughputs divide by the run's duration (first send to last end); latencies are
-summarised by mean, median, P90 and P99 over the requests that succeeded. Percentiles interpolate
-linearly between order statistics, as ``numpy.percentile``'s default method does: the p-th
-percentile of sorted ``x[0..n-1]`` sits at rank ``r = p/100 * (n-1)`` and is
-``x[floor r] + (r - floor r) * (x[ceil r] - x[floor r])``.
+summarised by mean, median, P90 and P99 over the requests that succeeded, with the one percentile
+function the engine's stats and ``top`` use too (``llmctl.engine.latency.percentile``: linear
+interpolation between order statistics, ``numpy.percentile``'s default).
 
 **Goodput** is the rate of requests that met every SLO given (TTFT <= slo_ttft, TPOT <= slo_tpot;
 a single-token request has no TPOT and meets the TPOT SLO), divided by the same duration.
@@ -21,9 +20,10 @@ a single-token request has no TPOT and meets the TPOT SLO), divided by the same 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from llmctl.engine.latency import percentile
 
 
 @dataclass
@@ -66,18 +66,6 @@ class RequestRecord:
     @property
     def succeeded(self) -> bool:
         return self.ok and self.output_tokens > 0 and self.first_token_time is not None
-
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """Linear interpolation between order statistics (``numpy.percentile``'s default)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    if not 0 <= p <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {p}")
-    ordered = sorted(values)
-    rank = p / 100 * (len(ordered) - 1)
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (rank - low) * (ordered[high] - ordered[low])
 
 
 @dataclass

@@ -24,6 +24,7 @@ import httpx
 from llmctl.bench.datasets import BenchRequest
 from llmctl.bench.metrics import RequestRecord
 from llmctl.engine.async_engine import AsyncEngine
+from llmctl.engine.stats import EngineCounters
 from llmctl.sampling_params import SamplingParams
 
 KV_SAMPLE_INTERVAL_S = 0.05
@@ -92,26 +93,10 @@ class InProcessTarget:
                 record.ok, record.error = False, "aborted"
         return record
 
-    def counters(self) -> tuple[int, int, int]:
-        with self.engine.lock:
-            sched = self.engine.engine.scheduler
-            return sched.prefix_query_tokens, sched.prefix_hit_tokens, sched.num_preemptions
-
-    def sample_kv(self) -> tuple[float, float | None]:
-        """(block usage, token-slot utilization): of the token slots in blocks that live sequences
-        hold, the fraction holding a computed token (a shared block counts once, as full as its
-        fullest holder)."""
-        with self.engine.lock:
-            engine = self.engine.engine
-            block_size = engine.block_manager.block_size
-            filled: dict[int, int] = {}
-            for seq in engine.live_sequences():
-                for i, block_id in enumerate(seq.block_table):
-                    tokens = min(block_size, max(0, seq.num_computed_tokens - i * block_size))
-                    filled[block_id] = max(filled.get(block_id, 0), tokens)
-            usage = engine.block_manager.usage
-        slots = len(filled) * block_size
-        return usage, (sum(filled.values()) / slots if slots else None)
+    def counters(self) -> EngineCounters:
+        """The engine's own counters (llmctl/engine/stats.py); read off the event loop, it may wait
+        for a step."""
+        return self.engine.counters()
 
 
 class HttpTarget:
@@ -192,9 +177,9 @@ class HttpTarget:
         return record
 
 
-async def _sample_kv(target: InProcessTarget, samples: list[tuple[float, float | None]], stop: asyncio.Event) -> None:
+async def _sample_kv(target: InProcessTarget, samples: list[EngineCounters], stop: asyncio.Event) -> None:
     while not stop.is_set():
-        samples.append(await asyncio.to_thread(target.sample_kv))
+        samples.append(await asyncio.to_thread(target.counters))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), KV_SAMPLE_INTERVAL_S)
 
@@ -219,7 +204,7 @@ async def run_load(target: Target, requests: Sequence[BenchRequest], *, concurre
     gaps = arrival_gaps(len(requests), request_rate, seed)
     slots = asyncio.Semaphore(concurrency) if concurrency else None
     in_process = isinstance(target, InProcessTarget)
-    samples: list[tuple[float, float | None]] = []
+    samples: list[EngineCounters] = []
     stop = asyncio.Event()
     before = target.counters() if in_process else None
 
@@ -244,15 +229,15 @@ async def run_load(target: Target, requests: Sequence[BenchRequest], *, concurre
         stop.set()
         await sampler
         after = target.counters()
-        usages = [u for u, _ in samples]
-        fills = [f for _, f in samples if f is not None]
+        usages = [c.kv_usage for c in samples]
+        fills = [c.kv_token_utilization for c in samples if c.kv_token_utilization is not None]
         stats = EngineRunStats(
             kv_usage_mean=sum(usages) / len(usages) if usages else 0.0,
             kv_usage_peak=max(usages, default=0.0),
             token_slot_utilization=sum(fills) / len(fills) if fills else None,
-            prefix_query_tokens=after[0] - before[0],
-            prefix_hit_tokens=after[1] - before[1],
-            num_preemptions=after[2] - before[2],
+            prefix_query_tokens=after.prefix_cache_queries - before.prefix_cache_queries,
+            prefix_hit_tokens=after.prefix_cache_hits - before.prefix_cache_hits,
+            num_preemptions=after.num_preemptions - before.num_preemptions,
             num_samples=len(samples),
         )
     return RunResult(records, duration, stats, target=target.label)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.engine.outputs import RequestOutput
+from llmctl.engine.stats import EngineCounters, StepStats
 from llmctl.errors import EngineBusyError
 from llmctl.sampling_params import SamplingParams
 
@@ -25,7 +26,8 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
         self.engine = engine
-        self.max_waiting = max_waiting  # refuse new requests while this many wait (None: no limit)
+        # refuse new requests while this many wait (None: no limit); the one place the limit is checked
+        self.max_waiting = max_waiting
         self.lock = threading.Lock()
         self._work = threading.Event()
         self._stopping = False
@@ -48,8 +50,15 @@ class AsyncEngine:
             self._thread = None
 
     @property
-    def num_unfinished(self) -> int:
-        return len(self.engine.requests)
+    def is_dead(self) -> bool:
+        """The loop stopped on a fault in model execution or sampling (a fault in one request's
+        output only fails that request): nothing more will be served; ``dead_error`` says why.
+        A server answers ``/health`` with 503 and exits, so that a supervisor restarts it."""
+        return self.error is not None
+
+    @property
+    def dead_error(self) -> str | None:
+        return None if self.error is None else f"engine loop failed: {self.error!r}"
 
     def _loop(self) -> None:
         try:
@@ -66,7 +75,7 @@ class AsyncEngine:
             with self.lock:  # adds check the error under the lock: none registers after this
                 self.error = exc
             for request_id in list(self._streams):
-                self._publish(request_id, EngineDeadError(f"engine loop failed: {exc!r}"))
+                self._publish(request_id, EngineDeadError(self.dead_error))
             raise
 
     def _publish(self, request_id: str, item: RequestOutput | BaseException) -> None:
@@ -82,13 +91,14 @@ class AsyncEngine:
         ``queue`` through ``loop``. Blocks up to one engine step for the lock: call it from a
         worker thread, as ``generate`` does, not on the event loop."""
         if self.error is not None:
-            raise EngineDeadError(f"engine loop failed: {self.error!r}")
+            raise EngineDeadError(self.dead_error)
         with self.lock:  # the queue check and the add are one step: concurrent adds cannot overshoot
-            waiting = self.engine.scheduler.num_waiting
-            if self.max_waiting is not None and waiting >= self.max_waiting:
-                raise EngineBusyError(f"{waiting} requests are waiting (limit {self.max_waiting}); retry later")
+            if self.max_waiting is not None:
+                _, waiting = self.engine.scheduler.num_requests()
+                if waiting >= self.max_waiting:
+                    raise EngineBusyError(f"{waiting} requests are waiting (limit {self.max_waiting}); retry later")
             if self.error is not None:  # the loop died after the check above: do not wait forever
-                raise EngineDeadError(f"engine loop failed: {self.error!r}")
+                raise EngineDeadError(self.dead_error)
             request_id = self.engine.add_request(prompt, params, **kwargs)
             self._streams[request_id] = (loop, queue)
         self._work.set()
@@ -131,6 +141,16 @@ class AsyncEngine:
         with self.lock:
             return self.engine.abort(request_id)
 
+    # ---- statistics (llmctl/engine/stats.py), read under the lock: a step is never half-counted --
+    def counters(self) -> EngineCounters:
+        with self.lock:
+            return self.engine.counters()
+
     def stats_snapshot(self, max_steps: int = 120) -> dict[str, Any]:
         with self.lock:
             return self.engine.stats_snapshot(max_steps)
+
+    def add_step_listener(self, listener: Callable[[StepStats], None]) -> None:
+        """Called in the engine's thread after every step, with the lock held: keep it short."""
+        with self.lock:
+            self.engine.stats.listeners.append(listener)

@@ -1,4 +1,5 @@
-"""Recent request latencies as percentiles: the stats snapshot's ``latency`` section::
+"""Latency percentiles: the one percentile function every report uses (engine stats, ``top``,
+``bench``), and the stats snapshot's ``latency`` section::
 
     "latency": {
       "window": 512,            # at most this many of the most recently finished requests
@@ -24,12 +25,23 @@ PERCENTILES = (50, 90, 99)
 DEFAULT_WINDOW = 512
 
 
-def percentiles(values: Sequence[float]) -> dict[str, float | None]:
-    """Nearest-rank percentiles (a value that was really observed); ``None`` with no data."""
+def percentile(values: Sequence[float], p: float) -> float:
+    """Linear interpolation between order statistics (``numpy.percentile``'s default): the p-th
+    percentile of sorted ``x[0..n-1]`` sits at rank ``r = p/100 * (n-1)`` and is
+    ``x[floor r] + (r - floor r) * (x[ceil r] - x[floor r])``."""
     if not values:
-        return {f"p{p}": None for p in PERCENTILES}
+        raise ValueError("percentile of no values")
+    if not 0 <= p <= 100:
+        raise ValueError(f"percentile must be in [0, 100], got {p}")
     ordered = sorted(values)
-    return {f"p{p}": ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)] for p in PERCENTILES}
+    rank = p / 100 * (len(ordered) - 1)
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (rank - low) * (ordered[high] - ordered[low])
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    """P50/P90/P99 by ``percentile``; ``None`` with no data."""
+    return {f"p{p}": (percentile(values, p) if values else None) for p in PERCENTILES}
 
 
 class LatencyWindow:
@@ -42,8 +54,8 @@ class LatencyWindow:
         self.e2e: deque[float] = deque(maxlen=window)
 
     def observe(self, output: RequestOutput) -> None:
-        """Record a request's final output; unfinished or aborted outputs are ignored."""
-        if not output.finished or any(o.finish_reason == "abort" for o in output.outputs):
+        """Record a request's final output; unfinished, aborted or failed outputs are ignored."""
+        if not output.finished or output.error is not None or any(o.finish_reason == "abort" for o in output.outputs):
             return
         m = output.metrics
         if m.ttft is not None:

@@ -1,22 +1,23 @@
-"""The engine loop: ``add_request`` queues work, every ``step`` runs one scheduler decision through
-the model and the sampler and returns what each request produced.
+"""The engine loop: ``add_request`` queues work; every ``step`` is schedule -> execute -> sample ->
+update -> process outputs, and returns what each request produced::
 
-    add_request ──> Scheduler.waiting
-                       │ schedule(): decodes, prefill chunks, admissions, preemption
+    add_request ──> Scheduler (waiting queues, block manager)
+                       │ schedule(): decodes, prefill chunks, admissions, preemption, n > 1 forks
                        v
-                 SchedulerOutput ──> ModelRunner.execute ──> logits ──> Sampler ──> tokens
+                 SchedulerOutput ──> ModelRunner.execute ──> logits ──> Sampler ──> token ids
                                                                                       │
-    RequestOutput <── detokenize, stop checks, finish (blocks freed) <────────────────┘
+                 Scheduler.update_from_output: computed K/V, append, EOS / stop ids /  <┘
+                 max_tokens / max_model_len, finish and free
+                       │
+                 OutputProcessor.process: detokenize, stop strings, logprobs ──> RequestOutput
+                 (a fault here ends its one request with finish_reason "error")
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,62 +25,20 @@ import torch
 
 from llmctl.config import EngineConfig, resolve_kv_cache_bytes
 from llmctl.engine.block_manager import BlockManager
-from llmctl.engine.latency import LatencyWindow
 from llmctl.engine.model_runner import ModelRunner, kv_block_bytes
-from llmctl.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmctl.engine.output_processor import OutputProcessor, RequestState
+from llmctl.engine.outputs import RequestMetrics, RequestOutput
 from llmctl.engine.sampler import Sampler
-from llmctl.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from llmctl.engine.scheduler import Scheduler, SchedulerConfig
 from llmctl.engine.sequence import FinishReason, Sequence
-from llmctl.engine.stats import engine_snapshot
+from llmctl.engine.stats import EngineCounters, EngineStats, engine_counters, engine_snapshot
 from llmctl.errors import ConfigError, InvalidRequestError, ModelLoadError
 from llmctl.layers.ops import select_ops
 from llmctl.models.embedded import EMBEDDED_LABEL, EMBEDDED_MODEL_NAME, load_embedded
 from llmctl.models.gguf_files import resolve_gguf_spec
 from llmctl.models.loader import load_model
 from llmctl.sampling_params import SamplingParams
-from llmctl.tokenizer import IncrementalDetokenizer, Tokenizer
-
-STEP_HISTORY = 512
-
-
-@dataclass(eq=False)
-class _SampleText:
-    """Text state of one sequence: what was decoded, and how much of it was already handed out."""
-
-    detokenizer: IncrementalDetokenizer | None
-    text: str = ""
-    sent_chars: int = 0
-    sent_tokens: int = 0
-    stop_reason: str | int | None = None
-
-
-@dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    user: str
-    metrics: RequestMetrics
-    seqs: list[Sequence] = field(default_factory=list)
-    texts: dict[int, _SampleText] = field(default_factory=dict)  # by sample index
-
-    @property
-    def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
-
-
-@dataclass
-class StepRecord:
-    step: int
-    time: float
-    duration_s: float
-    prefill_tokens: int
-    decode_tokens: int
-    num_seqs: int
-    num_running: int
-    num_waiting: int
-    num_preempted: int
+from llmctl.tokenizer import Tokenizer
 
 
 class LLMEngine:
@@ -91,11 +50,32 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.ops = select_ops(config.attention_backend, self.device)
         self.model, self.tokenizer, self.model_label = self._load(config, self.ops)
-        cfg = self.model.config
         self.dtype = self.model.model.norm.weight.dtype  # activations; a packed (GGUF) model has int8 parameters first
+        num_blocks, self.max_model_len = self._size_kv_pool()
+        self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
+                                  device=self.device, kv_dtype=self.dtype)
+        budget = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:  # every prompt must fit one step whole
+            budget = max(budget, self.max_model_len)
+        eos_token_ids = set(self.model.config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos_token_ids |= self.tokenizer.eos_token_ids
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            enable_prefix_caching=config.enable_prefix_caching, eos_token_ids=frozenset(eos_token_ids)))
+        self.sampler = Sampler(config.seed, self.device)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = EngineStats()
+        self._request_counter = itertools.count()
 
-        block_bytes = kv_block_bytes(self.model, config.block_size, self.dtype)
-        num_blocks = resolve_kv_cache_bytes(config, self.device) // block_bytes
+    def _size_kv_pool(self) -> tuple[int, int]:
+        """(KV blocks, max_model_len): the pool from the memory budget, the length from the model's
+        limit, capped by what the pool can hold."""
+        config, cfg = self.config, self.model.config
+        num_blocks = resolve_kv_cache_bytes(config, self.device) // kv_block_bytes(
+            self.model, config.block_size, self.dtype)
         capacity = num_blocks * config.block_size
         model_limit = cfg.max_position_embeddings
         if cfg.sliding_window:  # attention here is full-context; stay inside the window where both agree
@@ -111,32 +91,7 @@ class LLMEngine:
                 f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one sequence of "
                 f"max_model_len={max_model_len} tokens: raise --kv-cache-memory or lower --max-model-len"
             )
-        self.max_model_len = max_model_len
-        self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
-                                  device=self.device, kv_dtype=self.dtype)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        budget = config.max_num_batched_tokens
-        if not config.enable_chunked_prefill:  # every prompt must fit one step whole
-            budget = max(budget, max_model_len)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, budget, config.enable_chunked_prefill), self.block_manager
-        )
-        self.sampler = Sampler(config.seed, self.device)
-        self.eos_token_ids: set[int] = set(cfg.eos_token_ids)
-        if self.tokenizer is not None:
-            self.eos_token_ids |= self.tokenizer.eos_token_ids
-        self.requests: dict[str, _Request] = {}
-        self._request_counter = itertools.count()
-        self.step_count = 0
-        self.step_history: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.requests_added_total = 0
-        self.finished_requests: dict[str, int] = {r.value: 0 for r in FinishReason}
-        self.start_time = time.time()
-        self.latency = LatencyWindow()  # TTFT / TPOT / E2E of recently finished requests
-        # Called after every step that ran, in the engine's thread: (outputs, the step's record).
-        self.step_listeners: list[Callable[[list[RequestOutput], StepRecord], None]] = []
+        return num_blocks, max_model_len
 
     @staticmethod
     def _load(config: EngineConfig, ops: Any) -> tuple[Any, Tokenizer | None, str]:
@@ -173,7 +128,7 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> str:
         """Validate and queue a request; raises ``InvalidRequestError`` (allocating nothing) when it
-        can never run."""
+        can never run. This is where requests are validated, once, whoever sends them."""
         params = params or SamplingParams()
         params.validate()
         request_id = request_id or f"req-{next(self._request_counter)}"
@@ -190,13 +145,15 @@ class LLMEngine:
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         now = time.time() if arrival_time is None else arrival_time
-        request = _Request(request_id, text, token_ids, params, user or "default", RequestMetrics(now))
-        seq = self._new_sequence(request, 0)
-        seq.pending_forks = params.n - 1
-        seq.priority = priority
-        self.requests[request_id] = request
-        self.prompt_tokens_total += len(token_ids)
-        self.requests_added_total += 1
+        user = user or "default"
+        seq = Sequence(request_id, list(token_ids), len(token_ids), params, user=user, priority=priority,
+                       arrival_time=now, pending_forks=params.n - 1)
+        seed = params.sample_seed(0)
+        if seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.output_processor.add_request(RequestState(request_id, text, token_ids, params, user,
+                                                       RequestMetrics(now)), seq)
+        self.stats.request_added(len(token_ids))
         self.scheduler.add(seq)
         return request_id
 
@@ -215,41 +172,20 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         return token_ids, None
 
-    def _new_sequence(self, request: _Request, index: int) -> Sequence:
-        seq = Sequence(
-            request_id=request.request_id,
-            token_ids=list(request.prompt_token_ids),
-            num_prompt_tokens=len(request.prompt_token_ids),
-            params=request.params,
-            user=request.user,
-            arrival_time=request.metrics.arrival_time,
-            index=index,
-        )
-        seed = request.params.sample_seed(index)
-        if seed is not None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(seed)
-        detok = None
-        if self.tokenizer is not None:
-            detok = self.tokenizer.decode_stream(request.prompt_token_ids, request.params.skip_special_tokens)
-        request.seqs.append(seq)
-        request.texts[index] = _SampleText(detok)
-        return seq
-
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks go back at once. False if it is unknown/finished."""
-        request = self.requests.pop(request_id, None)
+        request = self.output_processor.abort(request_id)
         if request is None:
             return False
-        now = time.time()
-        for seq in request.seqs:
+        for seq in request.sequences():
             if not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.ABORT)
-        request.metrics.finished_time = now
-        self.finished_requests[FinishReason.ABORT.value] += 1
+        request.metrics.finished_time = time.time()
+        self.stats.request_finished(FinishReason.ABORT.value)
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.output_processor.requests)
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -257,143 +193,13 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        for item in sched.scheduled:
-            metrics = self.requests[item.seq.request_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = started
-        sampling = [item.seq for item in sched.scheduled if item.samples]
-        logits = self.runner.execute(sched)
-        self.scheduler.complete_step(sched)
-
-        rows = list(range(len(sampling)))
-        for row, seq in enumerate(list(sampling)):
-            if seq.pending_forks:
-                children = self._fork(seq)
-                sampling.extend(children)
-                rows.extend([row] * len(children))
-        if len(rows) > logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        result = self.sampler(logits, sampling)
-
-        now = time.time()
-        touched: dict[str, _Request] = {}
-        for i, seq in enumerate(sampling):
-            request = self.requests[seq.request_id]
-            self._append_token(request, seq, result.token_ids[i], now)
-            if result.logprobs is not None and seq.params.logprobs is not None:
-                seq.logprobs.append(result.logprobs[i])
-                seq.top_logprobs.append(result.top_logprobs[i])
-            touched[request.request_id] = request
-        outputs = [self._make_output(r) for r in touched.values()]
-        for request in touched.values():
-            if request.finished:
-                del self.requests[request.request_id]
-        record = self._record_step(sched, started)
-        for out in outputs:
-            self.latency.observe(out)
-        for listener in self.step_listeners:
-            listener(outputs, record)
-        return outputs
-
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        request = self.requests[parent.request_id]
-        children = [self._new_sequence(request, parent.index + k) for k in range(1, parent.pending_forks + 1)]
-        for child in children:
-            child.priority = parent.priority
-        parent.pending_forks = 0
-        self.scheduler.fork(parent, children)
-        return children
-
-    def _append_token(self, request: _Request, seq: Sequence, token: int, now: float) -> None:
-        seq.token_ids.append(token)
-        self.generation_tokens_total += 1
-        metrics = request.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.last_token_time = now
-        params = seq.params
-        state = request.texts[seq.index]
-        reason: FinishReason | None = None
-        if token in self.eos_token_ids and not params.ignore_eos:
-            reason, state.stop_reason = FinishReason.STOP, None
-        elif token in params.stop_token_ids:
-            reason, state.stop_reason = FinishReason.STOP, token
-        elif state.detokenizer is not None:
-            previous = len(state.text)
-            state.text += state.detokenizer.step(token)
-            if params.stop:
-                reason = self._check_stop_strings(state, params, previous)
-        if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
-            reason = FinishReason.LENGTH
-        if reason is not None:
+        sampled = self.sampler.sample(self.runner.execute(sched), sched.sampling)
+        self.scheduler.update_from_output(sched, sampled.token_ids)
+        processed = self.output_processor.process(sched.sampling, sampled, time.time())
+        for seq, reason in processed.to_finish:  # stop strings, and requests whose output failed
             self.scheduler.finish(seq, reason)
-            if request.finished:
-                metrics.finished_time = now
-                self.finished_requests[reason.value] += 1
-
-    @staticmethod
-    def _check_stop_strings(state: _SampleText, params: SamplingParams, previous_len: int) -> FinishReason | None:
-        """Find the earliest stop string that the new text completes, and cut the text there."""
-        start = max(0, previous_len - max(len(s) for s in params.stop) + 1)
-        found = [(i, stop) for stop in params.stop if (i := state.text.find(stop, start)) != -1]
-        if not found:
-            return None
-        index, stop = min(found)
-        state.text = state.text[: index + len(stop) if params.include_stop_str_in_output else index]
-        state.stop_reason = stop
-        return FinishReason.STOP
-
-    def _make_output(self, request: _Request) -> RequestOutput:
-        outputs = []
-        for seq in sorted(request.seqs, key=lambda s: s.index):
-            state = request.texts[seq.index]
-            finished = seq.is_finished
-            holdback = 0 if finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
-            visible = max(state.sent_chars, len(state.text) - holdback)
-            delta_text = state.text[state.sent_chars:visible]
-            state.sent_chars = visible
-            out_ids = seq.output_token_ids
-            delta_ids = out_ids[state.sent_tokens:]
-            state.sent_tokens = len(out_ids)
-            want_logprobs = seq.params.logprobs is not None
-            outputs.append(CompletionOutput(
-                index=seq.index,
-                text=state.text[:visible],
-                token_ids=list(out_ids),
-                finish_reason=seq.finish_reason.value if finished else None,
-                stop_reason=state.stop_reason,
-                delta_text=delta_text,
-                delta_token_ids=delta_ids,
-                logprobs=list(seq.logprobs) if want_logprobs else None,
-                top_logprobs=list(seq.top_logprobs) if want_logprobs else None,
-            ))
-        first = request.seqs[0]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=outputs,
-            finished=request.finished,
-            num_cached_tokens=first.num_cached_tokens,
-            metrics=dataclasses.replace(request.metrics),  # a snapshot: the engine keeps updating its own
-            user=request.user,
-        )
-
-    def _record_step(self, sched: SchedulerOutput, started: float) -> StepRecord:
-        self.step_count += 1
-        record = StepRecord(
-            step=self.step_count,
-            time=started,
-            duration_s=time.time() - started,
-            prefill_tokens=sched.num_prefill_tokens,
-            decode_tokens=sched.num_decode_tokens,
-            num_seqs=len(sched.scheduled),
-            num_running=len(self.scheduler.running),
-            num_waiting=self.scheduler.num_waiting,
-            num_preempted=len(sched.preempted),
-        )
-        self.step_history.append(record)
-        return record
+        self.stats.record_step(sched, processed.outputs, started, self.scheduler.num_requests())
+        return processed.outputs
 
     # ---- offline ------------------------------------------------------------------------------
     def generate(self, prompts: Iterable[str | list[int]],
@@ -409,8 +215,21 @@ class LLMEngine:
                     final[out.request_id] = out
         return [final[i] for i in ids]
 
+    # ---- what others may read ------------------------------------------------------------------
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.scheduler.block_manager
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """Unfinished requests by id (read-only by convention)."""
+        return self.output_processor.requests
+
     def live_sequences(self) -> list[Sequence]:
-        return [s for r in self.requests.values() for s in r.seqs if not s.is_finished]
+        return [s for r in self.requests.values() for s in r.sequences() if not s.is_finished]
+
+    def counters(self) -> EngineCounters:
+        return engine_counters(self)
 
     def stats_snapshot(self, max_steps: int = 120) -> dict[str, Any]:
         return engine_snapshot(self, max_steps)

@@ -6,17 +6,38 @@ tensor per layer for K and one for V, bound to each attention layer once at star
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from llmctl.engine.scheduler import SchedulerOutput
+from llmctl.engine.scheduler import ScheduledSeq, SchedulerOutput
+from llmctl.engine.sequence import Sequence
 from llmctl.layers.ops import AttentionMetadata
 from llmctl.models.llama import LlamaForCausalLM
 
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V one block holds over all layers: the one place KV size is computed (from
+    the attention layers as built, so a tensor-parallel shard counts only its own heads)."""
     attn = model.attention_layers()[0]
     per_token = 2 * len(model.attention_layers()) * attn.num_kv_heads * attn.head_dim
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class PromptLogits:
+    """Logits of a prefill chunk's prompt positions, for ``SamplingParams.prompt_logprobs``: row
+    ``i`` predicts prompt token ``first_index + i``."""
+
+    seq: Sequence
+    first_index: int
+    logits: torch.Tensor  # [rows, vocab] float32
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # float32, one row per ``SchedulerOutput.sampling`` sequence, in its order
+    prompt_logits: list[PromptLogits] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -37,9 +58,9 @@ class ModelRunner:
             layer.key_cache, layer.value_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Runs one step; returns float32 logits for each scheduled sequence that samples, in the
-        order of ``sched.scheduled``."""
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        """Runs one step; returns float32 logits for each ``sched.sampling`` sequence (``n > 1``
+        siblings share their prompt's row), plus the prompt positions' logits where asked for."""
         if sched.num_blocks_touched > self.num_blocks_zeroed:
             self.kv_cache[:, :, self.num_blocks_zeroed : sched.num_blocks_touched].zero_()
             self.num_blocks_zeroed = sched.num_blocks_touched
@@ -47,7 +68,25 @@ class ModelRunner:
             self.copy_blocks(sched.blocks_to_copy)
         input_ids, positions, meta, logits_indices = self.prepare(sched)
         hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden[logits_indices]).float()
+        logits = self.model.compute_logits(hidden[logits_indices]).float()
+        if len(sched.logits_rows) > logits.shape[0]:
+            logits = logits[torch.tensor(sched.logits_rows, device=logits.device)]
+        return ModelOutput(logits, self._prompt_logits(sched.prefills, hidden))
+
+    def _prompt_logits(self, prefills: list[ScheduledSeq], hidden: torch.Tensor) -> list[PromptLogits]:
+        """Prefill chunks come first in the batch, in order; a chunk's row for position ``p``
+        predicts prompt token ``p + 1`` (the prompt's last position predicts an output token: it is
+        the sampling row, not a prompt logprob)."""
+        found: list[PromptLogits] = []
+        offset = 0
+        for item in prefills:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            if seq.needs_prompt_logits and end > start:
+                rows = hidden[offset : offset + end - start]
+                found.append(PromptLogits(seq, start + 1, self.model.compute_logits(rows).float()))
+            offset += item.num_new_tokens
+        return found
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in pairs], device=self.device)

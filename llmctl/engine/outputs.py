@@ -8,14 +8,21 @@ from dataclasses import dataclass, field
 @dataclass
 class RequestMetrics:
     arrival_time: float
-    first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    last_token_time: float | None = None
+    last_token_time: float | None = None  # the step that produced the newest token
     finished_time: float | None = None
+    previous_token_time: float | None = None  # the step before that gave this request a token
 
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def inter_token_latency(self) -> float | None:
+        """Time between this request's two newest tokens (its steps, whatever ``n``)."""
+        if self.previous_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.previous_token_time
 
     @property
     def e2e(self) -> float | None:

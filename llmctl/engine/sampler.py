@@ -7,11 +7,22 @@ comes from its own generator, so its tokens do not depend on what it is batched 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from llmctl.engine.model_runner import ModelOutput, PromptLogits
 from llmctl.engine.sequence import Sequence
+
+
+@dataclass
+class PromptLogprobs:
+    """``SamplingParams.prompt_logprobs`` of one prefill chunk: entry ``i`` is about prompt token
+    ``first_index + i`` and holds that token's logprob plus the top-k alternatives."""
+
+    seq: Sequence
+    first_index: int
+    logprobs: list[dict[int, float]]
 
 
 @dataclass
@@ -19,12 +30,19 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float] | None  # log-probability of each chosen token under the model
     top_logprobs: list[dict[int, float]] | None
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         # for unseeded requests; on the logits' device (a CUDA tensor needs a CUDA generator)
         self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def sample(self, output: ModelOutput, seqs: list[Sequence]) -> SampleResult:
+        """One token per sequence from the step's logits, and the prompt logprobs asked for."""
+        result = self(output.logits, seqs)
+        result.prompt_logprobs = [prompt_logprobs(chunk) for chunk in output.prompt_logits]
+        return result
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """``logits``: ``[len(seqs), vocab]`` float32, row ``i`` for ``seqs[i]``."""
@@ -44,15 +62,7 @@ class Sampler:
             return SampleResult(token_ids, None, None)
         logprobs = torch.log_softmax(logits, dim=-1)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        k = max(w or 0 for w in want)
-        top: list[dict[int, float]] = [{} for _ in seqs]
-        if k > 0:
-            values, indices = logprobs.topk(k, dim=-1)
-            values, indices = values.tolist(), indices.tolist()
-            for i, w in enumerate(want):
-                if w:
-                    top[i] = dict(zip(indices[i][:w], values[i][:w]))
-        return SampleResult(token_ids, chosen, top)
+        return SampleResult(token_ids, chosen, _top_k([w or 0 for w in want], logprobs))
 
     @staticmethod
     def _probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -61,6 +71,30 @@ class Sampler:
         if any(s.params.needs_filtering for s in seqs):
             logits = _top_k_top_p(logits, [s.params.top_k for s in seqs], [s.params.top_p for s in seqs])
         return torch.softmax(logits, dim=-1)
+
+
+def _top_k(want: list[int], logprobs: torch.Tensor) -> list[dict[int, float]]:
+    """Row ``i``'s ``want[i]`` most likely tokens with their logprobs, most likely first."""
+    top: list[dict[int, float]] = [{} for _ in want]
+    k = max(want, default=0)
+    if k > 0:
+        values, indices = logprobs.topk(k, dim=-1)
+        values, indices = values.tolist(), indices.tolist()
+        for i, w in enumerate(want):
+            if w:
+                top[i] = dict(zip(indices[i][:w], values[i][:w]))
+    return top
+
+
+def prompt_logprobs(chunk: PromptLogits) -> PromptLogprobs:
+    """Each prompt token's own logprob (first, as vLLM lists it) plus the top-k alternatives."""
+    seq = chunk.seq
+    logprobs = torch.log_softmax(chunk.logits, dim=-1)
+    targets = seq.token_ids[chunk.first_index : chunk.first_index + logprobs.shape[0]]
+    own = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
+    top = _top_k([seq.params.prompt_logprobs or 0] * len(targets), logprobs)
+    entries = [{token: lp, **alternatives} for token, lp, alternatives in zip(targets, own, top)]
+    return PromptLogprobs(seq, chunk.first_index, entries)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -16,6 +16,11 @@ Every step:
 
 The scheduler never fails a request for lack of blocks: preempted sequences wait at the head of
 their user's queue and resume, finding their full blocks again in the prefix cache.
+
+After the model ran, ``update_from_output`` does the step's bookkeeping in one place (as nano-vllm's
+``postprocess``): computed K/V, ``n > 1`` forks, the sampled tokens, and the end of sequences that
+hit EOS, a stop token id, ``max_tokens`` or ``max_model_len``. The scheduler owns the block manager:
+every block is taken and given back through it.
 """
 
 from __future__ import annotations
@@ -30,9 +35,14 @@ from llmctl.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -53,6 +63,12 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_blocks_touched: int = 0  # pool blocks [0, n) may have been handed out so far
+    # The sequences that get a token this step, and for each the row of the runner's sampling
+    # logits to draw it from: the ones whose chunk samples, in ``scheduled`` order, then the
+    # ``n > 1`` siblings forked off a prompt that completes this step (they share its row).
+    sampling: list[Sequence] = field(default_factory=list)
+    logits_rows: list[int] = field(default_factory=list)
+    forks: list[tuple[Sequence, list[Sequence]]] = field(default_factory=list)
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
@@ -85,9 +101,9 @@ def max_min_fair_shares(demands: dict[str, int], capacity: int) -> dict[str, int
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.block_manager = block_manager
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.running: list[Sequence] = []  # admission order: the tail is preempted first
         self.waiting: dict[str, list[tuple[int, float, int, Sequence]]] = defaultdict(list)  # per-user heaps
         self.num_waiting = 0  # kept current so other threads may read it without walking the queues
@@ -101,9 +117,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         heapq.heappush(self.waiting[seq.user], (seq.priority, seq.arrival_time, seq.seq_id, seq))
         self.num_waiting += 1
-
-    def waiting_seqs(self) -> list[Sequence]:
-        return [entry[3] for queue in self.waiting.values() for entry in sorted(queue)]
 
     def has_unfinished(self) -> bool:
         return bool(self.running) or self.num_waiting > 0
@@ -123,13 +136,12 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
-    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
-        """Children share the parent's blocks and run right behind it."""
-        at = self.running.index(parent) + 1
-        for child in children:
-            self.block_manager.fork(parent, child)
-            child.status = SequenceStatus.RUNNING
-        self.running[at:at] = children
+    def num_requests(self) -> tuple[int, int]:
+        """(running, waiting) requests: a request is running while any of its sequences is in the
+        batch, and waiting (queued, or preempted and queued again) otherwise."""
+        running = {seq.request_id for seq in self.running}
+        waiting = {entry[3].request_id for queue in self.waiting.values() for entry in queue}
+        return len(running), len(waiting - running)
 
     # ---- the step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -157,7 +169,22 @@ class Scheduler:
             self._schedule_prefills(budget, out, scheduled)
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         out.num_blocks_touched = self.block_manager.num_blocks_touched
+        self._plan_sampling(out)
         return out
+
+    @staticmethod
+    def _plan_sampling(out: SchedulerOutput) -> None:
+        """Which sequences sample this step, from which logits row; a prompt completing with
+        ``n > 1`` gets its siblings here, each drawing its own first token from the prompt's row."""
+        samplers = [item.seq for item in out.scheduled if item.samples]
+        out.sampling = list(samplers)
+        out.logits_rows = list(range(len(samplers)))
+        for row, parent in enumerate(samplers):
+            if parent.pending_forks:
+                children = [parent.fork(parent.index + k) for k in range(1, parent.pending_forks + 1)]
+                out.forks.append((parent, children))
+                out.sampling.extend(children)
+                out.logits_rows.extend([row] * len(children))
 
     def _schedule_prefills(self, budget: int, out: SchedulerOutput, scheduled: set[int]) -> None:
         chunked = self.config.enable_chunked_prefill
@@ -196,7 +223,9 @@ class Scheduler:
                     break
             if self._seats_in_use() + seats > self.config.max_num_seqs:
                 break  # the fairest next request waits for seats; nobody else jumps ahead of it
-            cached = self.block_manager.find_cached_prefix(seq) if not seq.block_table else []
+            # a sequence holding no blocks may adopt cached ones, unless it needs its prompt's logits
+            may_hit = not seq.block_table and not seq.needs_prompt_logits
+            cached = self.block_manager.find_cached_prefix(seq) if may_hit else []
             pending = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.block_manager.block_size
             n = min(pending, shares.get(user, 0), budget)
             if n <= 0 or (not chunked and n < pending):
@@ -286,8 +315,39 @@ class Scheduler:
         self.add(seq)
 
     # ---- after the model ran -----------------------------------------------------------------
-    def complete_step(self, out: SchedulerOutput) -> None:
-        """Account for the K/V the step computed and publish newly full blocks to the prefix cache."""
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> None:
+        """Book the step the model ran: the K/V it computed (newly full blocks go to the prefix
+        cache), the ``n > 1`` forks, one sampled token per ``out.sampling`` sequence, and the end of
+        those that hit EOS, a stop token, ``max_tokens`` or ``max_model_len`` (their blocks go back).
+        Stop strings are text, so the output processor finds them (see ``finish``)."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
+        for parent, children in out.forks:
+            self._fork(parent, children)
+        for seq, token in zip(out.sampling, sampled_token_ids, strict=True):
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.params
+        if token in self.config.eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Children share the parent's blocks (the partial last one copy-on-write) and run right
+        behind it."""
+        parent.pending_forks = 0
+        at = self.running.index(parent) + 1
+        for child in children:
+            self.block_manager.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+        self.running[at:at] = children

@@ -21,6 +21,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
+    ERROR = "error"  # turning this request's tokens into output failed; RequestOutput.error says why
 
 
 _seq_ids = itertools.count()
@@ -39,16 +40,26 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
+    stop_reason: int | None = None  # the stop token id that ended it (EOS is not a stop reason)
     # KV state, owned by the block manager
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full, cached block
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
-    pending_forks: int = 0  # siblings to fork off once the prompt is computed (n > 1)
+    pending_forks: int = 0  # siblings to fork off when the prompt's last chunk samples (n > 1)
     generator: torch.Generator | None = None
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+
+    def fork(self, index: int) -> Sequence:
+        """Sample ``index`` of the same request: the same tokens so far, its own seed (``seed + index``)
+        and no blocks yet (the block manager shares the parent's)."""
+        child = Sequence(self.request_id, list(self.token_ids), self.num_prompt_tokens, self.params,
+                         user=self.user, priority=self.priority, arrival_time=self.arrival_time, index=index,
+                         num_cached_tokens=self.num_cached_tokens)
+        seed = self.params.sample_seed(index)
+        if seed is not None and self.generator is not None:
+            child.generator = torch.Generator(device=self.generator.device).manual_seed(seed)
+        return child
 
     @property
     def num_tokens(self) -> int:
@@ -68,8 +79,10 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def is_prefill(self) -> bool:
-        return self.num_pending_tokens > 1
+    def needs_prompt_logits(self) -> bool:
+        """``prompt_logprobs`` are computed with the prompt, before the first output token; until
+        then no prefix-cache hit may skip a prompt position."""
+        return self.params.prompt_logprobs is not None and self.num_output_tokens == 0
 
     @property
     def is_finished(self) -> bool:

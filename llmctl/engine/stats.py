@@ -1,59 +1,194 @@
-"""A JSON-ready snapshot of the engine: what ``/v1/engine/stats`` serves and ``llmctl top`` draws.
+"""The engine's one statistics surface.
 
-Schema (version 1)::
+``EngineStats`` keeps the counters, the step history and the latency window as the engine runs,
+and calls step listeners (the server's Prometheus histograms) with a ``StepStats`` after every
+step. Readers take one of two views, both built here and nowhere else:
+
+- ``engine_counters(engine) -> EngineCounters``: a typed read of the gauges and counters
+  (``/metrics``, ``bench``);
+- ``engine_snapshot(engine) -> dict``: the JSON snapshot (``/v1/engine/stats``, ``llmctl top``).
+
+"running" and "waiting" count **requests** everywhere: a request is running while any of its
+sequences is in the batch, and waiting (queued, or preempted and queued again) otherwise.
+
+Snapshot schema (version 2)::
 
     {
-      "version": 1, "time": <unix s>, "uptime_s": float, "model": str, "step": int,
+      "version": 2, "time": <unix s>, "uptime_s": float, "model": str, "step": int,
       "config": {"block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "enable_prefix_caching", "enable_chunked_prefill", "dtype", "device", "attention_backend"},
-      "kv": {"num_blocks", "free", "cached", "used", "shared", "usage",
+      "kv": {"num_blocks", "free", "cached", "used", "shared", "usage", "token_utilization",
              "block_states": "one char per block: '.' free, 'c' cached (evictable), 'u' used by one
                               sequence, 's' shared by several"},
       "prefix_cache": {"queries": tokens looked up, "hits": tokens found, "hit_rate": float},
       "counters": {"num_preemptions", "prompt_tokens_total", "generation_tokens_total",
-                   "requests_added_total", "requests_finished": {"stop", "length", "abort"}},
-      "scheduler": {"running", "waiting", "preempted_waiting"},
+                   "requests_added_total", "requests_finished": {"stop", "length", "abort", "error"}},
+      "scheduler": {"running": requests, "waiting": requests (preempted ones included),
+                    "preempted_waiting": waiting requests that were preempted},
       "requests": [{"id", "user", "state": "running"|"waiting"|"preempted", "priority",
                     "prompt_tokens", "generated_tokens", "cached_tokens", "blocks": [block ids],
-                    "num_preemptions", "age_s", "n"}],
+                    "num_preemptions", "age_s", "n"}],   # one per live sequence ("id#i" when n > 1)
       "steps": [{"step", "time", "duration_s", "prefill_tokens", "decode_tokens", "num_seqs",
-                 "num_running", "num_waiting", "num_preempted"}],  # oldest first, last ``max_steps``
+                 "num_running", "num_waiting", "num_preempted"}],  # oldest first, last ``max_steps``;
+                 # num_running / num_waiting are requests, num_seqs / num_preempted sequences
       "latency": {"window", "count", "ttft_s": {"p50", "p90", "p99"}, "tpot_s": {...}, "e2e_s": {...}}
-                 # nearest-rank percentiles over the last ``window`` finished, non-aborted requests
-                 # (see llmctl/engine/latency.py); null where there is no data yet
+                 # over the last ``window`` finished, non-aborted requests (llmctl/engine/latency.py);
+                 # null where there is no data yet
     }
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from llmctl.engine.sequence import SequenceStatus
+from llmctl.engine.latency import LatencyWindow
+from llmctl.engine.outputs import RequestOutput
+from llmctl.engine.scheduler import SchedulerOutput
+from llmctl.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from llmctl.engine.llm_engine import LLMEngine
 
-STATS_VERSION = 1
+STATS_VERSION = 2
+STEP_HISTORY = 512
 
 
-def engine_snapshot(engine: LLMEngine, max_steps: int = 120) -> dict[str, Any]:
-    now = time.time()
-    bm, sched = engine.block_manager, engine.scheduler
-    states = bm.block_states()
-    queries, hits = sched.prefix_query_tokens, sched.prefix_hit_tokens
-    requests = []
+@dataclass
+class StepRecord:
+    step: int
+    time: float
+    duration_s: float
+    prefill_tokens: int
+    decode_tokens: int
+    num_seqs: int
+    num_running: int  # requests
+    num_waiting: int  # requests
+    num_preempted: int
+
+
+@dataclass
+class StepStats:
+    """One step as a listener sees it: its record, its outputs, and the request latencies it
+    completed (seconds)."""
+
+    record: StepRecord
+    outputs: list[RequestOutput]
+    ttft_s: list[float]  # requests that got their first token
+    itl_s: list[float]  # requests that got another token: the time since their previous one
+    e2e_s: list[float]  # requests that finished (not aborted): arrival to finish
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    requests_running: int
+    requests_waiting: int
+    kv_num_blocks: int
+    kv_free_blocks: int  # free or cached-but-evictable
+    kv_usage: float  # fraction of blocks held by live sequences
+    kv_token_utilization: float | None  # computed tokens / token slots of the blocks held (None: none held)
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    requests_added_total: int
+    requests_finished: dict[str, int]  # by finish reason
+
+
+class EngineStats:
+    def __init__(self, history: int = STEP_HISTORY) -> None:
+        self.start_time = time.time()
+        self.step_count = 0
+        self.steps: deque[StepRecord] = deque(maxlen=history)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.requests_added_total = 0
+        self.requests_finished: dict[str, int] = {r.value: 0 for r in FinishReason}
+        self.latency = LatencyWindow()
+        # Called after every step that ran, in the engine's thread, with the engine lock held.
+        self.listeners: list[Callable[[StepStats], None]] = []
+
+    def request_added(self, num_prompt_tokens: int) -> None:
+        self.requests_added_total += 1
+        self.prompt_tokens_total += num_prompt_tokens
+
+    def request_finished(self, reason: str) -> None:
+        self.requests_finished[reason] += 1
+
+    def record_step(self, sched: SchedulerOutput, outputs: list[RequestOutput], started: float,
+                    num_requests: tuple[int, int]) -> None:
+        self.step_count += 1
+        self.generation_tokens_total += len(sched.sampling)
+        record = StepRecord(self.step_count, started, time.time() - started, sched.num_prefill_tokens,
+                            sched.num_decode_tokens, len(sched.scheduled), *num_requests, len(sched.preempted))
+        self.steps.append(record)
+        step = StepStats(record, outputs, [], [], [])
+        for out in outputs:
+            m = out.metrics
+            if any(o.delta_token_ids for o in out.outputs):
+                if m.previous_token_time is None:
+                    step.ttft_s.append(m.ttft)
+                else:
+                    step.itl_s.append(m.inter_token_latency)
+            if out.finished:
+                self.request_finished(FinishReason.ERROR.value if out.error else out.outputs[0].finish_reason)
+                self.latency.observe(out)
+                if m.e2e is not None:
+                    step.e2e_s.append(m.e2e)
+        for listener in self.listeners:
+            listener(step)
+
+
+def token_utilization(seqs: Iterable[Sequence], block_size: int) -> float | None:
+    """Of the token slots in blocks that live sequences hold, the fraction holding a computed token
+    (a shared block counts once, as full as its fullest holder)."""
+    filled: dict[int, int] = {}
+    for seq in seqs:
+        for i, block_id in enumerate(seq.block_table):
+            tokens = min(block_size, max(0, seq.num_computed_tokens - i * block_size))
+            filled[block_id] = max(filled.get(block_id, 0), tokens)
+    slots = len(filled) * block_size
+    return sum(filled.values()) / slots if slots else None
+
+
+def engine_counters(engine: LLMEngine) -> EngineCounters:
+    sched, stats = engine.scheduler, engine.stats
+    bm = sched.block_manager
+    running, waiting = sched.num_requests()
+    return EngineCounters(
+        requests_running=running,
+        requests_waiting=waiting,
+        kv_num_blocks=bm.num_blocks,
+        kv_free_blocks=bm.num_free_blocks,
+        kv_usage=bm.usage,
+        kv_token_utilization=token_utilization(engine.live_sequences(), bm.block_size),
+        prefix_cache_queries=sched.prefix_query_tokens,
+        prefix_cache_hits=sched.prefix_hit_tokens,
+        num_preemptions=sched.num_preemptions,
+        prompt_tokens_total=stats.prompt_tokens_total,
+        generation_tokens_total=stats.generation_tokens_total,
+        requests_added_total=stats.requests_added_total,
+        requests_finished=dict(stats.requests_finished),
+    )
+
+
+def _request_rows(engine: LLMEngine, now: float) -> list[dict[str, Any]]:
+    rows = []
     for request in engine.requests.values():
-        for seq in request.seqs:
+        for seq in request.sequences():
             if seq.is_finished:
                 continue
             if seq.status is SequenceStatus.RUNNING:
                 state = "running"
             else:
                 state = "preempted" if seq.num_preemptions else "waiting"
-            requests.append({
+            rows.append({
                 "id": request.request_id if request.params.n == 1 else f"{request.request_id}#{seq.index}",
+                "request_id": request.request_id,
                 "user": seq.user,
                 "state": state,
                 "priority": seq.priority,
@@ -65,14 +200,26 @@ def engine_snapshot(engine: LLMEngine, max_steps: int = 120) -> dict[str, Any]:
                 "age_s": round(now - request.metrics.arrival_time, 3),
                 "n": request.params.n,
             })
-    steps = list(engine.step_history)[-max_steps:]
-    cfg = engine.config
+    return rows
+
+
+def engine_snapshot(engine: LLMEngine, max_steps: int = 120) -> dict[str, Any]:
+    now = time.time()
+    counters = engine_counters(engine)
+    bm, stats, cfg = engine.scheduler.block_manager, engine.stats, engine.config
+    states = bm.block_states()
+    requests = _request_rows(engine, now)
+    running_ids = {r["request_id"] for r in requests if r["state"] == "running"}
+    preempted_ids = {r["request_id"] for r in requests if r["state"] == "preempted"} - running_ids
+    for row in requests:
+        del row["request_id"]
+    queries, hits = counters.prefix_cache_queries, counters.prefix_cache_hits
     return {
         "version": STATS_VERSION,
         "time": now,
-        "uptime_s": round(now - engine.start_time, 3),
+        "uptime_s": round(now - stats.start_time, 3),
         "model": engine.model_label,
-        "step": engine.step_count,
+        "step": stats.step_count,
         "config": {
             "block_size": bm.block_size,
             "num_blocks": bm.num_blocks,
@@ -91,23 +238,24 @@ def engine_snapshot(engine: LLMEngine, max_steps: int = 120) -> dict[str, Any]:
             "cached": states.count("c"),
             "used": states.count("u"),
             "shared": states.count("s"),
-            "usage": bm.usage,
+            "usage": counters.kv_usage,
+            "token_utilization": counters.kv_token_utilization,
             "block_states": states,
         },
         "prefix_cache": {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else 0.0},
         "counters": {
-            "num_preemptions": sched.num_preemptions,
-            "prompt_tokens_total": engine.prompt_tokens_total,
-            "generation_tokens_total": engine.generation_tokens_total,
-            "requests_added_total": engine.requests_added_total,
-            "requests_finished": dict(engine.finished_requests),
+            "num_preemptions": counters.num_preemptions,
+            "prompt_tokens_total": counters.prompt_tokens_total,
+            "generation_tokens_total": counters.generation_tokens_total,
+            "requests_added_total": counters.requests_added_total,
+            "requests_finished": counters.requests_finished,
         },
         "scheduler": {
-            "running": len(sched.running),
-            "waiting": sched.num_waiting,
-            "preempted_waiting": sum(1 for r in requests if r["state"] == "preempted"),
+            "running": counters.requests_running,
+            "waiting": counters.requests_waiting,
+            "preempted_waiting": len(preempted_ids),
         },
         "requests": requests,
-        "steps": [asdict(s) for s in steps],
-        "latency": engine.latency.section(),
+        "steps": [asdict(s) for s in list(stats.steps)[-max_steps:]],
+        "latency": stats.latency.section(),
     }

@@ -112,12 +112,6 @@ class LinearBase(nn.Module):
         return self.method.apply(self, x, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = False, dtype: torch.dtype,
-                 tp: TensorParallel = TensorParallel(), method: LinearMethod | None = None) -> None:
-        super().__init__(in_features, out_features, bias, dtype, tp, method)
-
-
 class ColumnParallelLinear(LinearBase):
     tp_dim = 0
 

@@ -1,7 +1,7 @@
 """The kernel set a model runs on: pure torch (any device, exact on CPU) or Triton (CUDA, or
 Triton's interpreter on a CPU for tests).
 
-A model receives one ``KernelOps`` object at construction and calls every fused op through it, so
+A model receives one ops object (``TorchOps`` or a subclass) at construction and calls every fused op through it, so
 switching backends never touches model code and there is no global switch.
 """
 

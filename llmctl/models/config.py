@@ -125,8 +125,3 @@ class ModelConfig:
         if dtype == torch.float16 and device.type == "cpu":
             dtype = torch.bfloat16
         return dtype
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, per unit of element size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim

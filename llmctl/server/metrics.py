@@ -1,11 +1,11 @@
 """Prometheus metrics under an ``llmctl:`` prefix, named like vLLM's ``vllm:`` ones.
 
 Each app has its own ``CollectorRegistry`` (several servers can live in one process, e.g. in
-tests). Gauges and counters are read from the engine at scrape time by a custom collector, so
-they cannot drift from the engine's own numbers. Latency histograms need every step, so they are
-fed by a listener on ``LLMEngine.step`` that runs in the engine thread right after each step,
-while the engine lock is still held: per request TTFT, inter-token latency and end-to-end
-latency, and per step the number of tokens it computed.
+tests). Gauges and counters are read at scrape time from the engine's one stats surface,
+``AsyncEngine.counters()`` (``llmctl/engine/stats.py``), so they cannot drift from what
+``/v1/engine/stats``, ``bench`` and ``top`` show. Latency histograms observe what each step's
+``StepStats`` carries (TTFT, inter-token latency, end-to-end latency, tokens computed), handed to
+a listener in the engine thread right after the step.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from llmctl.engine.async_engine import AsyncEngine
-from llmctl.engine.llm_engine import StepRecord
-from llmctl.engine.outputs import RequestOutput
-from llmctl.engine.sequence import SequenceStatus
+from llmctl.engine.stats import StepStats
 
 PREFIX = "llmctl:"
 # vLLM's buckets, with finer low ends: a CPU token can take a few milliseconds
@@ -40,16 +38,7 @@ class _EngineCollector(Collector):
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        engine = self.async_engine.engine
-        with self.async_engine.lock:
-            running = sum(1 for r in engine.requests.values()
-                          if any(s.status is SequenceStatus.RUNNING for s in r.seqs))
-            waiting = len(engine.requests) - running
-            usage = engine.block_manager.usage
-            sched = engine.scheduler
-            queries, hits, preemptions = sched.prefix_query_tokens, sched.prefix_hit_tokens, sched.num_preemptions
-            prompt_tokens, generation_tokens = engine.prompt_tokens_total, engine.generation_tokens_total
-            finished = dict(engine.finished_requests)
+        c = self.async_engine.counters()
         label = [self.model_name]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -62,17 +51,19 @@ class _EngineCollector(Collector):
             family.add_metric(label, value)
             return family
 
-        yield gauge("num_requests_running", "Requests with a sequence in the running batch.", running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled (preempted ones included).", waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by live sequences (1 = full).", usage)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
-        yield counter("num_preemptions", "Sequences preempted to free KV blocks or for fairness.", preemptions)
-        yield counter("prompt_tokens", "Prompt tokens of all accepted requests.", prompt_tokens)
-        yield counter("generation_tokens", "Tokens generated.", generation_tokens)
+        yield gauge("num_requests_running", "Requests with a sequence in the running batch.", c.requests_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled (preempted ones included).",
+                    c.requests_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by live sequences (1 = full).", c.kv_usage)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", c.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", c.prefix_cache_hits)
+        yield counter("num_preemptions", "Sequences preempted to free KV blocks or for fairness.",
+                      c.num_preemptions)
+        yield counter("prompt_tokens", "Prompt tokens of all accepted requests.", c.prompt_tokens_total)
+        yield counter("generation_tokens", "Tokens generated.", c.generation_tokens_total)
         success = CounterMetricFamily(PREFIX + "request_success", "Requests finished, by finish reason.",
                                       labels=["model_name", "finished_reason"])
-        for reason, count in sorted(finished.items()):
+        for reason, count in sorted(c.requests_finished.items()):
             success.add_metric([self.model_name, reason], count)
         yield success
 
@@ -93,30 +84,17 @@ class ServerMetrics:
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step "
                                           "(prefill + decode).", ITERATION_TOKEN_BUCKETS)
         self.registry.register(_EngineCollector(async_engine, model_name))
-        self._last_token_time: dict[str, float] = {}
-        self._engine = async_engine.engine
-        self._engine.step_listeners.append(self._on_step)
+        async_engine.add_step_listener(self._on_step)
 
-    def _on_step(self, outputs: list[RequestOutput], record: StepRecord) -> None:
+    def _on_step(self, step: StepStats) -> None:
         """Runs in the engine's thread after each step."""
-        engine = self._engine
-        self.iteration_tokens.observe(record.prefill_tokens + record.decode_tokens)
-        for out in outputs:
-            metrics = out.metrics
-            previous = self._last_token_time.get(out.request_id)
-            if metrics.last_token_time is not None:
-                if previous is None:
-                    if metrics.ttft is not None:
-                        self.ttft.observe(metrics.ttft)
-                else:
-                    self.itl.observe(metrics.last_token_time - previous)
-                self._last_token_time[out.request_id] = metrics.last_token_time
-            if out.finished:
-                self._last_token_time.pop(out.request_id, None)
-                if metrics.e2e is not None:
-                    self.e2e.observe(metrics.e2e)
-        if len(self._last_token_time) > 2 * len(engine.requests) + 64:  # forget aborted requests
-            self._last_token_time = {k: v for k, v in self._last_token_time.items() if k in engine.requests}
+        self.iteration_tokens.observe(step.record.prefill_tokens + step.record.decode_tokens)
+        for value in step.ttft_s:
+            self.ttft.observe(value)
+        for value in step.itl_s:
+            self.itl.observe(value)
+        for value in step.e2e_s:
+            self.e2e.observe(value)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

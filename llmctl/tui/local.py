@@ -34,8 +34,8 @@ class LocalSource:
         if self.async_engine is None:
             await self.start()
         assert self.async_engine is not None and self.load is not None
-        if self.async_engine.error is not None:
-            raise SourceError(f"the local engine stopped: {self.async_engine.error!r}")
+        if self.async_engine.is_dead:
+            raise SourceError(f"the local engine stopped: {self.async_engine.dead_error}")
         return await asyncio.to_thread(self.async_engine.stats_snapshot)
 
     async def close(self) -> None:

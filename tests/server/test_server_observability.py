@@ -8,6 +8,8 @@ import threading
 
 from server_helpers import scrape, wait_until
 
+from llmctl.engine.stats import STATS_VERSION
+
 GAUGES = ("llmctl:kv_cache_usage_perc", "llmctl:num_requests_running", "llmctl:num_requests_waiting")
 COUNTERS = ("llmctl:prefix_cache_queries", "llmctl:prefix_cache_hits", "llmctl:num_preemptions",
             "llmctl:prompt_tokens", "llmctl:generation_tokens", "llmctl:request_success")
@@ -85,6 +87,6 @@ def test_stats_stream(http):
                 events.append(json.loads(line[len("data: "):]))
             if len(events) == 3:
                 break
-    assert [e["version"] for e in events] == [1, 1, 1]
+    assert [e["version"] for e in events] == [STATS_VERSION] * 3
     assert events[0]["time"] < events[1]["time"] < events[2]["time"]
     assert http.get("/v1/engine/stats/stream", params={"interval": 0}).status_code == 400
