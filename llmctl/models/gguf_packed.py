@@ -34,7 +34,8 @@ def install_packed(model: LlamaForCausalLM, tensors: Iterator[tuple[str, PackedW
     dense: list[tuple[Path, str, torch.Tensor]] = []
     merged: dict[str, dict[str | int, tuple[str, PackedWeight | torch.Tensor]]] = {}
     for name, value in tensors:
-        if isinstance(value, torch.Tensor):
+        is_part = name.endswith(".weight") and any(f".{c}." in name for c in model.packed_modules)
+        if isinstance(value, torch.Tensor) and not is_part:  # a float part waits for its siblings
             dense.append((path, name, value))
             continue
         if name in _EMBEDDINGS:
@@ -51,7 +52,7 @@ def install_packed(model: LlamaForCausalLM, tensors: Iterator[tuple[str, PackedW
     for module, parts in merged.items():
         ordered = [parts[p] for p in sorted(parts, key=_part_key)] if None not in parts else [parts[None]]
         packed = gguf_quants.concat_parts([value for _, value in ordered])
-        if packed is None:  # a float part among packed ones: this layer runs dequantized
+        if packed is None:  # a float part (or only float parts): this layer runs dequantized
             dense.extend((path, name, gguf_quants.to_float(value)) for name, value in ordered)
             continue
         _install(install_packed_weight, model.get_submodule(module), packed, path, module)
