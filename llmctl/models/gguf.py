@@ -52,11 +52,10 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_IGNORED_TENSORS = {"rope_freqs.weight"}  # derived rotary factors; the config says the same
 
 
 class _TensorInfoError(ValueError):
-    pass
+    """A tensor-info record the plain reader would fail on without naming the tensor."""
 
 
 class _CheckedReader(GGUFReader):
@@ -178,8 +177,6 @@ def iterate_gguf_tensors(reader: GGUFReader, cfg: ModelConfig, path: Path,
     """(Hugging Face name, packed or dense tensor) for every weight, Q/K rows restored."""
     heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}
     for tensor in reader.tensors:
-        if tensor.name in _IGNORED_TENSORS:
-            continue
         name = _hf_name(tensor.name)
         if name is None:
             raise ModelLoadError(f"{path}: tensor {tensor.name!r} does not belong to a {cfg.architecture}")
