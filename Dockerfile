@@ -23,14 +23,15 @@ ENV PYTHONUNBUFFERED=1 \
     PATH=/opt/llmctl/venv/bin:$PATH \
     HF_HOME=/cache/huggingface \
     TRITON_CACHE_DIR=/cache/triton \
-    TORCH_EXTENSIONS_DIR=/opt/llmctl/torch_extensions \
+    LLMCTL_KERNEL_CACHE=/opt/llmctl/kernels \
     TOKENIZERS_PARALLELISM=false \
     HF_HUB_DISABLE_TELEMETRY=1
 
-# g++ stays in the image: torch builds the native CPU kernels with -march=native, so a node whose
-# CPU differs from the build host's rebuilds them once at start-up (about 30 s); Triton compiles
-# its CUDA launcher with it too. Debian's versions are not pinned: bookworm's security updates
-# replace them, and an old pin would no longer install.
+# g++ stays in the image: the native CPU kernels are built at image build time (one portable build
+# with per-ISA variants chosen at run time, so any x86-64 node uses it), but a changed toolchain or
+# torch rebuilds them once at start-up; Triton compiles its CUDA launcher with it too. Debian's
+# versions are not pinned: bookworm's security updates replace them, and an old pin would no
+# longer install.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \

@@ -1,70 +1,60 @@
-"""Native CPU kernels (C++, built on first use with torch's extension builder and cached).
+"""Native CPU kernels (C++; kernels/cpu/), built once per install and toolchain by
+``kernels.native_build`` (``scripts/setup.sh`` builds them at install time).
 
 Optional: where no C++ compiler is available, or ``LLMCTL_NATIVE_CPU_KERNELS=0`` is set, the
-engine keeps the pure-torch references. The build is cached per CPU (it is tuned with
-``-march=native``) under torch's extension cache, so only the first run on a machine pays for it.
+engine keeps the pure-torch references. One build holds a variant per instruction set (generic,
+AVX2+FMA, AVX-512, AVX512-BF16); ``load_native`` selects the best one this CPU runs, at run time.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from kernels.cpu_features import isa_level
+from kernels.native_build import FAILURES, build_extension, unavailable_reason
+
 log = logging.getLogger(__name__)
+NAME = "llmctl_cpu"
 SOURCE = Path(__file__).parent / "cpu" / "cpu_kernels.cpp"
+HEADERS = [Path(__file__).parent / "cpu" / "cpu_kernels_isa.h"]
+# -ffp-contract=off: a product and a sum round separately, as in torch's elementwise ops (rotary is
+# then bit-identical). -fopenmp: at::parallel_for is inline OpenMP; the module then needs
+# libgomp.so.1, which resolves to the copy torch already loaded (same soname): one thread pool.
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
+LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _module: ModuleType | None = None
-_failed: str | None = None
-
-
-def _cpu_tag() -> str:
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = platform.processor()
-    digest = hashlib.sha256((flags + SOURCE.read_text() + torch.__version__ + "omp").encode()).hexdigest()
-    return digest[:10]
+_tried = False
 
 
 def native_unavailable_reason() -> str | None:
     if os.environ.get("LLMCTL_NATIVE_CPU_KERNELS", "1") == "0":
         return "disabled by LLMCTL_NATIVE_CPU_KERNELS=0"
-    if platform.system() != "Linux":
-        return f"native CPU kernels are built on Linux only (this is {platform.system()})"
-    if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")):
-        return "no C++ compiler found"
-    return _failed
+    return unavailable_reason() or FAILURES.get(NAME)
 
 
 def load_native() -> ModuleType | None:
-    """The compiled module, building it on first call; None (with the reason logged once) when it
-    cannot be built here."""
-    global _module, _failed
+    """The compiled module with the best ISA variant selected, building it on first call; None
+    (the reason said once on stderr) when it cannot be had here."""
+    global _module, _tried
     with _lock:
-        if _module is not None or native_unavailable_reason() is not None:
-            return _module
-        from torch.utils.cpp_extension import load
-
-        try:
-            # -fopenmp: at::parallel_for is inline OpenMP; the module then needs libgomp.so.1, which
-            # resolves to the copy torch already loaded (same soname), so there is one thread pool.
-            _module = load(name=f"llmctl_cpu_{_cpu_tag()}", sources=[str(SOURCE)],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
-                                         "-fno-trapping-math"], extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as exc:  # a compiler error, missing headers, a linker problem...
-            _failed = f"building the native CPU kernel failed: {str(exc).strip().splitlines()[-1] if str(exc) else exc!r}"
-            log.warning("%s; using the pure-torch path", _failed)
+        if _module is None and not _tried and native_unavailable_reason() is None:
+            _tried = True
+            _module = build_extension(NAME, [SOURCE], CFLAGS, LDFLAGS, headers=HEADERS)
+            if _module is not None:
+                _module.set_isa(isa_level())
         return _module
+
+
+def native_isa() -> str | None:
+    """The ISA variant in use, e.g. ``avx2`` (None without the module)."""
+    return isa_level() if load_native() is not None else None
 
 
 def paged_decode_attention_native(
@@ -113,10 +103,15 @@ def _module_or_raise() -> ModuleType:
     return module
 
 
-if __name__ == "__main__":  # `python -m kernels.cpu_native`: build ahead of time (scripts/setup.sh does)
+if __name__ == "__main__":  # `python -m kernels.cpu_native`: build every native kernel ahead of time
     import sys
+
+    from kernels.quant_native import load_quant_native
+    from kernels.quant_native import native_unavailable_reason as quant_unavailable_reason
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     module = load_native()
-    print(f"native CPU kernels: {module.__file__ if module else native_unavailable_reason()}")
+    print(f"native CPU kernels: {f'{module.__file__} ({isa_level()})' if module else native_unavailable_reason()}")
+    quant = load_quant_native()
+    print(f"quantized CPU kernels: {quant.__file__ if quant else quant_unavailable_reason()}")
     sys.exit(0)

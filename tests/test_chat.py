@@ -3,6 +3,7 @@ REPL in process, and the command driven through a pseudo-terminal as a user driv
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import re
@@ -14,7 +15,7 @@ import pexpect
 import pytest
 import torch
 
-from llmctl.chat.repl import INTERRUPTED, PROMPT, ChatRepl, terminal_safe
+from llmctl.chat.repl import INTERRUPTED, PROMPT, ChatRepl, WordWrap, terminal_safe
 from llmctl.chat.session import PLAIN_CONTINUATION_NOTICE, ChatSession, Message, plain_transcript
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.errors import InvalidRequestError
@@ -150,9 +151,11 @@ class InterruptingOutput(io.StringIO):
 
     def write(self, text: str) -> int:
         self.writes += 1
+        written = super().write(text)
         if self.writes == self.after:
+            self.at = len(self.getvalue())  # what was on screen when Ctrl-C was pressed
             os.kill(os.getpid(), signal.SIGINT)
-        return super().write(text)
+        return written
 
 
 def make_repl(engine, file, max_tokens=8, ignore_eos=False, system=None):
@@ -235,18 +238,59 @@ def test_ctrl_c_aborts_the_answer_frees_its_blocks_and_keeps_the_partial_text(en
     assert signal.getsignal(signal.SIGINT) is handler_before
 
 
+def test_ctrl_c_stops_printing_at_once(engine):
+    """Nothing of the answer reaches the screen after the Ctrl-C: not the rest of the step's
+    token, not a held-back word."""
+    out = InterruptingOutput(after=5)
+    repl = make_repl(engine, out, max_tokens=200, ignore_eos=True)
+    assert repl.answer("tell me a long story").finish_reason == "interrupted"
+    after_ctrl_c = out.getvalue()[out.at:]
+    assert after_ctrl_c.strip() == INTERRUPTED, after_ctrl_c
+    assert repl.session.messages[-1].content == out.getvalue()[:out.at]  # the conversation keeps what was seen
+
+
+def test_long_answers_wrap_at_word_boundaries(engine):
+    from rich.console import Console
+
+    out = io.StringIO()
+    session = ChatSession(engine.tokenizer, engine.max_model_len, 60)
+    repl = ChatRepl(engine, session, SamplingParams(max_tokens=60, temperature=0.7, seed=1, ignore_eos=True),
+                    Console(file=out, width=24, force_terminal=True, color_system=None, highlight=False))
+    repl.answer("tell me a long story")
+    answer = session.messages[-1].content
+    lines = out.getvalue().splitlines()[:-1] if not answer.endswith("\n") else out.getvalue().splitlines()
+    shown = "\n".join(lines)
+    assert shown.count("\n") >= 2, shown  # it did wrap
+    assert all(len(line) <= 24 for line in lines), lines
+    assert shown.split() == answer.split()  # every word whole, on one line
+
+
+def test_word_wrap_holds_a_word_until_it_is_complete():
+    written: list[str] = []
+    wrap = WordWrap(written.append, width=12)
+    for piece in ["Once up", "on a long tim", "e there", " was\nan engine"]:
+        wrap.feed(piece)
+    wrap.flush()
+    assert "".join(written) == "Once upon a\nlong time\nthere was\nan engine" == wrap.shown
+    wrap = WordWrap(written.append, width=10)
+    wrap.feed("abcdefghijklmnop ")  # longer than a line: broken, nothing lost
+    wrap.flush()
+    assert wrap.shown == "abcdefghij\nklmnop"
+
+
 def test_embedded_model_stops_at_im_end(engine):
     im_end = engine.tokenizer.backend.token_to_id("<|im_end|>")
-    assert im_end in engine.eos_token_ids
+    assert im_end in engine.scheduler.config.eos_token_ids  # the stop tokens the scheduler checks
     # force the end-of-turn token: only <|im_end|> is allowed, so the answer must end on it at once
     params = SamplingParams(max_tokens=50, temperature=0)
     request_id = engine.add_request(engine.tokenizer.encode("hi", add_special_tokens=False), params)
     logits_hook = engine.runner.execute
 
     def only_im_end(sched):
-        forced = torch.full_like(logits_hook(sched), float("-inf"))
+        output = logits_hook(sched)
+        forced = torch.full_like(output.logits, float("-inf"))
         forced[:, im_end] = 0.0
-        return forced
+        return dataclasses.replace(output, logits=forced)
 
     engine.runner.execute = only_im_end
     try:

@@ -559,6 +559,19 @@ def test_resolve_model_dir(server: HubServer, stories_dir: Path, tmp_path: Path,
     assert isinstance(HubError("x"), LlmctlError)
 
 
+def test_incomplete_snapshot_says_so_and_offers_pull(server: HubServer, monkeypatch) -> None:
+    """A snapshot `ls` shows as "(incomplete)" is not called missing: the error says incomplete."""
+    pulled = hub.pull(TINY, console=_console()[0])
+    (pulled / "model.safetensors").unlink()
+    assert [m.complete for m in hub.list_models()] == [False]
+    monkeypatch.setattr(sys, "stdin", io.StringIO())
+    with pytest.raises(ModelNotFoundError) as info:
+        hub.resolve_model_dir(TINY)
+    assert "is in the Hugging Face cache" in str(info.value) and "but incomplete" in str(info.value)
+    assert f"run `llmctl pull {TINY}` to complete it" in str(info.value)
+    assert hub.resolve_model_dir(TINY, allow_pull=True, console=_console()[0]) == pulled
+
+
 def _child_env(server: HubServer) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
     env.update({"PYTHONPATH": str(REPO_ROOT), "HF_HUB_DISABLE_TELEMETRY": "1", "COLUMNS": "160", "TERM": "xterm"})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -61,3 +62,61 @@ def test_stdin_prompt_drops_the_trailing_newline(stories_dir):
     assert proc.returncode == 0, proc.stderr
     assert "prompt 5 tokens" in proc.stderr
     assert proc.stdout.startswith("Once upon a time, there was")
+
+
+def test_counts_are_singular_for_one():
+    from llmctl.cli import tokens
+
+    assert (tokens(1), tokens(2), tokens(0)) == ("1 token", "2 tokens", "0 tokens")
+
+
+def test_stdin_prompt_on_a_terminal_says_it_is_waiting():
+    """`generate MODEL -` on a terminal would wait in silence: it says it reads standard input."""
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(sys.executable, ["-m", "llmctl.cli", "generate", "tiny-random-llama", "-", "-n", "1",
+                                           "--threads", "1", "--kv-cache-memory", "64MiB"],
+                          encoding="utf-8", timeout=240, dimensions=(24, 200))
+    try:
+        child.expect_exact("reading the prompt from standard input: type it, then Ctrl-D")
+        child.sendline("Once")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+        text = re.sub(r"\x1b\[[0-9;]*m", "", child.before)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+    assert "prompt 2 tokens · generated 1 token (length)" in text
+
+
+def test_kv_pool_too_small_names_the_minimum():
+    from llmctl.config import kv_pool_too_small
+
+    message = str(kv_pool_too_small(1024, 36864, 16, None))
+    assert message == ("a KV pool of 1KiB cannot hold a single KV block (36KiB per block of 16 tokens for this "
+                       "model): give --kv-cache-memory at least 36KiB")
+    message = str(kv_pool_too_small(1 << 20, 36864, 16, 100))
+    assert "cannot hold one sequence of max_model_len=100 tokens" in message
+    assert "at least 252KiB or lower --max-model-len" in message  # ceil(100 / 16) = 7 blocks
+
+
+@pytest.mark.parametrize("columns", ["80", "200"])
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench", "top"])
+def test_help_shows_every_flag_whole(command, columns):
+    """At 80 columns and piped, every flag appears whole (help text wraps instead), with no
+    `<bool>` metavar on flags, and the engine options come from EngineConfig."""
+    import os
+
+    from llmctl.cli_options import engine_option_list
+
+    proc = subprocess.run([sys.executable, "-m", "llmctl.cli", command, "--help"], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, COLUMNS=columns))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= max(80, int(columns))
+    assert "<bool>" not in proc.stdout and "…" not in proc.stdout
+    flags = {flag for o in engine_option_list() for flag in o.cli.flag.replace("/", " ").split()}
+    excluded = {"generate": {"--max-num-seqs"}, "chat": {"--max-num-seqs", "--max-num-batched-tokens"},
+                "bench": {"--seed"}}.get(command, set())
+    words = set(proc.stdout.replace(",", " ").split())
+    assert flags - excluded <= words, flags - excluded - words
+    assert "Engine:" in lines or "Local engine (--local):" in lines

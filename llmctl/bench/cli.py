@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 
-from llmctl.cli_options import (
-    BackendOpt, BlockSizeOpt, ChunkedPrefillOpt, DeviceOpt, DtypeOpt, KvMemoryOpt, MaxBatchedTokensOpt,
-    MaxModelLenOpt, MaxNumSeqsOpt, MemoryFractionOpt, PrefixCachingOpt, ThreadsOpt, exit_on_error,
-)
-from llmctl.models.embedded import EMBEDDED_MODEL_NAME
+from llmctl.cli_options import engine_options, exit_on_error
+from llmctl.config import EMBEDDED_MODEL_NAME, EngineConfig
 
 WORKLOAD = "Workload"
 LOAD = "Load"
@@ -27,8 +25,10 @@ def register_commands(app: typer.Typer) -> None:
     app.command(name="bench")(bench)
 
 
+@engine_options(exclude=("seed",), helps={"max_model_len": "Context length limit of the in-process engine."})
 def bench(
     model: Annotated[Optional[str], typer.Argument(
+        metavar="MODEL",
         help=f"In process: the model to run (default {EMBEDDED_MODEL_NAME!r}, random weights, no download). "
              "With --url: the model whose tokenizer builds the prompts.", show_default=False)] = None,
     url: Annotated[Optional[str], typer.Option("--url", help="Benchmark this OpenAI-compatible server "
@@ -79,21 +79,12 @@ def bench(
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="hf: run the same workload through "
                                                     "transformers static batching and compare.",
                                                     rich_help_panel=REPORT)] = None,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
-    max_model_len: MaxModelLenOpt = None,
-    max_num_seqs: MaxNumSeqsOpt = 256,
-    max_num_batched_tokens: MaxBatchedTokensOpt = 2048,
-    block_size: BlockSizeOpt = 16,
-    kv_cache_memory: KvMemoryOpt = None,
-    memory_fraction: MemoryFractionOpt = 0.9,
-    enable_prefix_caching: PrefixCachingOpt = True,
-    enable_chunked_prefill: ChunkedPrefillOpt = True,
-    attention_backend: BackendOpt = "auto",
-    threads: ThreadsOpt = None,
+    *,
+    engine_config: EngineConfig,
 ) -> None:
-    """Measure TTFT, TPOT, ITL, end-to-end latency, throughput and goodput under a synthetic or
-    ShareGPT load, in process or against --url, optionally next to transformers static batching."""
+    """Load-test the engine or a server. Measures TTFT, TPOT, ITL, end-to-end latency, throughput
+    and goodput under a synthetic or ShareGPT load, in process or against --url, optionally next to
+    transformers static batching."""
     from llmctl.bench.session import BenchOptions, run_bench
 
     out, err = Console(), Console(stderr=True, soft_wrap=True)
@@ -103,12 +94,7 @@ def bench(
         range_ratio=range_ratio, num_users=num_users, prefix_len=prefix_len, prompt_format=prompt_format,
         ignore_eos=ignore_eos, concurrency=concurrency, request_rate=request_rate, warmup=warmup, seed=seed,
         slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, json_path=json_path, baseline=baseline,
-        engine_options=dict(dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                            kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction,
-                            enable_prefix_caching=enable_prefix_caching,
-                            enable_chunked_prefill=enable_chunked_prefill, attention_backend=attention_backend,
-                            seed=seed, threads=threads),
+        engine_config=replace(engine_config, seed=seed),
         argv=list(sys.argv[1:]),
     )
     with exit_on_error(err):

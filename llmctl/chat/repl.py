@@ -40,6 +40,50 @@ def terminal_safe(text: str) -> str:
     return text.translate(_UNPRINTABLE)
 
 
+class WordWrap:
+    """Streams text to a terminal ``width`` columns wide, breaking lines at spaces only.
+
+    A word is held back until it is complete (the next space or newline), so it can move to the
+    next line whole; ``shown`` is what reached the screen. A word longer than a line is broken."""
+
+    def __init__(self, write: Callable[[str], None], width: int) -> None:
+        self.write = write
+        self.width = max(width, 10)
+        self.column = 0
+        self.word = ""
+        self.space = ""  # the spaces before ``word``: printed only if the word stays on this line
+        self.shown = ""
+
+    def feed(self, text: str) -> None:
+        for char in text:
+            if char == "\n":
+                self.flush()
+                self._emit("\n")
+                self.column, self.space = 0, ""
+            elif char in " \t":
+                self.flush()
+                self.space += char
+            else:
+                self.word += char
+                if len(self.word) >= self.width:
+                    self.flush()
+
+    def flush(self) -> None:
+        """Print the held word (on this line if it fits, else on the next)."""
+        if not self.word:
+            return
+        if self.column and self.column + len(self.space) + len(self.word) > self.width:
+            self._emit("\n")
+            self.column, self.space = 0, ""
+        self._emit(self.space + self.word)
+        self.column += len(self.space) + len(self.word)
+        self.word = self.space = ""
+
+    def _emit(self, text: str) -> None:
+        self.write(text)
+        self.shown += text
+
+
 @dataclass
 class AnswerStats:
     prompt_tokens: int
@@ -129,7 +173,7 @@ class ChatRepl:
     # ---- the loop ------------------------------------------------------------------------------
     def print_banner(self, load_seconds: float) -> None:
         engine = self.engine
-        dtype = str(engine.dtype).removeprefix("torch.")
+        dtype = engine.dtype_description
         self.console.print(f"[bold]llmctl chat[/] · {escape(engine.model_label)}")
         self.console.print(f"[dim]{dtype} · {engine.device} · context {engine.max_model_len} tokens · "
                            f"load {load_seconds:.1f} s[/]")
@@ -195,26 +239,31 @@ class ChatRepl:
                 self._error(str(exc))
                 return None
 
-            pieces: list[str] = []
+            printer = self._printer()
             final: RequestOutput | None = None
             interrupted = False
             while self.engine.has_unfinished():
-                if stop.is_set():
+                outputs = self.engine.step() if not stop.is_set() else []
+                if stop.is_set():  # Ctrl-C before or during the step: nothing more is printed
                     self.engine.abort(request_id)
                     interrupted = True
                     break
-                for out in self.engine.step():
-                    delta = out.outputs[0].delta_text
-                    if delta:
-                        self.console.out(terminal_safe(delta), end="", highlight=False)
-                        pieces.append(delta)
+                for out in outputs:
+                    printer.feed(terminal_safe(out.outputs[0].delta_text))
                     final = out
-        answer = "".join(pieces)
+        if not interrupted:
+            printer.flush()
+        answer = printer.shown
         if answer and not answer.endswith("\n"):
             self.console.out("")
         stats = AnswerStats.from_output(final, len(prepared.token_ids), started, interrupted)
         self._finish_turn(answer, stats)
         return stats
+
+    def _printer(self) -> WordWrap:
+        """Answers wrap at word boundaries on a terminal; piped, the text goes out as it is."""
+        write = lambda text: self.console.out(text, end="", highlight=False)  # noqa: E731
+        return WordWrap(write, self.console.width if self.console.is_terminal else 1 << 30)
 
     def _finish_turn(self, answer: str, stats: AnswerStats) -> None:
         """An interrupted answer keeps what was shown (the user saw it); one with no text at all is

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from llmctl.config import EngineConfig, resolve_kv_cache_bytes
+from llmctl.config import EngineConfig, kv_pool_too_small, resolve_kv_cache_bytes
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.model_runner import ModelRunner, kv_block_bytes
 from llmctl.engine.output_processor import OutputProcessor, RequestState
@@ -50,7 +50,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.ops = select_ops(config.attention_backend, self.device)
         self.model, self.tokenizer, self.model_label = self._load(config, self.ops)
-        self.dtype = self.model.model.norm.weight.dtype  # activations; a packed (GGUF) model has int8 parameters first
+        self.dtype = self.model.model.norm.weight.dtype  # the activation/KV dtype (weights may be packed)
         num_blocks, self.max_model_len = self._size_kv_pool()
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
                                   device=self.device, kv_dtype=self.dtype)
@@ -60,22 +60,31 @@ class LLMEngine:
         eos_token_ids = set(self.model.config.eos_token_ids)
         if self.tokenizer is not None:
             eos_token_ids |= self.tokenizer.eos_token_ids
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            enable_prefix_caching=config.enable_prefix_caching, eos_token_ids=frozenset(eos_token_ids)))
+            enable_prefix_caching=config.enable_prefix_caching, eos_token_ids=self.eos_token_ids))
         self.sampler = Sampler(config.seed, self.device)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._request_counter = itertools.count()
 
+    @property
+    def dtype_description(self) -> str:
+        """The dtype and, where it was chosen automatically, why (for start-up lines)."""
+        name = str(self.dtype).removeprefix("torch.")
+        choice = getattr(self.model.config, "dtype_choice", None)
+        return f"{name} ({choice.reason})" if choice is not None and choice.reason else name
+
     def _size_kv_pool(self) -> tuple[int, int]:
         """(KV blocks, max_model_len): the pool from the memory budget, the length from the model's
         limit, capped by what the pool can hold."""
         config, cfg = self.config, self.model.config
-        num_blocks = resolve_kv_cache_bytes(config, self.device) // kv_block_bytes(
-            self.model, config.block_size, self.dtype)
+        pool_bytes = resolve_kv_cache_bytes(config, self.device)
+        block_bytes = kv_block_bytes(self.model, config.block_size, self.dtype)
+        num_blocks = pool_bytes // block_bytes
         capacity = num_blocks * config.block_size
         model_limit = cfg.max_position_embeddings
         if cfg.sliding_window:  # attention here is full-context; stay inside the window where both agree
@@ -87,10 +96,7 @@ class LLMEngine:
             if max_model_len > model_limit:
                 raise ConfigError(f"max_model_len {max_model_len} exceeds the model's limit {model_limit}")
         if max_model_len > capacity or num_blocks < 1:
-            raise ConfigError(
-                f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one sequence of "
-                f"max_model_len={max_model_len} tokens: raise --kv-cache-memory or lower --max-model-len"
-            )
+            raise kv_pool_too_small(pool_bytes, block_bytes, config.block_size, config.max_model_len)
         return num_blocks, max_model_len
 
     @staticmethod
@@ -112,7 +118,8 @@ class LLMEngine:
                 f"{config.model}: no such model directory (use a local folder with config.json and "
                 f"*.safetensors, a pulled hub id, or the embedded default {EMBEDDED_MODEL_NAME!r})"
             )
-        model = load_model(model_dir, dtype=config.dtype, device=device, ops=ops)
+        model = load_model(model_dir, dtype=config.dtype, device=device, ops=ops, quantization=config.quantization,
+                           quantization_group_size=config.quantization_group_size)
         tokenizer = None if config.skip_tokenizer else Tokenizer.from_dir(Path(config.tokenizer or model_dir))
         return model, tokenizer, config.model_name or str(config.model)
 

@@ -1,4 +1,9 @@
-"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary.
+
+Either holds a plain ``[vocab, hidden]`` weight or, after ``install_packed``, a packed one (a GGUF
+file's Q8_0 token table): the embedding then dequantizes only the rows it looks up, and the LM head
+multiplies with the packed table directly. A tied model installs the same packed weight in both.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +13,21 @@ from torch import nn
 
 from llmctl.distributed import TensorParallel
 from llmctl.layers.linear import copy_checked, linear, prepack_for_cpu
+from llmctl.layers.quantization.formats import PackedWeight, dequantize, take_rows
+from llmctl.layers.quantization.matmul import quant_linear
+from llmctl.layers.quantization.params import attach_packed, read_packed
 
 
 class VocabParallelEmbedding(nn.Module):
+    packed_format: str | None = None  # set by install_packed
+
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype,
                  tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.dtype = dtype
         self.shard_size = -(-vocab_size // tp.size)  # ceil: the last shard may be padded
         self.vocab_start = tp.rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size, dtype=dtype), requires_grad=False)
@@ -28,7 +40,20 @@ class VocabParallelEmbedding(nn.Module):
         param.data.zero_()
         copy_checked(param.data[: part.shape[0]], part, "embedding")
 
+    def install_packed(self, packed: PackedWeight) -> None:
+        """Replaces the plain table by a packed ``[vocab, hidden]`` one (tensor parallel size 1)."""
+        if self.tp.size != 1:
+            raise ValueError("a packed embedding needs tensor parallel size 1")
+        if tuple(packed.shape) != (self.vocab_size, self.hidden_size):
+            raise ValueError(f"packed embedding has shape {tuple(packed.shape)}, "
+                             f"expected {(self.vocab_size, self.hidden_size)}")
+        device = self.weight.device if "weight" in self._parameters else torch.device("cpu")
+        attach_packed(self, packed, device)
+
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.packed_format is not None:
+            rows = take_rows(read_packed(self), token_ids.reshape(-1))
+            return dequantize(rows).to(self.dtype).view(*token_ids.shape, self.hidden_size)
         if self.tp.size == 1:
             return F.embedding(token_ids, self.weight)
         local = token_ids - self.vocab_start
@@ -45,9 +70,12 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def process_weights_after_loading(self) -> None:
         # A separate packed copy: the weight may be tied to the embedding, which needs it plain.
-        self.packed_weight = prepack_for_cpu(self.weight.data)
+        if self.packed_format is None:
+            self.packed_weight = prepack_for_cpu(self.weight.data)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if self.packed_format is not None:
+            return quant_linear(hidden, read_packed(self))
         logits = linear(hidden, self.weight if self.packed_weight is None else self.packed_weight)
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)

@@ -24,6 +24,42 @@ _MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    reason: str  # one line for people: why this dtype, on this machine
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def choose_dtype(requested: str, checkpoint_dtype: str | None, device: torch.device,
+                 cpu_flags: frozenset[str] | None = None) -> DtypeChoice:
+    """``auto`` runs a checkpoint in its own dtype (float32 when unstated), except on a CPU, where
+    half precision is only worth it with bf16 arithmetic units (AMX, AVX512-BF16): without them
+    every bf16 op converts to fp32 and back, which measured ~3x slower than fp32 on an AVX2 EPYC
+    (docs/benchmarks.md). So a bf16/fp16 checkpoint runs in bf16 on such CPUs, in fp32 elsewhere;
+    fp16 itself is never chosen on a CPU (no CPU computes it natively, and its range is narrow)."""
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise ConfigError(f"unknown dtype {requested!r}; choose auto, {', '.join(DTYPES)}")
+        return DtypeChoice(DTYPES[requested], "requested with --dtype")
+    stored = DTYPES.get(str(checkpoint_dtype).replace("torch.", ""))
+    if stored is None or stored == torch.float32:
+        return DtypeChoice(torch.float32, "auto: the checkpoint's dtype" if stored else
+                           "auto: the checkpoint states no dtype")
+    if device.type != "cpu":
+        return DtypeChoice(stored, "auto: the checkpoint's dtype")
+    from kernels.cpu_features import native_bf16_units
+
+    units = native_bf16_units(cpu_flags)
+    if units:
+        return DtypeChoice(torch.bfloat16, f"auto: this CPU computes bf16 natively ({', '.join(units)})")
+    return DtypeChoice(torch.float32, f"auto: {checkpoint_dtype} checkpoint, but this CPU has no native bf16 "
+                                      "(AVX512-BF16 or AMX), where fp32 is faster")
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -48,6 +84,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    dtype_choice: DtypeChoice | None = field(default=None, repr=False)  # set by resolve_dtype
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -115,13 +152,7 @@ class ModelConfig:
         return cls.from_dict(cfg, source=str(path))
 
     def resolve_dtype(self, requested: str, device: torch.device) -> torch.dtype:
-        """``auto`` takes the checkpoint's dtype (float32 when unstated); float16 on a CPU becomes
-        bfloat16, which CPUs compute natively and which keeps fp16's range problems away."""
-        if requested != "auto":
-            if requested not in DTYPES:
-                raise ConfigError(f"unknown dtype {requested!r}; choose auto, {', '.join(DTYPES)}")
-            return DTYPES[requested]
-        dtype = DTYPES.get(str(self.torch_dtype).replace("torch.", ""), torch.float32)
-        if dtype == torch.float16 and device.type == "cpu":
-            dtype = torch.bfloat16
-        return dtype
+        """The dtype to run in (see ``choose_dtype``); the choice and its reason stay on
+        ``self.dtype_choice`` for the startup line."""
+        self.dtype_choice = choose_dtype(requested, self.torch_dtype, device)
+        return self.dtype_choice.dtype

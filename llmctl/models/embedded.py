@@ -16,13 +16,13 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from llmctl.config import EMBEDDED_MODEL_NAME
 from llmctl.layers.ops import TorchOps
 from llmctl.models.config import ModelConfig
 from llmctl.models.llama import LlamaForCausalLM
 from llmctl.models.loader import build_model, init_random_weights
 from llmctl.tokenizer import Tokenizer
 
-EMBEDDED_MODEL_NAME = "tiny-random-llama"
 EMBEDDED_LABEL = f"{EMBEDDED_MODEL_NAME} (embedded, RANDOM weights: its text is noise)"
 WEIGHT_SEED = 20261129
 

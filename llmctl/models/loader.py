@@ -16,8 +16,9 @@ from torch import nn
 
 from llmctl.distributed import TensorParallel
 from llmctl.errors import ModelLoadError
-from llmctl.layers.linear import copy_checked
+from llmctl.layers.linear import LinearMethod, copy_checked
 from llmctl.layers.ops import TorchOps
+from llmctl.layers.quantization import linear_method_for
 from llmctl.models.config import ModelConfig
 from llmctl.models.llama import LlamaForCausalLM
 
@@ -108,19 +109,23 @@ def expected_checkpoint_names(model: LlamaForCausalLM) -> set[str]:
 
 
 def build_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, ops: TorchOps,
-                tp: TensorParallel = TensorParallel()) -> LlamaForCausalLM:
+                tp: TensorParallel = TensorParallel(), linear_method: LinearMethod | None = None) -> LlamaForCausalLM:
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, dtype=dtype, ops=ops, tp=tp)
+        model = LlamaForCausalLM(cfg, dtype=dtype, ops=ops, tp=tp, linear_method=linear_method)
     return model.eval()
 
 
 def load_model(model_dir: Path, *, dtype: str, device: torch.device, ops: TorchOps,
-               tp: TensorParallel = TensorParallel()) -> LlamaForCausalLM:
+               tp: TensorParallel = TensorParallel(), quantization: str = "none",
+               quantization_group_size: int = 64) -> LlamaForCausalLM:
+    """``quantization`` (int8 | int4 | fp8) quantizes every linear layer once its float weights are
+    loaded; the embedding and the LM head stay in ``dtype``."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: no such model directory")
     cfg = ModelConfig.from_dir(model_dir)
-    model = build_model(cfg, dtype=cfg.resolve_dtype(dtype, device), device=device, ops=ops, tp=tp)
+    model = build_model(cfg, dtype=cfg.resolve_dtype(dtype, device), device=device, ops=ops, tp=tp,
+                        linear_method=linear_method_for(quantization, quantization_group_size))
     with torch.no_grad():
         load_weights(model, model_dir)
     model.process_weights_after_loading()

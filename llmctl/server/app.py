@@ -29,6 +29,7 @@ from llmctl.server.protocol import (
 from llmctl.server.serving import OpenAIServing, ServerState, sse
 
 DEFAULT_MAX_QUEUE = 1024
+MAX_BODY_BYTES = 8 << 20  # larger bodies get a 413 (a full-context prompt as token ids is far smaller)
 STATS_MIN_INTERVAL_S = 0.05
 DRAIN_POLL_S = 0.25  # how soon a stats stream notices that the server drains
 Body = TypeVar("Body", bound=BaseModel)
@@ -62,35 +63,72 @@ def _describe_validation_errors(errors: Iterable[dict[str, Any]]) -> tuple[str, 
     """pydantic's errors as one line, and the first offending parameter."""
     parts, param = [], None
     for error in errors:
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
         if error.get("type") == "json_invalid":
             return f"malformed JSON body: {error.get('ctx', {}).get('error', error.get('msg'))}", None
-        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        if error.get("type") == "model_type" and not loc:
+            return "the request body must be a JSON object", None
         where = ".".join(loc)
         param = param or (loc[0] if loc else None)
         parts.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
     return "; ".join(parts) or "invalid request", param
 
 
+async def read_body(request: Request) -> bytes:
+    """The body, refused with a 413 as soon as it is known to exceed ``MAX_BODY_BYTES``."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise body_too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise body_too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def body_too_large() -> APIError:
+    return APIError(413, f"the request body is larger than the server's limit of {MAX_BODY_BYTES} bytes",
+                    code="request_too_large")
+
+
 async def parse_body(request: Request, model: type[Body]) -> Body:
-    """The JSON body as ``model``; any content type is read as JSON (curl's default included)."""
-    raw = await request.body()
+    """The JSON body as ``model``, validated strictly; any content type is read as JSON (curl's
+    default included). The JSON parser (pydantic's) refuses lone surrogate escapes and bodies
+    nested deeper than 200 levels, which ``json.loads`` would accept or overflow the stack on."""
+    raw = await read_body(request)
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"malformed JSON body: {exc}") from None
-    if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
+        return model.model_validate_json(raw)
     except ValidationError as exc:
         message, param = _describe_validation_errors(exc.errors())
         raise bad_request(message, param) from None
 
 
 def _request_schema(model: type[BaseModel]) -> dict[str, Any]:
-    """OpenAPI body description for routes that parse their body themselves."""
+    """OpenAPI body description for routes that parse their body themselves (its nested models
+    are moved to ``components`` by ``_hoist_definitions``)."""
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema(
         ref_template="#/components/schemas/{model}")}}}}
+
+
+def _hoist_definitions(app: FastAPI) -> None:
+    """Make ``/openapi.json`` self-contained: the ``$defs`` of the request bodies above become
+    ``components/schemas``, where their references point (so that a client generator or a fuzzer
+    such as schemathesis sees the whole body)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    for media in operation.get("requestBody", {}).get("content", {}).values():
+                        components.update(media.get("schema", {}).pop("$defs", {}))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def build_app(async_engine: AsyncEngine, *, served_model_name: str, model_aliases: Iterable[str] = (),
@@ -100,7 +138,7 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str, model_aliase
     (shared with the process that runs the server) carries the drain flag."""
     state = state or ServerState()
     serving = OpenAIServing(async_engine, served_model_name=served_model_name, model_aliases=set(model_aliases),
-                            max_queue=max_queue, state=state)
+                            state=state)
     metrics = ServerMetrics(async_engine, served_model_name)
     engine = async_engine.engine
     app = FastAPI(title="llmctl", version=__version__,
@@ -122,6 +160,10 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str, model_aliase
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(APIError(500, str(exc), type="server_error", code="engine_dead"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:  # a bug: still OpenAI's error JSON
+        return error_response(APIError(500, f"internal error: {exc!r}", type="server_error"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -191,4 +233,5 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str, model_aliase
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    _hoist_definitions(app)
     return app

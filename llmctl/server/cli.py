@@ -1,13 +1,19 @@
 """``llmctl serve``: load a model, start the engine loop, and serve the OpenAI API with uvicorn.
 
 SIGTERM (or Ctrl+C) drains: the listening socket closes, streams of engine stats end, requests
-still arriving on open connections get 503, and the requests in flight run to completion (at most
-``--drain-timeout`` seconds; after that they are cancelled, which aborts them). Then the engine
-stops and the process exits 0.
+still arriving on open connections get 503, and the requests in flight run to completion. After
+``--drain-timeout`` seconds (or a second Ctrl+C) the ones left are cancelled: each gets a 503 error
+(a stream: an error event, then ``[DONE]``) and its blocks are freed. Then the engine stops.
+
+Exit status, for a supervisor (systemd, Kubernetes): 0 when everything drained, 1 when the server
+could not start, 3 when the drain was cut short (requests were cancelled), 4 when the engine loop
+died (a fault in model execution): then ``/health`` answers 503 at once and the process exits
+within seconds so that it is restarted, as vLLM does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import time
@@ -18,16 +24,20 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.console import Console
 
-from llmctl.cli_options import (
-    BackendOpt, BlockSizeOpt, ChunkedPrefillOpt, DeviceOpt, DtypeOpt, KvMemoryOpt, MaxBatchedTokensOpt,
-    MaxModelLenOpt, MaxNumSeqsOpt, MemoryFractionOpt, ModelArg, PrefixCachingOpt, SeedOpt, ThreadsOpt,
-    build_engine_config, exit_on_error,
-)
+from llmctl.cli_options import ModelArg, config_for_model, engine_options, exit_on_error
+from llmctl.config import EngineConfig
 
 if TYPE_CHECKING:
     import uvicorn
 
+    from llmctl.engine.async_engine import AsyncEngine
+    from llmctl.server.serving import ServerState
+
 SERVER = "Server"
+EXIT_DRAIN_CUT_SHORT = 3
+EXIT_ENGINE_DIED = 4
+CANCEL_GRACE_S = 5.0  # for cancelled streams to send their error event and close
+POLL_S = 0.05
 err = Console(stderr=True, soft_wrap=True)
 
 
@@ -49,16 +59,20 @@ def _check_port_free(host: str, port: int) -> None:
             raise typer.Exit(1) from None
 
 
-def _make_server(config: uvicorn.Config, on_ready: Callable[[int], None],
-                 on_drain: Callable[[], None]) -> uvicorn.Server:
+def _make_server(config: uvicorn.Config, *, state: ServerState, async_engine: AsyncEngine, drain_timeout: float,
+                 on_ready: Callable[[int], None]) -> uvicorn.Server:
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        """uvicorn's server, telling the app when it starts draining and when it is bound."""
+        """uvicorn's server with llmctl's drain: it tells the app when it starts draining, cuts
+        the drain short after ``drain_timeout`` (or a second Ctrl+C) by failing the requests left,
+        and shuts down by itself when the engine loop dies."""
+
+        cancelled = 0
+        engine_died = False
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            if not self.should_exit:
-                on_drain()
+            state.draining = True
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -66,9 +80,40 @@ def _make_server(config: uvicorn.Config, on_ready: Callable[[int], None],
             if self.started and self.servers:
                 on_ready(self.servers[0].sockets[0].getsockname()[1])
 
+        async def on_tick(self, counter: int) -> bool:
+            if async_engine.error is not None and not self.engine_died:
+                self.engine_died = True
+                state.draining = True
+                self.should_exit = True
+                err.print(f"[bold red]llmctl serve: the engine loop failed ({async_engine.error!r}); "
+                          f"exiting with status {EXIT_ENGINE_DIED} so that a supervisor restarts it[/]")
+            return await super().on_tick(counter)
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            for server in self.servers:  # new connections are refused at once, not after the drain
+                server.close()
+            await self._drain()
+            await super().shutdown(sockets)
+
+        async def _drain(self) -> None:
+            deadline = time.monotonic() + (0.0 if self.engine_died else drain_timeout)
+            while state.live and not self.force_exit and time.monotonic() < deadline:
+                await asyncio.sleep(POLL_S)
+            if not state.live:
+                return
+            why = "the engine loop failed" if self.engine_died else (
+                "a second interrupt" if self.force_exit else f"--drain-timeout {drain_timeout:g}s")
+            self.cancelled = state.cancel_all(f"the server shut down before this request finished ({why})")
+            err.print(f"llmctl serve: drain cut short by {why}: cancelled {self.cancelled} "
+                      f"request{'s' if self.cancelled != 1 else ''} still running")
+            grace = time.monotonic() + CANCEL_GRACE_S
+            while state.live and time.monotonic() < grace:
+                await asyncio.sleep(POLL_S)
+
     return DrainingServer(config)
 
 
+@engine_options()
 def serve(
     model: ModelArg,
     host: Annotated[str, typer.Option("--host", help="Address to bind (127.0.0.1: this machine only).",
@@ -90,21 +135,10 @@ def serve(
                                            rich_help_panel=SERVER)] = "info",
     access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="Log every request.",
                                              rich_help_panel=SERVER)] = True,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
-    max_model_len: MaxModelLenOpt = None,
-    max_num_seqs: MaxNumSeqsOpt = 256,
-    max_num_batched_tokens: MaxBatchedTokensOpt = 2048,
-    block_size: BlockSizeOpt = 16,
-    kv_cache_memory: KvMemoryOpt = None,
-    memory_fraction: MemoryFractionOpt = 0.9,
-    enable_prefix_caching: PrefixCachingOpt = True,
-    enable_chunked_prefill: ChunkedPrefillOpt = True,
-    attention_backend: BackendOpt = "auto",
-    seed: SeedOpt = 0,
-    threads: ThreadsOpt = None,
+    *,
+    engine_config: EngineConfig,
 ) -> None:
-    """Serve MODEL over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)."""
+    """Serve MODEL over an OpenAI-compatible HTTP API. Completions, chat, streaming, /metrics."""
     import uvicorn
 
     from llmctl.engine.async_engine import AsyncEngine
@@ -114,18 +148,13 @@ def serve(
 
     _check_port_free(host, port)  # before loading the model, not after
     with exit_on_error(err):
-        config = build_engine_config(
-            model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, kv_cache_memory=kv_cache_memory,
-            memory_fraction=memory_fraction, enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill, attention_backend=attention_backend, seed=seed,
-            threads=threads)
+        config = config_for_model(engine_config, model)
         loading = time.perf_counter()
         engine = LLMEngine(config)
     if engine.tokenizer is None:
         err.print("[bold red]error:[/] the server needs the model's tokenizer (tokenizer.json)")
         raise typer.Exit(1)
-    err.print(f"[dim]model: {engine.model_label} · {engine.dtype} · {engine.device} · "
+    err.print(f"[dim]model: {engine.model_label} · {engine.dtype_description} · {engine.device} · "
               f"{engine.block_manager.num_blocks} KV blocks of {config.block_size} · max_model_len "
               f"{engine.max_model_len} · load {time.perf_counter() - loading:.2f}s[/]", soft_wrap=True)
 
@@ -140,13 +169,10 @@ def serve(
         print(f"llmctl serve: {engine.model_label} as {name!r} at {_url(host, bound_port)}/v1 "
               f"(auth: {'API key' if api_key else 'none'}; SIGTERM drains)", flush=True)
 
-    def on_drain() -> None:
-        state.draining = True
-
     server = _make_server(
         uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                       timeout_graceful_shutdown=drain_timeout, lifespan="off"),
-        on_ready, on_drain)
+                       timeout_graceful_shutdown=CANCEL_GRACE_S, lifespan="off"),
+        state=state, async_engine=async_engine, drain_timeout=drain_timeout, on_ready=on_ready)
     # uvicorn re-raises the signal that stopped it once it has drained; with these handlers in
     # place that is a no-op and the process exits 0 instead of dying of the signal
     quiet: dict[int, object] = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -158,6 +184,10 @@ def serve(
         async_engine.shutdown()
     if not server.started:
         raise typer.Exit(1)  # uvicorn logged why (address in use, ...)
+    if server.engine_died:
+        raise typer.Exit(EXIT_ENGINE_DIED)
+    if server.cancelled:
+        raise typer.Exit(EXIT_DRAIN_CUT_SHORT)
     err.print("[dim]llmctl serve: drained, bye[/]")
 
 

@@ -7,6 +7,10 @@ cannot honour (penalties, ``logit_bias``, tools, JSON modes) are refused with a 
 silently dropped. vLLM's extra sampling fields (``top_k``, ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``skip_special_tokens``) are accepted too.
 
+Requests are validated strictly, as OpenAI's API does: a wrong type is a 400, never coerced
+(``"stream": "yes"``, ``"max_tokens": "5"``, ``"temperature": true``), NaN and infinities are
+refused, and every error names the offending field in ``param``.
+
 Responses are dumped whole, ``null`` fields included, as OpenAI's are; only a stream's ``delta``
 drops its unset fields, so it carries just what changed.
 """
@@ -14,10 +18,11 @@ drops its unset fields, so it carries just what changed.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from llmctl.errors import InvalidRequestError
 from llmctl.sampling_params import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -57,14 +62,17 @@ class ErrorResponse(BaseModel):
 
 
 # ---- requests -----------------------------------------------------------------------------------
+STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     include_usage: bool = False
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: Optional[str] = None
     temperature: Optional[float] = None
@@ -103,7 +111,17 @@ class _Request(BaseModel):
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Raises ``InvalidRequestError`` (a 400) on out-of-range values."""
+        """A 400 naming the field on out-of-range values."""
+        try:
+            return self._sampling_params(max_tokens, logprobs)
+        except InvalidRequestError as exc:  # its message starts with the parameter's name
+            name = str(exc).split(" ", 1)[0]
+            raise bad_request(str(exc), self.API_NAMES.get(name, name if name in type(self).model_fields else None)) \
+                from None
+
+    API_NAMES: ClassVar[dict[str, str]] = {}  # SamplingParams field -> request field, where they differ
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
@@ -156,14 +174,14 @@ class CompletionRequest(_Request):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     type: str
     text: Optional[str] = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[ContentPart]]] = None
@@ -187,7 +205,7 @@ class ChatMessage(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     type: str = "text"
 
@@ -204,6 +222,8 @@ class ChatCompletionRequest(_Request):
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+
+    API_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()

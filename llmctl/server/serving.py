@@ -1,19 +1,27 @@
 """The completions and chat endpoints: an OpenAI request becomes engine requests (one per prompt),
 and the engine's per-step outputs become an OpenAI response or a stream of server-sent events.
 
-A request is checked (model, queue room, prompt length) before anything is queued, and a streamed
+A request is checked (model, prompt length) before anything is queued; the engine itself checks
+the queue limit atomically with the add (``EngineBusyError``: 503 + Retry-After). A streamed
 response starts only once every prompt produced its first output, so a request the engine refuses
 gets a proper 400 instead of a broken stream. From the moment a request is queued until it ends,
 a client that goes away aborts it: the engine frees its blocks at the next step boundary.
+
+A request that fails on its own (the engine finishes it with ``finish_reason`` "error", e.g. its
+detokenizer raised) is answered with a 500 naming the cause, or, once its stream has started, with
+an error event and ``[DONE]``; the other requests go on. The same happens to the requests still
+running when a drain is cut short (``ServerState.cancel_all``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -21,26 +29,38 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from llmctl.engine.async_engine import AsyncEngine, EngineDeadError
-from llmctl.engine.outputs import CompletionOutput, RequestOutput
+from llmctl.engine.outputs import RequestOutput
 from llmctl.errors import EngineBusyError, InvalidRequestError
 from llmctl.sampling_params import SamplingParams
+from llmctl.server.logprobs import LogprobsFormatter, TokenTexts
 from llmctl.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS, APIError, AssistantMessage, ChatChoice, ChatCompletionChunk,
-    ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, CompletionChoice,
-    CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails,
-    TokenLogprob, TopLogprob, Usage, bad_request,
+    ChatCompletionRequest, ChatCompletionResponse, ChatStreamChoice, CompletionChoice, CompletionChunk,
+    CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails, Usage, bad_request,
 )
 from llmctl.tokenizer import Tokenizer
 
 T = TypeVar("T")
+logger = logging.getLogger("llmctl.server")
 RETRY_AFTER_S = 1
 
 
 def queue_full(detail: str) -> APIError:
-    return APIError(503, f"the server is overloaded: {detail} (--max-queue); retry later", type="server_error",
+    return APIError(503, f"the server is overloaded: {detail} (--max-queue)", type="server_error",
                     code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def request_failed(out: RequestOutput) -> APIError:
+    return APIError(500, f"this request failed while its output was produced: {out.error or 'unknown error'}",
+                    type="server_error", code="request_failed")
+
+
+def shutting_down(message: str) -> APIError:
+    return APIError(503, message, type="server_error", code="shutting_down",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 SSE_DONE = "data: [DONE]\n\n"
-TOKEN_CONTEXT = 4  # tokens decoded before a logprobs token to get its text right
 
 
 def sse(payload: str) -> str:
@@ -84,6 +104,7 @@ class Generation:
                  request_id: str, user: str | None) -> None:
         self.num_prompts = len(prompts)
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self.num_requests = self.num_prompts * params.n
         self._unfinished = set(range(self.num_prompts))
         self._buffer: list[tuple[int, RequestOutput]] = []
         self.final: dict[int, RequestOutput] = {}
@@ -103,13 +124,18 @@ class Generation:
     async def _next(self) -> tuple[int, RequestOutput]:
         index, item = await self._queue.get()
         if isinstance(item, InvalidRequestError):
-            raise bad_request(str(item))
+            message = str(item)
+            raise bad_request(message, "prompt" if message.startswith("prompt") else None)
         if isinstance(item, EngineBusyError):
             raise queue_full(str(item))
         if isinstance(item, EngineDeadError):
             raise APIError(500, str(item), type="server_error", code="engine_dead")
+        if isinstance(item, APIError):
+            raise item
         if isinstance(item, BaseException):
             raise APIError(500, f"internal error: {item!r}", type="server_error")
+        if item.error is not None or any(c.finish_reason == "error" for c in item.outputs):
+            raise request_failed(item)
         self.final[index] = item
         if item.finished:
             self._unfinished.discard(index)
@@ -138,6 +164,11 @@ class Generation:
         for task in self._tasks:
             task.cancel()
 
+    def fail(self, error: APIError) -> None:
+        """End this API call with ``error`` (its stream: an error event, then ``[DONE]``); its
+        engine requests are aborted when the response closes."""
+        self._queue.put_nowait((-1, error))
+
     def usage(self) -> Usage:
         prompt = sum(len(out.prompt_token_ids) for out in self.final.values())
         completion = sum(len(c.token_ids) for out in self.final.values() for c in out.outputs)
@@ -147,12 +178,16 @@ class Generation:
 
 
 async def _errors_as_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """If the engine fails mid-stream, tell the client in an error event, then end the stream."""
+    """If the request fails mid-stream, tell the client in an error event, then end the stream."""
     try:
         async for event in events:
             yield event
     except APIError as exc:
         yield sse(json.dumps(exc.body()))
+        yield SSE_DONE
+    except Exception as exc:  # a bug in building this response: this stream alone ends
+        logger.exception("streamed response failed")
+        yield sse(json.dumps(APIError(500, f"internal error: {exc!r}", type="server_error").body()))
         yield SSE_DONE
 
 
@@ -176,34 +211,45 @@ class EngineStreamResponse(StreamingResponse):
 class _ChoiceStream:
     """What one streamed choice already sent."""
 
+    texts: TokenTexts
     started: bool = False
-    tokens_sent: int = 0
     finished: bool = False
-    text_offset: int = 0
 
 
 @dataclass
 class ServerState:
-    """Shared by the routes: drain flag and the count of API calls being answered."""
+    """Shared by the routes and the process: drain flag and the API calls being answered."""
 
     draining: bool = False
-    in_flight: int = 0
     rejected_queue_full: int = 0
     started: float = field(default_factory=time.time)
+    live: set[Generation] = field(default_factory=set)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.live)
+
+    def cancel_all(self, message: str) -> int:
+        """Fail every API call still running (a drain cut short); how many engine requests that was."""
+        cancelled = sum(generation.num_requests for generation in self.live)
+        for generation in self.live:
+            generation.fail(shutting_down(message))
+        return cancelled
 
 
 class OpenAIServing:
     def __init__(self, async_engine: AsyncEngine, *, served_model_name: str, model_aliases: set[str],
-                 max_queue: int, state: ServerState) -> None:
+                 state: ServerState) -> None:
         engine = async_engine.engine
         if engine.tokenizer is None:
             raise ValueError("the server needs a tokenizer (the engine was built with skip_tokenizer)")
         self.async_engine = async_engine
         self.tokenizer: Tokenizer = engine.tokenizer
+        self.logprobs = LogprobsFormatter(engine.tokenizer)
         self.max_model_len = engine.max_model_len
+        self.vocab_size: int = engine.model.config.vocab_size
         self.served_model_name = served_model_name
         self.model_aliases = {served_model_name, *model_aliases}
-        self.max_queue = max_queue
         self.state = state
 
     # ---- checks --------------------------------------------------------------------------------
@@ -214,13 +260,7 @@ class OpenAIServing:
 
     def check_capacity(self) -> None:
         if self.state.draining:
-            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
-        # A fast refusal; the engine checks again atomically with the add (AsyncEngine.max_waiting).
-        waiting = self.async_engine.engine.scheduler.num_waiting  # a plain int: no lock needed
-        if waiting >= self.max_queue:
-            self.state.rejected_queue_full += 1
-            raise queue_full(f"{waiting} requests are waiting")
+            raise shutting_down("the server is shutting down")
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
         """The requested budget, or all the context the prompt leaves. A prompt that leaves no room
@@ -240,24 +280,11 @@ class OpenAIServing:
             if not prompt:
                 raise bad_request("prompt is empty", "prompt")
             return self.tokenizer.encode(prompt)
+        if not prompt:
+            raise bad_request("prompt is empty", "prompt")
+        if not all(0 <= t < self.vocab_size for t in prompt):
+            raise bad_request(f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
         return list(prompt)
-
-    def _token_text(self, context: list[int], token_id: int) -> str:
-        """The text ``token_id`` adds after ``context`` (the few tokens before it). Decoding the token
-        alone would lose the leading space SentencePiece tokenizers drop at the start of a text."""
-        prefix = self.tokenizer.decode(context, skip_special_tokens=False)
-        full = self.tokenizer.decode([*context, token_id], skip_special_tokens=False)
-        if full.startswith(prefix) and not prefix.endswith("\ufffd"):
-            return full[len(prefix):]
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _contexts(self, out: RequestOutput, c: CompletionOutput, start: int, end: int) -> Iterator[list[int]]:
-        """For each generated position in ``start:end``, the tokens just before it."""
-        tokens = [*out.prompt_token_ids[-TOKEN_CONTEXT:], *c.token_ids[:end]]
-        offset = min(len(out.prompt_token_ids), TOKEN_CONTEXT)
-        for position in range(start, end):
-            at = offset + position
-            yield tokens[max(0, at - TOKEN_CONTEXT):at]
 
     # ---- running -------------------------------------------------------------------------------
     async def _run(self, request: Request, prompts: list[list[int]], params: SamplingParams, request_id: str,
@@ -265,7 +292,7 @@ class OpenAIServing:
                    stream: Callable[[Generation], AsyncIterator[str]] | None) -> Any:
         self.check_capacity()
         generation = Generation(self.async_engine, prompts, params, request_id, user)
-        self.state.in_flight += 1
+        self.state.live.add(generation)
         handed_over = False
         try:
             try:
@@ -284,7 +311,7 @@ class OpenAIServing:
         finally:
             if not handed_over:
                 generation.cancel()
-                self.state.in_flight -= 1
+                self.state.live.discard(generation)
 
     def _closer(self, generation: Generation) -> Callable[[], None]:
         closed = False
@@ -294,7 +321,7 @@ class OpenAIServing:
             if not closed:
                 closed = True
                 generation.cancel()
-                self.state.in_flight -= 1
+                self.state.live.discard(generation)
 
         return close
 
@@ -318,7 +345,8 @@ class OpenAIServing:
                 for c in out.outputs:
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs = self._completion_logprobs(out, c, 0, len(c.token_ids), 0)[0]
+                        texts = self.logprobs.texts(out.prompt_token_ids, params.skip_special_tokens)
+                        logprobs = self.logprobs.completion(c, texts, len(c.token_ids))
                     choices.append(CompletionChoice(index=i * req.n + c.index, text=echo.get(i, "") + c.text,
                                                     logprobs=logprobs, finish_reason=c.finish_reason,
                                                     stop_reason=c.stop_reason))
@@ -330,7 +358,8 @@ class OpenAIServing:
             async for i, out in generation.outputs():
                 for c in out.outputs:
                     index = i * req.n + c.index
-                    state = choices.setdefault(index, _ChoiceStream())
+                    state = choices.get(index) or choices.setdefault(index, _ChoiceStream(
+                        self.logprobs.texts(out.prompt_token_ids, params.skip_special_tokens)))
                     text = c.delta_text if state.started else echo.get(i, "") + c.delta_text
                     newly_finished = c.finished and not state.finished
                     # A chunk per step that produced tokens, even when they add no text yet (a split
@@ -341,9 +370,7 @@ class OpenAIServing:
                     state.started = True
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs, state.text_offset = self._completion_logprobs(
-                            out, c, state.tokens_sent, len(c.token_ids), state.text_offset)
-                        state.tokens_sent = len(c.token_ids)
+                        logprobs = self.logprobs.completion(c, state.texts, len(c.token_ids))
                     state.finished = c.finished
                     chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[CompletionChoice(
                         index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
@@ -360,34 +387,18 @@ class OpenAIServing:
     def _prompt_text(self, prompt_ids: list[int]) -> str:
         return self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
 
-    def _completion_logprobs(self, out: RequestOutput, c: CompletionOutput, start: int, end: int,
-                             text_offset: int) -> tuple[CompletionLogprobs, int]:
-        """Tokens ``start:end`` of a choice in the legacy completions format. The chosen token is
-        always among its position's ``top_logprobs`` (so there may be logprobs + 1 entries)."""
-        result = CompletionLogprobs()
-        for position, context in zip(range(start, end), self._contexts(out, c, start, end)):
-            token_id = c.token_ids[position]
-            token = self._token_text(context, token_id)
-            chosen = c.logprobs[position]
-            candidates = dict(c.top_logprobs[position]) if c.top_logprobs else {}
-            candidates.setdefault(token_id, chosen)
-            result.tokens.append(token)
-            result.token_logprobs.append(chosen)
-            result.top_logprobs.append({self._token_text(context, t): lp for t, lp in
-                                        sorted(candidates.items(), key=lambda kv: -kv[1])})
-            result.text_offset.append(text_offset)
-            text_offset += len(token)
-        return result, text_offset
-
     # ---- chat ----------------------------------------------------------------------------------
     async def create_chat_completion(self, req: ChatCompletionRequest, request: Request) -> Any:
         self.check_model(req.model)
         req.refuse_unsupported()
+        # the parameters first: their errors do not depend on the model's template
+        requested = req.requested_max_tokens
+        params = req.sampling_params(1 if requested is None else requested, req.engine_logprobs)
         text = self.tokenizer.apply_chat_template([m.for_template() for m in req.messages])
         prompt = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self._max_tokens(len(prompt), req.requested_max_tokens, param)
-        params = req.sampling_params(max_tokens, req.engine_logprobs)
+        params = dataclasses.replace(params, max_tokens=self._max_tokens(len(prompt), requested, param))
+        skip = params.skip_special_tokens
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = req.model or self.served_model_name
@@ -395,7 +406,8 @@ class OpenAIServing:
         def respond(generation: Generation) -> dict[str, Any]:
             out = generation.final[0]
             choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                                  logprobs=self._chat_logprobs(out, c, 0, len(c.token_ids)) if req.logprobs else None,
+                                  logprobs=self.logprobs.chat(c, self.logprobs.texts(out.prompt_token_ids, skip),
+                                                              len(c.token_ids), skip) if req.logprobs else None,
                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                        for c in out.outputs]
             return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
@@ -411,14 +423,14 @@ class OpenAIServing:
             choices: dict[int, _ChoiceStream] = {}
             async for _, out in generation.outputs():
                 for c in out.outputs:
-                    state = choices.setdefault(c.index, _ChoiceStream())
+                    state = choices.get(c.index) or choices.setdefault(c.index, _ChoiceStream(
+                        self.logprobs.texts(out.prompt_token_ids, params.skip_special_tokens)))
                     newly_finished = c.finished and not state.finished
                     if not c.delta_text and not c.delta_token_ids and not newly_finished:
                         continue
                     logprobs = None
                     if req.logprobs:
-                        logprobs = self._chat_logprobs(out, c, state.tokens_sent, len(c.token_ids))
-                        state.tokens_sent = len(c.token_ids)
+                        logprobs = self.logprobs.chat(c, state.texts, len(c.token_ids), skip)
                     state.finished = c.finished
                     delta = DeltaMessage(content=c.delta_text) if c.delta_text else DeltaMessage()
                     yield chunk(ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
@@ -430,16 +442,3 @@ class OpenAIServing:
 
         return await self._run(request, [prompt], params, request_id, req.user, respond,
                                stream if req.stream else None)
-
-    def _chat_logprobs(self, out: RequestOutput, c: CompletionOutput, start: int, end: int) -> ChatLogprobs:
-        content = []
-        for position, context in zip(range(start, end), self._contexts(out, c, start, end)):
-            token = self._token_text(context, c.token_ids[position])
-            top = sorted((c.top_logprobs[position] if c.top_logprobs else {}).items(), key=lambda kv: -kv[1])
-            alternatives = []
-            for token_id, logprob in top:
-                text = self._token_text(context, token_id)
-                alternatives.append(TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8"))))
-            content.append(TokenLogprob(token=token, logprob=c.logprobs[position], bytes=list(token.encode("utf-8")),
-                                        top_logprobs=alternatives))
-        return ChatLogprobs(content=content)

@@ -18,7 +18,7 @@ from textual.widgets import DataTable, Footer, Static
 
 from llmctl.tui.blockmap import STATE_COLORS, STATE_NAMES
 from llmctl.tui.panels import BatchPanel, KvPanel, Line, ThroughputPanel
-from llmctl.tui.requests_table import COLUMN_KEYS, RequestsTable
+from llmctl.tui.requests_table import RequestsTable
 from llmctl.tui.sources import SourceError, StatsSource
 from llmctl.tui.state import DashboardState
 
@@ -128,7 +128,7 @@ class TopApp(App[None]):
         except Exception as exc:  # noqa: BLE001 - whatever went wrong, keep the last data and retry
             # a SourceError already says what went wrong; anything else is named by its type
             message = str(exc) if isinstance(exc, SourceError) else f"{type(exc).__name__}: {exc}"
-            self.state.mark_failure(message or type(exc).__name__)
+            self.state.mark_failure(message or type(exc).__name__, getattr(exc, "kind", "disconnected"))
         finally:
             self._polling = False
         self.redraw()
@@ -157,10 +157,21 @@ class TopApp(App[None]):
         self.query_one(ThroughputPanel).show(state)
 
     def _draw_status(self) -> None:
+        """The connection state first, so a narrow terminal cuts the model name, never the state."""
         state, snap = self.state, self.state.snapshot
-        status = Text.assemble(("llmctl top", "bold"), " · ", self.source.label)
+        if self.paused:
+            status = Text("⏸ PAUSED (p resumes)", "bold yellow")
+        elif state.connected:
+            status = Text("● live", "bold green")
+        elif state.error is not None:
+            status = Text("⚠ " + state.error_kind, "bold red")
+        else:
+            status = Text("… connecting", "yellow")
+        status.append_text(Text.assemble("  ", ("llmctl top", "bold"), " · ", self.source.label))
         if snap is not None:
             status.append(f" · {snap['model']} · step {snap['step']:,} · up {_duration(snap['uptime_s'])}")
+            if snap.get("note"):  # e.g. drawn from a vLLM server's /metrics: what is missing
+                status.append(f" · {snap['note']}", "dim")
             server = snap.get("server")  # what `llmctl serve` adds to the engine's snapshot
             if server:
                 status.append(f" · {server.get('in_flight', 0)} in flight")
@@ -168,19 +179,16 @@ class TopApp(App[None]):
                     status.append(f" · {server['rejected_queue_full']} rejected (queue full)", "red1")
                 if server.get("draining"):
                     status.append(" · draining", "bold yellow")
-        if self.paused:
-            status.append("  ⏸ PAUSED (p resumes)", "bold yellow")
-        elif state.connected:
-            status.append("  ● live", "bold green")
-        elif snap is None and state.error is None:
-            status.append("  … connecting", "yellow")
         self.query_one("#status", Line).show(status)
         banner = self.query_one("#banner", Line)
         banner.set_class(state.error is not None, "-visible")
         if state.error is not None:
             since = state.seconds_since_update
             shown = f" · showing data from {since:.0f} s ago" if since is not None else " · no data yet"
-            banner.show(f"⚠ disconnected — retrying ({state.error}){shown}")
+            if state.error_kind == "disconnected":
+                banner.show(f"⚠ disconnected — retrying ({state.error}){shown}")
+            else:  # the server answers, but not with what top can draw: say what, not "disconnected"
+                banner.show(f"⚠ {state.error}")
 
     # ---- actions -------------------------------------------------------------------------------
     def action_pause(self) -> None:
@@ -193,7 +201,7 @@ class TopApp(App[None]):
 
     def action_sort_next(self) -> None:
         table = self.query_one(RequestsTable)
-        table.sort_by(COLUMN_KEYS[(COLUMN_KEYS.index(table.sort_column) + 1) % len(COLUMN_KEYS)])
+        table.sort_by(table.next_sort_column())
 
     def action_sort_reverse(self) -> None:
         table = self.query_one(RequestsTable)

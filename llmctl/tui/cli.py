@@ -9,13 +9,11 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from llmctl.cli_options import (
-    BackendOpt, BlockSizeOpt, ChunkedPrefillOpt, DeviceOpt, DtypeOpt, KvMemoryOpt, MaxBatchedTokensOpt,
-    MaxModelLenOpt, MaxNumSeqsOpt, PrefixCachingOpt, SeedOpt, ThreadsOpt, build_engine_config, exit_on_error,
-)
-from llmctl.models.embedded import EMBEDDED_MODEL_NAME
+from llmctl.cli_options import config_for_model, engine_options, exit_on_error
+from llmctl.config import EMBEDDED_MODEL_NAME, EngineConfig
 
 LOCAL = "Local engine (--local)"
+LOCAL_DEFAULTS = {"kv_cache_memory": "48MiB", "max_num_seqs": 48, "max_num_batched_tokens": 1024}  # a small pool fills visibly
 err = Console(stderr=True, soft_wrap=True)
 
 
@@ -26,6 +24,8 @@ def run_app(app) -> None:
 
 def register_commands(app: typer.Typer) -> None:
     @app.command()
+    @engine_options(panel=LOCAL, defaults=LOCAL_DEFAULTS, helps={
+        "kv_cache_memory": "KV pool of the --local engine (small, so the block map shows it fill)."})
     def top(
         url: Annotated[str, typer.Option("--url", help="Base URL of a running `llmctl serve`.")] = "http://127.0.0.1:8000",
         api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LLMCTL_API_KEY",
@@ -39,23 +39,11 @@ def register_commands(app: typer.Typer) -> None:
         = EMBEDDED_MODEL_NAME,
         rate: Annotated[float, typer.Option("--rate", min=0.01, help="Synthetic arrivals per second.",
                                             rich_help_panel=LOCAL)] = 3.0,
-        kv_cache_memory: Annotated[Optional[str], typer.Option(
-            "--kv-cache-memory", help="KV pool of the --local engine (small, so the block map shows it fill).",
-            rich_help_panel=LOCAL)] = "48MiB",
-        max_num_seqs: MaxNumSeqsOpt = 48,
-        max_num_batched_tokens: MaxBatchedTokensOpt = 1024,
-        max_model_len: MaxModelLenOpt = None,
-        block_size: BlockSizeOpt = 16,
-        enable_prefix_caching: PrefixCachingOpt = True,
-        enable_chunked_prefill: ChunkedPrefillOpt = True,
-        dtype: DtypeOpt = "auto",
-        device: DeviceOpt = "auto",
-        attention_backend: BackendOpt = "auto",
-        seed: SeedOpt = 0,
-        threads: ThreadsOpt = None,
+        *,
+        engine_config: EngineConfig,
     ) -> None:
-        """Live dashboard: KV block map, batch composition, throughput, requests (q quits, ? helps).
-        The engine options apply to --local."""
+        """Watch an engine live. KV block map, batch composition, throughput, requests (q quits,
+        ? helps). The engine options apply to --local."""
         from llmctl.tui.app import TopApp
         from llmctl.tui.sources import HttpSource, ReplaySource
 
@@ -63,14 +51,7 @@ def register_commands(app: typer.Typer) -> None:
             raise typer.BadParameter("choose one of --local and --replay")
         with exit_on_error(err):
             if local:
-                source = _local_source(
-                    model, rate, dict(
-                        kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                        block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                        enable_chunked_prefill=enable_chunked_prefill, dtype=dtype, device=device,
-                        attention_backend=attention_backend, seed=seed, threads=threads,
-                    ))
+                source = _local_source(model, rate, engine_config)
             elif replay is not None:
                 source = ReplaySource.from_jsonl(replay, loop=True)
             else:
@@ -78,13 +59,13 @@ def register_commands(app: typer.Typer) -> None:
         run_app(TopApp(source, interval))
 
 
-def _local_source(model: str, rate: float, options: dict):
+def _local_source(model: str, rate: float, engine_config: EngineConfig):
     """The engine is built here, before the screen takes over, so a bad option is one red line."""
     from llmctl.engine.llm_engine import LLMEngine
     from llmctl.tui.load import LoadProfile
     from llmctl.tui.local import LocalSource
 
-    config = build_engine_config(model, **options)
+    config = config_for_model(engine_config, model)
     err.print(f"[dim]loading {model} for the local engine…[/]")
     engine = LLMEngine(config)
     return LocalSource(engine, LoadProfile(rate=rate, max_in_flight=max(8, 2 * config.max_num_seqs), seed=config.seed))

@@ -14,11 +14,20 @@ from typing import Any, Protocol
 
 import httpx
 
+from llmctl.tui.vllm_metrics import VllmMetrics, looks_like_vllm
+
 STATS_PATH = "/v1/engine/stats"
+METRICS_PATH = "/metrics"
 
 
 class SourceError(RuntimeError):
-    """The snapshot could not be had (server down, bad answer); the message says why, in one line."""
+    """The snapshot could not be had; the message says why, in one line. ``kind`` tells the
+    dashboard what to call it: "disconnected" (worth retrying), "unauthorized" (the API key),
+    "not llmctl" (the server answers, but has nothing top can draw)."""
+
+    def __init__(self, message: str, kind: str = "disconnected") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class StatsSource(Protocol):
@@ -30,7 +39,8 @@ class StatsSource(Protocol):
 
 
 class HttpSource:
-    """Polls ``GET {url}/v1/engine/stats`` of a running ``llmctl serve``."""
+    """Polls ``GET {url}/v1/engine/stats`` of a running ``llmctl serve``; a server without it (vLLM,
+    or anything exporting vLLM's metric names) is drawn from ``GET {url}/metrics`` instead."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 2.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
@@ -38,23 +48,48 @@ class HttpSource:
         self.label = self.url
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s, transport=transport)
+        self._metrics: VllmMetrics | None = None  # set once the server turned out to be vLLM-like
 
     async def fetch(self) -> dict[str, Any]:
-        try:
-            response = await self._client.get(STATS_PATH)
-        except httpx.HTTPError as exc:
-            raise SourceError(f"{type(exc).__name__}: {exc or 'no answer'}") from exc
-        if response.status_code == 401:
-            raise SourceError(f"HTTP 401 from {self.url}{STATS_PATH}: wrong or missing --api-key")
+        if self._metrics is not None:
+            return self._metrics.snapshot(await self._get_text(METRICS_PATH))
+        response = await self._get(STATS_PATH)
+        if response.status_code == 404:
+            return await self._fall_back_to_metrics()
         if response.status_code != 200:
             raise SourceError(f"HTTP {response.status_code} from {self.url}{STATS_PATH}")
         try:
             snapshot = response.json()
         except ValueError as exc:
-            raise SourceError(f"{self.url}{STATS_PATH} did not answer JSON") from exc
+            raise SourceError(f"{self.url}{STATS_PATH} did not answer JSON", "not llmctl") from exc
         if not isinstance(snapshot, dict) or "kv" not in snapshot:
-            raise SourceError(f"{self.url}{STATS_PATH} did not answer an engine stats snapshot")
+            raise SourceError(f"{self.url}{STATS_PATH} did not answer an engine stats snapshot", "not llmctl")
         return snapshot
+
+    async def _fall_back_to_metrics(self) -> dict[str, Any]:
+        response = await self._get(METRICS_PATH)
+        if response.status_code == 200 and looks_like_vllm(response.text):
+            self._metrics = VllmMetrics()
+            self.label = f"{self.url} (vLLM /metrics)"
+            return self._metrics.snapshot(response.text)
+        raise SourceError(f"{self.url} is not an llmctl server: it has no {STATS_PATH}, and no vLLM metrics "
+                          f"at {METRICS_PATH} (HTTP {response.status_code}); nothing to draw", "not llmctl")
+
+    async def _get(self, path: str) -> httpx.Response:
+        try:
+            response = await self._client.get(path)
+        except httpx.HTTPError as exc:
+            raise SourceError(f"{type(exc).__name__}: {exc or 'no answer'}") from exc
+        if response.status_code in (401, 403):
+            raise SourceError(f"HTTP {response.status_code} from {self.url}{path}: wrong or missing API key "
+                              "(pass --api-key or set LLMCTL_API_KEY)", "unauthorized")
+        return response
+
+    async def _get_text(self, path: str) -> str:
+        response = await self._get(path)
+        if response.status_code != 200:
+            raise SourceError(f"HTTP {response.status_code} from {self.url}{path}")
+        return response.text
 
     async def close(self) -> None:
         await self._client.aclose()

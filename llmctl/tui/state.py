@@ -41,6 +41,7 @@ class DashboardState:
         self.steps: deque[dict[str, Any]] = deque(maxlen=step_history)
         self.connected = False
         self.error: str | None = None
+        self.error_kind = "disconnected"  # or "unauthorized", "not llmctl": what the header says
         self.last_update: float | None = None  # monotonic time of the last good snapshot
         self.failures = 0  # consecutive failed fetches
         self.restarts = 0
@@ -63,9 +64,10 @@ class DashboardState:
         self.failures = 0
         self.last_update = time.monotonic()
 
-    def mark_failure(self, error: str) -> None:
+    def mark_failure(self, error: str, kind: str = "disconnected") -> None:
         self.connected = False
         self.error = error
+        self.error_kind = kind
         self.failures += 1
 
     # ---- derived -------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def test_converted_model_generates_what_llmctl_generates(model, stories_dir):
 def test_static_batches_timeline():
     engine = LLMEngine(EngineConfig(kv_cache_memory=32 << 20, num_threads=1))
     hf = to_hf_model(engine.model)
-    assert next(hf.parameters()).dtype == torch.bfloat16  # the engine's dtype
+    assert next(hf.parameters()).dtype == engine.dtype
     workload = [BenchRequest([5] * 6, 6, 3), BenchRequest("a short text prompt", 5, 5), BenchRequest([7] * 9, 9, 2),
                 BenchRequest([8] * 4, 4, 4), BenchRequest([9] * 3, 3, 1)]
     done = []

@@ -4,6 +4,8 @@ and with the transformers baseline; the JSON figures must agree with each other.
 from __future__ import annotations
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,39 @@ def test_against_live_server(tmp_path: Path, live_server: str):
     check_consistent(data["result"], completed=16, output_tokens=16 * 16, input_tokens=16 * 32)
     assert "engine" not in data["result"] and data["config"]["prompt_format"] == "text"
     assert "served at" in output and "KV cache usage" not in output
+    # the report describes the server's engine (from /v1/engine/stats), not this client's torch
+    flat = " ".join(output.split())
+    assert "server: llmctl · " in flat and "max_num_seqs 256 · max_num_batched_tokens 2048" in flat
+    assert "torch threads" not in flat
+    engine = data["config"]["engine_options"]
+    assert engine["block_size"] == 16 and engine["max_num_seqs"] == 256 and engine["num_blocks"] > 0
+    assert data["config"]["torch_threads"] is None
+
+
+def test_wrong_key_is_one_clear_line():
+    """A server that wants a key says 401; bench says which flag or variable gives it one."""
+
+    class Refuse(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            body = b'{"error": {"message": "Unauthorized"}}'
+            self.send_response(401)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        code, output = bench("--url", url, "--num-prompts", "2")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert code == 1
+    assert output.strip().splitlines() == [f"error: 401 from {url}: pass --api-key or set LLMCTL_API_KEY"]
 
 
 def test_server_errors_are_reported(live_server: str):

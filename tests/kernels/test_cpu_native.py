@@ -1,4 +1,5 @@
-"""The native CPU kernels against their torch references (they replace them for bf16 on a CPU)."""
+"""The native CPU kernels against their torch references, in every ISA variant this CPU runs
+(generic x86-64 and AVX2 on an AVX2 machine; AVX-512 and AVX512-BF16 as well on a Xeon)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from kernels.cpu_features import isa_level, supported_isa_levels
 from kernels.cpu_native import load_native, native_unavailable_reason, paged_decode_attention_native
 from kernels.decode_attention import paged_decode_attention_torch
 
@@ -16,6 +18,16 @@ if native_unavailable_reason() is not None and not shutil.which("g++"):
 
 def test_builds_where_a_compiler_exists():
     assert load_native() is not None, native_unavailable_reason()
+    assert set(supported_isa_levels()) <= set(load_native().compiled_isas())
+
+
+@pytest.fixture(params=supported_isa_levels())
+def isa(request):
+    """Runs the test once per kernel variant this CPU can execute, then restores the best one."""
+    module = load_native()
+    module.set_isa(request.param)
+    yield request.param
+    module.set_isa(isa_level())
 
 
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -26,7 +38,7 @@ TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 @pytest.mark.parametrize("head_dim", [8, 64, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_seqs", [1, 9])
-def test_matches_reference(dtype, num_q_heads, num_kv_heads, head_dim, block_size, num_seqs):
+def test_matches_reference(isa, dtype, num_q_heads, num_kv_heads, head_dim, block_size, num_seqs):
     gen = torch.Generator().manual_seed(num_seqs * 1000 + head_dim + block_size + num_q_heads)
     num_blocks = 40
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
@@ -45,13 +57,14 @@ def test_matches_reference(dtype, num_q_heads, num_kv_heads, head_dim, block_siz
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-def test_threads_split_heads_when_few_sequences():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threads_split_heads_when_few_sequences(isa, dtype):
     """Two sequences: one thread takes all KV heads of a sequence per task, two threads split the
     heads into separate tasks. Both layouts must give the same result."""
     torch.manual_seed(0)
-    kc = torch.randn(8, 16, 4, 64).bfloat16()
-    vc = torch.randn(8, 16, 4, 64).bfloat16()
-    q = torch.randn(2, 16, 64).bfloat16()
+    kc = torch.randn(8, 16, 4, 64).to(dtype)
+    vc = torch.randn(8, 16, 4, 64).to(dtype)
+    q = torch.randn(2, 16, 64).to(dtype)
     bt = torch.tensor([[3, 1, 7, 0], [2, 5, 6, 4]], dtype=torch.int32)
     lens = torch.tensor([50, 61], dtype=torch.int32)
     old = torch.get_num_threads()
@@ -83,39 +96,51 @@ def test_kv_store_matches_reference_and_skips_padding(dtype):
 
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("rows", [1, 64, 300])
-def test_rms_norm_matches_reference(with_residual, rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_reference(isa, dtype, with_residual, rows):
     from kernels.cpu_native import rms_norm_native
     from kernels.rms_norm import rms_norm_torch
 
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 256, generator=gen).bfloat16()
-    residual = torch.randn(rows, 256, generator=gen).bfloat16() if with_residual else None
-    weight = torch.randn(256, generator=gen).bfloat16()
+    hidden = 576 if rows == 64 else 256  # 576: SmolLM2's width, not a multiple of the vector tail
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype) if with_residual else None
+    weight = torch.randn(hidden, generator=gen).to(dtype)
     (out, res), (ref_out, ref_res) = rms_norm_native(x, weight, 1e-5, residual), rms_norm_torch(x, weight, 1e-5, residual)
-    assert torch.equal(res, ref_res)  # the residual add rounds exactly like torch's bf16 add
-    # the fp32 sum of squares is accumulated in another order: at most one bf16 ulp, rarely
-    torch.testing.assert_close(out.float(), ref_out.float(), atol=0, rtol=2**-6)  # one bf16 ulp
-    assert (out != ref_out).float().mean() < 0.01
+    assert torch.equal(res, ref_res)  # the residual add rounds exactly like torch's add
+    # the fp32 sum of squares is accumulated in another order: at most one bf16 ulp, rarely; in
+    # fp32 a few ulps of the normalisation factor
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(out.float(), ref_out.float(), atol=0, rtol=2**-6)  # one bf16 ulp
+        assert (out != ref_out).float().mean() < 0.01
+    else:
+        torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
 
 
-def test_silu_and_mul_matches_reference():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_reference(isa, dtype):
     from kernels.activation import silu_and_mul_torch
     from kernels.cpu_native import silu_and_mul_native
 
-    x = (torch.randn(37, 2 * 200, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
+    x = (torch.randn(37, 2 * 200, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturated and zero gates
     got, expected = silu_and_mul_native(x), silu_and_mul_torch(x)
-    torch.testing.assert_close(got.float(), expected.float(), atol=0, rtol=2**-6)  # one bf16 ulp
-    assert (got != expected).float().mean() < 0.01
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got.float(), expected.float(), atol=0, rtol=2**-6)  # one bf16 ulp
+        assert (got != expected).float().mean() < 0.01
+    else:  # the polynomial exp is within a couple of ulps of torch's
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("rotary_dim", [64, 32])
-def test_rotary_matches_reference_on_strided_views(rotary_dim):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_reference_on_strided_views(isa, dtype, rotary_dim):
     from kernels.cpu_native import rotary_embedding_native
     from kernels.rotary import rotary_embedding_torch
 
     gen = torch.Generator().manual_seed(rotary_dim)
     tokens = 21
-    qkv = torch.randn(tokens, (8 + 2 + 2) * 64, generator=gen).bfloat16()
+    qkv = torch.randn(tokens, (8 + 2 + 2) * 64, generator=gen).to(dtype)
     q, k = qkv[:, : 8 * 64].view(tokens, 8, 64), qkv[:, 8 * 64 : 10 * 64].view(tokens, 2, 64)
     positions = torch.randint(0, 500, (tokens,), generator=gen)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
@@ -123,3 +148,10 @@ def test_rotary_matches_reference_on_strided_views(rotary_dim):
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
     got, expected = rotary_embedding_native(positions, q, k, cache), rotary_embedding_torch(positions, q, k, cache)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])  # same rounding, step by step
+
+
+def test_float64_is_refused_with_a_clear_error():
+    from kernels.cpu_native import silu_and_mul_native
+
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 expected"):
+        silu_and_mul_native(torch.randn(2, 8, dtype=torch.float64))

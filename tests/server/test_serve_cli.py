@@ -6,6 +6,7 @@ import json
 import re
 import signal
 import threading
+import time
 
 import httpx
 from server_helpers import wait_until
@@ -85,3 +86,70 @@ def _refused(url: str) -> bool:
     except httpx.ConnectError:
         return True
     return False
+
+
+def _start_cancellable_load(server) -> tuple[list[threading.Thread], dict[str, object], threading.Event]:
+    """Two streams that are generating and one plain request, all far from done."""
+    results: dict[str, object] = {}
+    streaming = threading.Event()
+    body = {"prompt": "Hello there", "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+
+    def stream(name: str) -> None:
+        events: list = []
+        with httpx.stream("POST", f"{server.base_url}/completions", json={**body, "stream": True},
+                          timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+                    if len(events) >= 3:
+                        streaming.set()
+        results[name] = events
+
+    def plain() -> None:
+        results["plain"] = httpx.post(f"{server.base_url}/completions", json=body, timeout=120)
+
+    threads = [threading.Thread(target=stream, args=(f"stream{i}",)) for i in range(2)]
+    threads.append(threading.Thread(target=plain))
+    for thread in threads:
+        thread.start()
+    return threads, results, streaming
+
+
+def _check_cancelled(results: dict[str, object], log: str) -> None:
+    for name in ("stream0", "stream1"):
+        events = results[name]
+        assert events[-1] == "[DONE]", events[-3:]
+        error = events[-2]["error"]
+        assert error["code"] == "shutting_down" and "shut down before this request finished" in error["message"]
+    plain = results["plain"]
+    assert plain.status_code == 503 and plain.json()["error"]["code"] == "shutting_down"
+    assert "cancelled 3 requests still running" in log
+    assert "Traceback" not in log and "CancelledError" not in log and "Exception in ASGI" not in log
+
+
+def test_drain_timeout_cancels_with_error_events_and_exits_3(start_server):
+    server = start_server("tiny-random-llama", "--kv-cache-memory", "64MiB", "--drain-timeout", "1")
+    threads, results, streaming = _start_cancellable_load(server)
+    assert streaming.wait(timeout=120)
+    server.proc.send_signal(signal.SIGTERM)
+    exit_code = server.proc.wait(timeout=60)
+    for thread in threads:
+        thread.join(timeout=30)
+    assert exit_code == 3, server.log()
+    _check_cancelled(results, server.log())
+    assert "--drain-timeout 1s" in server.log() and "drained, bye" not in server.log()
+
+
+def test_second_ctrl_c_cancels_at_once(start_server):
+    server = start_server("tiny-random-llama", "--kv-cache-memory", "64MiB")  # default drain timeout: 30 s
+    threads, results, streaming = _start_cancellable_load(server)
+    assert streaming.wait(timeout=120)
+    server.proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    server.proc.send_signal(signal.SIGINT)
+    exit_code = server.proc.wait(timeout=20)
+    for thread in threads:
+        thread.join(timeout=30)
+    assert exit_code == 3, server.log()
+    _check_cancelled(results, server.log())
+    assert "a second interrupt" in server.log()

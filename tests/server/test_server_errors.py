@@ -24,24 +24,34 @@ def completion(http: httpx.Client, **body) -> httpx.Response:
 
 
 def test_malformed_json_is_400(http):
-    for raw in (b'{"prompt": "Once upon', b"not json at all", b"\xff\xfe"):
+    for raw in (b'{"prompt": "Once upon', b"not json at all", b"\xff\xfe", b'{"prompt": "\\udcff"}',
+                b'{"prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}"):
         error = error_of(http.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"}), 400)
         assert error["type"] == "invalid_request_error" and "malformed JSON" in error["message"]
     error = error_of(http.post("/v1/chat/completions", content=b"[1, 2]"), 400)
     assert "JSON object" in error["message"]
+    for raw in (b'{"prompt": "a", "temperature": NaN}', b'{"prompt": "a", "temperature": -Infinity}'):
+        error = error_of(http.post("/v1/completions", content=raw), 400)
+        assert error["param"] == "temperature" and "finite" in error["message"]
 
 
 @pytest.mark.parametrize(("body", "param", "words"), [
-    ({"n": 0}, None, "n must be"),
-    ({"temperature": -1}, None, "temperature"),
-    ({"top_p": 0}, None, "top_p"),
-    ({"max_tokens": 0}, None, "max_tokens"),
+    ({"n": 0}, "n", "n must be"),
+    ({"temperature": -1}, "temperature", "temperature"),
+    ({"top_p": 0}, "top_p", "top_p"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens"),
     ({"max_tokens": "many"}, "max_tokens", "valid integer"),
-    ({"logprobs": 21}, None, "logprobs"),
-    ({"stop": [""]}, None, "stop"),
+    ({"logprobs": 21}, "logprobs", "logprobs"),
+    ({"stop": [""]}, "stop", "stop"),
     ({"prompt": ""}, "prompt", "empty"),
     ({"prompt": []}, "prompt", "empty"),
-    ({"prompt": [5, 99999]}, None, "token ids"),
+    ({"prompt": [5, 99999]}, "prompt", "token ids"),
+    ({"prompt": [5, -1]}, "prompt", "token ids"),
+    ({"stream": "yes"}, "stream", "valid boolean"),
+    ({"max_tokens": "5"}, "max_tokens", "valid integer"),
+    ({"temperature": True}, "temperature", "valid number"),
+    ({"n": 1.0}, "n", "valid integer"),
+    ({"top_k": "40"}, "top_k", "valid integer"),
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
@@ -53,6 +63,33 @@ def test_bad_parameters_are_400(http, body, param, words):
     assert words in error["message"] and error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] == param
+
+
+def test_lone_surrogates_nesting_and_non_finite_numbers_are_400_on_chat_too(http):
+    for raw in (b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+                b'{"messages": ' + b"[" * 10000 + b"]" * 10000 + b"}"):
+        error = error_of(http.post("/v1/chat/completions", content=raw), 400)
+        assert "malformed JSON" in error["message"]
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for body, param in (({"logprobs": "yes"}, "logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                        ({"messages": [{"role": "user", "content": 5}]}, "messages")):
+        assert error_of(http.post("/v1/chat/completions", json={**chat, **body}), 400)["param"] == param
+
+
+def test_body_over_the_limit_is_413(http):
+    from llmctl.server.app import MAX_BODY_BYTES
+
+    huge = b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+    error = error_of(http.post("/v1/completions", content=huge), 413)
+    assert str(MAX_BODY_BYTES) in error["message"] and error["code"] == "request_too_large"
+
+    def chunked():  # no Content-Length: the limit is enforced while reading
+        for _ in range(MAX_BODY_BYTES // (1 << 20) + 2):
+            yield b" " * (1 << 20)
+
+    error = error_of(http.post("/v1/completions", content=chunked()), 413)
+    assert error["code"] == "request_too_large"
+    assert http.get("/health").json() == {"status": "ok"}
 
 
 def test_bad_chat_parameters_are_400(http):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
+import json
 
-from llmctl.errors import InvalidRequestError
+import pytest
+from pydantic import ValidationError
+
 from llmctl.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, DeltaMessage
 
 
@@ -45,10 +47,22 @@ def test_output_changing_fields_are_refused(body):
     assert error.value.status_code == 400
 
 
-def test_out_of_range_values_are_invalid():
+def test_out_of_range_values_are_400s_naming_the_field():
     req = CompletionRequest.model_validate({"prompt": "hi", "top_p": 1.5})
-    with pytest.raises(InvalidRequestError, match="top_p"):
+    with pytest.raises(APIError, match="top_p") as error:
         req.sampling_params(16, None)
+    assert error.value.status_code == 400 and error.value.param == "top_p"
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                                 "top_logprobs": 21})
+    with pytest.raises(APIError) as error:
+        chat.sampling_params(16, chat.engine_logprobs)
+    assert error.value.param == "top_logprobs"
+
+
+@pytest.mark.parametrize("body", [{"stream": "yes"}, {"max_tokens": "5"}, {"temperature": True}, {"n": 2.0}])
+def test_wrong_types_are_not_coerced(body):
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate_json(json.dumps({"prompt": "hi", **body}))
 
 
 def test_deltas_carry_only_what_changed():

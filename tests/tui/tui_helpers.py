@@ -51,3 +51,9 @@ class FlakySource(ReplaySource):
         if self.down:
             raise SourceError("ConnectError: [Errno 111] Connection refused")
         return await super().fetch()
+
+
+def screen_text(app: TopApp) -> str:
+    """The whole screen as plain text, one line per terminal row (a text snapshot of the app).
+    Textual's compositor is what a real terminal gets its lines from."""
+    return "\n".join(strip.text.rstrip() for strip in app.screen._compositor.render_strips())

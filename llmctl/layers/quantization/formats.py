@@ -79,3 +79,21 @@ def dequantize(packed: PackedWeight) -> torch.Tensor:
     if isinstance(packed, PackedFp8):
         return packed.qweight.view(torch.float8_e4m3fn).float() * packed.scales[:, None]
     raise TypeError(f"not a packed weight: {type(packed).__name__}")
+
+
+def take_rows(packed: PackedWeight, rows: torch.Tensor) -> PackedWeight:
+    """The same format restricted to output rows ``rows`` (an embedding lookup on a packed table)."""
+    if isinstance(packed, PackedInt4):
+        return PackedInt4(packed.qweight[rows], packed.scales[rows], packed.mins[rows], packed.group_size)
+    if isinstance(packed, PackedInt8):
+        mins = None if packed.mins is None else packed.mins[rows]
+        return PackedInt8(packed.qweight[rows], packed.scales[rows], mins, packed.group_size)
+    if isinstance(packed, PackedFp8):
+        return PackedFp8(packed.qweight[rows], packed.scales[rows])
+    raise TypeError(f"not a packed weight: {type(packed).__name__}")
+
+
+def packed_tensors(packed: PackedWeight) -> dict[str, torch.Tensor]:
+    """The tensors of a packed weight by field name (``mins`` left out when absent)."""
+    fields = {"qweight": packed.qweight, "scales": packed.scales, "mins": getattr(packed, "mins", None)}
+    return {name: tensor for name, tensor in fields.items() if tensor is not None}

@@ -1,0 +1,74 @@
+"""Perplexity of a model loaded with each ``--quantization`` against its float32 self.
+
+Runs the model directly (one fresh prefill per window, no KV cache kept): the engine's prompt-
+logprobs path is not used, so this measures the weights alone. Each window of WINDOW tokens is
+scored independently; perplexity = exp(mean negative log-likelihood of tokens 2..WINDOW).
+
+    python benchmarks/quant_quality.py ../shared/models/stories260k --text benchmarks/data/fables.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+
+from llmctl.layers.ops import AttentionMetadata, TorchOps
+from llmctl.models.loader import load_model
+from llmctl.tokenizer import Tokenizer
+
+
+def prefill_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits of every position of one fresh sequence (KV written nowhere: slot -1)."""
+    n = len(ids)
+    for attn in model.attention_layers():  # a one-slot cache: nothing is stored, fresh prefill reads K/V directly
+        attn.key_cache = torch.zeros(1, 16, attn.num_kv_heads, attn.head_dim)
+        attn.value_cache = torch.zeros_like(attn.key_cache)
+    i32 = dict(dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((n,), -1, dtype=torch.int64), num_prefills=1, num_prefill_tokens=n, num_decodes=0,
+        prefill_query_start_loc=torch.tensor([0, n], **i32), prefill_seq_lens=torch.tensor([n], **i32),
+        prefill_block_tables=torch.zeros(1, 1, **i32), prefill_is_fresh=True,
+        decode_seq_lens=torch.zeros(0, **i32), decode_block_tables=torch.zeros(0, 1, **i32), max_decode_seq_len=0)
+    hidden = model(torch.tensor(ids), torch.arange(n), meta)
+    return model.compute_logits(hidden).float()
+
+
+def perplexity(model, tokens: list[int], window: int) -> tuple[float, int]:
+    nll, count = 0.0, 0
+    with torch.inference_mode():
+        for start in range(0, len(tokens) - 1, window):
+            chunk = tokens[start : start + window]
+            if len(chunk) < 2:
+                break
+            logp = torch.log_softmax(prefill_logits(model, chunk), dim=-1)
+            target = torch.tensor(chunk[1:])
+            nll -= logp[:-1].gather(1, target[:, None]).sum().item()
+            count += len(chunk) - 1
+    return math.exp(nll / count), count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--text", type=Path, required=True)
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--kinds", default="none,int8,fp8,int4:32,int4:64,int4:128")
+    args = parser.parse_args()
+    tokens = Tokenizer.from_dir(args.model).encode(args.text.read_text())
+    base = None
+    print(f"{args.model.name}: {len(tokens)} tokens of {args.text.name}, windows of {args.window}")
+    for spec in args.kinds.split(","):
+        kind, _, group = spec.partition(":")
+        model = load_model(args.model, dtype="float32", device=torch.device("cpu"), ops=TorchOps(),
+                           quantization=kind, quantization_group_size=int(group or 64))
+        ppl, count = perplexity(model, tokens, args.window)
+        base = base or ppl
+        print(f"{spec:10s} perplexity {ppl:8.4f}  ({100 * (ppl / base - 1):+6.2f} % vs {args.kinds.split(',')[0]}, "
+              f"{count} predicted tokens)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Native CPU kernels for quantized linear layers (C++ in kernels/cpu/quant_kernels.cpp), built
+once by the shared builder (``kernels/native_build.py``: cache key, stale-lock takeover, time limit).
+
+A separate module from the other native kernels so that either builds alone. Optional: without a
+C++ compiler, on a CPU without AVX2/FMA/F16C, or with ``LLMCTL_NATIVE_CPU_KERNELS=0``, quantized
+layers use the torch reference (``kernels/quant_linear.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kernels.cpu_features import cpu_flags
+from kernels.native_build import FAILURES, build_extension, unavailable_reason
+
+NAME = "llmctl_quant"
+SOURCE = Path(__file__).parent / "cpu" / "quant_kernels.cpp"
+# AVX2+FMA+F16C is the baseline (checked below before building); the AVX-512 functions carry their
+# own target attributes and are chosen at run time.
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+LDFLAGS = ["-fopenmp"]
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_tried = False
+
+# Rows of x up to which the fp8 kernel converts weights inside its dot products; above, it dequantizes
+# slabs of the weight for torch's GEMM (both compute the same float products).
+FP8_DIRECT_MAX_ROWS = 32
+
+
+def native_unavailable_reason() -> str | None:
+    if os.environ.get("LLMCTL_NATIVE_CPU_KERNELS", "1") == "0":
+        return "disabled by LLMCTL_NATIVE_CPU_KERNELS=0"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"quantized CPU kernels are built for x86-64 only (this is {platform.machine()})"
+    missing = {"avx2", "fma", "f16c"} - cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(sorted(missing))}"
+    return unavailable_reason() or FAILURES.get(NAME)
+
+
+def load_quant_native() -> ModuleType | None:
+    """The compiled module, building it on first call; None when it cannot be had here (the
+    builder says why once on stderr)."""
+    global _module, _tried
+    with _lock:
+        if _module is None and not _tried and native_unavailable_reason() is None:
+            _tried = True
+            _module = build_extension(NAME, [SOURCE], CFLAGS, LDFLAGS)
+        return _module
+
+
+def _module_or_raise() -> ModuleType:
+    module = load_quant_native()
+    if module is None:
+        raise RuntimeError(native_unavailable_reason() or "quantized CPU kernels unavailable")
+    return module
+
+
+def supports(packed) -> bool:
+    """Whether the native kernels take this packed weight's shape and grouping."""
+    from llmctl.layers.quantization.formats import PackedFp8, PackedInt4, PackedInt8
+
+    n, k = packed.shape
+    if isinstance(packed, PackedInt4):
+        return packed.group_size % 32 == 0
+    if isinstance(packed, PackedInt8):
+        return k % 32 == 0 and (packed.group_size == 16 or packed.group_size % 32 == 0)
+    return isinstance(packed, PackedFp8) and k % 16 == 0
+
+
+def quant_linear_native(x: torch.Tensor, packed, slab: bool | None = None) -> torch.Tensor:
+    """``x [M, K] @ dequantize(packed)^T`` in ``x``'s dtype.
+
+    ``slab`` False: int4/int8 multiply int8-rounded activations in integers, fp8 converts weights in
+    the dot products; True: dequantize slabs of the weight and use torch's GEMM with the exact
+    activations. None: fp8 by the number of rows, int4/int8 the integer path (at any M, so results
+    do not depend on the batch) unless ``LLMCTL_QUANT_EXACT_ACTIVATIONS=1``."""
+    from llmctl.layers.quantization.formats import PackedInt4, PackedInt8
+
+    module = _module_or_raise()
+    if isinstance(packed, (PackedInt4, PackedInt8)):
+        int_path = not (os.environ.get("LLMCTL_QUANT_EXACT_ACTIVATIONS") == "1" if slab is None else slab)
+        linear = module.int4_linear if isinstance(packed, PackedInt4) else module.int8_linear
+        return linear(x, packed.qweight, packed.scales, packed.mins, packed.group_size, int_path)
+    direct = x.shape[0] <= FP8_DIRECT_MAX_ROWS if slab is None else not slab
+    return module.fp8_linear(x, packed.qweight, packed.scales, direct)
+
+
+if __name__ == "__main__":  # `python -m kernels.quant_native`: build ahead of time
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    module = load_quant_native()
+    print(f"quantized CPU kernels: {module.__file__ + ' (' + module.isa() + ')' if module else native_unavailable_reason()}")
+    sys.exit(0)

@@ -1,0 +1,120 @@
+"""The ``pull``, ``ls`` and ``rm`` commands."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from rich.markup import escape
+
+from llmctl.errors import LlmctlError
+from llmctl.hub.download import pull
+from llmctl.hub.layout import hub_cache_dir
+from llmctl.hub.listing import list_models, partial_downloads
+from llmctl.hub.progress import fmt_size
+from llmctl.hub.removal import remove
+
+if TYPE_CHECKING:  # pragma: no cover
+    import typer
+
+
+def _fmt_params(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix}"
+    return str(n)
+
+
+@contextlib.contextmanager
+def _cli_errors() -> Iterator[None]:
+    import typer
+    from rich.console import Console
+
+    try:
+        yield
+    except LlmctlError as exc:
+        message = " ".join(str(exc).split())
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        Console(stderr=True, soft_wrap=True).print(
+            "[yellow]interrupted[/yellow]: partial downloads are kept; run the same command again to resume",
+            highlight=False,
+        )
+        raise typer.Exit(130) from None
+
+
+def register_hub_commands(app: "typer.Typer") -> None:
+    """Add ``pull``, ``ls`` and ``rm`` to a typer app."""
+    import typer
+    from rich.console import Console
+    from rich.table import Table
+
+    @app.command("pull")
+    def pull_command(
+        model: str = typer.Argument(..., metavar="REPO_ID[@REVISION]", help="Hugging Face model id, e.g. org/name@main."),
+        token: str | None = typer.Option(
+            None, "--token", help="Hugging Face token for gated/private repos (default: HF_TOKEN).", show_default=False
+        ),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+    ) -> None:
+        """Download a model into the Hugging Face cache. Config, tokenizer and safetensors weights."""
+        with _cli_errors():
+            path = pull(model, token=token, console=Console(stderr=True), progress=not quiet)
+        Console(soft_wrap=True).print(f"[green]✓[/green] {escape(model)} → {escape(str(path))}", highlight=False)
+
+    @app.command("ls")
+    def ls_command() -> None:
+        """List the models in the Hugging Face cache."""
+        with _cli_errors():
+            models = list_models()
+            partial = partial_downloads()
+        out = Console()
+        if not models and not partial:
+            out.print(
+                f"No models in the Hugging Face cache ({escape(str(hub_cache_dir()))}). "
+                "Download one with `llmctl pull ORG/NAME`.",
+                highlight=False,
+            )
+            return
+        if models:
+            table = Table(box=None, pad_edge=False, header_style="bold")
+            for column, justify in (
+                ("NAME", "left"),
+                ("REVISION", "left"),
+                ("SIZE", "right"),
+                ("ARCHITECTURE", "left"),
+                ("PARAMS", "right"),
+                ("DTYPE", "left"),
+            ):
+                table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+            for m in models:
+                revision = m.revision if m.complete else f"{m.revision} (incomplete)"
+                table.add_row(
+                    escape(m.repo_id),
+                    escape(revision),
+                    fmt_size(m.size_on_disk),
+                    escape(m.architecture or "?"),
+                    _fmt_params(m.num_parameters),
+                    escape(m.dtype or "?"),
+                )
+            out.print(table)
+        for repo_id, size in sorted(partial.items()):
+            out.print(
+                f"partial download: {escape(repo_id)} ({fmt_size(size)}) — `llmctl pull {escape(repo_id)}` resumes it, "
+                f"`llmctl rm {escape(repo_id)}` deletes it",
+                highlight=False,
+            )
+
+    @app.command("rm")
+    def rm_command(
+        model: str = typer.Argument(..., metavar="REPO_ID[@REVISION]", help="Cached model (all revisions unless @REVISION)."),
+    ) -> None:
+        """Delete a cached model, or one revision of it."""
+        with _cli_errors():
+            freed = remove(model)
+        Console(soft_wrap=True).print(f"Removed {escape(model)} ({fmt_size(freed)} freed)", highlight=False)
+

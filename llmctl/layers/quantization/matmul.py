@@ -1,0 +1,36 @@
+"""``x @ W^T`` for a packed weight: picks the kernel for the device and format.
+
+CUDA runs the Triton kernels, a CPU the native kernels (``kernels/quant_native.py``) where they
+build and take the format; everything else the torch reference (dequantize, then matmul).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmctl.layers.quantization.formats import PackedWeight
+
+
+def quant_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] -> [..., N]`` in ``x``'s dtype."""
+    flat = x.reshape(-1, x.shape[-1])
+    if x.is_cuda:
+        from kernels.quant_triton import quant_linear_triton
+
+        out = quant_linear_triton(flat, packed)
+    elif x.device.type == "cpu" and _native_takes(packed):
+        from kernels.quant_native import quant_linear_native
+
+        out = quant_linear_native(flat, packed)
+    else:
+        from kernels.quant_linear import quant_linear_torch  # kernels/ imports this package: import late
+
+        out = quant_linear_torch(flat, packed)
+    out = out.view(*x.shape[:-1], out.shape[-1])
+    return out if bias is None else out + bias
+
+
+def _native_takes(packed: PackedWeight) -> bool:
+    from kernels.quant_native import load_quant_native, supports
+
+    return supports(packed) and load_quant_native() is not None

@@ -1,0 +1,86 @@
+"""Linear methods for packed weights, and the two ways packed weights reach a layer:
+
+- ``install_packed_weight(layer, packed)``: a loader (GGUF) that already holds packed tensors
+  swaps them into a built layer;
+- ``OnTheFlyQuantMethod``: ``--quantization int8|int4|fp8`` loads the float checkpoint as usual,
+  then quantizes each linear layer in ``process_weights_after_loading``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmctl.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
+from llmctl.layers.quantization.formats import PackedWeight
+from llmctl.layers.quantization.matmul import quant_linear
+from llmctl.layers.quantization.params import attach_packed, read_packed
+from llmctl.layers.quantization.quantize import quantize
+
+QUANTIZATION_KINDS = ("none", "int8", "int4", "fp8")
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+class PackedLinearMethod:
+    """A layer whose weight is packed (``qweight``/``scales``/``mins`` parameters)."""
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        raise TypeError("packed weights are installed with install_packed_weight, not loaded by name")
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        packed = read_packed(layer)
+        padding = packed.shape[1] - x.shape[-1]
+        if padding:  # zero inputs meet the zero-padded weight columns
+            x = F.pad(x, (0, padding))
+        return quant_linear(x, packed, bias)
+
+
+def _layer_device(layer: nn.Module) -> torch.device:
+    tensor = next(iter(layer.parameters()), None)
+    return tensor.device if tensor is not None and not tensor.is_meta else torch.device("cpu")
+
+
+def install_packed_weight(layer: LinearBase, packed: PackedWeight) -> None:
+    """Puts an already-packed ``[out_features, in_features]`` weight into a built linear layer (a
+    merged QKV / gate-up layer takes its parts concatenated along dim 0) and frees the dense weight.
+    The bias, if any, stays a plain parameter. Tensor parallel size 1 only. The packed weight may
+    have extra zero input columns (padding to a whole group); inputs are then zero-padded to match."""
+    if layer.tp.size != 1:
+        raise ValueError("packed weights are supported with tensor parallel size 1 only")
+    n, k = packed.shape
+    if n != layer.out_features or not layer.in_features <= k < layer.in_features + 128:
+        raise ValueError(f"{type(layer).__name__}: packed weight has shape {(n, k)}, "
+                         f"layer needs {(layer.out_features, layer.in_features)}")
+    attach_packed(layer, packed, _layer_device(layer))
+    layer.method = PackedLinearMethod()
+
+
+class OnTheFlyQuantMethod(UnquantizedLinearMethod):
+    """Loads a float weight like the unquantized method, then replaces it by its quantized form."""
+
+    def __init__(self, kind: str, group_size: int | None) -> None:
+        self.kind, self.group_size = kind, group_size
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = layer.weight.data
+        multiple = {"int4": self.group_size, "int8": 32, "fp8": 16}[self.kind]  # what the kernels take
+        padding = -weight.shape[1] % multiple
+        if padding:  # e.g. 172 intermediate features: pad to whole groups with zero columns
+            weight = F.pad(weight, (0, padding))
+        install_packed_weight(layer, quantize(weight, self.kind, self.group_size))
+
+
+def linear_method_for(kind: str, group_size: int = 64) -> LinearMethod | None:
+    """The method every linear layer of a model gets for ``--quantization kind`` (None = plain).
+    int8 is per output channel and fp8 per channel: ``group_size`` applies to int4 only."""
+    if kind not in QUANTIZATION_KINDS:
+        raise ValueError(f"unknown quantization {kind!r}; choose one of {', '.join(QUANTIZATION_KINDS)}")
+    if kind == "none":
+        return None
+    if kind == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    return OnTheFlyQuantMethod(kind, group_size if kind == "int4" else None)

@@ -1,0 +1,58 @@
+"""``--dtype auto``: bf16 only where the CPU has bf16 arithmetic units, the same rule for every model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu_features import cpu_flags, native_bf16_units
+from llmctl.errors import ConfigError
+from llmctl.models.config import choose_dtype
+from llmctl.models.embedded import embedded_config_dict
+
+CPU = torch.device("cpu")
+AVX2_EPYC = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
+SPR_XEON = AVX2_EPYC | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"}
+COOPER_LAKE = AVX2_EPYC | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+SKYLAKE_X = AVX2_EPYC | {"avx512f", "avx512bw", "avx512vl"}
+
+
+@pytest.mark.parametrize("stored", ["bfloat16", "float16"])
+def test_half_checkpoints_run_in_fp32_without_native_bf16(stored):
+    for flags in (AVX2_EPYC, SKYLAKE_X):
+        choice = choose_dtype("auto", stored, CPU, flags)
+        assert choice.dtype == torch.float32
+        assert "no native bf16" in choice.reason
+
+
+@pytest.mark.parametrize(("flags", "unit"), [(SPR_XEON, "AMX-BF16"), (COOPER_LAKE, "AVX512-BF16")])
+@pytest.mark.parametrize("stored", ["bfloat16", "float16"])
+def test_half_checkpoints_run_in_bf16_with_native_units(flags, unit, stored):
+    choice = choose_dtype("auto", stored, CPU, flags)
+    assert choice.dtype == torch.bfloat16 and unit in choice.reason
+
+
+def test_fp32_or_unstated_checkpoints_stay_fp32_everywhere():
+    for stored in ("float32", None, "something-odd"):
+        assert choose_dtype("auto", stored, CPU, SPR_XEON).dtype == torch.float32
+
+
+def test_explicit_dtype_wins_and_bad_names_fail():
+    assert choose_dtype("bfloat16", "float32", CPU, AVX2_EPYC).dtype == torch.bfloat16
+    assert choose_dtype("float32", "bfloat16", CPU, SPR_XEON).reason == "requested with --dtype"
+    with pytest.raises(ConfigError, match="unknown dtype"):
+        choose_dtype("fp8", None, CPU)
+
+
+def test_gpu_keeps_the_checkpoint_dtype():
+    assert choose_dtype("auto", "float16", torch.device("cuda"), AVX2_EPYC).dtype == torch.float16
+
+
+def test_embedded_model_follows_the_same_rule_on_this_cpu():
+    from llmctl.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(kv_cache_memory=8 << 20, skip_tokenizer=True)
+    expected = torch.bfloat16 if native_bf16_units(cpu_flags()) else torch.float32
+    assert embedded_config_dict(100)["torch_dtype"] == "bfloat16"
+    assert engine.dtype == expected
+    assert engine.model.config.dtype_choice.dtype == expected and engine.model.config.dtype_choice.reason
