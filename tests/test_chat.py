@@ -424,8 +424,8 @@ def test_base_model_chat_is_plain_continuation(stories_dir):
     assert f"prompt {expected} tokens" in out  # the second turn continues the whole transcript
 
 
-def test_default_model_absent_without_a_terminal_says_how_to_get_it(tmp_path):
-    proc = run_chat(env={"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"})
+def test_hub_model_absent_without_a_terminal_says_how_to_get_it(tmp_path):
+    proc = run_chat("Qwen/Qwen2.5-0.5B-Instruct", env={"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 1
     message = " ".join(proc.stderr.split())
     assert "Qwen/Qwen2.5-0.5B-Instruct" in message and "llmctl pull Qwen/Qwen2.5-0.5B-Instruct" in message

