@@ -81,9 +81,10 @@ class EngineConfig:
     skip_tokenizer: bool = False  # token-id prompts only (benchmarks, tests of raw models)
     num_threads: int | None = field(default=None, metadata=cli(
         "--threads", "CPU threads for torch (default: all cores)."))
-    quantization: str = field(default="none", metadata=cli(
-        "--quantization", "none | int8 | int4 | fp8: quantize the linear layers of a float checkpoint while loading "
-        "(the embedding and LM head stay unquantized)."))
+    quantization: str = field(default="auto", metadata=cli(
+        "--quantization", "auto | none | int8 | int4 | fp8. auto: a GGUF file keeps its quantized weights "
+        "packed, a float checkpoint stays float; none: GGUF weights are dequantized; int8/int4/fp8: "
+        "quantize a float checkpoint's linear layers while loading (embedding and LM head stay float)."))
     quantization_group_size: int = field(default=64, metadata=cli(
         "--quantization-group-size", "Inputs per int4 scale/zero group: 32, 64 or 128."))
 
@@ -96,8 +97,8 @@ class EngineConfig:
             raise ConfigError(f"threads must be at least 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.quantization not in ("none", "int8", "int4", "fp8"):
-            raise ConfigError(f"unknown quantization {self.quantization!r}; choose none, int8, int4 or fp8")
+        if self.quantization not in ("auto", "none", "int8", "int4", "fp8"):
+            raise ConfigError(f"unknown quantization {self.quantization!r}; choose auto, none, int8, int4 or fp8")
         if self.quantization_group_size not in (32, 64, 128):
             raise ConfigError(f"quantization group size must be 32, 64 or 128, got {self.quantization_group_size}")
 

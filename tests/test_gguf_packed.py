@@ -80,6 +80,4 @@ def test_smollm2_packed_first_tokens_match_fp32():
 def _engine_with(path, mode: str) -> LLMEngine:
     from llmctl.config import EngineConfig
 
-    config = EngineConfig(model=str(path), dtype="float32", kv_cache_memory=16 << 20)
-    config.quantization = mode  # set after validation: EngineConfig does not list "auto" (yet)
-    return LLMEngine(config)
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_cache_memory=16 << 20, quantization=mode))

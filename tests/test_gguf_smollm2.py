@@ -36,7 +36,8 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def engine(smollm2) -> LLMEngine:
-    return LLMEngine(model=SMOLLM2_NAME, dtype="float32", kv_cache_memory=32 << 20)
+    # dequantized (--quantization none): the fidelity path, compared with transformers' own dequantization
+    return LLMEngine(model=SMOLLM2_NAME, dtype="float32", kv_cache_memory=32 << 20, quantization="none")
 
 
 def test_greedy_matches_transformers_dequantized(smollm2, engine):

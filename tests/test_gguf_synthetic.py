@@ -43,7 +43,8 @@ def test_every_type_is_in_the_synthetic_file(tiny):
 def test_greedy_matches_transformers_on_the_same_weights(tiny, arch):
     gguf_file, hf_dir = tiny[arch]
     # token ids, no tokenizer: random ids include byte-fallback pieces that form no valid UTF-8
-    engine = LLMEngine(model=str(gguf_file), dtype="float32", kv_cache_memory=8 << 20, skip_tokenizer=True)
+    engine = LLMEngine(model=str(gguf_file), dtype="float32", kv_cache_memory=8 << 20, skip_tokenizer=True,
+                       quantization="none")
     prompts = random_prompts(4, engine.model.config.vocab_size, 2, 12, seed=3)
     expected = hf_greedy(hf_dir, prompts, 12)
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

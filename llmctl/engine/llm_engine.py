@@ -114,7 +114,7 @@ class LLMEngine:
 
             model, tokenizer = load_gguf(gguf_file, dtype=config.dtype, device=device, ops=ops,
                                          with_tokenizer=not config.skip_tokenizer,
-                                         quantization=getattr(config, "quantization", "none"))
+                                         quantization=config.quantization)
             return model, tokenizer, config.model_name or str(config.model)
         model_dir = Path(config.model)
         if not model_dir.is_dir():
@@ -122,7 +122,8 @@ class LLMEngine:
                 f"{config.model}: no such model directory (use a local folder with config.json and "
                 f"*.safetensors, a pulled hub id, or the embedded default {EMBEDDED_MODEL_NAME!r})"
             )
-        model = load_model(model_dir, dtype=config.dtype, device=device, ops=ops, quantization=config.quantization,
+        quantization = "none" if config.quantization == "auto" else config.quantization  # a float checkpoint
+        model = load_model(model_dir, dtype=config.dtype, device=device, ops=ops, quantization=quantization,
                            quantization_group_size=config.quantization_group_size)
         tokenizer = None if config.skip_tokenizer else Tokenizer.from_dir(Path(config.tokenizer or model_dir))
         return model, tokenizer, config.model_name or str(config.model)
