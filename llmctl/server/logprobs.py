@@ -66,6 +66,9 @@ class LogprobsFormatter:
         first, with distinct names."""
         candidates = dict(c.top_logprobs[position]) if c.top_logprobs else {}
         candidates.setdefault(c.token_ids[position], c.logprobs[position])
+        return self._named(candidates)
+
+    def _named(self, candidates: dict[int, float]) -> list[tuple[str, int, float]]:
         named, seen = [], set()
         for token_id, logprob in sorted(candidates.items(), key=lambda kv: -kv[1]):
             name = self.name(token_id)
@@ -90,6 +93,26 @@ class LogprobsFormatter:
             result.text_offset.append(texts.chars_sent)
             texts.chars_sent += len(token)
         texts.tokens_sent = end
+        return result
+
+    def prompt(self, prompt_token_ids: list[int], prompt_logprobs: list[dict[int, float] | None], text: str,
+               skip_special_tokens: bool) -> CompletionLogprobs:
+        """An echoed prompt in the completions format, as vLLM gives it: ``tokens`` join to
+        ``text`` (the prompt as echoed), the first token's logprob is ``null`` (nothing predicts
+        it) and each ``top_logprobs`` entry holds the prompt's own token and the top alternatives."""
+        detokenizer = self.tokenizer.decode_stream([], skip_special_tokens)
+        ends, length = [], 0
+        for token_id in prompt_token_ids:
+            length += len(detokenizer.step(token_id))
+            ends.append(length)
+        result, start, last = CompletionLogprobs(), 0, len(prompt_token_ids) - 1
+        for position, (token_id, entry) in enumerate(zip(prompt_token_ids, prompt_logprobs)):
+            stop = len(text) if position == last else max(start, min(ends[position], len(text)))
+            result.tokens.append(text[start:stop])
+            result.text_offset.append(start)
+            start = stop
+            result.token_logprobs.append(None if entry is None else entry[token_id])
+            result.top_logprobs.append(None if entry is None else {name: lp for name, _, lp in self._named(entry)})
         return result
 
     def chat(self, c: CompletionOutput, texts: TokenTexts, end: int, skip_special_tokens: bool) -> ChatLogprobs:

@@ -192,8 +192,17 @@ class CompletionRequest(_Request):
             raise bad_request("best_of is not supported by llmctl (leave it unset or equal to n)", "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported by llmctl", "suffix")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs needs prompt logprobs, which llmctl does not compute", "echo")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise bad_request("echo with logprobs is not supported when streaming (set stream: false)", "echo")
+        if self.max_tokens == 0 and not (self.echo and not self.stream):
+            raise bad_request("max_tokens 0 needs echo: true and stream: false (it scores the prompt only)",
+                              "max_tokens")
+
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: score the prompt, generate nothing (lm-evaluation-harness's
+        loglikelihood requests). The engine still samples one token, which is left out."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt

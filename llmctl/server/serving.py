@@ -29,14 +29,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from llmctl.engine.async_engine import AsyncEngine, EngineDeadError
-from llmctl.engine.outputs import RequestOutput
+from llmctl.engine.outputs import CompletionOutput, RequestOutput
 from llmctl.errors import EngineBusyError, InvalidRequestError
 from llmctl.sampling_params import SamplingParams
 from llmctl.server.logprobs import LogprobsFormatter, TokenTexts
 from llmctl.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS, APIError, AssistantMessage, ChatChoice, ChatCompletionChunk,
     ChatCompletionRequest, ChatCompletionResponse, ChatStreamChoice, CompletionChoice, CompletionChunk,
-    CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails, Usage, bad_request,
+    CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails, Usage, bad_request,
 )
 from llmctl.structured.spec import StructuredOutputSpec
 from llmctl.structured.tools import (ParsedDelta, ReplyParser, messages_for_template, reply_parser, template_variables,
@@ -337,7 +337,10 @@ class OpenAIServing:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         for prompt in prompts:
             self._max_tokens(len(prompt), max_tokens, "max_tokens")
-        params = _constrained(req.sampling_params(max_tokens, req.logprobs), req.output_spec())
+        params = _constrained(req.sampling_params(1 if req.prompt_only else max_tokens, req.logprobs),
+                              req.output_spec())
+        if req.echo and req.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = req.model or self.served_model_name
@@ -347,15 +350,17 @@ class OpenAIServing:
             choices = []
             for i, out in sorted(generation.final.items()):
                 for c in out.outputs:
-                    logprobs = None
-                    if req.logprobs is not None:
-                        texts = self.logprobs.texts(out.prompt_token_ids, params.skip_special_tokens)
-                        logprobs = self.logprobs.completion(c, texts, len(c.token_ids))
+                    if req.prompt_only:
+                        c = dataclasses.replace(c, text="", token_ids=[], logprobs=[], top_logprobs=None,
+                                                finish_reason="length", stop_reason=None)
                     choices.append(CompletionChoice(index=i * req.n + c.index, text=echo.get(i, "") + c.text,
-                                                    logprobs=logprobs, finish_reason=c.finish_reason,
-                                                    stop_reason=c.stop_reason))
+                                                    logprobs=self._completion_logprobs(req, out, c, echo.get(i)),
+                                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            usage = generation.usage()
+            if req.prompt_only:
+                usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
             return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                      usage=generation.usage()).model_dump()
+                                      usage=usage).model_dump()
 
         async def stream(generation: Generation) -> AsyncIterator[str]:
             choices: dict[int, _ChoiceStream] = {}
@@ -387,6 +392,23 @@ class OpenAIServing:
 
         return await self._run(request, prompts, params, request_id, req.user, respond,
                                stream if req.stream else None)
+
+    def _completion_logprobs(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput,
+                             echoed: str | None) -> CompletionLogprobs | None:
+        """A whole choice's logprobs: with ``echo``, the prompt's tokens come first (vLLM's order)
+        and the generated tokens' offsets count from the start of the echoed text."""
+        if req.logprobs is None:
+            return None
+        generated = self.logprobs.completion(c, self.logprobs.texts(out.prompt_token_ids, req.skip_special_tokens),
+                                             len(c.token_ids))
+        if echoed is None:
+            return generated
+        prompt = self.logprobs.prompt(out.prompt_token_ids, out.prompt_logprobs, echoed, True)
+        return CompletionLogprobs(
+            tokens=prompt.tokens + generated.tokens,
+            token_logprobs=prompt.token_logprobs + generated.token_logprobs,
+            top_logprobs=prompt.top_logprobs + generated.top_logprobs,
+            text_offset=prompt.text_offset + [len(echoed) + offset for offset in generated.text_offset])
 
     def _prompt_text(self, prompt_ids: list[int]) -> str:
         return self.tokenizer.decode(prompt_ids, skip_special_tokens=True)

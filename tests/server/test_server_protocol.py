@@ -39,7 +39,8 @@ def test_chat_content_parts_become_text():
         image.messages[0].for_template()
 
 
-@pytest.mark.parametrize("body", [{"suffix": "x"}, {"best_of": 3}, {"echo": True, "logprobs": 1}])
+@pytest.mark.parametrize("body", [{"suffix": "x"}, {"best_of": 3}, {"echo": True, "logprobs": 1, "stream": True},
+                                  {"max_tokens": 0}, {"max_tokens": 0, "echo": True, "stream": True}])
 def test_output_changing_fields_are_refused(body):
     with pytest.raises(APIError) as error:
         CompletionRequest.model_validate({"prompt": "hi", **body}).refuse_unsupported()
