@@ -99,12 +99,13 @@ def _register_feature_commands() -> None:
     from llmctl.bench.cli import register_commands as register_bench
     from llmctl.chat import register_commands as register_chat
     from llmctl.hub.cli import register_hub_commands
+    from llmctl.perplexity import register_commands as register_perplexity
     from llmctl.router import register_commands as register_router
     from llmctl.server.cli import register_commands as register_serve
     from llmctl.tui.cli import register_commands as register_top
 
     for register in (register_hub_commands, register_chat, register_serve, register_router, register_bench,
-                     register_top):
+                     register_perplexity, register_top):
         register(app)
     for command in app.registered_commands:  # plain, sectioned help for every command
         command.cls = SectionedCommand
