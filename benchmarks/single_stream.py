@@ -4,7 +4,7 @@ One request, greedy, a fixed prompt, TOKENS new tokens whatever the model says (
 warm-up then REPS timed runs (median). ``tok_s`` is new tokens / wall time of the whole request
 (the prompt is short, so this is decode speed), and ``decode_tok_s`` excludes the first token.
 
-    python benchmarks/single_stream.py llmctl   MODEL OUT.json [--quantization none|int8|int4|fp8] [--dtype D]
+    python benchmarks/single_stream.py llmctl   MODEL OUT.json [--quantization auto|none|int8|int4|fp8] [--dtype D]
     python benchmarks/single_stream.py llamacpp MODEL.gguf OUT.json          (llama-cpp-python)
     python benchmarks/single_stream.py hf       MODEL OUT.json [--gguf FILE]  (transformers, fp32)
 
@@ -58,10 +58,8 @@ def run_llmctl(model: str, tokens: int, reps: int, args: argparse.Namespace) -> 
     from llmctl.engine.llm_engine import LLMEngine
     from llmctl.sampling_params import SamplingParams
 
-    options = dict(model=model, dtype=args.dtype, max_num_seqs=4, kv_cache_memory=256 << 20, max_model_len=1024)
-    if args.quantization != "none":
-        options["quantization"] = args.quantization
-    engine = LLMEngine(**options)
+    engine = LLMEngine(model=model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=4,
+                       kv_cache_memory=256 << 20, max_model_len=1024)
     prompt = engine.tokenizer.encode(PROMPT, add_special_tokens=False)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
 
@@ -138,7 +136,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--reps", type=int, default=int(os.environ.get("REPS", "3")))
-    parser.add_argument("--quantization", default="none")
+    parser.add_argument("--quantization", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--gguf", default=None, help="hf: load this GGUF file from MODEL's directory")
     parser.add_argument("--threads", type=int, default=None)
