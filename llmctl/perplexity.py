@@ -82,7 +82,8 @@ def perplexity(engine, token_ids: list[int], window: int, stride: int, progress:
         for out in engine.step():
             if out.finished:
                 if out.prompt_logprobs is None:
-                    raise InvalidRequestError(f"window {out.request_id} failed: {out.error or out.outputs[0].finish_reason}")
+                    reason = out.error or out.outputs[0].finish_reason
+                    raise InvalidRequestError(f"window {out.request_id} failed: {reason}")
                 nll.extend(window_nll(by_id[out.request_id], out.prompt_logprobs))
                 if progress is not None:
                     progress.advance(task, len(out.prompt_token_ids))
@@ -121,6 +122,9 @@ def perplexity_command(
             raise InvalidRequestError(f"{model} has no tokenizer; perplexity needs one to tokenize {text}")
         token_ids = engine.tokenizer.encode(content)
         size = window or engine.max_model_len - 1
+        if size > engine.max_model_len - 1:
+            raise InvalidRequestError(f"--window {size} is too long: at most max_model_len - 1 = "
+                                      f"{engine.max_model_len - 1} tokens (the engine samples one more)")
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                    TimeRemainingColumn())
         with Progress(*columns, console=err, transient=True) as progress:

@@ -77,6 +77,9 @@ def test_perplexity_equals_transformers_on_the_same_windows(stories_dir, window,
 def test_plain_output_and_a_bad_path(stories_dir, tmp_path):
     done = run_cli(str(stories_dir), "--text", str(FABLES), "--window", "256")
     assert done.returncode == 0 and done.stdout.startswith("perplexity ") and "windows of 256" in done.stdout
+    too_long = run_cli(str(stories_dir), "--text", str(FABLES), "--window", "600")
+    assert too_long.returncode == 1 and too_long.stderr.strip().splitlines() == [
+        "error: --window 600 is too long: at most max_model_len - 1 = 511 tokens (the engine samples one more)"]
     missing = run_cli(str(stories_dir), "--text", str(tmp_path / "missing.txt"))
     assert missing.returncode == 1 and missing.stdout == ""
     assert missing.stderr.strip().splitlines() == [f"error: cannot read {tmp_path / 'missing.txt'}: "
