@@ -91,3 +91,13 @@ def test_streaming_echo_logprobs_is_a_clear_400(client):
         client.completions.create(model="stories", prompt="hi", echo=True, logprobs=1, stream=True)
     with pytest.raises(openai.BadRequestError, match="max_tokens 0 needs echo"):
         client.completions.create(model="stories", prompt="hi", max_tokens=0)
+
+
+def test_token_id_prompts_as_lm_eval_sends_them(client, prompt_ids, hf_logprobs):
+    out = client.completions.create(model="stories", prompt=[prompt_ids, prompt_ids[:5]], echo=True, max_tokens=0,
+                                    logprobs=1, temperature=0, seed=1234)
+    full, short = out.choices
+    want = [hf_logprobs[i, token].item() for i, token in enumerate(prompt_ids[1:])]
+    assert full.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert short.logprobs.token_logprobs[1:] == pytest.approx(want[:4], abs=1e-4)
+    assert full.text == PROMPT and "".join(short.logprobs.tokens) == short.text
