@@ -14,24 +14,13 @@ import threading
 import jsonschema
 import pytest
 import torch
+from structured_schemas import PERSON
 
 from llmctl.errors import InvalidRequestError
 from llmctl.models.embedded import embedded_tokenizer
 from llmctl.structured import (StructuredOutputManager, StructuredOutputSpec, allocate_bitmask, apply_bitmask_,
                                unpack_bitmask)
 from llmctl.tokenizer import Tokenizer
-
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "pet": {"enum": ["cat", "dog", "none"]},
-        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
-    },
-    "required": ["name", "age", "pet", "tags"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture(scope="module")

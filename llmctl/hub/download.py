@@ -256,43 +256,22 @@ class _PullContext:
 
     def _link(self, name: str) -> Path:
         """Let hf_hub_download create snapshots/<commit>/<name> -> blobs/<etag> (the blob is in place)."""
+        return self._hf_hub_download(name, None)
+
+    def _hf_hub_download(self, name: str, on_progress: Callable[[int], None] | None) -> Path:
+        """One file through hf_hub_download into this cache at the pinned commit; errors named."""
         from huggingface_hub import hf_hub_download
 
         try:
-            return Path(
-                hf_hub_download(
-                    self.repo_id,
-                    name,
-                    revision=self.commit,
-                    cache_dir=self.cache,
-                    endpoint=hub_endpoint(),
-                    token=self.token,
-                    tqdm_class=bar_class(None),
-                    **user_agent(),
-                )
-            )
+            return Path(hf_hub_download(self.repo_id, name, revision=self.commit, cache_dir=self.cache,
+                                        endpoint=hub_endpoint(), token=self.token,
+                                        tqdm_class=bar_class(on_progress), **user_agent()))
         except Exception as exc:  # noqa: BLE001
             raise self._error(exc, name) from exc
 
     def _fetch_with_hf(self, plan: _FilePlan, on_progress: Callable[[int], None] | None, bars: PullProgress) -> None:
         """Xet-stored files: hf_hub_download drives hf_xet (chunk-level dedup and cache), then we verify."""
-        from huggingface_hub import hf_hub_download
-
-        try:
-            pointer = Path(
-                hf_hub_download(
-                    self.repo_id,
-                    plan.name,
-                    revision=self.commit,
-                    cache_dir=self.cache,
-                    endpoint=hub_endpoint(),
-                    token=self.token,
-                    tqdm_class=bar_class(on_progress),
-                    **user_agent(),
-                )
-            )
-        except Exception as exc:  # noqa: BLE001
-            raise self._error(exc, plan.name) from exc
+        pointer = self._hf_hub_download(plan.name, on_progress)
         checksum = expected_checksum(plan.sibling, plan.etag, plan.size)
         if checksum is None:
             return

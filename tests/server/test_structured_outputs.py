@@ -16,20 +16,10 @@ import jsonschema
 import openai
 import pytest
 from server_helpers import API_KEY
+from structured_schemas import PERSON
 
 from llmctl.models.embedded import embedded_tokenizer
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "pet": {"enum": ["cat", "dog", "none"]},
-        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
-    },
-    "required": ["name", "age", "pet", "tags"],
-    "additionalProperties": False,
-}
 PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
