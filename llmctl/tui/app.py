@@ -13,6 +13,7 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid
+from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Static
 
@@ -131,7 +132,10 @@ class TopApp(App[None]):
             self.state.mark_failure(message or type(exc).__name__, getattr(exc, "kind", "disconnected"))
         finally:
             self._polling = False
-        self.redraw()
+        try:
+            self.redraw()
+        except NoMatches:  # the app closed while the fetch was in flight: nothing left to draw on
+            pass
 
     # ---- drawing -------------------------------------------------------------------------------
     @property
