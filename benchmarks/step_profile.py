@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quantization", default="auto", help="auto | none | int8 | int4 | fp8")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -94,8 +95,9 @@ def main() -> None:
 
     for batch in args.batch:
         engine = LLMEngine(model=model, dtype=args.dtype, skip_tokenizer=True, max_model_len=1024,
-                           max_num_seqs=max(batch, 1), kv_cache_memory=1 << 30)
-        print(f"{args.model} · {engine.dtype} · {engine.ops.description} · ISA {isa_level()} · "
+                           max_num_seqs=max(batch, 1), kv_cache_memory=1 << 30,
+                           quantization=args.quantization)
+        print(f"{args.model} · {engine.dtype} · quantization {args.quantization} · {engine.ops.description} · ISA {isa_level()} · "
               f"{cpu_model()} · {torch.get_num_threads()} threads")
         profile(engine, batch, args.steps)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import platform
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -75,6 +76,10 @@ def supports(packed) -> bool:
     return isinstance(packed, PackedFp8) and k % 16 == 0
 
 
+def _exact_activations() -> bool:
+    return os.environ.get("LLMCTL_QUANT_EXACT_ACTIVATIONS") == "1"
+
+
 def quant_linear_native(x: torch.Tensor, packed, slab: bool | None = None) -> torch.Tensor:
     """``x [M, K] @ dequantize(packed)^T`` in ``x``'s dtype.
 
@@ -86,11 +91,29 @@ def quant_linear_native(x: torch.Tensor, packed, slab: bool | None = None) -> to
 
     module = _module_or_raise()
     if isinstance(packed, (PackedInt4, PackedInt8)):
-        int_path = not (os.environ.get("LLMCTL_QUANT_EXACT_ACTIVATIONS") == "1" if slab is None else slab)
+        int_path = not (_exact_activations() if slab is None else slab)
         linear = module.int4_linear if isinstance(packed, PackedInt4) else module.int8_linear
         return linear(x, packed.qweight, packed.scales, packed.mins, packed.group_size, int_path)
     direct = x.shape[0] <= FP8_DIRECT_MAX_ROWS if slab is None else not slab
     return module.fp8_linear(x, packed.qweight, packed.scales, direct)
+
+
+def bind_native(packed) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``quant_linear_native(x, packed)`` with the kernel, its arguments and the path chosen once
+    (``LLMCTL_QUANT_EXACT_ACTIVATIONS`` is read here), or None where the native kernels do not take
+    this weight. Why: at decode sizes the per-call Python dispatch (format checks, imports, the
+    environment) cost several times the kernel itself, over ~120 calls a token."""
+    from llmctl.layers.quantization.formats import PackedInt4, PackedInt8
+
+    if not supports(packed) or load_quant_native() is None:
+        return None
+    module = _module
+    if isinstance(packed, (PackedInt4, PackedInt8)):
+        linear = module.int4_linear if isinstance(packed, PackedInt4) else module.int8_linear
+        args = (packed.qweight, packed.scales, packed.mins, packed.group_size, not _exact_activations())
+        return lambda x: linear(x, *args)
+    fp8_linear, qweight, scales = module.fp8_linear, packed.qweight, packed.scales
+    return lambda x: fp8_linear(x, qweight, scales, x.shape[0] <= FP8_DIRECT_MAX_ROWS)
 
 
 if __name__ == "__main__":  # `python -m kernels.quant_native`: build ahead of time

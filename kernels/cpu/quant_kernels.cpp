@@ -88,50 +88,6 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Dot products of one packed int4 weight row with rows [m0, m0 + rows) of x; returns them in acc.
-__attribute__((target("avx2,fma"))) void int4_row_avx2(const uint8_t* w, const float* scales, int64_t group,
-                                                       const QuantizedX& xq, int64_t m0, int64_t rows, float* acc) {
-  const int64_t nb = xq.k / QB, bpg = group / QB;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 a[MT];
-  for (int i = 0; i < MT; ++i) a[i] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
-    const __m256i wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-    const float s = scales[b / bpg];
-    for (int64_t i = 0; i < rows; ++i) {
-      const int64_t r = m0 + i;
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + r * xq.k + b * QB));
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv), ones);
-      a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * xq.scale[r * nb + b]), a[i]);
-    }
-  }
-  for (int64_t i = 0; i < rows; ++i) acc[i] = hsum256(a[i]);
-}
-
-// One int8 weight row (group 16 or a multiple of 32) against rows [m0, m0 + rows) of x.
-__attribute__((target("avx2,fma"))) void int8_row_avx2(const int8_t* w, const float* scales, int64_t group,
-                                                       const QuantizedX& xq, int64_t m0, int64_t rows, float* acc) {
-  const int64_t nb = xq.k / QB;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 a[MT];
-  for (int i = 0; i < MT; ++i) a[i] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QB));
-    const __m256i wabs = _mm256_sign_epi8(wv, wv);  // |w| as u8 (-128 -> 128)
-    // int32 lanes 0-3 hold inputs 0..15 of the block, lanes 4-7 inputs 16..31
-    const __m256 ws = group == 16 ? _mm256_set_m128(_mm_set1_ps(scales[2 * b + 1]), _mm_set1_ps(scales[2 * b]))
-                                  : _mm256_set1_ps(scales[b * QB / group]);
-    for (int64_t i = 0; i < rows; ++i) {
-      const int64_t r = m0 + i;
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + r * xq.k + b * QB));
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)), ones);
-      a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws, _mm256_set1_ps(xq.scale[r * nb + b])), a[i]);
-    }
-  }
-  for (int64_t i = 0; i < rows; ++i) acc[i] = hsum256(a[i]);
-}
-
 // One fp8 row against float rows of x (k a multiple of 16); the result is 2^-8 times the dot product.
 __attribute__((target("avx2,fma,f16c"))) void fp8_row_avx2(const uint8_t* w, const float* x, int64_t k,
                                                             int64_t rows, float* acc) {
@@ -150,6 +106,117 @@ __attribute__((target("avx2,fma,f16c"))) void fp8_row_avx2(const uint8_t* w, con
     }
   }
   for (int64_t i = 0; i < rows; ++i) acc[i] = hsum256(a[i]);
+}
+
+// Decode-shaped tiles: R weight rows (R <= RT) against one quantized x row, so that each x block is
+// loaded once for R rows and R independent accumulation chains hide the FMA latency. The loops walk
+// groups, then the blocks of a group: no division in the inner loop. Every row's arithmetic (the
+// per-block products, its own accumulator, hsum256, then the mins in group order) does not depend
+// on R, so a row's result does not depend on which tile, thread or batch it lands in.
+constexpr int64_t RT = 4;
+
+// One x row's quantized blocks, their scales and its exact group sums (for the mins).
+struct XRow {
+  const int8_t* q;
+  const float* scale;
+  const float* group_sums;
+};
+
+using TileFn = void (*)(const uint8_t*, int64_t, const float*, const float*, int64_t, int64_t, XRow, float*);
+
+template <int R>
+__attribute__((target("avx2,fma"))) inline void add_mins(const float* mins, int64_t groups, const float* xs,
+                                                         const __m256* acc, float* out) {
+  float y[R];
+  for (int r = 0; r < R; ++r) y[r] = hsum256(acc[r]);
+  if (mins != nullptr) {
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int r = 0; r < R; ++r) y[r] += mins[r * groups + g] * xs[g];
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = y[r];
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void int4_tile_avx2(const uint8_t* w, int64_t row_bytes, const float* scales,
+                                                        const float* mins, int64_t groups, int64_t bpg, XRow x,
+                                                        float* out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB));
+      const float xd = x.scale[b];
+      for (int r = 0; r < R; ++r) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * row_bytes + b * 16));
+        const __m256i wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scales[r * groups + g] * xd), acc[r]);
+      }
+    }
+  }
+  add_mins<R>(mins, groups, x.group_sums, acc, out);
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void int8_tile_avx2(const uint8_t* w_bytes, int64_t row_bytes,
+                                                        const float* scales, const float* mins, int64_t groups,
+                                                        int64_t bpg, XRow x, float* out) {
+  const int8_t* w = reinterpret_cast<const int8_t*>(w_bytes);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  auto block = [&](int64_t b, auto weight_scale) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB));
+    const __m256 xd = _mm256_set1_ps(x.scale[b]);
+    for (int r = 0; r < R; ++r) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * row_bytes + b * QB));
+      const __m256i dot =
+          _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(weight_scale(r), xd), acc[r]);
+    }
+  };
+  if (bpg == 0) {  // group 16: int32 lanes 0-3 hold inputs 0..15 of the block, lanes 4-7 inputs 16..31
+    for (int64_t b = 0; b < groups / 2; ++b) {
+      block(b, [&](int r) {
+        const float* s = scales + r * groups + 2 * b;
+        return _mm256_set_m128(_mm_set1_ps(s[1]), _mm_set1_ps(s[0]));
+      });
+    }
+  } else {
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+        block(b, [&](int r) { return _mm256_set1_ps(scales[r * groups + g]); });
+      }
+    }
+  }
+  add_mins<R>(mins, groups, x.group_sums, acc, out);
+}
+
+// out[m, n] for every n: tiles of RT weight rows in parallel, each against every row of x while the
+// tile's bytes are in L1.
+void tiled_gemm(const QuantizedX& xq, const uint8_t* w, int64_t row_bytes, const float* scales, const float* mins,
+                int64_t group, int64_t n, const TileFn* tile_fns, float* out) {
+  const int64_t m = xq.m, groups = xq.k / group, nb = xq.k / QB;
+  const int64_t bpg = group == 16 ? 0 : group / QB;
+  std::vector<float> xsums(m * groups);
+  if (mins != nullptr) {
+    for (int64_t r = 0; r < m; ++r) group_sums(xq, r, group, xsums.data() + r * groups);
+  }
+  const int64_t tiles = (n + RT - 1) / RT;
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    float y[RT];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t j0 = t * RT, rows = std::min(RT, n - j0);
+      for (int64_t i = 0; i < m; ++i) {
+        const XRow x{xq.q.data() + i * xq.k, xq.scale.data() + i * nb, xsums.data() + i * groups};
+        tile_fns[rows](w + j0 * row_bytes, row_bytes, scales + j0 * groups, mins ? mins + j0 * groups : nullptr,
+                       groups, bpg, x, y);
+        for (int64_t r = 0; r < rows; ++r) out[i * n + j0 + r] = y[r];
+      }
+    }
+  });
 }
 
 // ---- AVX-512 (BW + VL + VNNI) ------------------------------------------------------------------
@@ -358,8 +425,13 @@ torch::Tensor int4_linear(const torch::Tensor& x_in, const torch::Tensor& qweigh
   if (int_path) {
     const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*even_odd=*/true);
     out = torch::empty({x.size(0), n}, x.options());
-    IntRowFn fn = g_isa == Isa::avx512_vnni ? erase<uint8_t, int4_row_avx512> : erase<uint8_t, int4_row_avx2>;
-    int_gemm(xq, q, k / 2, s, mn, group, n, fn, out.data_ptr<float>());
+    if (g_isa == Isa::avx512_vnni) {
+      int_gemm(xq, q, k / 2, s, mn, group, n, erase<uint8_t, int4_row_avx512>, out.data_ptr<float>());
+    } else {
+      static constexpr TileFn tiles[] = {nullptr, int4_tile_avx2<1>, int4_tile_avx2<2>, int4_tile_avx2<3>,
+                                         int4_tile_avx2<4>};
+      tiled_gemm(xq, q, k / 2, s, mn, group, n, tiles, out.data_ptr<float>());
+    }
   } else {
     out = slab_gemm(x, n, k, [&](int64_t j, float* dst) {
       dequant_int4_rows(q + j * (k / 2), s + j * groups, mn + j * groups, group, k, dst);
@@ -384,8 +456,14 @@ torch::Tensor int8_linear(const torch::Tensor& x_in, const torch::Tensor& qweigh
   if (int_path) {
     const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*even_odd=*/false);
     out = torch::empty({x.size(0), n}, x.options());
-    IntRowFn fn = g_isa == Isa::avx512_vnni ? erase<int8_t, int8_row_avx512> : erase<int8_t, int8_row_avx2>;
-    int_gemm(xq, reinterpret_cast<const uint8_t*>(q), k, s, mn, group, n, fn, out.data_ptr<float>());
+    const auto* w = reinterpret_cast<const uint8_t*>(q);
+    if (g_isa == Isa::avx512_vnni) {
+      int_gemm(xq, w, k, s, mn, group, n, erase<int8_t, int8_row_avx512>, out.data_ptr<float>());
+    } else {
+      static constexpr TileFn tiles[] = {nullptr, int8_tile_avx2<1>, int8_tile_avx2<2>, int8_tile_avx2<3>,
+                                         int8_tile_avx2<4>};
+      tiled_gemm(xq, w, k, s, mn, group, n, tiles, out.data_ptr<float>());
+    }
   } else {
     out = slab_gemm(x, n, k, [&](int64_t j, float* dst) {
       dequant_int8_rows(q + j * k, s + j * groups, mn ? mn + j * groups : nullptr, group, k, dst);

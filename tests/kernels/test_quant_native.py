@@ -72,7 +72,7 @@ def _rounding_bound(x: torch.Tensor, packed) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("m", [1, 3, 4, 7, 33])
-@pytest.mark.parametrize(("n", "k"), [(24, 128), (40, 384)])
+@pytest.mark.parametrize(("n", "k"), [(24, 128), (40, 384), (30, 256)])  # 30: a tile of 2 rows at the end
 def test_integer_and_direct_paths_match_reference(isa, kind, m, n, k):
     w = _weights(n, k, seed=n + k)
     packed = _packed(kind, w)

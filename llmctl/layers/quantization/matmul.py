@@ -6,6 +6,8 @@ build and take the format; everything else the torch reference (dequantize, then
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from llmctl.layers.quantization.formats import PackedWeight
@@ -28,6 +30,14 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | Non
         out = quant_linear_torch(flat, packed)
     out = out.view(*x.shape[:-1], out.shape[-1])
     return out if bias is None else out + bias
+
+
+def bind_cpu_kernel(packed: PackedWeight) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The native CPU kernel bound to this weight (``x [M, K] -> [M, N]``), or None where only the
+    torch reference applies; a layer keeps it so that decode pays no per-call dispatch."""
+    from kernels.quant_native import bind_native
+
+    return bind_native(packed)
 
 
 def _native_takes(packed: PackedWeight) -> bool:

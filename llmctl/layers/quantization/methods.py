@@ -8,13 +8,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmctl.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
 from llmctl.layers.quantization.formats import PackedWeight
-from llmctl.layers.quantization.matmul import quant_linear
+from llmctl.layers.quantization.matmul import bind_cpu_kernel, quant_linear
 from llmctl.layers.quantization.params import attach_packed, read_packed
 from llmctl.layers.quantization.quantize import quantize
 
@@ -23,7 +25,12 @@ INT4_GROUP_SIZES = (32, 64, 128)
 
 
 class PackedLinearMethod:
-    """A layer whose weight is packed (``qweight``/``scales``/``mins`` parameters)."""
+    """A layer whose weight is packed (``qweight``/``scales``/``mins`` parameters). On a CPU the
+    native kernel is bound once per weight (``bind_cpu_kernel``) and reused while the layer holds
+    the same ``qweight`` tensor."""
+
+    def __init__(self) -> None:
+        self._cpu_kernel: tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None] | None = None
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         raise TypeError("packed weights are installed with install_packed_weight, not loaded by name")
@@ -32,11 +39,20 @@ class PackedLinearMethod:
         pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        packed = read_packed(layer)
-        padding = packed.shape[1] - x.shape[-1]
+        padding = layer.qweight.shape[1] * (2 if layer.packed_format == "int4" else 1) - x.shape[-1]
         if padding:  # zero inputs meet the zero-padded weight columns
             x = F.pad(x, (0, padding))
-        return quant_linear(x, packed, bias)
+        kernel = self._bound_cpu_kernel(layer) if x.device.type == "cpu" else None
+        if kernel is None:
+            return quant_linear(x, read_packed(layer), bias)
+        out = kernel(x.reshape(-1, x.shape[-1]))
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        return out if bias is None else out + bias
+
+    def _bound_cpu_kernel(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        if self._cpu_kernel is None or self._cpu_kernel[0] is not layer.qweight:
+            self._cpu_kernel = (layer.qweight, bind_cpu_kernel(read_packed(layer)))
+        return self._cpu_kernel[1]
 
 
 def _layer_device(layer: nn.Module) -> torch.device:
