@@ -2,8 +2,8 @@
 
 Tolerances: the slab (prefill) path and the fp8 kernel compute exactly the reference's products in
 float32, so they differ only by summation order (~1e-5 of the output scale). The integer path
-rounds the activations per 32-input block (int16 against int4 weights, int8 against int8); against ``int_path_reference`` (the same rounding
-in torch) it again differs only by summation order, and against the plain reference by at most the
+rounds the activations per 32-input block (int16 against int4 weights, int8 against int8 ones);
+against ``int_path_reference`` (the same rounding in torch) it again differs only by summation order, and against the plain reference by at most the
 rounding bound sum_k |w[n, k]| * scale_x(block of k) / 2, which the test computes and checks.
 """
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels.quant_linear import ACTIVATION_BLOCK, activation_levels, int_path_reference, quant_linear_torch
-from kernels.quant_native import load_quant_native, native_unavailable_reason, quant_linear_native
+from kernels.quant_native import bind_native, load_quant_native, native_unavailable_reason, quant_linear_native
 from llmctl.layers.quantization.formats import PackedInt4, PackedInt8, dequantize
 from llmctl.layers.quantization.quantize import quantize_fp8, quantize_int4, quantize_int8
 
@@ -148,3 +148,26 @@ def test_int4_rejects_odd_groups():
     bad = PackedInt4(packed.qweight, torch.ones(8, 4), torch.zeros(8, 4), 16)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         quant_linear_native(torch.randn(1, 64), bad)
+
+
+def test_bound_kernel_computes_what_the_per_call_path_does(monkeypatch):
+    """``bind_native`` (what a layer keeps) fixes the path when bound: the environment is read then."""
+    packed = _packed("int4g32", _weights(40, 128, seed=9))
+    x = torch.randn(3, 128)
+    assert torch.equal(bind_native(packed)(x), quant_linear_native(x, packed, INT_PATH))
+    monkeypatch.setenv("LLMCTL_QUANT_EXACT_ACTIVATIONS", "1")
+    assert torch.equal(bind_native(packed)(x), quant_linear_native(x, packed, SLAB_PATH))
+    fp8 = _packed("fp8", _weights(40, 128, seed=9))
+    assert torch.equal(bind_native(fp8)(x), quant_linear_native(x, fp8))
+
+
+def test_layer_rebinds_when_its_packed_weight_changes():
+    from llmctl.layers.linear import ColumnParallelLinear
+    from llmctl.layers.quantization import install_packed_weight
+
+    layer = ColumnParallelLinear(128, 40, dtype=torch.float32)
+    x = torch.randn(2, 128)
+    for seed in (1, 2):
+        packed = _packed("int4g64", _weights(40, 128, seed=seed))
+        install_packed_weight(layer, packed)
+        assert torch.equal(layer(x), quant_linear_native(x, packed))
