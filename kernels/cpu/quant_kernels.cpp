@@ -4,12 +4,12 @@
 //
 // Decode (few rows of x) is memory-bound: every weight byte is read once per step, so the kernels
 // stream the packed rows and do the arithmetic in integers, like llama.cpp:
-// - int4 and int8 weights: the activations are quantized per row and per block of 32 inputs, to
-//   int16 for int4 weights (scale = max|x| / 32767) and to int8 for int8 weights (max|x| / 127),
-//   round to nearest even; each 32-input block is one integer dot product (int4: nibbles widened
-//   to s16, madd -> s32; int8: u8 x s8 -> s16 pairs -> s32, AVX2 maddubs/madd, AVX512-VNNI
-//   dpbusd), scaled in float by weight-scale x activation-scale. An asymmetric weight's min adds
-//   min * sum(x over the group), with the exact float sum of x.
+// - int4 and int8 weights: the activations are quantized per row and per block of 32 inputs to
+//   int16 (scale = max|x| / 32767, round to nearest even); each 32-input block is one integer dot
+//   product (weights widened to s16, madd -> s32, exact), scaled in float by weight-scale x
+//   activation-scale. An asymmetric weight's min adds min * sum(x over the group), with the exact
+//   float sum of x. (int8 activations, llama.cpp's Q8_1, cost SmolLM2-135M Q4_1 +1.4 % perplexity
+//   and flipped greedy answers at close margins; int16 costs about one instruction more a block.)
 // - fp8 (e4m3fn) weights: bytes become fp16 by moving the bit fields ((b & 0x80) << 8 | (b & 0x7f) << 7
 //   is the same number times 2^-8, subnormals included), F16C converts to fp32, fp32 FMAs with x.
 // Prefill (many rows) is compute-bound. fp8 then dequantizes a slab of weight rows to fp32 and
@@ -17,8 +17,9 @@
 // int8 keep the integer path at every M, so that a row's result never depends on the batch it is in
 // (batched == unbatched); their slab path, with exact float activations, is there on request.
 //
-// ISA: the AVX2+FMA+F16C code is the baseline; an AVX-512 (BW/VL + VNNI) variant of the int8 dot
-// products is compiled with target attributes and chosen at run time by __builtin_cpu_supports.
+// ISA: AVX2+FMA+F16C, what every x86-64 machine here has; the build checks for it (quant_native.py).
+// (The AVX-512 VNNI variants multiplied int8 activations; VNNI's int16 dot product, vpdpwssd, is
+// the candidate for an AVX-512 path, not written: no such CPU to test it on in that session.)
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -36,22 +37,19 @@
 namespace {
 
 constexpr int64_t QB = 32;  // activation quantization block (inputs)
-constexpr int64_t MT = 4;   // rows of x that share one pass over a weight row
+constexpr int64_t MT = 4;   // rows of x that share one pass over a weight row (fp8)
+constexpr float X_LEVELS = 32767.f;  // activations: int16, scale = max|x| / 32767 per 32-input block
 
-// ---- dynamic int8 activations ----------------------------------------------------------------
+// ---- dynamic int16 activations ---------------------------------------------------------------
 struct QuantizedX {
   int64_t m, k;
-  std::vector<int8_t> q;     // [M, K] int8 (int8 weights), or empty
-  std::vector<int16_t> q16;  // [M, K] int16 (int4 weights; each 32-block permuted to (even k..., odd k...)), or empty
+  std::vector<int16_t> q;    // [M, K]; for int4 each 32-block is permuted to (even k..., odd k...)
   std::vector<float> scale;  // [M, K / 32]
   std::vector<float> sum16;  // [M, K / 16] exact float sums of x (natural order), for the mins
 };
 
-// wide: int16 activations (scale = max|x| / 32767), for int4 weights; else int8 (max|x| / 127).
-QuantizedX quantize_x(const float* x, int64_t m, int64_t k, bool wide) {
-  QuantizedX r{m, k, std::vector<int8_t>(wide ? 0 : m * k), std::vector<int16_t>(wide ? m * k : 0),
-               std::vector<float>(m * k / QB), std::vector<float>(m * k / 16)};
-  const float levels = wide ? 32767.f : 127.f;
+QuantizedX quantize_x(const float* x, int64_t m, int64_t k, bool even_odd) {
+  QuantizedX r{m, k, std::vector<int16_t>(m * k), std::vector<float>(m * k / QB), std::vector<float>(m * k / 16)};
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       for (int64_t b = 0; b < k / QB; ++b) {
@@ -60,17 +58,14 @@ QuantizedX quantize_x(const float* x, int64_t m, int64_t k, bool wide) {
         for (int j = 0; j < QB; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
         for (int j = 0; j < 16; ++j) s0 += xb[j];
         for (int j = 16; j < QB; ++j) s1 += xb[j];
-        const float d = amax / levels, inv = amax > 0.f ? levels / amax : 0.f;
+        const float d = amax / X_LEVELS, inv = amax > 0.f ? X_LEVELS / amax : 0.f;
         r.scale[i * (k / QB) + b] = d;
         r.sum16[i * (k / 16) + 2 * b] = s0;
         r.sum16[i * (k / 16) + 2 * b + 1] = s1;
+        int16_t* qb = r.q.data() + i * k + b * QB;
         for (int j = 0; j < QB; ++j) {
-          if (wide) {
-            const int src = j < 16 ? 2 * j : 2 * (j - 16) + 1;
-            r.q16[i * k + b * QB + j] = static_cast<int16_t>(std::nearbyint(xb[src] * inv));
-          } else {
-            r.q[i * k + b * QB + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
-          }
+          const int src = even_odd ? (j < 16 ? 2 * j : 2 * (j - 16) + 1) : j;
+          qb[j] = static_cast<int16_t>(std::nearbyint(xb[src] * inv));
         }
       }
     }
@@ -125,8 +120,7 @@ constexpr int64_t RT = 4;
 
 // One x row's quantized blocks, their scales and its exact group sums (for the mins).
 struct XRow {
-  const int8_t* q;
-  const int16_t* q16;
+  const int16_t* q;
   const float* scale;
   const float* group_sums;
 };
@@ -148,9 +142,7 @@ __attribute__((target("avx2,fma"))) inline void add_mins(const float* mins, int6
 
 // int4 weights against int16 activations: nibbles widened to 16 bits, madd with x (even inputs
 // against the low nibbles, odd against the high), exact int32 sums (|sum| < 32 * 15 * 32767 < 2^24,
-// so the float conversion is exact too). int8 activations cost ~1.4 % perplexity on SmolLM2 (the
-// down projection's input has large outliers in a block); int16 makes the rounding negligible for
-// about one more instruction per block.
+// so the float conversion is exact too).
 template <int R>
 __attribute__((target("avx2,fma"))) void int4_tile_avx2(const uint8_t* w, int64_t row_bytes, const float* scales,
                                                         const float* mins, int64_t groups, int64_t bpg, XRow x,
@@ -160,8 +152,8 @@ __attribute__((target("avx2,fma"))) void int4_tile_avx2(const uint8_t* w, int64_
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
-      const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q16 + b * QB));
-      const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q16 + b * QB + 16));
+      const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB));
+      const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB + 16));
       const float xd = x.scale[b];
       for (int r = 0; r < R; ++r) {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * row_bytes + b * 16));
@@ -175,37 +167,35 @@ __attribute__((target("avx2,fma"))) void int4_tile_avx2(const uint8_t* w, int64_
   add_mins<R>(mins, groups, x.group_sums, acc, out);
 }
 
+// int8 weights against int16 activations: the 32 weights widened to 16 bits, madd with x. Each
+// int32 lane sums at most 4 products, |sum| <= 4 * 128 * 32767 < 2^24: exact, also as a float.
+// Group 16: the first 16 inputs and the last 16 get their own scale, so the halves stay apart.
 template <int R>
 __attribute__((target("avx2,fma"))) void int8_tile_avx2(const uint8_t* w_bytes, int64_t row_bytes,
                                                         const float* scales, const float* mins, int64_t groups,
                                                         int64_t bpg, XRow x, float* out) {
   const int8_t* w = reinterpret_cast<const int8_t*>(w_bytes);
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  auto block = [&](int64_t b, auto weight_scale) {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB));
-    const __m256 xd = _mm256_set1_ps(x.scale[b]);
+  const int64_t nb = bpg == 0 ? groups / 2 : groups * bpg;
+  int64_t g = 0, left = bpg;  // the group of block b (bpg != 0), without a division per block
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB));
+    const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB + 16));
+    const float xd = x.scale[b];
     for (int r = 0; r < R; ++r) {
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * row_bytes + b * QB));
-      const __m256i dot =
-          _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(weight_scale(r), xd), acc[r]);
-    }
-  };
-  if (bpg == 0) {  // group 16: int32 lanes 0-3 hold inputs 0..15 of the block, lanes 4-7 inputs 16..31
-    for (int64_t b = 0; b < groups / 2; ++b) {
-      block(b, [&](int r) {
-        const float* s = scales + r * groups + 2 * b;
-        return _mm256_set_m128(_mm_set1_ps(s[1]), _mm_set1_ps(s[0]));
-      });
-    }
-  } else {
-    for (int64_t g = 0; g < groups; ++g) {
-      for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
-        block(b, [&](int r) { return _mm256_set1_ps(scales[r * groups + g]); });
+      const __m256i lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(wv)), xlo);
+      const __m256i hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(wv, 1)), xhi);
+      const float* s = scales + r * groups;
+      if (bpg == 0) {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(s[2 * b] * xd), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(s[2 * b + 1] * xd), acc[r]);
+      } else {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_set1_ps(s[g] * xd), acc[r]);
       }
     }
+    if (bpg != 0 && --left == 0) ++g, left = bpg;
   }
   add_mins<R>(mins, groups, x.group_sums, acc, out);
 }
@@ -226,113 +216,10 @@ void tiled_gemm(const QuantizedX& xq, const uint8_t* w, int64_t row_bytes, const
     for (int64_t t = begin; t < end; ++t) {
       const int64_t j0 = t * RT, rows = std::min(RT, n - j0);
       for (int64_t i = 0; i < m; ++i) {
-        const XRow x{xq.q.data() + (xq.q.empty() ? 0 : i * xq.k), xq.q16.data() + (xq.q16.empty() ? 0 : i * xq.k), xq.scale.data() + i * nb, xsums.data() + i * groups};
+        const XRow x{xq.q.data() + i * xq.k, xq.scale.data() + i * nb, xsums.data() + i * groups};
         tile_fns[rows](w + j0 * row_bytes, row_bytes, scales + j0 * groups, mins ? mins + j0 * groups : nullptr,
                        groups, bpg, x, y);
         for (int64_t r = 0; r < rows; ++r) out[i * n + j0 + r] = y[r];
-      }
-    }
-  });
-}
-
-// ---- AVX-512 (BW + VL + VNNI) ------------------------------------------------------------------
-#define LLMCTL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
-
-// Two 32-input blocks per step: int32 lanes 0-7 belong to block b, lanes 8-15 to block b + 1.
-LLMCTL_AVX512 inline __m512 pair_scales(float lo, float hi) {
-  return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1);
-}
-
-LLMCTL_AVX512 void int8_row_avx512(const int8_t* w, const float* scales, int64_t group, const QuantizedX& xq,
-                                   int64_t m0, int64_t rows, float* acc) {
-  const int64_t nb = xq.k / QB;
-  __m512 a[MT];
-  __m256 tail[MT];
-  for (int i = 0; i < MT; ++i) a[i] = _mm512_setzero_ps(), tail[i] = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    const __m512i wv = _mm512_loadu_si512(w + b * QB);
-    const __mmask64 negative = _mm512_movepi8_mask(wv);
-    const __m512i wabs = _mm512_abs_epi8(wv);  // -128 -> 0x80 = 128 as u8
-    // int32 lane j covers inputs 4j..4j+3 of the 64: groups of 16 inputs are 4 lanes wide
-    __m512 ws;
-    if (group == 16) {
-      ws = _mm512_set_ps(scales[2 * b + 3], scales[2 * b + 3], scales[2 * b + 3], scales[2 * b + 3],
-                         scales[2 * b + 2], scales[2 * b + 2], scales[2 * b + 2], scales[2 * b + 2],
-                         scales[2 * b + 1], scales[2 * b + 1], scales[2 * b + 1], scales[2 * b + 1],
-                         scales[2 * b], scales[2 * b], scales[2 * b], scales[2 * b]);
-    } else {
-      ws = pair_scales(scales[b * QB / group], scales[(b + 1) * QB / group]);
-    }
-    for (int64_t i = 0; i < rows; ++i) {
-      const int64_t r = m0 + i;
-      const __m512i xv = _mm512_loadu_si512(xq.q.data() + r * xq.k + b * QB);
-      const __m512i xs = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);  // x * sign(w)
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs, xs);
-      const __m512 xd = pair_scales(xq.scale[r * nb + b], xq.scale[r * nb + b + 1]);
-      a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, xd), a[i]);
-    }
-  }
-  for (; b < nb; ++b) {
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QB));
-    const __m256i wabs = _mm256_abs_epi8(wv);
-    const __m256 ws = group == 16 ? _mm256_set_m128(_mm_set1_ps(scales[2 * b + 1]), _mm_set1_ps(scales[2 * b]))
-                                  : _mm256_set1_ps(scales[b * QB / group]);
-    for (int64_t i = 0; i < rows; ++i) {
-      const int64_t r = m0 + i;
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + r * xq.k + b * QB));
-      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(xv, wv));
-      tail[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws, _mm256_set1_ps(xq.scale[r * nb + b])),
-                                tail[i]);
-    }
-  }
-  for (int64_t i = 0; i < rows; ++i) acc[i] = _mm512_reduce_add_ps(a[i]) + hsum256(tail[i]);
-}
-
-// ---- dispatch ---------------------------------------------------------------------------------
-enum class Isa { avx2, avx512_vnni };
-
-Isa detect_isa() {
-  __builtin_cpu_init();
-  const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                    __builtin_cpu_supports("avx512vnni");
-  return vnni ? Isa::avx512_vnni : Isa::avx2;
-}
-
-Isa g_isa = detect_isa();
-
-using IntRowFn = void (*)(const void*, const float*, int64_t, const QuantizedX&, int64_t, int64_t, float*);
-
-template <typename T, void (*F)(const T*, const float*, int64_t, const QuantizedX&, int64_t, int64_t, float*)>
-void erase(const void* w, const float* s, int64_t g, const QuantizedX& x, int64_t m0, int64_t rows, float* acc) {
-  F(static_cast<const T*>(w), s, g, x, m0, rows, acc);
-}
-
-// out[m, n] for every n in parallel: row_fn(weight row n) gives the integer-path dot products.
-void int_gemm(const QuantizedX& xq, const uint8_t* w, int64_t row_bytes, const float* scales, const float* mins,
-              int64_t group, int64_t n, IntRowFn row_fn, float* out) {
-  const int64_t m = xq.m, groups = xq.k / group;
-  std::vector<float> xsums;
-  if (mins != nullptr) {
-    xsums.resize(m * groups);
-    for (int64_t r = 0; r < m; ++r) group_sums(xq, r, group, xsums.data() + r * groups);
-  }
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    float acc[MT];
-    for (int64_t j = begin; j < end; ++j) {
-      for (int64_t m0 = 0; m0 < m; m0 += MT) {
-        const int64_t rows = std::min(MT, m - m0);
-        row_fn(w + j * row_bytes, scales + j * groups, group, xq, m0, rows, acc);
-        for (int64_t i = 0; i < rows; ++i) {
-          float y = acc[i];
-          if (mins != nullptr) {
-            const float* mn = mins + j * groups;
-            const float* xs = xsums.data() + (m0 + i) * groups;
-            for (int64_t g = 0; g < groups; ++g) y += mn[g] * xs[g];
-          }
-          out[(m0 + i) * n + j] = y;
-        }
       }
     }
   });
@@ -400,8 +287,7 @@ torch::Tensor int4_linear(const torch::Tensor& x_in, const torch::Tensor& qweigh
   const int64_t groups = k / group;
   torch::Tensor out;
   if (int_path) {
-    // every ISA: the int16-activation AVX2 tiles (AVX-512 would not make this memory-bound loop faster)
-    const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*wide=*/true);
+    const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*even_odd=*/true);
     out = torch::empty({x.size(0), n}, x.options());
     static constexpr TileFn tiles[] = {nullptr, int4_tile_avx2<1>, int4_tile_avx2<2>, int4_tile_avx2<3>,
                                        int4_tile_avx2<4>};
@@ -428,16 +314,11 @@ torch::Tensor int8_linear(const torch::Tensor& x_in, const torch::Tensor& qweigh
   const int64_t groups = k / group;
   torch::Tensor out;
   if (int_path) {
-    const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*wide=*/false);
+    const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*even_odd=*/false);
     out = torch::empty({x.size(0), n}, x.options());
-    const auto* w = reinterpret_cast<const uint8_t*>(q);
-    if (g_isa == Isa::avx512_vnni) {
-      int_gemm(xq, w, k, s, mn, group, n, erase<int8_t, int8_row_avx512>, out.data_ptr<float>());
-    } else {
-      static constexpr TileFn tiles[] = {nullptr, int8_tile_avx2<1>, int8_tile_avx2<2>, int8_tile_avx2<3>,
-                                         int8_tile_avx2<4>};
-      tiled_gemm(xq, w, k, s, mn, group, n, tiles, out.data_ptr<float>());
-    }
+    static constexpr TileFn tiles[] = {nullptr, int8_tile_avx2<1>, int8_tile_avx2<2>, int8_tile_avx2<3>,
+                                       int8_tile_avx2<4>};
+    tiled_gemm(xq, reinterpret_cast<const uint8_t*>(q), k, s, mn, group, n, tiles, out.data_ptr<float>());
   } else {
     out = slab_gemm(x, n, k, [&](int64_t j, float* dst) {
       dequant_int8_rows(q + j * k, s + j * groups, mn ? mn + j * groups : nullptr, group, k, dst);
@@ -481,27 +362,11 @@ torch::Tensor fp8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight
   return out.to(x_in.scalar_type());
 }
 
-std::string isa_name() { return g_isa == Isa::avx512_vnni ? "avx512_vnni" : "avx2"; }
-
-// Tests force each available path in turn; "avx512_vnni" only where the CPU has it.
-void set_isa(const std::string& name) {
-  if (name == "avx2") {
-    g_isa = Isa::avx2;
-  } else if (name == "avx512_vnni") {
-    TORCH_CHECK(detect_isa() == Isa::avx512_vnni, "this CPU lacks AVX512-VNNI");
-    g_isa = Isa::avx512_vnni;
-  } else {
-    TORCH_CHECK(false, "unknown ISA ", name);
-  }
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "x @ dequant(int4)^T from the packed nibbles");
   m.def("int8_linear", &int8_linear, "x @ dequant(int8)^T from the packed bytes");
   m.def("fp8_linear", &fp8_linear, "x @ dequant(fp8 e4m3)^T from the packed bytes");
-  m.def("isa", &isa_name, "the instruction set the int4/int8 dot products use");
-  m.def("best_isa", [] { return detect_isa() == Isa::avx512_vnni ? std::string("avx512_vnni") : std::string("avx2"); });
-  m.def("set_isa", &set_isa, "force an instruction set (tests)");
+  m.def("isa", [] { return std::string("avx2"); }, "the instruction set the kernels use");
 }

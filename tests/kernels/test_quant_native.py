@@ -2,7 +2,7 @@
 
 Tolerances: the slab (prefill) path and the fp8 kernel compute exactly the reference's products in
 float32, so they differ only by summation order (~1e-5 of the output scale). The integer path
-rounds the activations per 32-input block (int16 against int4 weights, int8 against int8 ones);
+rounds the activations to int16 per 32-input block;
 against ``int_path_reference`` (the same rounding in torch) it again differs only by summation order, and against the plain reference by at most the
 rounding bound sum_k |w[n, k]| * scale_x(block of k) / 2, which the test computes and checks.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.quant_linear import ACTIVATION_BLOCK, activation_levels, int_path_reference, quant_linear_torch
-from kernels.quant_native import bind_native, load_quant_native, native_unavailable_reason, quant_linear_native
+from kernels.quant_linear import ACTIVATION_BLOCK, ACTIVATION_LEVELS, int_path_reference, quant_linear_torch
+from kernels.quant_native import bind_native, native_unavailable_reason, quant_linear_native
 from llmctl.layers.quantization.formats import PackedInt4, PackedInt8, dequantize
 from llmctl.layers.quantization.quantize import quantize_fp8, quantize_int4, quantize_int8
 
@@ -23,21 +23,6 @@ if native_unavailable_reason() is not None:
     pytest.skip(f"quantized CPU kernels: {native_unavailable_reason()}", allow_module_level=True)
 
 INT_PATH, SLAB_PATH = False, True
-
-
-def _isas() -> list[str]:
-    module = load_quant_native()
-    return ["avx2"] if module is None or module.best_isa() == "avx2" else ["avx2", "avx512_vnni"]
-
-
-@pytest.fixture(params=_isas())
-def isa(request):
-    module = load_quant_native()
-    assert module is not None, native_unavailable_reason()
-    before = module.isa()
-    module.set_isa(request.param)
-    yield request.param
-    module.set_isa(before)
 
 
 def _weights(n: int, k: int, seed: int) -> torch.Tensor:
@@ -64,7 +49,7 @@ KINDS = ["int4g32", "int4g64", "int4g128", "int8", "int8g32", "int8g16", "int8-m
 
 def _rounding_bound(x: torch.Tensor, packed) -> torch.Tensor:
     m, k = x.shape
-    scale = x.abs().reshape(m, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK).amax(-1) / activation_levels(packed)
+    scale = x.abs().reshape(m, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK).amax(-1) / ACTIVATION_LEVELS
     per_input = scale.repeat_interleave(ACTIVATION_BLOCK, dim=1) / 2  # max |x - x_rounded|
     q_part = dequantize(packed) - (0 if packed.mins is None else packed.mins.repeat_interleave(packed.group_size, 1))
     return per_input @ q_part.abs().t()
@@ -73,7 +58,7 @@ def _rounding_bound(x: torch.Tensor, packed) -> torch.Tensor:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("m", [1, 3, 4, 7, 33])
 @pytest.mark.parametrize(("n", "k"), [(24, 128), (40, 384), (30, 256)])  # 30: a tile of 2 rows at the end
-def test_integer_and_direct_paths_match_reference(isa, kind, m, n, k):
+def test_integer_and_direct_paths_match_reference(kind, m, n, k):
     w = _weights(n, k, seed=n + k)
     packed = _packed(kind, w)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -101,7 +86,7 @@ def test_slab_path_matches_reference(kind, m):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["int4g64", "int8", "fp8"])
-def test_half_precision_activations(isa, kind, dtype):
+def test_half_precision_activations(kind, dtype):
     """bf16/fp16 x is read as float32 and the float32 result rounded once to x's dtype."""
     packed = _packed(kind, _weights(48, 256, seed=5))
     x = torch.randn(2, 256).to(dtype)
