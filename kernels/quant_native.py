@@ -83,7 +83,7 @@ def _exact_activations() -> bool:
 def quant_linear_native(x: torch.Tensor, packed, slab: bool | None = None) -> torch.Tensor:
     """``x [M, K] @ dequantize(packed)^T`` in ``x``'s dtype.
 
-    ``slab`` False: int4/int8 multiply int8-rounded activations in integers, fp8 converts weights in
+    ``slab`` False: int4/int8 multiply int16-rounded activations in integers, fp8 converts weights in
     the dot products; True: dequantize slabs of the weight and use torch's GEMM with the exact
     activations. None: fp8 by the number of rows, int4/int8 the integer path (at any M, so results
     do not depend on the batch) unless ``LLMCTL_QUANT_EXACT_ACTIVATIONS=1``."""

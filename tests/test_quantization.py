@@ -91,7 +91,7 @@ def test_install_packed_weight(kind, name):
     x = torch.randn(5, k)
     expected = F.linear(x, dequantize(packed), layer.bias)
     got = layer(x)
-    # int4/int8 multiply int8-rounded activations on the native path: within ~1% of the output scale
+    # int4/int8 multiply int16-rounded activations on the native path: within ~1% of the output scale
     torch.testing.assert_close(got, expected, atol=0.02 * expected.abs().max().item(), rtol=0)
 
 
