@@ -21,7 +21,7 @@ from llmctl.engine.sequence import Sequence
 from llmctl.models.config import ModelConfig
 from llmctl.parallel.stage import receive_logits, run_stage
 from llmctl.parallel.topology import ParallelContext, init_parallel
-from llmctl.parallel.watchdog import fatal, watch_parent
+from llmctl.parallel.watchdog import fatal
 from llmctl.parallel.wire import MicroBatch, StepMessage, encode_step
 
 CMD_STOP, CMD_STEP = 0, 1
@@ -29,9 +29,7 @@ CMD_STOP, CMD_STEP = 0, 1
 
 def start_parallel(config: EngineConfig) -> ParallelContext:
     """Join the ranks torchrun started (every rank calls this before loading its shard)."""
-    ctx = init_parallel(config, ModelConfig.from_dir(Path(config.model)).num_layers)
-    watch_parent(ctx.rank)
-    return ctx
+    return init_parallel(config, ModelConfig.from_dir(Path(config.model)).num_layers)
 
 
 def split_micro_batches(sched: SchedulerOutput, count: int) -> list[SchedulerOutput]:

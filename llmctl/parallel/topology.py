@@ -25,6 +25,7 @@ import torch.distributed as dist
 from llmctl.config import EngineConfig
 from llmctl.distributed import PipelineStage, TensorParallel, split_layers
 from llmctl.errors import ConfigError
+from llmctl.parallel.watchdog import watch_parent
 
 CONTROL_TIMEOUT = timedelta(days=30)  # idle servers: workers wait this long for the next step
 LAYER_PARTITION_ENV = "LLMCTL_PP_LAYER_PARTITION"  # e.g. "3,2": layers per pipeline stage
@@ -93,6 +94,7 @@ def init_parallel(config: EngineConfig, num_layers: int) -> ParallelContext:
         dist.init_process_group(backend, timeout=CONTROL_TIMEOUT if backend == "gloo" else None,
                                 device_id=device if device.type == "cuda" else None)
         atexit.register(dist.destroy_process_group)  # runs after the driver's stop message (LIFO)
+        watch_parent(int(os.environ.get("RANK", "0")))
     rank, tp_size, pp_size = dist.get_rank(), config.tensor_parallel_size, config.pipeline_parallel_size
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT) if device.type == "cuda" else dist.group.WORLD
     tp_group = None
