@@ -8,6 +8,7 @@ block manager, the sampler and the server are unchanged and live on rank 0 only.
 from __future__ import annotations
 
 import atexit
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from llmctl.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmctl.engine.sequence import Sequence
 from llmctl.models.config import ModelConfig
 from llmctl.parallel.stage import receive_logits, run_stage
-from llmctl.parallel.topology import ParallelContext, init_parallel
+from llmctl.parallel.topology import MICRO_BATCHES_ENV, ParallelContext, init_parallel
 from llmctl.parallel.watchdog import fatal
 from llmctl.parallel.wire import MicroBatch, StepMessage, encode_step
 
@@ -58,13 +59,15 @@ class ParallelRunner:
         self.ctx, self.local = ctx, runner
         self.model = runner.model
         self._stopped = False
+        # Micro-batches per step: as many as stages keeps every stage busy once the pipeline fills.
+        self.micro_batches = int(os.environ.get(MICRO_BATCHES_ENV, ctx.pp_size))
         atexit.register(self.shutdown)
 
     def __getattr__(self, name: str) -> Any:  # kv_cache, block_size, ... of rank 0's shard
         return getattr(self.local, name)
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
-        parts = split_micro_batches(sched, self.ctx.pp_size)
+        parts = split_micro_batches(sched, self.micro_batches)
         micro_batches, prompt_specs = zip(*(self._micro_batch(part) for part in parts))
         message = StepMessage(sched.num_blocks_touched, sched.blocks_to_copy, list(micro_batches))
         try:
