@@ -15,6 +15,8 @@ from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl.layers.rotary import RotaryEmbedding
 from llmctl.models.config import ModelConfig
 
+StageOutput = tuple[torch.Tensor, torch.Tensor]  # (hidden, residual) handed to the next pipeline stage
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel, ops: TorchOps,
@@ -90,14 +92,15 @@ class LlamaModel(nn.Module):
                                      ops=ops)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, tp, ops, method, rotary_emb)
                                     if self.stage.owns_layer(i) else nn.Identity() for i in range(cfg.num_layers))
+        self.stage_layers = list(self.layers)[self.stage.start : self.stage.end]  # a plain list: no per-step slicing
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, ops=ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                intermediate: StageOutput | None = None) -> torch.Tensor | StageOutput:
         """The final hidden states; a pipeline stage other than the last returns ``(hidden, residual)``
         for the next stage, and a stage other than the first starts from the previous one's."""
         hidden, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
-        for layer in self.layers[self.stage.start : self.stage.end]:
+        for layer in self.stage_layers:
             hidden, residual = layer(positions, hidden, residual, meta)
         if not self.stage.is_last:
             return hidden, residual
@@ -125,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                intermediate: StageOutput | None = None) -> torch.Tensor | StageOutput:
         return self.model(input_ids, positions, meta, intermediate)
 
     def process_weights_after_loading(self) -> None:

@@ -77,16 +77,21 @@ class ParallelRunner:
                 logits = receive_logits(self.ctx, message.micro_batches, self.model.config.vocab_size)
         except RuntimeError as exc:  # a peer died or the ranks fell out of step: nothing can continue
             fatal(f"rank 0: a step failed across the ranks ({exc}); stopping every rank")
+        return self._assemble(sched, micro_batches, logits, prompt_specs)
+
+    @staticmethod
+    def _assemble(sched: SchedulerOutput, micro_batches: tuple[MicroBatch, ...], logits: list[torch.Tensor],
+                  prompt_specs: tuple[list[tuple[Sequence, int, int]], ...]) -> ModelOutput:
+        """Each micro-batch's rows are its sampling rows, then its prompt-logprob rows."""
         sampling, prompt_logits = [], []
-        for mb, mb_logits, specs in zip(micro_batches, logits, prompt_specs):
-            num_sampling = mb.logit_rows.numel() - sum(count for _, _, count in specs)
-            sampling.append(mb_logits[:num_sampling])
-            offset = num_sampling
+        for mb, mb_logits, specs in zip(micro_batches, logits, prompt_specs, strict=True):
+            offset = mb.logit_rows.numel() - sum(count for _, _, count in specs)
+            sampling.append(mb_logits[:offset])
             for seq, first_index, count in specs:
                 prompt_logits.append(PromptLogits(seq, first_index, mb_logits[offset : offset + count]))
                 offset += count
         out = torch.cat(sampling)
-        if len(sched.logits_rows) > out.shape[0]:
+        if len(sched.logits_rows) > out.shape[0]:  # n > 1 siblings share their prompt's row
             out = out[torch.tensor(sched.logits_rows, device=out.device)]
         return ModelOutput(out, prompt_logits)
 

@@ -45,7 +45,8 @@ def check_splittable(config: EngineConfig, model_spec: str | None) -> str:
     from llmctl.models.config import ModelConfig
 
     spec = model_spec or config.model
-    what = f"--tensor-parallel-size {config.tensor_parallel_size} --pipeline-parallel-size {config.pipeline_parallel_size}"
+    what = (f"--tensor-parallel-size {config.tensor_parallel_size} "
+            f"--pipeline-parallel-size {config.pipeline_parallel_size}")
     resolved = spec if spec == EMBEDDED_MODEL_NAME else resolve_model(spec)
     if resolved == EMBEDDED_MODEL_NAME or not Path(resolved).is_dir() or resolved.endswith(".gguf"):
         raise ConfigError(f"{what}: needs a Hugging Face model directory (config.json + *.safetensors); "

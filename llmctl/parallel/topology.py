@@ -84,8 +84,9 @@ def init_parallel(config: EngineConfig, num_layers: int) -> ParallelContext:
     (every rank creates every group, in the same order, as torch.distributed requires)."""
     world_size = int(os.environ["WORLD_SIZE"])
     if world_size != config.world_size:
-        raise ConfigError(f"torchrun started {world_size} ranks but --tensor-parallel-size {config.tensor_parallel_size}"
-                          f" x --pipeline-parallel-size {config.pipeline_parallel_size} = {config.world_size}")
+        raise ConfigError(f"torchrun started {world_size} ranks but --tensor-parallel-size "
+                          f"{config.tensor_parallel_size} x --pipeline-parallel-size "
+                          f"{config.pipeline_parallel_size} = {config.world_size}")
     device = config.resolve_device()
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
