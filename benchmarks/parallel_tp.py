@@ -22,7 +22,7 @@ VARIANTS = {  # name -> (extra flags, extra env)
     "TP=1": ((), {}),
     "TP=2": (("--tensor-parallel-size", "2"), {}),
     "PP=2": (("--pipeline-parallel-size", "2"), {}),
-    "PP=2, 1 micro-batch": (("--pipeline-parallel-size", "2"), {"LLMCTL_PP_MICRO_BATCHES": "1"}),
+    "PP=2 (1 micro-batch)": (("--pipeline-parallel-size", "2"), {"LLMCTL_PP_MICRO_BATCHES": "1"}),
 }
 
 
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from VARIANTS")
     args = parser.parse_args()
     if not (args.model_dir / "config.json").is_file():
         make_model(args.model_dir)
