@@ -1,8 +1,12 @@
-"""TP=1 vs TP=2 (and PP=2 with and without micro-batch overlap) on the same 2 cores, interleaved.
+"""TP=1 vs TP=2 (and PP=2 with and without micro-batches) on the same cores, interleaved.
 
 Each variant is one ``llmctl bench`` run (in-process engine; the parallel ones start their ranks
 through torchrun) on a random-weight fp32 Llama built once with transformers. The variants share
 the machine's cores: TP=1 gets all of them as torch threads, each of N ranks gets cores / N.
+A prefill-heavy run (long prompts, few output tokens) shows what micro-batches overlap:
+
+    python benchmarks/parallel_tp.py --input-len 512 --output-len 2 \
+        --variants "PP=2 (split every step),PP=2 (never split)"
 
     python benchmarks/parallel_tp.py [--reps 2] [--model-dir /tmp/llmctl-tp-bench-model]
 """
@@ -18,11 +22,12 @@ import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = {  # name -> (extra flags, extra env)
-    "TP=1": ((), {}),
-    "TP=2": (("--tensor-parallel-size", "2"), {}),
-    "PP=2": (("--pipeline-parallel-size", "2"), {}),
-    "PP=2 (1 micro-batch)": (("--pipeline-parallel-size", "2"), {"LLMCTL_PP_MICRO_BATCHES": "1"}),
+VARIANTS = {  # name -> (extra flags, ranks, extra env)
+    "TP=1": ((), 1, {}),
+    "TP=1 (1 thread)": ((), 2, {}),  # one rank's share of the cores: the per-rank baseline
+    "TP=2": (("--tensor-parallel-size", "2"), 2, {}),
+    "PP=2 (split every step)": (("--pipeline-parallel-size", "2"), 2, {"LLMCTL_PP_MICRO_BATCH_MIN_TOKENS": "1"}),
+    "PP=2 (never split)": (("--pipeline-parallel-size", "2"), 2, {"LLMCTL_PP_MICRO_BATCHES": "1"}),
 }
 
 
@@ -37,14 +42,13 @@ def make_model(path: Path) -> None:
 
 
 def run(model: Path, name: str, args: argparse.Namespace) -> dict:
-    flags, env = VARIANTS[name]
+    flags, ranks, env = VARIANTS[name]
     cores = os.cpu_count() or 1
-    ranks = 2 if flags else 1
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         command = [sys.executable, "-m", "llmctl.cli", "bench", str(model), "--num-prompts", str(args.num_prompts),
                    "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--dtype", "float32",
-                   "--kv-cache-memory", "256MiB", "--json", str(out), *flags]
+                   "--kv-cache-memory", args.kv_cache_memory, "--json", str(out), *flags]
         run_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": str(max(1, cores // ranks)), **env}
         subprocess.run(command, cwd=REPO_ROOT, env=run_env, check=True, capture_output=True)
         return json.loads(out.read_text())["result"]
@@ -58,6 +62,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from VARIANTS")
+    parser.add_argument("--kv-cache-memory", default="256MiB")
     args = parser.parse_args()
     if not (args.model_dir / "config.json").is_file():
         make_model(args.model_dir)

@@ -21,7 +21,13 @@ from llmctl.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmctl.engine.sequence import Sequence
 from llmctl.models.config import ModelConfig
 from llmctl.parallel.stage import receive_logits, run_stage
-from llmctl.parallel.topology import MICRO_BATCHES_ENV, ParallelContext, init_parallel
+from llmctl.parallel.topology import (
+    DEFAULT_MICRO_BATCH_MIN_TOKENS,
+    MICRO_BATCH_MIN_TOKENS_ENV,
+    MICRO_BATCHES_ENV,
+    ParallelContext,
+    init_parallel,
+)
 from llmctl.parallel.watchdog import fatal
 from llmctl.parallel.wire import MicroBatch, StepMessage, encode_step
 
@@ -33,12 +39,13 @@ def start_parallel(config: EngineConfig) -> ParallelContext:
     return init_parallel(config, ModelConfig.from_dir(Path(config.model)).num_layers)
 
 
-def split_micro_batches(sched: SchedulerOutput, count: int) -> list[SchedulerOutput]:
-    """``count`` contiguous slices of the batch with about equal tokens each (prefills stay before
-    decodes, so the concatenated logits keep the batch's row order)."""
+def split_micro_batches(sched: SchedulerOutput, count: int, min_tokens: int = 1) -> list[SchedulerOutput]:
+    """At most ``count`` contiguous slices of the batch, of at least about ``min_tokens`` tokens and
+    about equal tokens each (prefills stay before decodes, so the concatenated logits keep the
+    batch's row order)."""
     items = sched.scheduled
-    count = max(1, min(count, len(items)))
     total = sum(item.num_new_tokens for item in items)
+    count = max(1, min(count, len(items), total // max(1, min_tokens)))
     slices: list[list[ScheduledSeq]] = [[]]
     done = 0
     for i, item in enumerate(items):
@@ -60,14 +67,17 @@ class ParallelRunner:
         self.model = runner.model
         self._stopped = False
         # Micro-batches per step: as many as stages keeps every stage busy once the pipeline fills.
+        # Only steps with enough tokens are split: a decode step is bound by reading the weights,
+        # which each micro-batch does again, so splitting it costs more than the overlap gains.
         self.micro_batches = int(os.environ.get(MICRO_BATCHES_ENV, ctx.pp_size))
+        self.micro_batch_min_tokens = int(os.environ.get(MICRO_BATCH_MIN_TOKENS_ENV, DEFAULT_MICRO_BATCH_MIN_TOKENS))
         atexit.register(self.shutdown)
 
     def __getattr__(self, name: str) -> Any:  # kv_cache, block_size, ... of rank 0's shard
         return getattr(self.local, name)
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
-        parts = split_micro_batches(sched, self.micro_batches)
+        parts = split_micro_batches(sched, self.micro_batches, self.micro_batch_min_tokens)
         micro_batches, prompt_specs = zip(*(self._micro_batch(part) for part in parts))
         message = StepMessage(sched.num_blocks_touched, sched.blocks_to_copy, list(micro_batches))
         try:

@@ -30,6 +30,8 @@ from llmctl.parallel.watchdog import watch_parent
 CONTROL_TIMEOUT = timedelta(days=30)  # idle servers: workers wait this long for the next step
 LAYER_PARTITION_ENV = "LLMCTL_PP_LAYER_PARTITION"  # e.g. "3,2": layers per pipeline stage
 MICRO_BATCHES_ENV = "LLMCTL_PP_MICRO_BATCHES"  # micro-batches per step (default: the number of stages)
+MICRO_BATCH_MIN_TOKENS_ENV = "LLMCTL_PP_MICRO_BATCH_MIN_TOKENS"  # fewer tokens per micro-batch: fewer micro-batches
+DEFAULT_MICRO_BATCH_MIN_TOKENS = 256
 
 
 @dataclass

@@ -52,6 +52,7 @@ def test_micro_batches_keep_the_batch_order_and_balance_tokens():
     assert [p.num_prefill_tokens + p.num_decode_tokens for p in parts] == [12, 8]
     assert len(split_micro_batches(SchedulerOutput(decodes=decodes[:1]), 2)) == 1  # one sequence: no split
     assert [len(p.scheduled) for p in split_micro_batches(SchedulerOutput(decodes=decodes), 3)] == [2, 2, 1]
+    assert len(split_micro_batches(SchedulerOutput(decodes=decodes), 2, min_tokens=4)) == 1  # too few tokens
 
 
 def test_layer_split_is_even_or_explicit():
