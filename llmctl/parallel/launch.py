@@ -2,8 +2,8 @@
 
 An engine command given ``--tensor-parallel-size`` / ``--pipeline-parallel-size`` > 1 outside
 torchrun checks the model can be split (a clear error before any rank starts), then replaces
-itself with torchrun's agent (``python -m torch.distributed.run --standalone``) running the same
-command line once per rank. Under torchrun (that re-run, or a multi-node ``torchrun --nnodes ...``
+itself with torchrun's agent (``python -m llmctl.parallel.agent --standalone``: torchrun with a
+one-line ending) running the same command line once per rank. Under torchrun (that re-run, or a multi-node ``torchrun --nnodes ...``
 invocation) rank 0 runs the command; every other rank is diverted into the worker loop.
 
 The agent is the process the user started: Ctrl-C or SIGTERM reach it, and it stops every rank.
@@ -74,7 +74,7 @@ def relaunch_under_torchrun(world_size: int) -> None:
     local ranks. Never returns."""
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of oversubscribing them
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+    argv = [sys.executable, "-m", "llmctl.parallel.agent", "--standalone", "--nnodes", "1",
             "--nproc-per-node", str(world_size), "--max-restarts", "0", "-m", CLI_MODULE, *sys.argv[1:]]
     sys.stdout.flush()
     sys.stderr.flush()
