@@ -108,7 +108,7 @@ def engine_options(*, panel: str = ENGINE, exclude: tuple[str, ...] = (), defaul
             typed = {o.name: kwargs.pop(o.name) for o in options}
             with exit_on_error():
                 kwargs[config_param] = config = EngineConfig(**{o.name: o.value(typed[o.name]) for o in options})
-                if config.world_size > 1 and not kwargs.get("url"):  # may re-run it under torchrun, or make it a worker
+                if config.world_size > 1 and not kwargs.get("url"):  # re-run under torchrun, or become a worker
                     from llmctl.parallel.launch import divert_parallel_ranks
 
                     if divert_parallel_ranks(config, kwargs.get("model")):

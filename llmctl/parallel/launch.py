@@ -3,8 +3,9 @@
 An engine command given ``--tensor-parallel-size`` / ``--pipeline-parallel-size`` > 1 outside
 torchrun checks the model can be split (a clear error before any rank starts), then replaces
 itself with torchrun's agent (``python -m llmctl.parallel.agent --standalone``: torchrun with a
-one-line ending) running the same command line once per rank. Under torchrun (that re-run, or a multi-node ``torchrun --nnodes ...``
-invocation) rank 0 runs the command; every other rank is diverted into the worker loop.
+one-line ending) running the same command line once per rank. Under torchrun (that re-run, or a
+multi-node ``torchrun --nnodes ...`` invocation) rank 0 runs the command; every other rank is
+diverted into the worker loop.
 
 The agent is the process the user started: Ctrl-C or SIGTERM reach it, and it stops every rank.
 """

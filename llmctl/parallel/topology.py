@@ -84,6 +84,9 @@ def under_torchrun() -> bool:
 def init_parallel(config: EngineConfig, num_layers: int) -> ParallelContext:
     """Join the process group torchrun describes in the environment and build every subgroup
     (every rank creates every group, in the same order, as torch.distributed requires)."""
+    if not under_torchrun():
+        raise ConfigError(f"{config.world_size} ranks need torchrun: run the llmctl command (it starts them), or "
+                          "this program under torchrun (docs/parallelism.md)")
     world_size = int(os.environ["WORLD_SIZE"])
     if world_size != config.world_size:
         raise ConfigError(f"torchrun started {world_size} ranks but --tensor-parallel-size "
