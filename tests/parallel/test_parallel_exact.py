@@ -32,7 +32,8 @@ def model_dirs(hf_model_dirs, stories_dir) -> list[str]:
 def single_process(model_dirs) -> dict[str, dict]:
     results = {}
     for model_dir in model_dirs:
-        engine = LLMEngine(EngineConfig(model=model_dir, skip_tokenizer=True, **ENGINE))
+        # the suite's thread count stays as it is: only the ranks run one thread each
+        engine = LLMEngine(EngineConfig(model=model_dir, skip_tokenizer=True, **{**ENGINE, "num_threads": None}))
         params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
                                  prompt_logprobs=1 if i == 0 else None) for i in range(len(PROMPTS))]
         outputs = engine.generate(PROMPTS, params)

@@ -54,7 +54,7 @@ def test_two_nodes_give_the_single_process_tokens(stories_dir):
     outputs = [node.communicate(timeout=240) for node in nodes]
     for node, (out, err) in zip(nodes, outputs):
         assert node.returncode == 0, err
-    engine = LLMEngine(EngineConfig(model=str(stories_dir), kv_cache_memory=16 << 20, num_threads=1))
+    engine = LLMEngine(EngineConfig(model=str(stories_dir), kv_cache_memory=16 << 20))
     expected = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text
     printed = [out for out, _ in outputs if out.strip()]
     assert len(printed) == 1  # only global rank 0 (on whichever node the rendezvous made it) prints
