@@ -18,13 +18,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGUFReader
 
 from llmctl.errors import ModelLoadError, UnsupportedModelError
 from llmctl.layers.ops import TorchOps
 from llmctl.layers.quantization.formats import PackedWeight
 from llmctl.models import gguf_quants
 from llmctl.models.config import ModelConfig
+from llmctl.models.gguf_reader import read_gguf
 from llmctl.models.gguf_tokenizer import GGUFTokenizerError, build_gguf_tokenizer
 from llmctl.models.llama import LlamaForCausalLM
 from llmctl.models.loader import build_model, load_weights
@@ -54,51 +55,9 @@ _LAYER_TENSORS = {
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-class _TensorInfoError(ValueError):
-    """A tensor-info record the plain reader would fail on without naming the tensor."""
-
-
-class _CheckedReader(GGUFReader):
-    """``GGUFReader`` that names the tensor whose type id is unknown or whose data runs past the
-    end of the file (the plain reader fails on those with a bare numpy or enum error).
-
-    It also slices a plain ``ndarray`` view of the memory map instead of the ``np.memmap`` itself:
-    the reader takes one slice per metadata element (about 250,000 for a 49k-token vocabulary),
-    and each ``np.memmap`` slice runs Python-level subclass hooks, which made opening SmolLM2's
-    file take seconds. The view maps the same pages; nothing is copied."""
-
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-        plain = self.__dict__.get("_plain_data")
-        if plain is None:
-            plain = self._plain_data = self.data.view(np.ndarray)
-        count = int(count)
-        arr = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype)[:count]
-        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
-
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        for field in fields:
-            _, name_data, _, dims, raw_dtype, offset = field.parts
-            name = bytes(name_data).decode("utf-8", "replace")
-            try:
-                qtype = GGMLQuantizationType(int(raw_dtype[0]))
-            except ValueError:
-                raise _TensorInfoError(f"tensor {name!r} has unknown tensor type id {int(raw_dtype[0])}") from None
-            block_size, type_size = GGML_QUANT_SIZES[qtype]
-            end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block_size
-            if end > len(self.data):
-                raise _TensorInfoError(f"tensor {name!r} runs past the end of the file; it is truncated")
-        super()._build_tensors(start_offs, fields)
-
-
 def open_gguf(path: Path) -> GGUFReader:
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: no such GGUF file")
-    try:
-        reader = _CheckedReader(path)
-    except _TensorInfoError as exc:
-        raise ModelLoadError(f"{path}: {exc}") from exc
-    except (ValueError, IndexError, KeyError, TypeError, OSError, OverflowError) as exc:
-        raise ModelLoadError(f"{path}: not a readable GGUF file, it may be corrupt or truncated ({exc})") from exc
+    """The file's reader, once every tensor is of a type llmctl reads."""
+    reader = read_gguf(path)
     for tensor in reader.tensors:
         if tensor.tensor_type not in gguf_quants.SUPPORTED_TYPES:
             supported = ", ".join(t.name for t in gguf_quants.SUPPORTED_TYPES)
