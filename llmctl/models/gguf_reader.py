@@ -107,7 +107,7 @@ class GGUFSummary:
     architecture: str | None
     num_parameters: int
     weight_bytes: int  # the tensors' bytes as stored (quantized blocks included)
-    dtype: str  # tensor types by parameters held, most first: "Q4_1+Q8_0+F32"
+    dtype: str  # the (at most three) tensor types holding most parameters: "Q4_1+Q8_0+F32"
 
 
 def gguf_summary(path: Path) -> GGUFSummary:
@@ -122,4 +122,4 @@ def gguf_summary(path: Path) -> GGUFSummary:
     for tensor in reader.tensors:
         counts[tensor.tensor_type.name] += int(tensor.n_elements)
     return GGUFSummary(architecture, sum(counts.values()), sum(int(t.n_bytes) for t in reader.tensors),
-                       "+".join(name for name, _ in counts.most_common()))
+                       "+".join(name for name, _ in counts.most_common(3)) + ("+…" if len(counts) > 3 else ""))
