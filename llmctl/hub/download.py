@@ -81,8 +81,8 @@ def pull(
     """
     from rich.console import Console
 
-    repo_id, revision = parse_model_ref(split_gguf_tag(ref)[0])
-    tag = split_gguf_tag(ref)[1]
+    untagged, tag = split_gguf_tag(ref)
+    repo_id, revision = parse_model_ref(untagged)
     check_repo_id(repo_id, ref)
     rev = revision or DEFAULT_REVISION
     console = console or Console(stderr=True)
@@ -206,7 +206,7 @@ def _safetensors_files(ctx: "_PullContext", siblings: dict[str, Any], snapshot: 
     if not any(f.endswith(".safetensors") for f in wanted):
         others = sorted(f for f in siblings if f.endswith((".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")))
         found = f" (it has {', '.join(others[:3])})" if others else ""
-        raise HubError(f"{repo_id}@{rev} has no safetensors weights{found}; llmctl loads .safetensors only")
+        raise HubError(f"{repo_id}@{rev} has no safetensors weights{found}; llmctl loads .safetensors or .gguf")
 
     return wanted
 
