@@ -239,7 +239,7 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
     facts.update(tokenizer=engine.tokenizer, llmctl_model=engine.model, label="llmctl",
                  model_label=engine.model_label,
                  settings=f"torch threads: {torch.get_num_threads()} · {platform.machine()}",
-                 engine_options={o.name: getattr(config, o.name) for o in engine_option_list()})
+                 engine_options={o.name: getattr(config, o.name) for o in engine_option_list()}, model_spec=spec)
     return result, timed, facts
 
 
@@ -278,7 +278,7 @@ def _run_baseline(options: BenchOptions, timed: list[BenchRequest], result: RunR
 
     require_transformers()
     model = facts.get("llmctl_model")
-    if model is None or any(hasattr(m, "packed_format") for m in model.modules()):  # packed: not for transformers
+    if model is None or any(getattr(m, "packed_format", None) for m in model.modules()):  # packed: not for transformers
         model = _load_model_weights(facts["model_spec"], options.engine_config.dtype)
     hf = to_hf_model(model)
     # the same work on both sides: each request generates what it generated in the timed run
