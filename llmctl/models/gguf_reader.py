@@ -66,6 +66,8 @@ class CheckedReader(GGUFReader):
         raw = memoryview(plain)
         offs = orig_offs + 12
         for _ in range(int(length[0])):
+            if offs + 8 > len(plain):
+                raise ValueError(f"a string array at offset {orig_offs} runs past the end of the file")
             (size,) = struct.unpack_from("<Q", raw, offs)
             parts.append(plain[offs : offs + 8].view(np.uint64))
             parts.append(plain[offs + 8 : offs + 8 + size])
