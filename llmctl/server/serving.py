@@ -351,16 +351,12 @@ class OpenAIServing:
             for i, out in sorted(generation.final.items()):
                 for c in out.outputs:
                     if req.prompt_only:
-                        c = dataclasses.replace(c, text="", token_ids=[], logprobs=[], top_logprobs=None,
-                                                finish_reason="length", stop_reason=None)
+                        c = _prompt_only(c)
                     choices.append(CompletionChoice(index=i * req.n + c.index, text=echo.get(i, "") + c.text,
                                                     logprobs=self._completion_logprobs(req, out, c, echo.get(i)),
                                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-            usage = generation.usage()
-            if req.prompt_only:
-                usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
             return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                      usage=usage).model_dump()
+                                      usage=_completion_usage(generation, req)).model_dump()
 
         async def stream(generation: Generation) -> AsyncIterator[str]:
             choices: dict[int, _ChoiceStream] = {}
@@ -369,25 +365,29 @@ class OpenAIServing:
                     index = i * req.n + c.index
                     state = choices.get(index) or choices.setdefault(index, _ChoiceStream(
                         self.logprobs.texts(out.prompt_token_ids, params.skip_special_tokens)))
-                    text = c.delta_text if state.started else echo.get(i, "") + c.delta_text
+                    if req.prompt_only:  # the one token sampled is left out: the prompt, once it is scored
+                        if not c.finished:
+                            continue
+                        c = _prompt_only(c)
                     newly_finished = c.finished and not state.finished
                     # A chunk per step that produced tokens, even when they add no text yet (a split
                     # multi-byte character, a held-back stop string prefix), as vLLM does: clients
-                    # time the first token by the first chunk.
-                    if not text and not c.delta_token_ids and not newly_finished:
+                    # time the first token by the first chunk. The echoed prompt leads the first one.
+                    if state.started and not c.delta_text and not c.delta_token_ids and not newly_finished:
                         continue
-                    state.started = True
+                    echoed = None if state.started else echo.get(i)
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs = self.logprobs.completion(c, state.texts, len(c.token_ids))
-                    state.finished = c.finished
+                        generated = self.logprobs.completion(c, state.texts, len(c.token_ids))
+                        logprobs = self._echoed_logprobs(out, echoed, generated, len(echo.get(i, "")))
+                    state.started, state.finished = True, c.finished
                     chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[CompletionChoice(
-                        index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason)])
+                        index=index, text=(echoed or "") + c.delta_text, logprobs=logprobs,
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
                     yield sse(chunk.to_json())
             if req.include_usage:
                 yield sse(CompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                          usage=generation.usage()).to_json())
+                                          usage=_completion_usage(generation, req)).to_json())
             yield SSE_DONE
 
         return await self._run(request, prompts, params, request_id, req.user, respond,
@@ -395,20 +395,24 @@ class OpenAIServing:
 
     def _completion_logprobs(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput,
                              echoed: str | None) -> CompletionLogprobs | None:
-        """A whole choice's logprobs: with ``echo``, the prompt's tokens come first (vLLM's order)
-        and the generated tokens' offsets count from the start of the echoed text."""
+        """A whole choice's logprobs (with ``echo``, the prompt's first)."""
         if req.logprobs is None:
             return None
         generated = self.logprobs.completion(c, self.logprobs.texts(out.prompt_token_ids, req.skip_special_tokens),
                                              len(c.token_ids))
-        if echoed is None:
-            return generated
-        prompt = self.logprobs.prompt(out.prompt_token_ids, out.prompt_logprobs, echoed, True)
+        return self._echoed_logprobs(out, echoed, generated, len(echoed or ""))
+
+    def _echoed_logprobs(self, out: RequestOutput, echoed: str | None, generated: CompletionLogprobs,
+                         echo_len: int) -> CompletionLogprobs:
+        """``generated`` behind the echoed prompt's own logprobs (vLLM's order, when ``echoed`` is
+        given); generated offsets count from the start of the echoed text."""
+        prompt = CompletionLogprobs() if echoed is None else \
+            self.logprobs.prompt(out.prompt_token_ids, out.prompt_logprobs, echoed, True)
         return CompletionLogprobs(
             tokens=prompt.tokens + generated.tokens,
             token_logprobs=prompt.token_logprobs + generated.token_logprobs,
             top_logprobs=prompt.top_logprobs + generated.top_logprobs,
-            text_offset=prompt.text_offset + [len(echoed) + offset for offset in generated.text_offset])
+            text_offset=prompt.text_offset + [echo_len + offset for offset in generated.text_offset])
 
     def _prompt_text(self, prompt_ids: list[int]) -> str:
         return self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
@@ -478,6 +482,19 @@ class OpenAIServing:
 
         return await self._run(request, [prompt], params, request_id, req.user, respond,
                                stream if req.stream else None)
+
+
+def _prompt_only(c: CompletionOutput) -> CompletionOutput:
+    """A choice of a ``max_tokens: 0`` request: the token the engine sampled is left out."""
+    return dataclasses.replace(c, text="", delta_text="", token_ids=[], delta_token_ids=[], logprobs=[],
+                               top_logprobs=None, finish_reason="length", stop_reason=None)
+
+
+def _completion_usage(generation: Generation, req: CompletionRequest) -> Usage:
+    usage = generation.usage()
+    if req.prompt_only:
+        usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
+    return usage
 
 
 # ---- structured outputs and tool calls -------------------------------------------------------------
