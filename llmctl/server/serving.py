@@ -39,8 +39,8 @@ from llmctl.server.protocol import (
     CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails, Usage, bad_request,
 )
 from llmctl.structured.spec import StructuredOutputSpec
-from llmctl.structured.tools import (ParsedDelta, ReplyParser, messages_for_template, reply_parser, template_variables,
-                                     tool_choice_spec)
+from llmctl.structured.tool_calls import ParsedDelta, ReplyParser, reply_parser
+from llmctl.structured.tools import messages_for_template, template_variables, tool_choice_spec
 from llmctl.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -511,16 +511,16 @@ def _assistant_message(text: str, parser: ReplyParser | None, finish_reason: str
                        ) -> tuple[AssistantMessage, str | None]:
     if parser is None:
         return AssistantMessage(content=text), finish_reason
-    first, last = parser.feed(text), parser.finish()
-    calls = [{k: v for k, v in call.items() if k != "index"} for call in first.tool_calls + last.tool_calls]
-    content = first.content + last.content
-    return (AssistantMessage(content=content or (None if calls else ""), tool_calls=calls or None),
-            _tool_finish(finish_reason, bool(calls)))
+    parsed = parser.whole(text)
+    return (AssistantMessage(content=parsed.content or (None if parsed.tool_calls else ""),
+                             tool_calls=parsed.tool_calls or None),
+            _tool_finish(finish_reason, bool(parsed.tool_calls)))
 
 
 def _stream_delta(parser: ReplyParser | None, text: str, finish_reason: str | None,
                   state: _ChoiceStream) -> tuple[DeltaMessage, str | None]:
-    """One chunk's delta: content, or the tool calls that completed (whole, each with its index)."""
+    """One chunk's delta: content, and tool-call deltas (a new call's index, id and name; then its
+    arguments as they are written)."""
     if parser is None:
         return (DeltaMessage(content=text) if text else DeltaMessage()), finish_reason
     parsed = parser.feed(text)
