@@ -41,9 +41,9 @@ def error_response(exc: APIError) -> JSONResponse:
 
 
 class APIKeyMiddleware:
-    """``/v1/*`` and the tokenizer routes need ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open so
-    probes and scrapers need no secret. Plain ASGI (not ``BaseHTTPMiddleware``) so that streamed
-    responses and disconnects pass through untouched."""
+    """``/v1/*`` and the tokenizer routes need ``Authorization: Bearer <key>``; ``/health`` and
+    ``/metrics`` stay open so probes and scrapers need no secret. Plain ASGI (not
+    ``BaseHTTPMiddleware``) so that streamed responses and disconnects pass through untouched."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app

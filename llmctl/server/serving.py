@@ -370,12 +370,12 @@ class OpenAIServing:
                             continue
                         c = _prompt_only(c)
                     newly_finished = c.finished and not state.finished
+                    echoed = None if state.started else echo.get(i)  # the prompt leads the first chunk
                     # A chunk per step that produced tokens, even when they add no text yet (a split
                     # multi-byte character, a held-back stop string prefix), as vLLM does: clients
-                    # time the first token by the first chunk. The echoed prompt leads the first one.
-                    if state.started and not c.delta_text and not c.delta_token_ids and not newly_finished:
+                    # time the first token by the first chunk.
+                    if not echoed and not c.delta_text and not c.delta_token_ids and not newly_finished:
                         continue
-                    echoed = None if state.started else echo.get(i)
                     logprobs = None
                     if req.logprobs is not None:
                         generated = self.logprobs.completion(c, state.texts, len(c.token_ids))

@@ -223,7 +223,9 @@ class CallList(_Calls):
         self.raw = ""  # everything fed: a reply judged whole needs it
         self.buffer = ""
         self.call: _CallObject | None = None
-        self.state = "open"  # -> "between" calls, "object", "held" (judged whole) or "content"
+        # "open" (before "[" or the tag), "next" (a call may start), "object" (a call streams),
+        # "between" (after a call: a separator), "held" (judged whole at the end), "content"
+        self.state = "open"
 
     def feed(self, text: str) -> ParsedDelta:
         self.raw += text
