@@ -156,3 +156,18 @@ def test_token_id_prompts_as_lm_eval_sends_them(client, prompt_ids, hf_logprobs)
     assert full.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
     assert short.logprobs.token_logprobs[1:] == pytest.approx(want[:4], abs=1e-4)
     assert full.text == PROMPT and "".join(short.logprobs.tokens) == short.text
+
+
+def test_tokenizer_endpoints_need_the_api_key_and_match_the_engine(stories_server, prompt_ids):
+    import httpx
+
+    with httpx.Client(base_url=stories_server.url, timeout=60) as http:
+        assert http.post("/tokenize", json={"prompt": PROMPT}).status_code == 401
+        assert http.get("/tokenizer_info").status_code == 401
+        http.headers["Authorization"] = f"Bearer {API_KEY}"
+        body = http.post("/tokenize", json={"prompt": PROMPT}).json()
+        assert body["tokens"] == prompt_ids and body["count"] == len(prompt_ids)  # what a text prompt becomes
+        assert http.post("/detokenize", json={"tokens": prompt_ids}).json()["prompt"].endswith(PROMPT)
+        assert http.post("/tokenize", json={"prompt": PROMPT, "model": "other"}).status_code == 404
+        refused = http.post("/tokenize", json={"prompt": PROMPT, "messages": []})
+        assert refused.status_code == 400 and "either prompt or messages" in refused.json()["error"]["message"]
