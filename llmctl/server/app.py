@@ -27,7 +27,8 @@ from llmctl.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, bad_request,
 )
 from llmctl.server.serving import OpenAIServing, ServerState, sse
-from llmctl.server.tokenization import TOKENIZER_PATHS, add_tokenizer_routes
+from llmctl.server.tokenization import (TOKENIZER_PATHS, DetokenizeRequest, TokenizeRequest, detokenize, tokenize,
+                                        tokenizer_info)
 
 DEFAULT_MAX_QUEUE = 1024
 MAX_BODY_BYTES = 8 << 20  # larger bodies get a 413 (a full-context prompt as token ids is far smaller)
@@ -203,7 +204,17 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str, model_aliase
     async def chat_completions(request: Request) -> Response:
         return await serving.create_chat_completion(await parse_body(request, ChatCompletionRequest), request)
 
-    add_tokenizer_routes(app, serving, parse_body)
+    @app.post("/tokenize", openapi_extra=_request_schema(TokenizeRequest))
+    async def tokenize_route(request: Request) -> JSONResponse:
+        return JSONResponse(tokenize(serving, await parse_body(request, TokenizeRequest)))
+
+    @app.post("/detokenize", openapi_extra=_request_schema(DetokenizeRequest))
+    async def detokenize_route(request: Request) -> JSONResponse:
+        return JSONResponse(detokenize(serving, await parse_body(request, DetokenizeRequest)))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route() -> JSONResponse:
+        return JSONResponse(tokenizer_info(serving))
 
     async def snapshot(max_steps: int) -> dict[str, Any]:
         # the engine lock can be held for a whole step: wait for it off the event loop

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from llmctl.server.protocol import STRICT, ChatMessage, bad_request
@@ -72,19 +70,3 @@ def tokenizer_info(serving: OpenAIServing) -> dict[str, Any]:
             "bos_token": tokenizer.bos_token, "pad_token": None, "eos_token_id": tokenizer.eos_token_id,
             "chat_template": tokenizer.chat_template, "model_max_length": serving.max_model_len,
             "vocab_size": tokenizer.vocab_size}
-
-
-def add_tokenizer_routes(app: FastAPI, serving: OpenAIServing, parse_body: Any) -> None:
-    """Register the three routes; ``parse_body`` is the app's strict JSON body parser."""
-
-    @app.post("/tokenize")
-    async def tokenize_route(request: Request) -> JSONResponse:
-        return JSONResponse(tokenize(serving, await parse_body(request, TokenizeRequest)))
-
-    @app.post("/detokenize")
-    async def detokenize_route(request: Request) -> JSONResponse:
-        return JSONResponse(detokenize(serving, await parse_body(request, DetokenizeRequest)))
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info_route() -> JSONResponse:
-        return JSONResponse(tokenizer_info(serving))
