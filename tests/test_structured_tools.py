@@ -13,8 +13,7 @@ from llmctl.errors import InvalidRequestError
 from llmctl.models.embedded import embedded_tokenizer
 from llmctl.structured import StructuredOutputManager
 from llmctl.structured.tool_calls import ToolCallParser, merge_calls, parse_tool_calls, reply_parser
-from llmctl.structured.tools import (messages_for_template,
-                                     template_variables, tool_choice_spec)
+from llmctl.structured.tools import messages_for_template, template_variables, tool_choice_spec
 from llmctl.tokenizer import Tokenizer
 from test_structured import random_walk
 
