@@ -61,6 +61,9 @@ REPLIES = [
     ('{"answer": 42}\n', '{"answer": 42}\n', []),
     ("Just prose, with <b>tags</b> and a trailing space <tool ", "Just prose, with <b>tags</b> and a trailing space <tool ", []),
     ("  \n", "  \n", []),
+    ('Hi <tool_call>{"name": "get_ti', 'Hi<tool_call>{"name": "get_ti', []),  # a head cut short stays text
+    ('{"name": "get_time", "parameters": {"zone": "utc"}}; {"name": "get_', '{"name": "get_',
+     [("get_time", {"zone": "utc"})]),
 ]
 
 

@@ -287,6 +287,8 @@ class CallList(_Calls):
                 out.content = self.raw
             for name, arguments in whole or []:
                 self._emit(out, name, arguments)
+        elif self.state == "object" and self.call is not None and self.call.name is None:  # a head cut short
+            out.content = self.call.text
         elif self.state != "object" and self.buffer.strip(" \t\r\n;,"):
             out.content = self.buffer
         self.buffer = ""
@@ -368,6 +370,8 @@ class ToolCallParser(_Calls):
     def finish(self) -> ParsedDelta:
         if self.llama is not None:
             return self.llama.finish()
+        if self.state == "object" and self.call is not None and self.call.name is None:  # a head cut short
+            self.state, self.buffer = "held", HERMES_OPEN + self.call.text + self.buffer
         out = ParsedDelta()
         self._drain(out, final=True)
         return out
