@@ -87,6 +87,11 @@ class EngineConfig:
         "quantize a float checkpoint's linear layers while loading (embedding and LM head stay float)."))
     quantization_group_size: int = field(default=64, metadata=cli(
         "--quantization-group-size", "Inputs per int4 scale/zero group: 32, 64 or 128."))
+    tensor_parallel_size: int = field(default=1, metadata=cli(
+        "--tensor-parallel-size --tp", "Ranks that split every layer (attention heads, MLP, vocabulary); "
+        "llmctl starts them through torchrun (docs/parallelism.md)."))
+    pipeline_parallel_size: int = field(default=1, metadata=cli(
+        "--pipeline-parallel-size --pp", "Pipeline stages that split the layers; ranks = TP x PP."))
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -99,8 +104,15 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.quantization not in ("auto", "none", "int8", "int4", "fp8"):
             raise ConfigError(f"unknown quantization {self.quantization!r}; choose auto, none, int8, int4 or fp8")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ConfigError("tensor and pipeline parallel sizes must be at least 1")
         if self.quantization_group_size not in (32, 64, 128):
             raise ConfigError(f"quantization group size must be 32, 64 or 128, got {self.quantization_group_size}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks this engine runs on: tensor-parallel x pipeline-parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def resolve_device(self) -> torch.device:
         import torch
