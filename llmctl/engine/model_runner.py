@@ -38,6 +38,8 @@ class PromptLogits:
 class ModelOutput:
     logits: torch.Tensor  # float32, one row per ``SchedulerOutput.sampling`` sequence, in its order
     prompt_logits: list[PromptLogits] = field(default_factory=list)
+    # float32, ``SchedulerOutput.num_verify_rows`` rows: each verify's draft positions, then its bonus one
+    verify_logits: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -69,9 +71,12 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices = self.prepare(sched)
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
+        verify_logits = None
+        if sched.verifies:  # prepare put the verify rows last
+            logits, verify_logits = logits[: -sched.num_verify_rows], logits[-sched.num_verify_rows :]
         if len(sched.logits_rows) > logits.shape[0]:
             logits = logits[torch.tensor(sched.logits_rows, device=logits.device)]
-        return ModelOutput(logits, self._prompt_logits(sched.prefills, hidden))
+        return ModelOutput(logits, self._prompt_logits(sched.prefills, hidden), verify_logits)
 
     def _prompt_logits(self, prefills: list[ScheduledSeq], hidden: torch.Tensor) -> list[PromptLogits]:
         """Prefill chunks come first in the batch, in order; a chunk's row for position ``p``
@@ -102,12 +107,16 @@ class ModelRunner:
         query_start = [0]
         prefill_lens: list[int] = []
         prefill_tables: list[list[int]] = []
+        verify_indices: list[int] = []
         fresh = True
-        for item in sched.prefills:
+        for item in sched.chunks:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             table = seq.block_table
             input_ids.extend(seq.token_ids[start:end])
+            if item.num_spec_tokens:  # a verify: the pending token, its drafts, logits at every position
+                input_ids.extend(seq.draft_token_ids[: item.num_spec_tokens])
+                verify_indices.extend(range(len(input_ids) - item.num_new_tokens, len(input_ids)))
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_start.append(query_start[-1] + item.num_new_tokens)
@@ -128,13 +137,14 @@ class ModelRunner:
             decode_lens.append(pos + 1)
             decode_tables.append(seq.block_table)
             logits_indices.append(len(input_ids) - 1)
+        logits_indices += verify_indices
 
         def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
         meta = AttentionMetadata(
             slot_mapping=tensor(slots),
-            num_prefills=len(sched.prefills),
+            num_prefills=len(sched.chunks),
             num_prefill_tokens=num_prefill_tokens,
             num_decodes=len(sched.decodes),
             prefill_query_start_loc=tensor(query_start, torch.int32),

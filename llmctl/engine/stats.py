@@ -120,9 +120,10 @@ class EngineStats:
         self.requests_finished[reason] += 1
 
     def record_step(self, sched: SchedulerOutput, outputs: list[RequestOutput], started: float,
-                    num_requests: tuple[int, int]) -> None:
+                    num_requests: tuple[int, int], num_tokens: int | None = None) -> None:
+        """``num_tokens``: tokens generated this step (default: one per sampling sequence)."""
         self.step_count += 1
-        self.generation_tokens_total += len(sched.sampling)
+        self.generation_tokens_total += len(sched.sampling) if num_tokens is None else num_tokens
         record = StepRecord(self.step_count, started, time.time() - started, sched.num_prefill_tokens,
                             sched.num_decode_tokens, len(sched.scheduled), *num_requests, len(sched.preempted))
         self.steps.append(record)
