@@ -135,7 +135,7 @@ def test_stop_strings_inside_an_accepted_run(stories_dir):
 
 
 def test_tiny_pool_preempts_with_speculation_and_matches(llama_dir):
-    prompts = random_prompts(16, VOCAB, 10, 60, seed=5)
+    prompts = random_prompts(10, VOCAB, 30, 60, seed=5)
     expected = make_engine(llama_dir).generate(prompts, greedy(20))
     block_bytes = 2 * 2 * 2 * 16 * 16 * 4
     for model in ("ngram", str(llama_dir)):
@@ -146,14 +146,15 @@ def test_tiny_pool_preempts_with_speculation_and_matches(llama_dir):
 
 
 def test_sampling_with_speculation_finishes_and_returns_every_block(llama_dir, other_llama):
-    prompts = random_prompts(8, VOCAB, 5, 30, seed=8)
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=20, ignore_eos=True) for i in range(8)]
+    prompts = random_prompts(4, VOCAB, 5, 30, seed=8) + [[60, 61] * 9]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True) for i in range(5)]
     for model in (str(llama_dir), str(other_llama), "ngram"):
         engine = make_engine(llama_dir, speculative_model=model, ngram_prompt_lookup_min=1)
         out = run_checked(engine, prompts, params)
-        assert [len(t) for t in out] == [20] * 8
-        again = make_engine(llama_dir, speculative_model=model, ngram_prompt_lookup_min=1).generate(prompts, params)
-        assert [o.outputs[0].token_ids for o in again] == out  # seeded: reproducible
+        assert [len(t) for t in out] == [12] * 5
+        assert engine.speculator.counters.num_drafted > 0
+    again = make_engine(llama_dir, speculative_model="ngram", ngram_prompt_lookup_min=1).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in again] == out  # seeded: reproducible
 
 
 def test_abort_while_speculating_returns_every_block(llama_dir, prompts):
