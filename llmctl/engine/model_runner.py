@@ -107,16 +107,12 @@ class ModelRunner:
         query_start = [0]
         prefill_lens: list[int] = []
         prefill_tables: list[list[int]] = []
-        verify_indices: list[int] = []
         fresh = True
-        for item in sched.chunks:
+        for item in sched.prefills:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             table = seq.block_table
             input_ids.extend(seq.token_ids[start:end])
-            if item.num_spec_tokens:  # a verify: the pending token, its drafts, logits at every position
-                input_ids.extend(seq.draft_token_ids[: item.num_spec_tokens])
-                verify_indices.extend(range(len(input_ids) - item.num_new_tokens, len(input_ids)))
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_start.append(query_start[-1] + item.num_new_tokens)
@@ -137,16 +133,24 @@ class ModelRunner:
             decode_lens.append(pos + 1)
             decode_tables.append(seq.block_table)
             logits_indices.append(len(input_ids) - 1)
-        logits_indices += verify_indices
+        for item in sched.verifies:  # speculative decoding: one decode row per token, logits at each
+            seq, first = item.seq, item.seq.num_computed_tokens
+            input_ids += [seq.token_ids[first]] + seq.draft_token_ids[: item.num_spec_tokens]
+            for pos in range(first, first + item.num_new_tokens):
+                positions.append(pos)
+                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+                decode_lens.append(pos + 1)  # a row sees its own position and before: the causal mask
+                decode_tables.append(seq.block_table)
+        logits_indices += range(len(input_ids) - sched.num_verify_rows, len(input_ids))
 
         def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
         meta = AttentionMetadata(
             slot_mapping=tensor(slots),
-            num_prefills=len(sched.chunks),
+            num_prefills=len(sched.prefills),
             num_prefill_tokens=num_prefill_tokens,
-            num_decodes=len(sched.decodes),
+            num_decodes=len(decode_lens),
             prefill_query_start_loc=tensor(query_start, torch.int32),
             prefill_seq_lens=tensor(prefill_lens, torch.int32),
             prefill_block_tables=self.block_table_tensor(prefill_tables),

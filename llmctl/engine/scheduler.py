@@ -70,7 +70,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     prefills: list[ScheduledSeq] = field(default_factory=list)
     decodes: list[ScheduledSeq] = field(default_factory=list)
-    # speculative decodes: the pending token plus draft tokens, laid out as chunks after the prefills
+    # speculative decodes: the pending token plus draft tokens, one decode row each, after the decodes
     verifies: list[ScheduledSeq] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -83,14 +83,10 @@ class SchedulerOutput:
     forks: list[tuple[Sequence, list[Sequence]]] = field(default_factory=list)
 
     @property
-    def chunks(self) -> list[ScheduledSeq]:
-        """The multi-token queries over a sequence's cached K/V: prefill chunks, then verifies."""
-        return self.prefills + self.verifies
-
-    @property
     def scheduled(self) -> list[ScheduledSeq]:
-        """Chunks first, then decodes: the layout the model runner and attention expect."""
-        return self.prefills + self.verifies + self.decodes
+        """Prefill chunks first, then decodes, then verifies: the layout the model runner and
+        attention expect."""
+        return self.prefills + self.decodes + self.verifies
 
     @property
     def num_verify_rows(self) -> int:
