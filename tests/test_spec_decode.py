@@ -12,12 +12,15 @@ import pytest
 import torch
 from model_factory import make_hf_model, random_prompts
 
+from llmctl.engine.async_engine import AsyncEngine
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.errors import ConfigError
 from llmctl.sampling_params import SamplingParams
+from llmctl.server.metrics import ServerMetrics
 from llmctl.spec.ngram import propose_ngram
 from llmctl.spec.rejection import accept_sampled
 from llmctl.structured import StructuredOutputSpec
+from llmctl.tui.panels import spec_decode_text
 
 VOCAB = 320
 
@@ -199,6 +202,10 @@ def test_speculation_shows_in_counters_and_snapshot(llama_dir, prompts):
     section = engine.stats_snapshot()["spec_decode"]
     assert section["acceptance_rate"] == 1.0 and section["mean_accepted_length"] == 3.0
     assert make_engine(llama_dir).stats_snapshot()["spec_decode"] is None
+    exposition = ServerMetrics(AsyncEngine(engine), "m").exposition().decode()
+    drafted = counters.spec_num_draft_tokens
+    assert f'llmctl:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(drafted)}' in exposition
+    assert "100.0% accepted, 3.00 tok/verify" in spec_decode_text(section).plain
 
 
 # ---- the rejection sampler ---------------------------------------------------------------------

@@ -348,7 +348,7 @@ class Scheduler:
 
     # ---- after the model ran -----------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int],
-                           verified_token_ids: list[list[int]] = ()) -> None:
+                           verified_token_ids: list[list[int]] | None = None) -> None:
         """Book the step the model ran: the K/V it computed (newly full blocks go to the prefix
         cache), the ``n > 1`` forks, one sampled token per ``out.sampling`` sequence, the tokens
         each of ``out.verifies`` got (its accepted drafts and one more), and the end of those that
@@ -363,7 +363,7 @@ class Scheduler:
             seq.token_ids.append(token)
             if (reason := self._end_reason(seq, token)) is not None:
                 self.finish(seq, reason)
-        for item, tokens in zip(out.verifies, verified_token_ids, strict=True):
+        for item, tokens in zip(out.verifies, verified_token_ids or [], strict=True):
             self._book_verified(item.seq, tokens)
 
     def _book_verified(self, seq: Sequence, tokens: list[int]) -> None:
