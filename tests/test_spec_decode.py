@@ -240,3 +240,31 @@ def test_rejection_sampling_keeps_the_target_distribution(one_hot):
     assert (second - target[1]).abs().max() < 0.025, second  # given the first draft was kept
     wrong = torch.tensor([1.0, 0, 0, 0, 0]) if one_hot else draft[0]
     assert (wrong - target[0]).abs().sum() / 2 > 0.45
+
+
+def test_bench_reports_the_acceptance_rate(llama_dir):
+    import asyncio
+
+    from llmctl.bench.datasets import BenchRequest
+    from llmctl.bench.metrics import summarize
+    from llmctl.bench.report import BenchReport, _rows, report_dict
+    from llmctl.bench.runner import InProcessTarget, run_load
+
+    engine = make_engine(llama_dir, speculative_model=str(llama_dir), num_speculative_tokens=3)
+    requests = [BenchRequest(p, len(p), 9) for p in random_prompts(3, VOCAB, 4, 12, seed=2)]
+
+    async def run():
+        async_engine = AsyncEngine(engine).start()
+        try:
+            return await run_load(InProcessTarget(async_engine, ignore_eos=True), requests, concurrency=3)
+        finally:
+            async_engine.shutdown()
+
+    result = asyncio.run(run())
+    assert summarize(result.records).output_tokens == 27
+    stats = result.engine_stats
+    assert stats.spec_acceptance_rate == 1.0 and stats.spec_mean_accepted_length == 4.0  # 1 + 3 drafts a step
+    report = BenchReport("llmctl", summarize(result.records), stats)
+    assert report_dict([report], {})["result"]["engine"]["spec_acceptance_rate"] == 1.0
+    rows = {row.label: row.values for row in _rows([report]) if row is not None}
+    assert rows["Spec. decode acceptance (%)"] == [100.0] and rows["Spec. decode tokens per verify"] == [4.0]
