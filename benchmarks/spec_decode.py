@@ -7,7 +7,7 @@ machine; ``tok_s`` is output tokens / wall time of the whole request (median of 
 token ids must be identical. Also records the acceptance rate, the CPU and the load average.
 
     python benchmarks/spec_decode.py [--model smollm2-135m] [--speculative-model ngram] \\
-        [--num-speculative-tokens 4] [--tokens 256] [--rounds 5] [--out spec_decode.json]
+        [--num-speculative-tokens 4] [--tokens 256] [--rounds 5] [--threads N] [--out spec_decode.json]
 """
 
 from __future__ import annotations
@@ -54,13 +54,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256, help="most output tokens (EOS ends a run earlier)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     args = parser.parse_args()
 
     from llmctl.engine.llm_engine import LLMEngine
     from llmctl.sampling_params import SamplingParams
 
-    common = dict(model=args.model, dtype=args.dtype, max_num_seqs=4, kv_cache_memory=256 << 20, max_model_len=2048)
+    common = dict(model=args.model, dtype=args.dtype, max_num_seqs=4, kv_cache_memory=256 << 20, max_model_len=2048,
+                  num_threads=args.threads)
     engines = {"plain": LLMEngine(**common),
                "spec": LLMEngine(**common, speculative_model=args.speculative_model,
                                  num_speculative_tokens=args.num_speculative_tokens)}
