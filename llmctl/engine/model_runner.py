@@ -124,16 +124,7 @@ class ModelRunner:
         num_prefill_tokens = len(input_ids)
         decode_lens: list[int] = []
         decode_tables: list[list[int]] = []
-        for item in sched.decodes:
-            seq = item.seq
-            pos = seq.num_computed_tokens
-            input_ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-            decode_lens.append(pos + 1)
-            decode_tables.append(seq.block_table)
-            logits_indices.append(len(input_ids) - 1)
-        for item in sched.verifies:  # speculative decoding: one decode row per token, logits at each
+        for item in sched.decodes + sched.verifies:  # a verify: one decode row per token, its drafts after
             seq, first = item.seq, item.seq.num_computed_tokens
             input_ids += [seq.token_ids[first]] + seq.draft_token_ids[: item.num_spec_tokens]
             for pos in range(first, first + item.num_new_tokens):
@@ -141,6 +132,7 @@ class ModelRunner:
                 slots.append(seq.block_table[pos // bs] * bs + pos % bs)
                 decode_lens.append(pos + 1)  # a row sees its own position and before: the causal mask
                 decode_tables.append(seq.block_table)
+        logits_indices += range(num_prefill_tokens, num_prefill_tokens + len(sched.decodes))
         logits_indices += range(len(input_ids) - sched.num_verify_rows, len(input_ids))
 
         def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
