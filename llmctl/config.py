@@ -99,6 +99,11 @@ class EngineConfig:
         "--ngram-prompt-lookup-max", "Longest n-gram matched by --speculative-model ngram (tried first)."))
     ngram_prompt_lookup_min: int = field(default=2, metadata=cli(
         "--ngram-prompt-lookup-min", "Shortest n-gram matched by --speculative-model ngram."))
+    tensor_parallel_size: int = field(default=1, metadata=cli(
+        "--tensor-parallel-size --tp", "Ranks that split every layer (attention heads, MLP, vocabulary); "
+        "llmctl starts them through torchrun (docs/parallelism.md)."))
+    pipeline_parallel_size: int = field(default=1, metadata=cli(
+        "--pipeline-parallel-size --pp", "Pipeline stages that split the layers; ranks = TP x PP."))
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -111,13 +116,23 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.quantization not in ("auto", "none", "int8", "int4", "fp8"):
             raise ConfigError(f"unknown quantization {self.quantization!r}; choose auto, none, int8, int4 or fp8")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ConfigError("tensor and pipeline parallel sizes must be at least 1")
         if self.quantization_group_size not in (32, 64, 128):
             raise ConfigError(f"quantization group size must be 32, 64 or 128, got {self.quantization_group_size}")
+        if self.speculative_model is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError("--speculative-model runs on one rank: it cannot be combined with tensor or "
+                              "pipeline parallelism yet")
         if self.speculative_model is not None and self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max:
             raise ConfigError("ngram prompt lookup needs 1 <= --ngram-prompt-lookup-min <= --ngram-prompt-lookup-max, "
                               f"got {self.ngram_prompt_lookup_min} and {self.ngram_prompt_lookup_max}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks this engine runs on: tensor-parallel x pipeline-parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def resolve_device(self) -> torch.device:
         import torch

@@ -52,11 +52,21 @@ class LLMEngine:
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.ops = select_ops(config.attention_backend, self.device)
-        self.model, self.tokenizer, self.model_label = self._load(config, self.ops)
+        self.parallel = None  # rank 0 of a torchrun job: this engine drives the other ranks (llmctl.parallel)
+        if config.world_size > 1:
+            from llmctl.parallel.driver import start_parallel
+
+            self.parallel = start_parallel(config)
+        self.model, self.tokenizer, self.model_label = self._load(
+            config, self.ops, self.parallel.shard_kwargs() if self.parallel else {})
         self.dtype = self.model.model.norm.weight.dtype  # the activation/KV dtype (weights may be packed)
         num_blocks, self.max_model_len = self._size_kv_pool()
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
                                   device=self.device, kv_dtype=self.dtype)
+        if self.parallel is not None:
+            from llmctl.parallel.driver import ParallelRunner
+
+            self.runner = ParallelRunner(self.parallel, self.runner)
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:  # every prompt must fit one step whole
             budget = max(budget, self.max_model_len)
@@ -94,6 +104,8 @@ class LLMEngine:
         pool_bytes = resolve_kv_cache_bytes(config, self.device)
         block_bytes = kv_block_bytes(self.model, config.block_size, self.dtype)
         num_blocks = pool_bytes // block_bytes
+        if self.parallel is not None:  # every rank must hold the blocks this scheduler hands out
+            num_blocks = self.parallel.agree_min(num_blocks)
         capacity = num_blocks * config.block_size
         model_limit = cfg.max_position_embeddings
         if cfg.sliding_window:  # attention here is full-context; stay inside the window where both agree
@@ -109,7 +121,8 @@ class LLMEngine:
         return num_blocks, max_model_len
 
     @staticmethod
-    def _load(config: EngineConfig, ops: Any) -> tuple[Any, Tokenizer | None, str]:
+    def _load(config: EngineConfig, ops: Any, shard: dict[str, Any]) -> tuple[Any, Tokenizer | None, str]:
+        """``shard``: this rank's tensor-parallel group and pipeline stage (empty: the whole model)."""
         device = config.resolve_device()
         if config.model == EMBEDDED_MODEL_NAME:
             model, tokenizer = load_embedded(dtype=config.dtype, device=device, ops=ops)
@@ -129,7 +142,7 @@ class LLMEngine:
             )
         quantization = "none" if config.quantization == "auto" else config.quantization  # a float checkpoint
         model = load_model(model_dir, dtype=config.dtype, device=device, ops=ops, quantization=quantization,
-                           quantization_group_size=config.quantization_group_size)
+                           quantization_group_size=config.quantization_group_size, **shard)
         tokenizer = None if config.skip_tokenizer else Tokenizer.from_dir(Path(config.tokenizer or model_dir))
         return model, tokenizer, config.model_name or str(config.model)
 

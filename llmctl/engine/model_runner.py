@@ -63,11 +63,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         """Runs one step; returns float32 logits for each ``sched.sampling`` sequence (``n > 1``
         siblings share their prompt's row), plus the prompt positions' logits where asked for."""
-        if sched.num_blocks_touched > self.num_blocks_zeroed:
-            self.kv_cache[:, :, self.num_blocks_zeroed : sched.num_blocks_touched].zero_()
-            self.num_blocks_zeroed = sched.num_blocks_touched
-        if sched.blocks_to_copy:
-            self.copy_blocks(sched.blocks_to_copy)
+        self.ready_blocks(sched.num_blocks_touched, sched.blocks_to_copy)
         input_ids, positions, meta, logits_indices = self.prepare(sched)
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
@@ -77,6 +73,15 @@ class ModelRunner:
         if len(sched.logits_rows) > logits.shape[0]:
             logits = logits[torch.tensor(sched.logits_rows, device=logits.device)]
         return ModelOutput(logits, self._prompt_logits(sched.prefills, hidden), verify_logits)
+
+    def ready_blocks(self, num_blocks_touched: int, blocks_to_copy: list[tuple[int, int]]) -> None:
+        """Zero the blocks handed out for the first time and do the step's copy-on-write copies
+        (tensor-parallel workers call this with what rank 0's scheduler decided)."""
+        if num_blocks_touched > self.num_blocks_zeroed:
+            self.kv_cache[:, :, self.num_blocks_zeroed : num_blocks_touched].zero_()
+            self.num_blocks_zeroed = num_blocks_touched
+        if blocks_to_copy:
+            self.copy_blocks(blocks_to_copy)
 
     def _prompt_logits(self, prefills: list[ScheduledSeq], hidden: torch.Tensor) -> list[PromptLogits]:
         """Prefill chunks come first in the batch, in order; a chunk's row for position ``p``
