@@ -129,7 +129,7 @@ def build_speculator(engine: LLMEngine) -> Speculator | None:
         return Speculator(proposer, engine.sampler, NGRAM)
     draft_config = dataclasses.replace(config, model=config.speculative_model, model_name=None, tokenizer=None,
                                        speculative_model=None)
-    draft, draft_tokenizer, label = engine._load(draft_config, engine.ops)
+    draft, draft_tokenizer, label = engine._load(draft_config, engine.ops, {})  # the whole model, one rank
     _check_vocabulary(engine, draft, draft_tokenizer, label)
     runner = ModelRunner(draft, num_blocks=engine.block_manager.num_blocks, block_size=config.block_size,
                          device=engine.device, kv_dtype=draft.model.norm.weight.dtype)
