@@ -87,6 +87,18 @@ class EngineConfig:
         "quantize a float checkpoint's linear layers while loading (embedding and LM head stay float)."))
     quantization_group_size: int = field(default=64, metadata=cli(
         "--quantization-group-size", "Inputs per int4 scale/zero group: 32, 64 or 128."))
+    # ---- speculative decoding (llmctl/spec/) ----
+    speculative_model: str | None = field(default=None, metadata=cli(
+        "--speculative-model", "Draft tokens to verify in one forward: 'ngram' (prompt lookup: the tokens that "
+        "followed the latest n-gram earlier in prompt + output), or a small draft model sharing the target's "
+        "tokenizer (a directory, .gguf file or short name). Greedy output is unchanged; sampling keeps its "
+        "distribution (rejection sampling)."))
+    num_speculative_tokens: int = field(default=4, metadata=cli(
+        "--num-speculative-tokens", "Draft tokens proposed per sequence per step (with --speculative-model)."))
+    ngram_prompt_lookup_max: int = field(default=4, metadata=cli(
+        "--ngram-prompt-lookup-max", "Longest n-gram matched by --speculative-model ngram (tried first)."))
+    ngram_prompt_lookup_min: int = field(default=2, metadata=cli(
+        "--ngram-prompt-lookup-min", "Shortest n-gram matched by --speculative-model ngram."))
     tensor_parallel_size: int = field(default=1, metadata=cli(
         "--tensor-parallel-size --tp", "Ranks that split every layer (attention heads, MLP, vocabulary); "
         "llmctl starts them through torchrun (docs/parallelism.md)."))
@@ -108,6 +120,14 @@ class EngineConfig:
             raise ConfigError("tensor and pipeline parallel sizes must be at least 1")
         if self.quantization_group_size not in (32, 64, 128):
             raise ConfigError(f"quantization group size must be 32, 64 or 128, got {self.quantization_group_size}")
+        if self.speculative_model is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError("--speculative-model runs on one rank: it cannot be combined with tensor or "
+                              "pipeline parallelism yet")
+        if self.speculative_model is not None and self.num_speculative_tokens < 1:
+            raise ConfigError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max:
+            raise ConfigError("ngram prompt lookup needs 1 <= --ngram-prompt-lookup-min <= --ngram-prompt-lookup-max, "
+                              f"got {self.ngram_prompt_lookup_min} and {self.ngram_prompt_lookup_max}")
 
     @property
     def world_size(self) -> int:

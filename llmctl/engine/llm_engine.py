@@ -39,6 +39,7 @@ from llmctl.models.embedded import EMBEDDED_LABEL, EMBEDDED_MODEL_NAME, load_emb
 from llmctl.models.gguf_files import resolve_gguf_spec
 from llmctl.models.loader import load_model
 from llmctl.sampling_params import SamplingParams
+from llmctl.spec.speculator import build_speculator
 from llmctl.structured import CompiledGrammar, StructuredOutputManager
 from llmctl.tokenizer import Tokenizer
 
@@ -77,8 +78,12 @@ class LLMEngine:
             num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            enable_prefix_caching=config.enable_prefix_caching, eos_token_ids=self.eos_token_ids))
+            enable_prefix_caching=config.enable_prefix_caching, eos_token_ids=self.eos_token_ids,
+            num_speculative_tokens=config.num_speculative_tokens if config.speculative_model else 0))
         self.sampler = Sampler(config.seed, self.device, frozenset(self.eos_token_ids))
+        self.speculator = build_speculator(self)  # --speculative-model (llmctl/spec/), else None
+        if self.speculator is not None:
+            self.scheduler.propose_drafts = self.speculator.lookahead
         self._structured_outputs: StructuredOutputManager | None = None
         self._structured_lock = threading.Lock()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -243,12 +248,21 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        sampled = self.sampler.sample(self.runner.execute(sched), sched.sampling)
-        self.scheduler.update_from_output(sched, sampled.token_ids)
-        processed = self.output_processor.process(sched.sampling, sampled, time.time())
+        if sched.verifies:  # speculative decoding: the draft model proposes now (n-gram did while scheduling)
+            self.speculator.propose(sched)
+        output = self.runner.execute(sched)
+        sampled = self.sampler.sample(output, sched.sampling)
+        seqs = sched.sampling
+        if sched.verifies:
+            verified = self.speculator.verify(sched, output.verify_logits)
+            self.scheduler.update_from_output(sched, sampled.token_ids, verified.token_ids)
+            seqs, sampled = self.speculator.rows(sched, sampled, verified)
+        else:
+            self.scheduler.update_from_output(sched, sampled.token_ids)
+        processed = self.output_processor.process(seqs, sampled, time.time())
         for seq, reason in processed.to_finish:  # stop strings, and requests whose output failed
             self.scheduler.finish(seq, reason)
-        self.stats.record_step(sched, processed.outputs, started, self.scheduler.num_requests())
+        self.stats.record_step(sched, processed.outputs, started, self.scheduler.num_requests(), len(seqs))
         return processed.outputs
 
     # ---- offline ------------------------------------------------------------------------------
