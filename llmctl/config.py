@@ -25,6 +25,7 @@ GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * GiB
 DEFAULT_CUDA_MEMORY_FRACTION = 0.90
 CLI_METADATA_KEY = "llmctl.cli"
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "kivi2", "kivi4")  # kernels/kv_quant.py implements them
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,12 @@ class EngineConfig:
         "quantize a float checkpoint's linear layers while loading (embedding and LM head stay float)."))
     quantization_group_size: int = field(default=64, metadata=cli(
         "--quantization-group-size", "Inputs per int4 scale/zero group: 32, 64 or 128."))
+    kv_cache_dtype: str = field(default="auto", metadata=cli(
+        "--kv-cache-dtype", "auto | fp8_e4m3 | fp8_e5m2 | int8 | kivi2 | kivi4. auto: the model dtype; fp8/int8: "
+        "a scale per token and KV head; kivi2/kivi4: KIVI 2/4-bit codes, keys per channel over each block, values "
+        "per token over --kv-quant-group-size channels, the open (last, partial) block in full precision."))
+    kv_quant_group_size: int = field(default=32, metadata=cli(
+        "--kv-quant-group-size", "KIVI: value channels per scale/zero group (KIVI's default 32; capped at head_dim)."))
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -99,6 +106,10 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.quantization not in ("auto", "none", "int8", "int4", "fp8"):
             raise ConfigError(f"unknown quantization {self.quantization!r}; choose auto, none, int8, int4 or fp8")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"unknown KV cache dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_quant_group_size not in (8, 16, 32, 64, 128):
+            raise ConfigError(f"KV quant group size must be 8, 16, 32, 64 or 128, got {self.kv_quant_group_size}")
         if self.quantization_group_size not in (32, 64, 128):
             raise ConfigError(f"quantization group size must be 32, 64 or 128, got {self.quantization_group_size}")
 
