@@ -68,10 +68,12 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 def _minmax_codes(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric codes of ``x`` given its group minimum/maximum (broadcastable). Scale and zero
-    are rounded to float16 *before* the codes are taken, so dequantization uses what was stored."""
+    are rounded to float16 *before* the codes are taken, so dequantization uses what was stored;
+    they saturate at float16's range (|x| > 65504 loses precision there but never becomes inf)."""
     levels = (1 << bits) - 1
-    scale = ((hi - lo) / levels).to(torch.float16)
-    zero = lo.to(torch.float16)
+    fmax = torch.finfo(torch.float16).max
+    scale = ((hi - lo) / levels).clamp(max=fmax).to(torch.float16)
+    zero = lo.clamp(-fmax, fmax).to(torch.float16)
     s = scale.float()
     q = ((x - zero.float()) / torch.where(s > 0, s, 1.0)).round().clamp(0, levels).to(torch.uint8)
     return q, scale, zero
