@@ -121,3 +121,21 @@ def decode_attention_dense(query: torch.Tensor, keys: torch.Tensor, values: torc
         enable_gqa=query.shape[1] != keys.shape[2],
     )
     return out.squeeze(2)
+
+
+def attend_causal_kivi(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, exact_keys: torch.Tensor,
+                       exact_values: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """Causal attention of the last ``len(query)`` positions as KIVI decoding would have seen them:
+    query ``p`` reads its own block in full precision (``exact_*``) unless ``p`` completes it, and
+    every earlier block dequantized (``keys``/``values``, all ``[L, Hkv, D]``)."""
+    q_len, kv_len = query.shape[0], keys.shape[0]
+    group = query.shape[1] // keys.shape[1]
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
+    kv_pos = torch.arange(kv_len, device=query.device)[None, :]
+    exact = (kv_pos // block_size == q_pos // block_size) & (q_pos % block_size != block_size - 1)
+    k, v, ek, ev = (t.float().repeat_interleave(group, dim=1) for t in (keys, values, exact_keys, exact_values))
+    q = query.float()
+    scores = torch.where(exact, torch.einsum("qhd,khd->hqk", q, ek), torch.einsum("qhd,khd->hqk", q, k)) * scale
+    probs = torch.softmax(scores.masked_fill(kv_pos > q_pos, float("-inf")), dim=-1)
+    out = torch.einsum("hqk,khd->qhd", probs * ~exact, v) + torch.einsum("hqk,khd->qhd", probs * exact, ev)
+    return out.to(query.dtype)

@@ -103,11 +103,13 @@ def test_pack_unpack_roundtrip(bits):
 # data; real K/V quantize far better, see the perplexity figures); bounds leave ~1.5-2x room.
 ATTN_REL_BOUND = {"fp8_e4m3": 0.06, "fp8_e5m2": 0.12, "int8": 0.025, "kivi4": 0.12, "kivi2": 0.45}
 BLOCK, HKV, HQ, D = 8, 2, 4, 32
+SCALE = 1 / math.sqrt(D)
 
 
-def fill_cache(kind: str, lens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]):
-    """A pool holding each sequence's K/V through the engine's own step plan (KIVI: full blocks
-    quantized, the open block in the residual), one token per step like decoding."""
+def fill_cache(kind: str, lens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], upto: list[int]):
+    """A pool holding each sequence's first ``upto[i]`` tokens of K/V, stored through the engine's
+    own step plan one token per step like decoding (KIVI: full blocks quantized, the open block
+    in the residual). Returns the layer view, the padded block table and the slot of each token."""
     fmt = KVFormat(kind, 1, HKV, D, BLOCK, torch.float32, group_size=16)
     blocks_per_seq = [-(-n // BLOCK) for n in lens]
     cache = QuantizedKVCache(fmt, sum(blocks_per_seq) + 1, len(lens), torch.device("cpu"))
@@ -116,63 +118,94 @@ def fill_cache(kind: str, lens: list[int], keys: list[torch.Tensor], values: lis
     for n in blocks_per_seq:
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
+    slots = [[t[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)] for t, n in zip(tables, lens)]
     layer = cache.layer(0)
-    for pos in range(max(lens)):
-        seqs = [i for i, n in enumerate(lens) if pos < n]
-        slots = [tables[i][pos // BLOCK] * BLOCK + pos % BLOCK for i in seqs]
-        cache.begin_step(slots)
+    for pos in range(max(upto)):
+        seqs = [i for i, n in enumerate(upto) if pos < n]
+        step = [slots[i][pos] for i in seqs]
+        cache.begin_step(step)
         layer.store(torch.stack([keys[i][pos] for i in seqs]), torch.stack([values[i][pos] for i in seqs]),
-                    torch.tensor(slots))
+                    torch.tensor(step))
     width = max(blocks_per_seq)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    return layer, table
+    return layer, table, slots
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("kind", QUANTIZED)
-def test_attention_over_quantized_cache_error_bound(kind):
-    torch.manual_seed(0)
-    lens = [5, 8, 19, 33]  # inside one block, exactly one block, open last blocks
+def random_kv(lens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     keys = [torch.randn(n, HKV, D) for n in lens]
     for k in keys:
         k[..., 3] += 6  # an outlier channel (KIVI's reason to group keys per channel)
-    values = [torch.randn(n, HKV, D) for n in lens]
-    layer, table = fill_cache(kind, lens, keys, values)
-    scale = 1 / math.sqrt(D)
+    return keys, [torch.randn(n, HKV, D) for n in lens]
 
-    # decode: the last token of every sequence
-    query = torch.randn(len(lens), HQ, D)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
+
+LENS = [5, 8, 19, 33]  # inside one block, exactly one block, open last blocks
+
+
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_decode_over_quantized_cache_error_bound(kind):
+    torch.manual_seed(0)
+    keys, values = random_kv(LENS)
+    layer, table, slots = fill_cache(kind, LENS, keys, values, [n - 1 for n in LENS])
+    query = torch.randn(len(LENS), HQ, D)
     meta = AttentionMetadata(
-        slot_mapping=torch.full((len(lens),), -1), num_prefills=0, num_prefill_tokens=0, num_decodes=len(lens),
-        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32), prefill_seq_lens=torch.zeros(0, dtype=torch.int32),
-        prefill_block_tables=torch.zeros(0, 1, dtype=torch.int32), prefill_is_fresh=False,
-        decode_seq_lens=seq_lens, decode_block_tables=table, max_decode_seq_len=max(lens))
+        slot_mapping=torch.tensor([s[-1] for s in slots]), num_prefills=0, num_prefill_tokens=0,
+        num_decodes=len(LENS), prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
+        prefill_seq_lens=torch.zeros(0, dtype=torch.int32), prefill_block_tables=torch.zeros(0, 1, dtype=torch.int32),
+        prefill_is_fresh=False, decode_seq_lens=torch.tensor(LENS, dtype=torch.int32), decode_block_tables=table,
+        max_decode_seq_len=max(LENS))
     layer.cache.begin_step(meta.slot_mapping.tolist())
-    got = layer.attend(query, torch.empty(len(lens), HKV, D), torch.empty(len(lens), HKV, D), meta, scale, TorchOps())
-    exact = torch.stack([attend_causal(query[i : i + 1], keys[i], values[i], scale)[0] for i in range(len(lens))])
+    got = layer.attend(query, torch.stack([k[-1] for k in keys]), torch.stack([v[-1] for v in values]), meta,
+                       SCALE, TorchOps())
+    exact = torch.stack([attend_causal(query[i : i + 1], keys[i], values[i], SCALE)[0] for i in range(len(LENS))])
     assert rel_err(got, exact) < ATTN_REL_BOUND[kind]
 
-    # prefill/extend: the last 6 positions of every sequence, causally
-    q_lens = [min(6, n) for n in lens]
+
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_prefill_over_quantized_cache_error_bound_and_equal_to_decode(kind):
+    """An extend chunk of the last 6 positions: within the bound of exact attention, and (what the
+    cache's read rule promises) each position equal to decoding that position."""
+    torch.manual_seed(0)
+    keys, values = random_kv(LENS)
+    q_lens = [min(6, n) for n in LENS]
+    layer, table, slots = fill_cache(kind, LENS, keys, values, [n - q for n, q in zip(LENS, q_lens)])
     starts = [0]
     for q in q_lens:
         starts.append(starts[-1] + q)
     query = torch.randn(starts[-1], HQ, D)
+    step_slots = torch.tensor([s for sl, q in zip(slots, q_lens) for s in sl[-q:]])
     meta = AttentionMetadata(
-        slot_mapping=torch.full((starts[-1],), -1), num_prefills=len(lens), num_prefill_tokens=starts[-1],
-        num_decodes=0, prefill_query_start_loc=torch.tensor(starts, dtype=torch.int32), prefill_seq_lens=seq_lens,
-        prefill_block_tables=table, prefill_is_fresh=False, decode_seq_lens=torch.zeros(0, dtype=torch.int32),
-        decode_block_tables=torch.zeros(0, 1, dtype=torch.int32), max_decode_seq_len=0)
-    empty = torch.empty(starts[-1], HKV, D)
-    layer.cache.begin_step(meta.slot_mapping.tolist())
-    got = layer.attend(query, empty, empty, meta, scale, TorchOps())
-    exact = torch.cat([attend_causal(query[starts[i] : starts[i + 1]], keys[i], values[i], scale)
-                       for i in range(len(lens))])
+        slot_mapping=step_slots, num_prefills=len(LENS), num_prefill_tokens=starts[-1], num_decodes=0,
+        prefill_query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        prefill_seq_lens=torch.tensor(LENS, dtype=torch.int32), prefill_block_tables=table, prefill_is_fresh=False,
+        decode_seq_lens=torch.zeros(0, dtype=torch.int32), decode_block_tables=torch.zeros(0, 1, dtype=torch.int32),
+        max_decode_seq_len=0)
+    layer.cache.begin_step(step_slots.tolist())
+    new_k = torch.cat([k[-q:] for k, q in zip(keys, q_lens)])
+    new_v = torch.cat([v[-q:] for v, q in zip(values, q_lens)])
+    got = layer.attend(query, new_k, new_v, meta, SCALE, TorchOps())
+    exact = torch.cat([attend_causal(query[starts[i] : starts[i + 1]], keys[i], values[i], SCALE)
+                       for i in range(len(LENS))])
     assert rel_err(got, exact) < ATTN_REL_BOUND[kind]
+
+    for i, n in enumerate(LENS):  # position p of the chunk == a decode step at p, on a pool filled to p
+        for j in range(q_lens[i]):
+            pos = n - q_lens[i] + j
+            one, one_table, one_slots = fill_cache(kind, [n], [keys[i]], [values[i]], [pos])
+            decode_meta = AttentionMetadata(
+                slot_mapping=torch.tensor([one_slots[0][pos]]), num_prefills=0, num_prefill_tokens=0, num_decodes=1,
+                prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
+                prefill_seq_lens=torch.zeros(0, dtype=torch.int32),
+                prefill_block_tables=torch.zeros(0, 1, dtype=torch.int32), prefill_is_fresh=False,
+                decode_seq_lens=torch.tensor([pos + 1], dtype=torch.int32), decode_block_tables=one_table,
+                max_decode_seq_len=pos + 1)
+            one.cache.begin_step([one_slots[0][pos]])
+            q = query[starts[i] + j : starts[i] + j + 1]
+            decoded = one.attend(q, keys[i][pos : pos + 1], values[i][pos : pos + 1], decode_meta, SCALE, TorchOps())
+            torch.testing.assert_close(got[starts[i] + j], decoded[0], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["kivi2", "kivi4"])
@@ -180,7 +213,7 @@ def test_kivi_open_block_is_exact_and_full_blocks_are_quantized(kind):
     torch.manual_seed(1)
     lens = [12]  # one full block of 8, 4 tokens open
     keys, values = [torch.randn(12, HKV, D)], [torch.randn(12, HKV, D)]
-    layer, table = fill_cache(kind, lens, keys, values)
+    layer, table, _ = fill_cache(kind, lens, keys, values, lens)
     layer.cache.begin_step([])
     k, v = layer.gather(table, 12, torch.float32)
     assert torch.equal(k[0, 8:], keys[0][8:]) and torch.equal(v[0, 8:], values[0][8:])  # the residual window

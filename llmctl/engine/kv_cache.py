@@ -12,9 +12,12 @@ and returns its residual slot; from then on the block is immutable and only then
 cache register and share it (it registers only full blocks). A block freed while open gives its
 residual slot back at once (``release``).
 
-Attention always reads what the cache holds (dequantized full blocks + the residual), in prefill
-too: the output of a request then does not depend on how its prompt was chunked, batched or hit
-in the prefix cache, and prompt log-probabilities measure the quantization.
+Attention always reads what the cache holds, in prefill too: position ``p`` sees every token as
+it was stored when ``p`` was the last one, that is quantized, except (KIVI) the tokens of its own
+block while that block is still open at ``p``, in full precision. So a request's output does not
+depend on how its prompt was chunked, batched or hit in the prefix cache; prompt
+log-probabilities measure the quantization, and no position sees a scale or zero that a later
+token helped set.
 """
 
 from __future__ import annotations
@@ -107,12 +110,19 @@ class KVFormat:
 
 @dataclass
 class StepPlan:
-    """Host-side decisions of one step for KIVI, shared by every layer."""
+    """Host-side decisions of one KIVI step, shared by every layer. Each block the step writes gets
+    a staging row (its earlier tokens from the residual, then this step's): blocks it completes
+    are quantized from there, the others go back to a residual slot."""
 
-    residual_index: torch.Tensor  # [num_tokens] int64: residual row (slot * block_size + offset), -1 skip
-    finalize_blocks: torch.Tensor  # [F] int64: blocks whose last slot this step writes
-    finalize_slots: torch.Tensor  # [F] int64: their residual slots
-    residual_table: torch.Tensor  # [num_blocks] int64: residual slot of each block after the step, -1 none
+    staging_rows: torch.Tensor  # [num_tokens] int64: staging row (index * block_size + offset), -1 skip
+    staged_from: torch.Tensor  # [B] int64: residual slot holding the block's earlier tokens, -1 none
+    finalize: torch.Tensor  # [F] int64: staging indices of the blocks this step completes
+    finalize_blocks: torch.Tensor  # [F] int64: those blocks
+    open_staged: torch.Tensor  # [O] int64: staging indices of the blocks still open after the step
+    open_slots: torch.Tensor  # [O] int64: their residual slots
+    staging_of: dict[int, int]  # block id -> staging index
+    residual_table: torch.Tensor  # [num_blocks] int64: each block's residual slot after the step, -1 none
+    staging: dict[str, torch.Tensor] | None = None  # "k", "v": [B, block_size, Hkv, D] of the current layer
 
 
 class QuantizedKVCache:
@@ -168,28 +178,35 @@ class QuantizedKVCache:
 
     # ---- one step ----------------------------------------------------------------------------
     def begin_step(self, slots: list[int]) -> None:
-        """Plan this step's residual writes and which blocks it completes (KIVI)."""
+        """Plan this step's staging, which blocks it completes and where open blocks go (KIVI)."""
         if not self.fmt.is_kivi:
             return
         bs = self.fmt.block_size
+        staging_of: dict[int, int] = {}
         rows, finalize = [], []
         for slot in slots:
             if slot < 0:
                 rows.append(-1)
                 continue
             block, offset = divmod(slot, bs)
-            rows.append(self._residual_for(block) * bs + offset)
+            index = staging_of.setdefault(block, len(staging_of))
+            rows.append(index * bs + offset)
             if offset == bs - 1:
-                finalize.append(block)
-        finalize_slots = [self.residual_of[b] for b in finalize]
-        for block in finalize:
-            self.release(block)
+                finalize.append(index)
+        blocks = list(staging_of)
+        staged_from = [self.residual_of[b] for b in blocks]
+        for index in finalize:  # completed: its slot is free again (the store reads it before any write)
+            self.release(blocks[index])
+        done = set(finalize)
+        open_staged = [i for i in range(len(blocks)) if i not in done]
+        open_slots = [self._residual_for(blocks[i]) for i in open_staged]
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-        self.plan = StepPlan(tensor(rows), tensor(finalize), tensor(finalize_slots),
-                             self.residual_table.to(self.device, copy=True))
+        self.plan = StepPlan(tensor(rows), tensor(staged_from), tensor(finalize),
+                             tensor([blocks[i] for i in finalize]), tensor(open_staged), tensor(open_slots),
+                             staging_of, self.residual_table.to(self.device))
 
 
 class QuantizedLayerKV:
@@ -212,17 +229,21 @@ class QuantizedLayerKV:
                 self.t[name + "_scale"].flatten(0, 1).index_copy_(0, slots, scale)
             return
         plan = self.cache.plan
-        valid = plan.residual_index >= 0
-        rows = plan.residual_index[valid]
-        rk, rv = self.residual["k"], self.residual["v"]
-        rk.flatten(0, 1).index_copy_(0, rows, key[valid].to(rk.dtype))
-        rv.flatten(0, 1).index_copy_(0, rows, value[valid].to(rv.dtype))
-        if plan.finalize_blocks.numel():
-            blocks, slots = plan.finalize_blocks, plan.finalize_slots
-            codes, scale, zero = kq.quantize_kivi_keys(rk[slots], fmt.bits)
-            self.t["k"][blocks], self.t["k_scale"][blocks], self.t["k_zero"][blocks] = codes, scale, zero
-            codes, scale, zero = kq.quantize_kivi_values(rv[slots], fmt.bits, fmt.value_group)
-            self.t["v"][blocks], self.t["v_scale"][blocks], self.t["v_zero"][blocks] = codes, scale, zero
+        valid = plan.staging_rows >= 0
+        rows = plan.staging_rows[valid]
+        plan.staging = {}
+        for name, x in (("k", key), ("v", value)):
+            residual = self.residual[name]
+            staging = residual[plan.staged_from.clamp(min=0)]  # [B, bs, H, D]; rows of new blocks unused
+            staging.flatten(0, 1).index_copy_(0, rows, x[valid].to(staging.dtype))
+            residual[plan.open_slots] = staging[plan.open_staged]
+            plan.staging[name] = staging
+        if plan.finalize.numel():
+            blocks, t = plan.finalize_blocks, self.t
+            codes, scale, zero = kq.quantize_kivi_keys(plan.staging["k"][plan.finalize], fmt.bits)
+            t["k"][blocks], t["k_scale"][blocks], t["k_zero"][blocks] = codes, scale, zero
+            codes, scale, zero = kq.quantize_kivi_values(plan.staging["v"][plan.finalize], fmt.bits, fmt.value_group)
+            t["v"][blocks], t["v_scale"][blocks], t["v_zero"][blocks] = codes, scale, zero
 
     def gather(self, block_tables: torch.Tensor, max_len: int, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,12 +260,23 @@ class QuantizedLayerKV:
             keys = kq.dequantize_kivi_keys(t["k"][blocks], t["k_scale"][blocks], t["k_zero"][blocks], fmt.bits, dtype)
             values = kq.dequantize_kivi_values(t["v"][blocks], t["v_scale"][blocks], t["v_zero"][blocks],
                                                fmt.bits, fmt.value_group, dtype)
-            slot = self.cache.plan.residual_table[blocks]  # [S, nb]
+            slot = self.cache.plan.residual_table[blocks]  # [S, nb]: open blocks read the residual
             is_open = (slot >= 0)[..., None, None, None]
             keys = torch.where(is_open, self.residual["k"][slot.clamp(min=0)].to(dtype), keys)
             values = torch.where(is_open, self.residual["v"][slot.clamp(min=0)].to(dtype), values)
         shape = (num_seqs, nb * fmt.block_size, fmt.num_kv_heads, fmt.head_dim)
         return keys.reshape(shape)[:, :max_len], values.reshape(shape)[:, :max_len]
+
+    def gather_exact(self, block_table: list[int], max_len: int, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """KIVI: this step's full-precision keys and values ``[max_len, Hkv, D]`` of one sequence's
+        blocks that the step writes (rows of other blocks are garbage for the caller to ignore)."""
+        fmt, plan = self.fmt, self.cache.plan
+        nb = -(-max_len // fmt.block_size)
+        index = torch.tensor([plan.staging_of.get(b, 0) for b in block_table[:nb]], device=self.cache.device)
+        shape = (nb * fmt.block_size, fmt.num_kv_heads, fmt.head_dim)
+        return (plan.staging["k"][index].reshape(shape)[:max_len].to(dtype),
+                plan.staging["v"][index].reshape(shape)[:max_len].to(dtype))
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata,
                scale: float, ops: TorchOps) -> torch.Tensor:
@@ -255,8 +287,15 @@ class QuantizedLayerKV:
         starts, lens = meta.prefill_query_start_loc.tolist(), meta.prefill_seq_lens.tolist()
         for i, seq_len in enumerate(lens):
             start, end = starts[i], starts[i + 1]
-            if end > start:
-                keys, values = self.gather(meta.prefill_block_tables[i : i + 1], seq_len, query.dtype)
+            if end <= start:
+                continue
+            table = meta.prefill_block_tables[i : i + 1]
+            keys, values = self.gather(table, seq_len, query.dtype)
+            if self.fmt.is_kivi:
+                exact_keys, exact_values = self.gather_exact(table[0].tolist(), seq_len, query.dtype)
+                out[start:end] = kq.attend_causal_kivi(query[start:end], keys[0], values[0], exact_keys,
+                                                       exact_values, self.fmt.block_size, scale)
+            else:
                 out[start:end] = attend_causal(query[start:end], keys[0], values[0], scale)
         if meta.num_decodes:
             n = meta.num_prefill_tokens
