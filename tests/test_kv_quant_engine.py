@@ -7,7 +7,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import initialize, invariant
 from model_factory import random_prompts
+from test_block_invariants import BLOCK_SIZE, NUM_BLOCKS, BlockMachine
 from test_prefix_caching import run_staggered, shared_prefix_workload
 
 from llmctl.config import KV_CACHE_DTYPES
@@ -150,3 +153,59 @@ def test_stories_greedy_text_matches_the_float_cache(stories_dir, kind):
         params = [greedy(n) for n in counts]
         outs[k] = [o.outputs[0].token_ids for o in engine.generate(STORIES_PROMPTS, params)]
     assert outs[kind] == outs["auto"]
+
+
+# ---- the block-invariant property test, with KIVI's residual slots --------------------------------
+class KiviBlockMachine(BlockMachine):
+    """The random traffic of test_block_invariants.py on a kivi2 pool: block accounting as there,
+    plus every open block holds exactly one residual slot and none leaks."""
+
+    seen = {"preemptions": 0, "copies": 0, "evictions": 0, "prefix_hits": 0, "resumed_hits": 0}
+
+    @initialize()
+    def make_engine(self):
+        probe = LLMEngine(model=str(self.model_dir), skip_tokenizer=True, dtype="float32", block_size=BLOCK_SIZE,
+                          kv_cache_dtype="kivi2", kv_cache_memory=1 << 20)
+        fmt = probe.kv_format
+        self.engine = LLMEngine(model=str(self.model_dir), skip_tokenizer=True, dtype="float32",
+                                block_size=BLOCK_SIZE, kv_cache_dtype="kivi2",
+                                kv_cache_memory=NUM_BLOCKS * fmt.block_bytes() + 6 * fmt.residual_block_bytes(),
+                                max_model_len=96, max_num_seqs=6, max_num_batched_tokens=40)
+        assert self.engine.block_manager.num_blocks == NUM_BLOCKS
+        self.live = set()
+
+    @invariant()
+    def residual_slots_accounted_for(self):
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            return
+        kv = engine.runner.quantized_kv
+        held = [slot for slot in kv.residual_of if slot >= 0]
+        assert len(set(held)) == len(held), "a residual slot is held twice"
+        assert sorted(held + kv.free_residual) == list(range(kv.residual["k"].shape[1])), "a residual slot leaked"
+        live_blocks = {b for s in engine.live_sequences() for b in s.block_table}
+        assert all(b in live_blocks for b, slot in enumerate(kv.residual_of) if slot >= 0), "a free block is open"
+
+    def teardown(self):
+        before = dict(BlockMachine.seen)  # the parent counts into its own class: move them to ours
+        super().teardown()
+        for key, value in BlockMachine.seen.items():
+            KiviBlockMachine.seen[key] += value - before[key]
+        BlockMachine.seen.update(before)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            assert_all_blocks_back(engine)
+
+
+KiviBlockMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=25, deadline=None,
+                                              suppress_health_check=[HealthCheck.too_slow])
+test_block_invariants_with_kivi2 = KiviBlockMachine.TestCase
+
+
+def test_kivi_random_traffic_exercised_every_mechanism():
+    assert all(KiviBlockMachine.seen.values()), KiviBlockMachine.seen
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _machine_model_dir(llama_dir):
+    KiviBlockMachine.model_dir = llama_dir
