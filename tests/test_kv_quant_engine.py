@@ -55,6 +55,8 @@ def test_pool_is_sized_by_bytes(llama_dir, kind):
     ratio = {"auto": 1.0, "fp8_e4m3": 3.1, "fp8_e5m2": 3.1, "int8": 3.1, "kivi4": 3.5, "kivi2": 5.0}[kind]
     assert num_blocks >= ratio * auto_blocks
     assert f"KV {kind}" in engine.kv_description and "B/token" in engine.kv_description
+    config = engine.stats_snapshot()["config"]  # what /v1/engine/stats and `llmctl top` show
+    assert config["kv_cache_dtype"] == kind and config["kv_bytes_per_token"] == fmt.bytes_per_token()
 
 
 def test_unknown_kv_dtype_is_a_config_error(llama_dir):
