@@ -47,13 +47,13 @@ def throughput(engine: LLMEngine, concurrency: int, prompt_len: int, output_len:
 def run(args: argparse.Namespace, kind: str) -> dict:
     engine = LLMEngine(model=args.model, dtype=args.dtype, kv_cache_dtype=kind, kv_cache_memory=args.kv_cache_memory,
                        block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
-    fmt = engine.kv_format
+    fmt, kv = engine.kv_format, engine.runner.quantized_kv
     slots = engine.block_manager.num_blocks * args.block_size
     bf16 = kv_format(engine.model, args.block_size, torch.bfloat16)
     bf16_slots = args.kv_cache_memory // bf16.block_bytes() * args.block_size
     row = {"kv_cache_dtype": kind, "bytes_per_token": fmt.bytes_per_token(), "token_slots": slots,
            "vs_bf16_slots": slots / bf16_slots, "seqs_at_len": slots // args.seq_len,
-           "residual_slots": 0 if engine.runner.quantized_kv is None else engine.runner.quantized_kv.residual["k"].shape[1]}
+           "residual_slots": 0 if kv is None else kv.residual["k"].shape[1]}
     if not args.skip_throughput:
         row["output_tok_s"] = throughput(engine, args.concurrency, args.prompt_len, args.output_len)
     if not args.skip_perplexity:
@@ -83,23 +83,25 @@ def main() -> None:
     parser.add_argument("--skip-perplexity", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    rows = [run(args, kind) for kind in args.dtypes.split(",")]
-    base = next((r for r in rows if r["kv_cache_dtype"] == "auto"), None)
     info = {**cpu_description(), "threads": torch.get_num_threads(), "kv_cache_memory": args.kv_cache_memory,
             "model": args.model, "dtype": args.dtype, "block_size": args.block_size, "max_num_seqs": args.max_num_seqs}
+    rows = []
+    if not args.json:
+        print(f"# {info}")
+        print(f"| KV dtype | B/token | token slots | vs bf16 | seqs of {args.seq_len} | out tok/s @{args.concurrency} "
+              "| perplexity | vs auto |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    for kind in args.dtypes.split(","):
+        rows.append(r := run(args, kind))
+        if not args.json:  # one row at a time: a long run shows its progress
+            base = rows[0] if rows[0]["kv_cache_dtype"] == "auto" else None
+            ppl = r.get("perplexity")
+            rel = f"{(ppl / base['perplexity'] - 1) * 100:+.2f} %" if ppl and base and base.get("perplexity") else "-"
+            print(f"| {r['kv_cache_dtype']} | {r['bytes_per_token']:g} | {r['token_slots']:,} | "
+                  f"{r['vs_bf16_slots']:.2f}x | {r['seqs_at_len']} | {r.get('output_tok_s', float('nan')):.1f} | "
+                  f"{'-' if ppl is None else round(ppl, 3)} | {rel} |", flush=True)
     if args.json:
         print(json.dumps({"info": info, "rows": rows}, indent=2))
-        return
-    print(f"# {info}")
-    print("| KV dtype | B/token | token slots | vs bf16 | seqs of " f"{args.seq_len} | out tok/s @{args.concurrency} "
-          "| perplexity | vs auto |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        ppl = r.get("perplexity")
-        rel = f"{(ppl / base['perplexity'] - 1) * 100:+.2f} %" if ppl and base and base.get("perplexity") else "-"
-        print(f"| {r['kv_cache_dtype']} | {r['bytes_per_token']:g} | {r['token_slots']:,} | {r['vs_bf16_slots']:.2f}x "
-              f"| {r['seqs_at_len']} | {r.get('output_tok_s', float('nan')):.1f} | "
-              f"{ppl if ppl is None else round(ppl, 3)} | {rel} |")
 
 
 if __name__ == "__main__":
