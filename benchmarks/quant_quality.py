@@ -1,10 +1,16 @@
 """Perplexity of a model loaded with each ``--quantization`` against its float32 self.
 
+MODEL is a float checkpoint directory (quantized on the fly by the loader, as ``--quantization``
+does) or a GGUF model (a ``.gguf`` file or a packaged short name such as ``smollm2-135m``): its
+weights are dequantized to float32 and that float32 model is the reference, every linear layer
+then quantized on the fly by the same ``OnTheFlyQuantMethod``.
+
 Runs the model directly (one fresh prefill per window, no KV cache kept): the engine's prompt-
 logprobs path is not used, so this measures the weights alone. Each window of WINDOW tokens is
 scored independently; perplexity = exp(mean negative log-likelihood of tokens 2..WINDOW).
 
     python benchmarks/quant_quality.py ../shared/models/stories260k --text benchmarks/data/fables.txt
+    python benchmarks/quant_quality.py smollm2-135m --text benchmarks/data/fables.txt
 """
 
 from __future__ import annotations
@@ -15,9 +21,37 @@ from pathlib import Path
 
 import torch
 
+from llmctl.layers.linear import LinearBase
 from llmctl.layers.ops import AttentionMetadata, TorchOps
+from llmctl.layers.quantization import linear_method_for
+from llmctl.models.gguf import gguf_tokenizer, load_gguf
+from llmctl.models.gguf_files import resolve_gguf_spec
 from llmctl.models.loader import load_model
 from llmctl.tokenizer import Tokenizer
+
+CPU = torch.device("cpu")
+
+
+def load_quantized(model: str, kind: str, group_size: int):
+    """``model`` with every linear layer quantized as ``--quantization kind`` does."""
+    gguf_file = resolve_gguf_spec(model)
+    if gguf_file is None:
+        return load_model(Path(model), dtype="float32", device=CPU, ops=TorchOps(), quantization=kind,
+                          quantization_group_size=group_size)
+    loaded, _ = load_gguf(gguf_file, dtype="float32", device=CPU, ops=TorchOps(), with_tokenizer=False,
+                          quantization="none")
+    method = linear_method_for(kind, group_size)
+    if method is not None:
+        with torch.no_grad():
+            for layer in loaded.modules():
+                if isinstance(layer, LinearBase):
+                    method.process_weights_after_loading(layer)
+    return loaded
+
+
+def load_tokenizer(model: str) -> Tokenizer:
+    gguf_file = resolve_gguf_spec(model)
+    return Tokenizer.from_dir(Path(model)) if gguf_file is None else gguf_tokenizer(gguf_file)
 
 
 def prefill_logits(model, ids: list[int]) -> torch.Tensor:
@@ -52,18 +86,17 @@ def perplexity(model, tokens: list[int], window: int) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", type=Path)
+    parser.add_argument("model", help="a float checkpoint directory, a .gguf file or a packaged model name")
     parser.add_argument("--text", type=Path, required=True)
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--kinds", default="none,int8,fp8,int4:32,int4:64,int4:128")
     args = parser.parse_args()
-    tokens = Tokenizer.from_dir(args.model).encode(args.text.read_text())
+    tokens = load_tokenizer(args.model).encode(args.text.read_text())
     base = None
-    print(f"{args.model.name}: {len(tokens)} tokens of {args.text.name}, windows of {args.window}")
+    print(f"{Path(args.model).name}: {len(tokens)} tokens of {args.text.name}, windows of {args.window}")
     for spec in args.kinds.split(","):
         kind, _, group = spec.partition(":")
-        model = load_model(args.model, dtype="float32", device=torch.device("cpu"), ops=TorchOps(),
-                           quantization=kind, quantization_group_size=int(group or 64))
+        model = load_quantized(args.model, kind, int(group or 64))
         ppl, count = perplexity(model, tokens, args.window)
         base = base or ppl
         print(f"{spec:10s} perplexity {ppl:8.4f}  ({100 * (ppl / base - 1):+6.2f} % vs {args.kinds.split(',')[0]}, "

@@ -107,7 +107,12 @@ def engine_options(*, panel: str = ENGINE, exclude: tuple[str, ...] = (), defaul
         def run_with_config(*args: Any, **kwargs: Any) -> Any:
             typed = {o.name: kwargs.pop(o.name) for o in options}
             with exit_on_error():
-                kwargs[config_param] = EngineConfig(**{o.name: o.value(typed[o.name]) for o in options})
+                kwargs[config_param] = config = EngineConfig(**{o.name: o.value(typed[o.name]) for o in options})
+                if config.world_size > 1 and not kwargs.get("url"):  # re-run under torchrun, or become a worker
+                    from llmctl.parallel.launch import divert_parallel_ranks
+
+                    if divert_parallel_ranks(config, kwargs.get("model")):
+                        return None
             return command(*args, **kwargs)
 
         new_signature = signature.replace(parameters=params)

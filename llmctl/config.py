@@ -94,6 +94,23 @@ class EngineConfig:
         "per token over --kv-quant-group-size channels, the open (last, partial) block in full precision."))
     kv_quant_group_size: int = field(default=32, metadata=cli(
         "--kv-quant-group-size", "KIVI: value channels per scale/zero group (KIVI's default 32; capped at head_dim)."))
+    # ---- speculative decoding (llmctl/spec/) ----
+    speculative_model: str | None = field(default=None, metadata=cli(
+        "--speculative-model", "Draft tokens to verify in one forward: 'ngram' (prompt lookup: the tokens that "
+        "followed the latest n-gram earlier in prompt + output), or a small draft model sharing the target's "
+        "tokenizer (a directory, .gguf file or short name). Greedy output is unchanged; sampling keeps its "
+        "distribution (rejection sampling)."))
+    num_speculative_tokens: int = field(default=4, metadata=cli(
+        "--num-speculative-tokens", "Draft tokens proposed per sequence per step (with --speculative-model)."))
+    ngram_prompt_lookup_max: int = field(default=4, metadata=cli(
+        "--ngram-prompt-lookup-max", "Longest n-gram matched by --speculative-model ngram (tried first)."))
+    ngram_prompt_lookup_min: int = field(default=2, metadata=cli(
+        "--ngram-prompt-lookup-min", "Shortest n-gram matched by --speculative-model ngram."))
+    tensor_parallel_size: int = field(default=1, metadata=cli(
+        "--tensor-parallel-size --tp", "Ranks that split every layer (attention heads, MLP, vocabulary); "
+        "llmctl starts them through torchrun (docs/parallelism.md)."))
+    pipeline_parallel_size: int = field(default=1, metadata=cli(
+        "--pipeline-parallel-size --pp", "Pipeline stages that split the layers; ranks = TP x PP."))
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -110,8 +127,29 @@ class EngineConfig:
             raise ConfigError(f"unknown KV cache dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
         if self.kv_quant_group_size not in (8, 16, 32, 64, 128):
             raise ConfigError(f"KV quant group size must be 8, 16, 32, 64 or 128, got {self.kv_quant_group_size}")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ConfigError("tensor and pipeline parallel sizes must be at least 1")
+        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError("--kv-cache-dtype runs on one rank: it cannot be combined with tensor or pipeline "
+                              "parallelism yet")
+        if self.kv_cache_dtype.startswith("kivi") and self.speculative_model is not None:
+            raise ConfigError("--kv-cache-dtype kivi2/kivi4 cannot be combined with --speculative-model yet "
+                              "(a rejected draft may have completed, and so quantized, a block)")
         if self.quantization_group_size not in (32, 64, 128):
             raise ConfigError(f"quantization group size must be 32, 64 or 128, got {self.quantization_group_size}")
+        if self.speculative_model is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError("--speculative-model runs on one rank: it cannot be combined with tensor or "
+                              "pipeline parallelism yet")
+        if self.speculative_model is not None and self.num_speculative_tokens < 1:
+            raise ConfigError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max:
+            raise ConfigError("ngram prompt lookup needs 1 <= --ngram-prompt-lookup-min <= --ngram-prompt-lookup-max, "
+                              f"got {self.ngram_prompt_lookup_min} and {self.ngram_prompt_lookup_max}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks this engine runs on: tensor-parallel x pipeline-parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def resolve_device(self) -> torch.device:
         import torch

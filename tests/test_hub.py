@@ -502,11 +502,11 @@ def test_ls_and_rm_with_stories260k(server: HubServer, stories_dir: Path, cli) -
     result = _invoke(cli, "ls")
     assert result.exit_code == 0
     header, line = result.stdout.strip().splitlines()
-    assert header.split() == ["NAME", "REVISION", "SIZE", "ARCHITECTURE", "PARAMS", "DTYPE"]
+    assert header.split() == ["NAME", "REVISION", "SIZE", "ARCHITECTURE", "PARAMS", "DTYPE", "BYTES/PARAM"]
     from rich.filesize import decimal
 
     assert line.split() == [STORIES_ID, "main", *decimal(expected_size).split(), "LlamaForCausalLM",
-                            f"{expected_params / 1e3:.1f}K", "float32"]
+                            f"{expected_params / 1e3:.1f}K", "float32", "4.00"]
 
     result = _invoke(cli, "rm", STORIES_ID)
     assert result.exit_code == 0

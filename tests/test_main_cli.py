@@ -27,6 +27,8 @@ def test_generate_on_embedded_default_is_labelled_random():
     assert proc.stdout.startswith("Once upon a time")
     assert "RANDOM weights" in proc.stderr
     assert "generated 12 tokens" in proc.stderr
+    mib = float(re.search(r"weights (\d+\.\d) MiB", proc.stderr).group(1))  # the startup line's weight bytes
+    assert 24e6 * 2 / 2**20 < mib < 30e6 * 4 / 2**20  # 24M+ parameters in bf16 or fp32
 
 
 @pytest.mark.parametrize(

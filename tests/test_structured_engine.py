@@ -110,7 +110,10 @@ def test_logprobs_are_the_models_own(engine):
     free, forced = engine.generate([PROMPT] * 2, [
         SamplingParams(max_tokens=1, temperature=0, logprobs=3),
         SamplingParams(max_tokens=1, temperature=0, logprobs=3, structured_outputs=StructuredOutputSpec.choice(["{"]))])
-    assert forced.outputs[0].top_logprobs == free.outputs[0].top_logprobs
+    (forced_top,), (free_top,) = forced.outputs[0].top_logprobs, free.outputs[0].top_logprobs
+    assert list(forced_top) == list(free_top)  # the same candidates; the same values up to rounding
+    # two rows of one batch may round differently (seen on main: ~5e-6 apart, prefix caching off too)
+    assert list(forced_top.values()) == pytest.approx(list(free_top.values()), abs=1e-4)
     assert forced.outputs[0].text == "{" and free.outputs[0].text != "{"
 
 

@@ -12,8 +12,10 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from llmctl.bench import DEFAULT_NUM_PROMPTS
 from llmctl.cli_options import engine_options, exit_on_error
 from llmctl.config import EMBEDDED_MODEL_NAME, EngineConfig
+from llmctl.models.gguf_files import SMOLLM2_NAME
 
 WORKLOAD = "Workload"
 LOAD = "Load"
@@ -29,8 +31,9 @@ def register_commands(app: typer.Typer) -> None:
 def bench(
     model: Annotated[Optional[str], typer.Argument(
         metavar="MODEL",
-        help=f"In process: the model to run (default {EMBEDDED_MODEL_NAME!r}, random weights, no download). "
-             "With --url: the model whose tokenizer builds the prompts.", show_default=False)] = None,
+        help=f"In process: the model to run (default: {SMOLLM2_NAME!r} when its package is installed, else "
+             f"{EMBEDDED_MODEL_NAME!r}, random weights; no download). With --url: the model whose tokenizer "
+             f"builds the prompts (default {EMBEDDED_MODEL_NAME!r}).", show_default=False)] = None,
     url: Annotated[Optional[str], typer.Option("--url", help="Benchmark this OpenAI-compatible server "
                                                "(e.g. http://127.0.0.1:8000) instead of the in-process engine.",
                                                rich_help_panel=TARGET)] = None,
@@ -44,7 +47,7 @@ def bench(
     dataset_path: Annotated[Optional[Path], typer.Option("--dataset-path", help="ShareGPT-format JSON file.",
                                                          rich_help_panel=WORKLOAD)] = None,
     num_prompts: Annotated[int, typer.Option("--num-prompts", help="Requests in the timed run.",
-                                             rich_help_panel=WORKLOAD)] = 256,
+                                             rich_help_panel=WORKLOAD)] = DEFAULT_NUM_PROMPTS,
     input_len: Annotated[int, typer.Option("--input-len", help="Prompt tokens (random; the suffix for "
                                            "shared-prefix).", rich_help_panel=WORKLOAD)] = 128,
     output_len: Annotated[Optional[int], typer.Option("--output-len", help="Output tokens (default 128; for "

@@ -104,6 +104,12 @@ def _rows(sides: list[BenchReport]) -> list[_Row | None]:
                          [100 * e.prefix_hit_rate if e and e.prefix_hit_rate is not None else None for e in engine],
                          "{:.1f}"))
         rows.append(_Row("Preemptions", [e.num_preemptions if e else None for e in engine], "{:.0f}"))
+        if any(e and e.spec_num_drafts for e in engine):
+            rows.append(_Row("Spec. decode acceptance (%)",
+                             [100 * e.spec_acceptance_rate if e and e.spec_acceptance_rate is not None else None
+                              for e in engine], "{:.1f}"))
+            rows.append(_Row("Spec. decode tokens per verify",
+                             [e.spec_mean_accepted_length if e else None for e in engine], "{:.2f}"))
     return rows
 
 
@@ -194,6 +200,8 @@ def side_to_dict(side: BenchReport) -> dict[str, Any]:
     if side.engine is not None:
         engine = asdict(side.engine)
         engine["prefix_hit_rate"] = side.engine.prefix_hit_rate
+        engine["spec_acceptance_rate"] = side.engine.spec_acceptance_rate
+        engine["spec_mean_accepted_length"] = side.engine.spec_mean_accepted_length
         out["engine"] = engine
     return out
 

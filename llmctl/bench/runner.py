@@ -41,10 +41,23 @@ class EngineRunStats:
     prefix_hit_tokens: int
     num_preemptions: int
     num_samples: int
+    # speculative decoding over the run (all 0 without it)
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def prefix_hit_rate(self) -> float | None:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else None
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens per verify step: accepted drafts plus the one every verify yields."""
+        return 1 + self.spec_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
 
 
 @dataclass
@@ -239,5 +252,8 @@ async def run_load(target: Target, requests: Sequence[BenchRequest], *, concurre
             prefix_hit_tokens=after.prefix_cache_hits - before.prefix_cache_hits,
             num_preemptions=after.num_preemptions - before.num_preemptions,
             num_samples=len(samples),
+            spec_num_drafts=after.spec_num_drafts - before.spec_num_drafts,
+            spec_draft_tokens=after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+            spec_accepted_tokens=after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
         )
     return RunResult(records, duration, stats, target=target.label)

@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from llmctl.bench import DEFAULT_NUM_PROMPTS
 from llmctl.bench.datasets import (
     DATASETS, BenchRequest, PromptFactory, random_requests, shared_prefix_requests, sharegpt_requests,
 )
@@ -25,6 +26,7 @@ from llmctl.bench.runner import HttpTarget, InProcessTarget, RunResult, Target, 
 from llmctl.cli_options import config_for_model, engine_option_list, resolve_model
 from llmctl.config import EMBEDDED_MODEL_NAME, EngineConfig
 from llmctl.errors import LlmctlError
+from llmctl.models.gguf_files import default_model, resolve_gguf_spec
 from llmctl.tokenizer import Tokenizer
 
 PROMPT_FORMATS = ("auto", "tokens", "text")
@@ -43,7 +45,7 @@ class BenchOptions:
     api_key: str | None = None
     dataset: str = "random"
     dataset_path: Path | None = None
-    num_prompts: int = 256
+    num_prompts: int = DEFAULT_NUM_PROMPTS
     input_len: int = 128
     output_len: int | None = None
     range_ratio: float = 0.0
@@ -101,16 +103,26 @@ def build_requests(options: BenchOptions, tokenizer: Tokenizer | None, vocab_siz
     return random_requests(factory, total, options.input_len, output_len, options.range_ratio, options.seed)
 
 
+def default_bench_model() -> str:
+    """SmolLM2-135M when its package is installed (a real model), else the embedded one."""
+    return default_model(EMBEDDED_MODEL_NAME)
+
+
 def _tokenizer_for(spec: str) -> Tokenizer:
     if spec == EMBEDDED_MODEL_NAME:
         from llmctl.models.embedded import embedded_tokenizer
 
         return embedded_tokenizer()
+    if (gguf_file := resolve_gguf_spec(spec)) is not None:
+        from llmctl.models.gguf import gguf_tokenizer
+
+        return gguf_tokenizer(gguf_file)
     return Tokenizer.from_dir(Path(resolve_model(spec)))
 
 
 def _load_model_weights(spec: str, dtype: str) -> Any:
-    """The llmctl model alone (no engine, no KV pool), for the baseline of a ``--url`` run."""
+    """The llmctl model alone (no engine, no KV pool) with plain float weights, for the baseline
+    (a GGUF model's weights dequantized: transformers computes in floats)."""
     from llmctl.layers.ops import TorchOps
     from llmctl.models.embedded import load_embedded
     from llmctl.models.loader import load_model
@@ -118,6 +130,11 @@ def _load_model_weights(spec: str, dtype: str) -> Any:
     cpu = torch.device("cpu")
     if spec == EMBEDDED_MODEL_NAME:
         return load_embedded(dtype=dtype, device=cpu, ops=TorchOps())[0]
+    if (gguf_file := resolve_gguf_spec(spec)) is not None:
+        from llmctl.models.gguf import load_gguf
+
+        return load_gguf(gguf_file, dtype=dtype, device=cpu, ops=TorchOps(), with_tokenizer=False,
+                         quantization="none")[0]
     return load_model(Path(resolve_model(spec)), dtype=dtype, device=cpu, ops=TorchOps())
 
 
@@ -173,8 +190,8 @@ async def _run_phases(target: Target, warmup: list[BenchRequest], timed: list[Be
 async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, list[BenchRequest], dict[str, Any]]:
     """Build the target and the workload, run both phases; returns the timed run, its requests and
     facts for the report (the llmctl model for the baseline, notes)."""
-    spec = options.model or EMBEDDED_MODEL_NAME
     facts: dict[str, Any] = {"notes": []}
+    spec = options.model or (EMBEDDED_MODEL_NAME if options.url is not None else default_bench_model())
     if options.url is not None:
         target = HttpTarget(options.url, model=options.served_model_name, api_key=options.api_key,
                             ignore_eos=options.effective_ignore_eos)
@@ -222,7 +239,7 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
     facts.update(tokenizer=engine.tokenizer, llmctl_model=engine.model, label="llmctl",
                  model_label=engine.model_label,
                  settings=f"torch threads: {torch.get_num_threads()} · {platform.machine()}",
-                 engine_options={o.name: getattr(config, o.name) for o in engine_option_list()})
+                 engine_options={o.name: getattr(config, o.name) for o in engine_option_list()}, model_spec=spec)
     return result, timed, facts
 
 
@@ -261,7 +278,7 @@ def _run_baseline(options: BenchOptions, timed: list[BenchRequest], result: RunR
 
     require_transformers()
     model = facts.get("llmctl_model")
-    if model is None:
+    if model is None or any(getattr(m, "packed_format", None) for m in model.modules()):  # packed: not for transformers
         model = _load_model_weights(facts["model_spec"], options.engine_config.dtype)
     hf = to_hf_model(model)
     # the same work on both sides: each request generates what it generated in the timed run

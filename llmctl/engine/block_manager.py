@@ -117,6 +117,17 @@ class BlockManager:
         seq.block_table.extend(self._take_free() for _ in range(num_new_blocks))
         return True
 
+    def release_tail(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's tokens: the lookahead slots of rejected draft
+        tokens (speculative decoding). They were never computed, so none is in the prefix cache."""
+        keep = self.blocks_needed(seq.num_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_uncached.append(block_id)
+        del seq.block_table[keep:]
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent, including the partial last one."""
         for block_id in parent.block_table:

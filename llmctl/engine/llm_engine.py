@@ -39,6 +39,7 @@ from llmctl.models.embedded import EMBEDDED_LABEL, EMBEDDED_MODEL_NAME, load_emb
 from llmctl.models.gguf_files import resolve_gguf_spec
 from llmctl.models.loader import load_model
 from llmctl.sampling_params import SamplingParams
+from llmctl.spec.speculator import build_speculator
 from llmctl.structured import CompiledGrammar, StructuredOutputManager
 from llmctl.tokenizer import Tokenizer
 
@@ -51,7 +52,13 @@ class LLMEngine:
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.ops = select_ops(config.attention_backend, self.device)
-        self.model, self.tokenizer, self.model_label = self._load(config, self.ops)
+        self.parallel = None  # rank 0 of a torchrun job: this engine drives the other ranks (llmctl.parallel)
+        if config.world_size > 1:
+            from llmctl.parallel.driver import start_parallel
+
+            self.parallel = start_parallel(config)
+        self.model, self.tokenizer, self.model_label = self._load(
+            config, self.ops, self.parallel.shard_kwargs() if self.parallel else {})
         self.dtype = self.model.model.norm.weight.dtype  # the activation/KV dtype (weights may be packed)
         self.kv_format = kv_format(self.model, config.block_size, self.dtype, config.kv_cache_dtype,
                                    config.kv_quant_group_size)
@@ -59,6 +66,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
                                   device=self.device, kv_dtype=self.dtype, kv_format=self.kv_format,
                                   num_residual_slots=num_residual)
+        if self.parallel is not None:
+            from llmctl.parallel.driver import ParallelRunner
+
+            self.runner = ParallelRunner(self.parallel, self.runner)
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:  # every prompt must fit one step whole
             budget = max(budget, self.max_model_len)
@@ -71,10 +82,15 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
             enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching, eos_token_ids=self.eos_token_ids,
+            num_speculative_tokens=config.num_speculative_tokens if config.speculative_model else 0,
             kv_cache_dtype=config.kv_cache_dtype))
-        if self.runner.quantized_kv is not None:
-            self.block_manager.on_release = self.runner.quantized_kv.release
+        quantized_kv = getattr(self.runner, "quantized_kv", None)
+        if quantized_kv is not None:
+            self.block_manager.on_release = quantized_kv.release
         self.sampler = Sampler(config.seed, self.device, frozenset(self.eos_token_ids))
+        self.speculator = build_speculator(self)  # --speculative-model (llmctl/spec/), else None
+        if self.speculator is not None:
+            self.scheduler.propose_drafts = self.speculator.lookahead
         self._structured_outputs: StructuredOutputManager | None = None
         self._structured_lock = threading.Lock()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -103,6 +119,8 @@ class LLMEngine:
         pool_bytes = resolve_kv_cache_bytes(config, self.device)
         block_bytes = self.kv_format.block_bytes() + self.kv_format.residual_block_bytes()
         num_blocks, num_residual = self.kv_format.size_pool(pool_bytes, config.max_num_seqs)
+        if self.parallel is not None:  # every rank must hold the blocks this scheduler hands out
+            num_blocks = self.parallel.agree_min(num_blocks)
         capacity = num_blocks * config.block_size
         model_limit = cfg.max_position_embeddings
         if cfg.sliding_window:  # attention here is full-context; stay inside the window where both agree
@@ -118,7 +136,8 @@ class LLMEngine:
         return num_blocks, num_residual, max_model_len
 
     @staticmethod
-    def _load(config: EngineConfig, ops: Any) -> tuple[Any, Tokenizer | None, str]:
+    def _load(config: EngineConfig, ops: Any, shard: dict[str, Any]) -> tuple[Any, Tokenizer | None, str]:
+        """``shard``: this rank's tensor-parallel group and pipeline stage (empty: the whole model)."""
         device = config.resolve_device()
         if config.model == EMBEDDED_MODEL_NAME:
             model, tokenizer = load_embedded(dtype=config.dtype, device=device, ops=ops)
@@ -138,7 +157,7 @@ class LLMEngine:
             )
         quantization = "none" if config.quantization == "auto" else config.quantization  # a float checkpoint
         model = load_model(model_dir, dtype=config.dtype, device=device, ops=ops, quantization=quantization,
-                           quantization_group_size=config.quantization_group_size)
+                           quantization_group_size=config.quantization_group_size, **shard)
         tokenizer = None if config.skip_tokenizer else Tokenizer.from_dir(Path(config.tokenizer or model_dir))
         return model, tokenizer, config.model_name or str(config.model)
 
@@ -244,12 +263,21 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        sampled = self.sampler.sample(self.runner.execute(sched), sched.sampling)
-        self.scheduler.update_from_output(sched, sampled.token_ids)
-        processed = self.output_processor.process(sched.sampling, sampled, time.time())
+        if sched.verifies:  # speculative decoding: the draft model proposes now (n-gram did while scheduling)
+            self.speculator.propose(sched)
+        output = self.runner.execute(sched)
+        sampled = self.sampler.sample(output, sched.sampling)
+        seqs = sched.sampling
+        if sched.verifies:
+            verified = self.speculator.verify(sched, output.verify_logits)
+            self.scheduler.update_from_output(sched, sampled.token_ids, verified.token_ids)
+            seqs, sampled = self.speculator.rows(sched, sampled, verified)
+        else:
+            self.scheduler.update_from_output(sched, sampled.token_ids)
+        processed = self.output_processor.process(seqs, sampled, time.time())
         for seq, reason in processed.to_finish:  # stop strings, and requests whose output failed
             self.scheduler.finish(seq, reason)
-        self.stats.record_step(sched, processed.outputs, started, self.scheduler.num_requests())
+        self.stats.record_step(sched, processed.outputs, started, self.scheduler.num_requests(), len(seqs))
         return processed.outputs
 
     # ---- offline ------------------------------------------------------------------------------

@@ -47,6 +47,8 @@ class PromptLogits:
 class ModelOutput:
     logits: torch.Tensor  # float32, one row per ``SchedulerOutput.sampling`` sequence, in its order
     prompt_logits: list[PromptLogits] = field(default_factory=list)
+    # float32, ``SchedulerOutput.num_verify_rows`` rows: each verify's draft positions, then its bonus one
+    verify_logits: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -76,21 +78,29 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         """Runs one step; returns float32 logits for each ``sched.sampling`` sequence (``n > 1``
         siblings share their prompt's row), plus the prompt positions' logits where asked for."""
-        if sched.num_blocks_touched > self.num_blocks_zeroed:
-            self.kv_cache[:, :, self.num_blocks_zeroed : sched.num_blocks_touched].zero_()
-            if self.quantized_kv is not None:
-                self.quantized_kv.zero_blocks(self.num_blocks_zeroed, sched.num_blocks_touched)
-            self.num_blocks_zeroed = sched.num_blocks_touched
-        if sched.blocks_to_copy:
-            self.copy_blocks(sched.blocks_to_copy)
+        self.ready_blocks(sched.num_blocks_touched, sched.blocks_to_copy)
         input_ids, positions, meta, logits_indices = self.prepare(sched)
         if self.quantized_kv is not None:
             self.quantized_kv.begin_step(meta.slot_mapping.tolist())
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
+        verify_logits = None
+        if sched.verifies:  # prepare put the verify rows last
+            logits, verify_logits = logits[: -sched.num_verify_rows], logits[-sched.num_verify_rows :]
         if len(sched.logits_rows) > logits.shape[0]:
             logits = logits[torch.tensor(sched.logits_rows, device=logits.device)]
-        return ModelOutput(logits, self._prompt_logits(sched.prefills, hidden))
+        return ModelOutput(logits, self._prompt_logits(sched.prefills, hidden), verify_logits)
+
+    def ready_blocks(self, num_blocks_touched: int, blocks_to_copy: list[tuple[int, int]]) -> None:
+        """Zero the blocks handed out for the first time and do the step's copy-on-write copies
+        (tensor-parallel workers call this with what rank 0's scheduler decided)."""
+        if num_blocks_touched > self.num_blocks_zeroed:
+            self.kv_cache[:, :, self.num_blocks_zeroed : num_blocks_touched].zero_()
+            if self.quantized_kv is not None:
+                self.quantized_kv.zero_blocks(self.num_blocks_zeroed, num_blocks_touched)
+            self.num_blocks_zeroed = num_blocks_touched
+        if blocks_to_copy:
+            self.copy_blocks(blocks_to_copy)
 
     def _prompt_logits(self, prefills: list[ScheduledSeq], hidden: torch.Tensor) -> list[PromptLogits]:
         """Prefill chunks come first in the batch, in order; a chunk's row for position ``p``
@@ -141,15 +151,16 @@ class ModelRunner:
         num_prefill_tokens = len(input_ids)
         decode_lens: list[int] = []
         decode_tables: list[list[int]] = []
-        for item in sched.decodes:
-            seq = item.seq
-            pos = seq.num_computed_tokens
-            input_ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-            decode_lens.append(pos + 1)
-            decode_tables.append(seq.block_table)
-            logits_indices.append(len(input_ids) - 1)
+        for item in sched.decodes + sched.verifies:  # a verify: one decode row per token, its drafts after
+            seq, first = item.seq, item.seq.num_computed_tokens
+            input_ids += [seq.token_ids[first]] + seq.draft_token_ids[: item.num_spec_tokens]
+            for pos in range(first, first + item.num_new_tokens):
+                positions.append(pos)
+                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+                decode_lens.append(pos + 1)  # a row sees its own position and before: the causal mask
+                decode_tables.append(seq.block_table)
+        logits_indices += range(num_prefill_tokens, num_prefill_tokens + len(sched.decodes))
+        logits_indices += range(len(input_ids) - sched.num_verify_rows, len(input_ids))
 
         def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
@@ -158,7 +169,7 @@ class ModelRunner:
             slot_mapping=tensor(slots),
             num_prefills=len(sched.prefills),
             num_prefill_tokens=num_prefill_tokens,
-            num_decodes=len(sched.decodes),
+            num_decodes=len(decode_lens),
             prefill_query_start_loc=tensor(query_start, torch.int32),
             prefill_seq_lens=tensor(prefill_lens, torch.int32),
             prefill_block_tables=self.block_table_tensor(prefill_tables),

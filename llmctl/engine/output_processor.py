@@ -96,15 +96,20 @@ class OutputProcessor:
 
     # ---- a step ----------------------------------------------------------------------------------
     def process(self, seqs: list[Sequence], sampled: SampleResult, now: float) -> ProcessedStep:
-        """``seqs[i]`` just got ``sampled.token_ids[i]`` (already appended by the scheduler)."""
+        """``seqs[i]`` just got ``sampled.token_ids[i]`` (already appended by the scheduler). A
+        sequence that got several tokens this step (speculative decoding) fills consecutive rows,
+        one per token it kept, in order."""
         touched: dict[str, RequestState] = {}
         for chunk in sampled.prompt_logprobs:
             request = self.requests[chunk.seq.request_id]
             self._guarded(request, touched, self._add_prompt_logprobs, request, chunk)
+        later = [0] * len(seqs)  # rows of the same sequence after row i
+        for i in range(len(seqs) - 2, -1, -1):
+            later[i] = later[i + 1] + 1 if seqs[i + 1] is seqs[i] else 0
         for i, seq in enumerate(seqs):
             request = self.requests[seq.request_id]
             touched[request.request_id] = request
-            self._guarded(request, touched, self._add_token, request, seq, i, sampled, now)
+            self._guarded(request, touched, self._add_token, request, seq, i, later[i], sampled, now)
         outputs, to_finish = [], []
         for request in touched.values():
             output = self._output(request)
@@ -139,31 +144,39 @@ class OutputProcessor:
         if skip >= 0:
             held.extend(chunk.logprobs[skip:])
 
-    def _add_token(self, request: RequestState, seq: Sequence, row: int, sampled: SampleResult, now: float) -> None:
+    def _add_token(self, request: RequestState, seq: Sequence, row: int, later: int, sampled: SampleResult,
+                   now: float) -> None:
         metrics = request.metrics
         if metrics.last_token_time != now:  # the request's first token this step
             metrics.previous_token_time, metrics.last_token_time = metrics.last_token_time, now
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
         sample = request.samples.get(seq.index) or self._add_sample(request, seq)
+        if sample.ended is not None:  # a stop string ended it at an earlier token of this step
+            return
         if sampled.logprobs is not None and seq.params.logprobs is not None:
             sample.logprobs.append(sampled.logprobs[row])
             sample.top_logprobs.append(sampled.top_logprobs[row])
         if sample.detokenizer is not None:
-            self._add_text(sample, seq)
+            self._add_text(sample, seq, later)
 
     @staticmethod
-    def _add_text(sample: SampleState, seq: Sequence) -> None:
+    def _add_text(sample: SampleState, seq: Sequence, later: int) -> None:
         """EOS or a stop token id ends the text before itself; a sequence that ended flushes what
-        the detokenizer held back, and then its final text is checked for stop strings."""
+        the detokenizer held back, and then its final text is checked for stop strings. ``later``:
+        how many of the sequence's tokens this step follow this one (a stop string found here
+        drops them, as if they had never been generated)."""
         previous = len(sample.text)
-        stopped_by_token = seq.finish_reason is FinishReason.STOP
+        last = later == 0
+        stopped_by_token = last and seq.finish_reason is FinishReason.STOP
         if not stopped_by_token:
-            sample.text += sample.detokenizer.step(seq.token_ids[-1])
-        if seq.is_finished:
+            sample.text += sample.detokenizer.step(seq.token_ids[-1 - later])
+        if last and seq.is_finished:
             sample.text += sample.detokenizer.flush()
         if seq.params.stop and not stopped_by_token:
             _check_stop_strings(sample, seq.params, previous)
+            if sample.ended is not None and later:
+                del seq.token_ids[-later:]
 
     # ---- outputs ---------------------------------------------------------------------------------
     def _output(self, request: RequestState) -> RequestOutput:

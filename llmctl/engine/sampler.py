@@ -74,7 +74,18 @@ class Sampler:
             return SampleResult(token_ids, None, None)
         logprobs = torch.log_softmax(model_logits, dim=-1)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        return SampleResult(token_ids, chosen, _top_k([w or 0 for w in want], logprobs))
+        return SampleResult(token_ids, chosen, top_k_logprobs([w or 0 for w in want], logprobs))
+
+    def distributions(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What ``__call__`` draws from: the adjusted logits (a greedy row takes their argmax) and
+        the probabilities of the non-greedy rows, in row order (None when every row is greedy).
+        Speculative decoding (llmctl/spec/) draws and accepts tokens by these itself."""
+        logits = self._adjusted(logits, seqs)
+        sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if not sampled_rows:
+            return logits, None
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        return logits, self._probabilities(logits[rows], [seqs[i] for i in sampled_rows])
 
     def _adjusted(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The logits with grammar masks, min_tokens, logit_bias and penalties applied (a copy when
@@ -103,7 +114,7 @@ class Sampler:
         return torch.softmax(logits, dim=-1)
 
 
-def _top_k(want: list[int], logprobs: torch.Tensor) -> list[dict[int, float]]:
+def top_k_logprobs(want: list[int], logprobs: torch.Tensor) -> list[dict[int, float]]:
     """Row ``i``'s ``want[i]`` most likely tokens with their logprobs, most likely first."""
     top: list[dict[int, float]] = [{} for _ in want]
     k = max(want, default=0)
@@ -122,7 +133,7 @@ def prompt_logprobs(chunk: PromptLogits) -> PromptLogprobs:
     logprobs = torch.log_softmax(chunk.logits, dim=-1)
     targets = seq.token_ids[chunk.first_index : chunk.first_index + logprobs.shape[0]]
     own = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
-    top = _top_k([seq.params.prompt_logprobs or 0] * len(targets), logprobs)
+    top = top_k_logprobs([seq.params.prompt_logprobs or 0] * len(targets), logprobs)
     entries = [{token: lp, **alternatives} for token, lp, alternatives in zip(targets, own, top)]
     return PromptLogprobs(seq, chunk.first_index, entries)
 

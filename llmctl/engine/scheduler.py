@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmctl.engine.block_manager import BlockManager
@@ -47,6 +48,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     eos_token_ids: frozenset[int] = frozenset()
     kv_cache_dtype: str = "auto"  # salts the prefix-cache keys
+    num_speculative_tokens: int = 0  # most draft tokens a decode may verify per step (0: no speculation)
 
 
 @dataclass
@@ -59,11 +61,18 @@ class ScheduledSeq:
         """This chunk reaches the end of the sequence, so its last logits pick the next token."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
+    @property
+    def num_spec_tokens(self) -> int:
+        """Draft tokens verified behind the sequence's pending token (a speculative decode)."""
+        return max(0, self.seq.num_computed_tokens + self.num_new_tokens - self.seq.num_tokens)
+
 
 @dataclass
 class SchedulerOutput:
     prefills: list[ScheduledSeq] = field(default_factory=list)
     decodes: list[ScheduledSeq] = field(default_factory=list)
+    # speculative decodes: the pending token plus draft tokens, one decode row each, after the decodes
+    verifies: list[ScheduledSeq] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_blocks_touched: int = 0  # pool blocks [0, n) may have been handed out so far
@@ -76,8 +85,14 @@ class SchedulerOutput:
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
-        """Prefill chunks first, then decodes: the layout the model runner and attention expect."""
-        return self.prefills + self.decodes
+        """Prefill chunks first, then decodes, then verifies: the layout the model runner and
+        attention expect."""
+        return self.prefills + self.decodes + self.verifies
+
+    @property
+    def num_verify_rows(self) -> int:
+        """Logits rows of the verifies: one per draft token plus the bonus position."""
+        return sum(item.num_new_tokens for item in self.verifies)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -85,11 +100,11 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return len(self.decodes)
+        return len(self.decodes) + self.num_verify_rows
 
     @property
     def is_empty(self) -> bool:
-        return not self.prefills and not self.decodes
+        return not self.prefills and not self.decodes and not self.verifies
 
 
 def max_min_fair_shares(demands: dict[str, int], capacity: int) -> dict[str, int]:
@@ -116,6 +131,8 @@ class Scheduler:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.resumed_hit_tokens = 0  # tokens a preempted sequence found again in the cache on resuming
+        # Speculative decoding: ``(seq, most) -> k`` drafts for a decode (llmctl/spec/), set by the engine.
+        self.propose_drafts: Callable[[Sequence, int], int] | None = None
 
     # ---- queue management --------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -158,10 +175,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_pending_tokens == 1 and self._allocate_or_preempt(seq, 1, out, scheduled):
-                out.decodes.append(ScheduledSeq(seq, 1))
+            k = self._lookahead(seq, budget) if seq.num_pending_tokens == 1 else 0
+            if seq.num_pending_tokens == 1 and self._allocate_or_preempt(seq, 1 + k, out, scheduled):
+                (out.verifies if k else out.decodes).append(ScheduledSeq(seq, 1 + k))
                 scheduled.add(seq.seq_id)
-                budget -= 1
+                budget -= 1 + k
             if seq.status is SequenceStatus.RUNNING:
                 i += 1
 
@@ -176,6 +194,15 @@ class Scheduler:
         out.num_blocks_touched = self.block_manager.num_blocks_touched
         self._plan_sampling(out)
         return out
+
+    def _lookahead(self, seq: Sequence, budget: int) -> int:
+        """Draft tokens to verify behind a decode's pending token: within the token budget, the
+        context limit and the tokens ``max_tokens`` still allows after the next one."""
+        most = min(self.config.num_speculative_tokens, budget - 1, self.config.max_model_len - seq.num_tokens,
+                   seq.params.max_tokens - seq.num_output_tokens - 1)
+        if self.propose_drafts is None or most <= 0:
+            return 0
+        return self.propose_drafts(seq, most)
 
     @staticmethod
     def _plan_sampling(out: SchedulerOutput) -> None:
@@ -312,6 +339,8 @@ class Scheduler:
             scheduled.discard(seq.seq_id)
             out.prefills = [s for s in out.prefills if s.seq is not seq]
             out.decodes = [s for s in out.decodes if s.seq is not seq]
+            out.verifies = [s for s in out.verifies if s.seq is not seq]
+        seq.draft_token_ids, seq.draft_probs, seq.num_draft_computed = [], None, 0
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_preemptions += 1
@@ -320,24 +349,51 @@ class Scheduler:
         self.add(seq)
 
     # ---- after the model ran -----------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> None:
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int],
+                           verified_token_ids: list[list[int]] | None = None) -> None:
         """Book the step the model ran: the K/V it computed (newly full blocks go to the prefix
-        cache), the ``n > 1`` forks, one sampled token per ``out.sampling`` sequence, and the end of
-        those that hit EOS, a stop token, ``max_tokens`` or ``max_model_len`` (their blocks go back).
-        Stop strings are text, so the output processor finds them (see ``finish``)."""
-        for item in out.scheduled:
+        cache), the ``n > 1`` forks, one sampled token per ``out.sampling`` sequence, the tokens
+        each of ``out.verifies`` got (its accepted drafts and one more), and the end of those that
+        hit EOS, a stop token, ``max_tokens`` or ``max_model_len`` (their blocks go back). Stop
+        strings are text, so the output processor finds them (see ``finish``)."""
+        for item in out.prefills + out.decodes:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
         for parent, children in out.forks:
             self._fork(parent, children)
         for seq, token in zip(out.sampling, sampled_token_ids, strict=True):
             seq.token_ids.append(token)
-            reason = self._stop_reason(seq, token)
-            if reason is None and seq.grammar is not None and not seq.grammar.accept_token(token):
-                logger.warning("sequence %s: token %d broke its grammar (%s)", seq.seq_id, token, seq.grammar.error)
-                reason = FinishReason.ERROR
-            if reason is not None:
+            if (reason := self._end_reason(seq, token)) is not None:
                 self.finish(seq, reason)
+        for item, tokens in zip(out.verifies, verified_token_ids or [], strict=True):
+            self._book_verified(item.seq, tokens)
+
+    def _book_verified(self, seq: Sequence, tokens: list[int]) -> None:
+        """Append a verify's tokens up to the first that ends the sequence; K/V stays for the
+        pending token and the accepted drafts, the rejected drafts' lookahead blocks go back."""
+        reason = None
+        appended = 0
+        for token in tokens:
+            seq.token_ids.append(token)
+            appended += 1
+            if (reason := self._end_reason(seq, token)) is not None:
+                break
+        seq.num_computed_tokens += appended  # the pending token, then each accepted draft before the last
+        seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+        seq.draft_token_ids, seq.draft_probs = [], None
+        self.block_manager.cache_full_blocks(seq)
+        if reason is not None:
+            self.finish(seq, reason)
+        else:
+            self.block_manager.release_tail(seq)
+
+    def _end_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Why ``token``, just appended, ends the sequence (its stop conditions, or its grammar)."""
+        reason = self._stop_reason(seq, token)
+        if reason is None and seq.grammar is not None and not seq.grammar.accept_token(token):
+            logger.warning("sequence %s: token %d broke its grammar (%s)", seq.seq_id, token, seq.grammar.error)
+            reason = FinishReason.ERROR
+        return reason
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params

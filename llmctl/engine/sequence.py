@@ -54,6 +54,12 @@ class Sequence:
     pending_forks: int = 0  # siblings to fork off when the prompt's last chunk samples (n > 1)
     generator: torch.Generator | None = None
     grammar: GrammarMatcher | None = None  # structured outputs: where the output stands in its grammar
+    # Speculative decoding (llmctl/spec/): this step's draft tokens (set while it is scheduled, cleared
+    # when it is booked), the draft model's probabilities for them (None: n-gram drafts, one-hot), and
+    # how many leading tokens have K/V in the draft model's pool.
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    num_draft_computed: int = 0
 
     def fork(self, index: int) -> Sequence:
         """Sample ``index`` of the same request: the same tokens so far, its own seed (``seed + index``)

@@ -31,9 +31,11 @@ Snapshot schema (version 2)::
       "steps": [{"step", "time", "duration_s", "prefill_tokens", "decode_tokens", "num_seqs",
                  "num_running", "num_waiting", "num_preempted"}],  # oldest first, last ``max_steps``;
                  # num_running / num_waiting are requests, num_seqs / num_preempted sequences
-      "latency": {"window", "count", "ttft_s": {"p50", "p90", "p99"}, "tpot_s": {...}, "e2e_s": {...}}
+      "latency": {"window", "count", "ttft_s": {"p50", "p90", "p99"}, "tpot_s": {...}, "e2e_s": {...}},
                  # over the last ``window`` finished, non-aborted requests (llmctl/engine/latency.py);
                  # null where there is no data yet
+      "spec_decode": null | {"method", "num_speculative_tokens", "num_drafts": verify steps,
+                     "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length"}
     }
 """
 
@@ -97,6 +99,10 @@ class EngineCounters:
     generation_tokens_total: int
     requests_added_total: int
     requests_finished: dict[str, int]  # by finish reason
+    # speculative decoding (0 without it): verify steps of a sequence, draft tokens scored, accepted
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class EngineStats:
@@ -120,9 +126,10 @@ class EngineStats:
         self.requests_finished[reason] += 1
 
     def record_step(self, sched: SchedulerOutput, outputs: list[RequestOutput], started: float,
-                    num_requests: tuple[int, int]) -> None:
+                    num_requests: tuple[int, int], num_tokens: int | None = None) -> None:
+        """``num_tokens``: tokens generated this step (default: one per sampling sequence)."""
         self.step_count += 1
-        self.generation_tokens_total += len(sched.sampling)
+        self.generation_tokens_total += len(sched.sampling) if num_tokens is None else num_tokens
         record = StepRecord(self.step_count, started, time.time() - started, sched.num_prefill_tokens,
                             sched.num_decode_tokens, len(sched.scheduled), *num_requests, len(sched.preempted))
         self.steps.append(record)
@@ -173,7 +180,26 @@ def engine_counters(engine: LLMEngine) -> EngineCounters:
         generation_tokens_total=stats.generation_tokens_total,
         requests_added_total=stats.requests_added_total,
         requests_finished=dict(stats.requests_finished),
+        **_spec_counters(engine),
     )
+
+
+def _spec_counters(engine: LLMEngine) -> dict[str, int]:
+    if engine.speculator is None:
+        return {}
+    c = engine.speculator.counters
+    return {"spec_num_drafts": c.num_verifies, "spec_num_draft_tokens": c.num_drafted,
+            "spec_num_accepted_tokens": c.num_accepted}
+
+
+def _spec_section(engine: LLMEngine) -> dict[str, Any] | None:
+    speculator = engine.speculator
+    if speculator is None:
+        return None
+    c = speculator.counters
+    return {"method": speculator.method, "num_speculative_tokens": engine.config.num_speculative_tokens,
+            "num_drafts": c.num_verifies, "draft_tokens": c.num_drafted, "accepted_tokens": c.num_accepted,
+            "acceptance_rate": c.acceptance_rate, "mean_accepted_length": c.mean_accepted_length}
 
 
 def _request_rows(engine: LLMEngine, now: float) -> list[dict[str, Any]]:
@@ -260,4 +286,5 @@ def engine_snapshot(engine: LLMEngine, max_steps: int = 120) -> dict[str, Any]:
         "requests": requests,
         "steps": [asdict(s) for s in list(stats.steps)[-max_steps:]],
         "latency": stats.latency.section(),
+        "spec_decode": _spec_section(engine),
     }

@@ -55,15 +55,19 @@ def register_hub_commands(app: "typer.Typer") -> None:
 
     @app.command("pull")
     def pull_command(
-        model: str = typer.Argument(..., metavar="REPO_ID[@REVISION]", help="Hugging Face model id, e.g. org/name@main."),
+        model: str = typer.Argument(..., metavar="REPO_ID[@REVISION][:TAG]", help="Hugging Face model id, e.g. "
+                                    "org/name@main; :TAG picks a GGUF file, e.g. org/name-GGUF:Q4_K_M."),
         token: str | None = typer.Option(
             None, "--token", help="Hugging Face token for gated/private repos (default: HF_TOKEN).", show_default=False
         ),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+        include: str | None = typer.Option(None, "--include", help="The GGUF file to fetch, as a glob (e.g. "
+                                           "'*Q4_K_M.gguf'); the same as :TAG.", show_default=False),
     ) -> None:
-        """Download a model into the Hugging Face cache. Config, tokenizer and safetensors weights."""
+        """Download a model into the Hugging Face cache: config, tokenizer and safetensors weights, or
+        one GGUF file (a repo of GGUF files: its Q4_K_M one unless :TAG or --include says otherwise)."""
         with _cli_errors():
-            path = pull(model, token=token, console=Console(stderr=True), progress=not quiet)
+            path = pull(model, token=token, console=Console(stderr=True), progress=not quiet, include=include)
         Console(soft_wrap=True).print(f"[green]✓[/green] {escape(model)} → {escape(str(path))}", highlight=False)
 
     @app.command("ls")
@@ -89,17 +93,20 @@ def register_hub_commands(app: "typer.Typer") -> None:
                 ("ARCHITECTURE", "left"),
                 ("PARAMS", "right"),
                 ("DTYPE", "left"),
+                ("BYTES/PARAM", "right"),
             ):
                 table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
             for m in models:
                 revision = m.revision if m.complete else f"{m.revision} (incomplete)"
+                per_param = m.bytes_per_parameter
                 table.add_row(
-                    escape(m.repo_id),
+                    escape(m.name),
                     escape(revision),
                     fmt_size(m.size_on_disk),
                     escape(m.architecture or "?"),
                     _fmt_params(m.num_parameters),
                     escape(m.dtype or "?"),
+                    "?" if per_param is None else f"{per_param:.2f}",
                 )
             out.print(table)
         for repo_id, size in sorted(partial.items()):

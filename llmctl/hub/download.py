@@ -36,11 +36,11 @@ from llmctl.errors import HubError, LlmctlError
 from llmctl.hub.checksums import HashingFile, corrupted, expected_checksum, hash_file
 from llmctl.hub.errors import is_unreachable, translate_error
 from llmctl.hub.layout import (
-    DEFAULT_REVISION, FULL_COMMIT, INDEX_FILE, hub_cache_dir, hub_endpoint, offline, repo_folder, repo_storage,
-    select_inference_files, snapshot_is_complete, user_agent, write_ref,
+    DEFAULT_REVISION, FULL_COMMIT, INDEX_FILE, gguf_files, hub_cache_dir, hub_endpoint, offline, repo_folder,
+    repo_storage, select_gguf_file, select_inference_files, snapshot_is_complete, user_agent, write_ref,
 )
 from llmctl.hub.progress import PullProgress, bar_class, fmt_size
-from llmctl.hub.refs import check_repo_id, find_cached_snapshot, parse_model_ref
+from llmctl.hub.refs import check_repo_id, find_cached_model, parse_model_ref, split_gguf_tag
 
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console
@@ -64,8 +64,14 @@ def pull(
     token: str | None = None,
     console: "Console | None" = None,
     progress: bool = True,
+    include: str | None = None,
 ) -> Path:
-    """Download what inference needs of ``ORG/NAME[@REVISION]`` into the HF cache; return the snapshot dir.
+    """Download what inference needs of ``ORG/NAME[@REVISION][:TAG]`` into the HF cache; return the
+    snapshot dir, or for a GGUF pull the one ``.gguf`` file fetched into it.
+
+    GGUF: ``:TAG`` (e.g. ``:Q4_K_M``, as llama.cpp and Ollama write it) or ``include`` (a glob such
+    as ``*Q4_K_M.gguf``) picks one ``.gguf`` file; a repo without config.json gets its only GGUF
+    file, else its ``Q4_K_M`` one. The file is downloaded, resumed and verified like safetensors.
 
     Already-cached files are not downloaded again; a partial file from an interrupted pull is
     resumed with a Range request; every downloaded file is checked against the hub's checksum.
@@ -75,7 +81,8 @@ def pull(
     """
     from rich.console import Console
 
-    repo_id, revision = parse_model_ref(ref)
+    untagged, tag = split_gguf_tag(ref)
+    repo_id, revision = parse_model_ref(untagged)
     check_repo_id(repo_id, ref)
     rev = revision or DEFAULT_REVISION
     console = console or Console(stderr=True)
@@ -83,14 +90,14 @@ def pull(
     endpoint = hub_endpoint()
 
     if revision is not None and FULL_COMMIT.match(revision):
-        cached = find_cached_snapshot(repo_id, revision)
+        cached = find_cached_model(repo_id, revision, tag, include)
         if cached is not None:  # a commit never changes: nothing to ask the hub
             if progress:
                 console.print(f"{repo_id}@{revision[:12]} is already in the cache: {escape(str(cached))}", highlight=False)
             return cached
 
     if offline():
-        cached = find_cached_snapshot(repo_id, revision)
+        cached = find_cached_model(repo_id, revision, tag, include)
         if cached is not None:
             if progress:
                 console.print(
@@ -108,7 +115,7 @@ def pull(
         info = HfApi(endpoint=endpoint, token=token, **user_agent()).model_info(repo_id, revision=rev, files_metadata=True)
     except Exception as exc:  # noqa: BLE001 - translated below
         if is_unreachable(exc):
-            cached = find_cached_snapshot(repo_id, revision)
+            cached = find_cached_model(repo_id, revision, tag, include)
             if cached is not None:
                 console.print(
                     f"[yellow]warning:[/yellow] {escape(str(translate_error(exc, repo_id=repo_id, revision=revision, token=token)))}; "
@@ -127,32 +134,16 @@ def pull(
     storage = repo_storage(repo_id, cache)
     snapshot = storage / "snapshots" / commit
 
-    if "config.json" not in siblings:
-        raise HubError(
-            f"{repo_id}@{rev} has no config.json at its top level; it is not a transformers-format model llmctl can load"
-        )
-
     ctx = _PullContext(repo_id=repo_id, revision=rev, commit=commit, ref=ref, token=token, cache=cache)
-
-    # Sharded weights: the index names the shards to fetch (and nothing else, e.g. no consolidated.safetensors).
-    weight_map_files: list[str] | None = None
-    if INDEX_FILE in siblings:
-        index_plan = ctx.plan(INDEX_FILE, siblings[INDEX_FILE], snapshot)
-        if index_plan is not None:
-            with PullProgress(console, False, "", 0) as quiet:
-                ctx.fetch(index_plan, quiet)
-        weight_map_files = _weight_map_files(snapshot / INDEX_FILE)
-        missing = [f for f in weight_map_files if f not in siblings]
-        if missing:
-            raise HubError(
-                f"{INDEX_FILE} of {repo_id}@{rev} names shards the repo does not have: {', '.join(missing[:3])}"
-            )
-
-    wanted = select_inference_files(list(siblings), weight_map_files)
-    if not any(f.endswith(".safetensors") for f in wanted):
-        others = sorted(f for f in siblings if f.endswith((".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")))
-        found = f" (it has {', '.join(others[:3])})" if others else ""
-        raise HubError(f"{repo_id}@{rev} has no safetensors weights{found}; llmctl loads .safetensors only")
+    transformers_format = "config.json" in siblings and any(f.endswith(".safetensors") for f in siblings)
+    gguf_pull = tag is not None or include is not None or (not transformers_format and bool(gguf_files(list(siblings))))
+    if gguf_pull:
+        try:
+            wanted = [select_gguf_file(list(siblings), tag, include, f"{repo_id}@{rev}")]
+        except ValueError as exc:
+            raise HubError(str(exc)) from None
+    else:
+        wanted = _safetensors_files(ctx, siblings, snapshot, console)
 
     plans = [p for name in wanted if (p := ctx.plan(name, siblings[name], snapshot)) is not None]
     cached_count = len(wanted) - len(plans)
@@ -184,10 +175,40 @@ def pull(
         for plan in plans:
             ctx.fetch(plan, bars)
 
-    if not snapshot_is_complete(snapshot):
+    if not snapshot_is_complete(snapshot) or not all((snapshot / name).is_file() for name in wanted):
         raise HubError(f"{repo_id}@{rev} was downloaded but {snapshot} is incomplete (config.json or weights missing)")
     write_ref(storage, rev, commit)
-    return snapshot
+    return snapshot / wanted[0] if gguf_pull else snapshot
+
+
+def _safetensors_files(ctx: "_PullContext", siblings: dict[str, Any], snapshot: Path, console: "Console") -> list[str]:
+    """What a transformers-format repo needs: config, tokenizer, safetensors (the index read first)."""
+    repo_id, rev = ctx.repo_id, ctx.revision
+    if "config.json" not in siblings:
+        raise HubError(
+            f"{repo_id}@{rev} has no config.json at its top level; it is not a transformers-format model llmctl can load"
+        )
+    # Sharded weights: the index names the shards to fetch (and nothing else, e.g. no consolidated.safetensors).
+    weight_map_files: list[str] | None = None
+    if INDEX_FILE in siblings:
+        index_plan = ctx.plan(INDEX_FILE, siblings[INDEX_FILE], snapshot)
+        if index_plan is not None:
+            with PullProgress(console, False, "", 0) as quiet:
+                ctx.fetch(index_plan, quiet)
+        weight_map_files = _weight_map_files(snapshot / INDEX_FILE)
+        missing = [f for f in weight_map_files if f not in siblings]
+        if missing:
+            raise HubError(
+                f"{INDEX_FILE} of {repo_id}@{rev} names shards the repo does not have: {', '.join(missing[:3])}"
+            )
+
+    wanted = select_inference_files(list(siblings), weight_map_files)
+    if not any(f.endswith(".safetensors") for f in wanted):
+        others = sorted(f for f in siblings if f.endswith((".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")))
+        found = f" (it has {', '.join(others[:3])})" if others else ""
+        raise HubError(f"{repo_id}@{rev} has no safetensors weights{found}; llmctl loads .safetensors or .gguf")
+
+    return wanted
 
 
 @dataclass

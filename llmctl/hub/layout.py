@@ -7,6 +7,7 @@ and tests (and users) change ``HF_ENDPOINT`` / ``HF_HUB_CACHE`` after that.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -38,6 +39,9 @@ _TOKENIZER_FILES = (
 )
 INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_WEIGHTS = "model.safetensors"
+GGUF_SUFFIX = ".gguf"
+# What a GGUF repo without a tag gives, as llama.cpp and Ollama choose: this quant where present.
+DEFAULT_GGUF_TAG = "Q4_K_M"
 
 
 def hub_endpoint() -> str:
@@ -110,6 +114,50 @@ def select_inference_files(filenames: list[str], weight_map_files: list[str] | N
     return ordered
 
 
+def gguf_files(filenames: list[str]) -> list[str]:
+    """The top-level model GGUF files of a repo (vision projectors, ``mmproj*``, left out)."""
+    return sorted(f for f in filenames if "/" not in f and f.lower().endswith(GGUF_SUFFIX)
+                  and not f.lower().startswith("mmproj"))
+
+
+def gguf_tag_matches(filename: str, tag: str) -> bool:
+    """Whether a GGUF file is the one ``REPO:TAG`` names (llama.cpp's and Ollama's syntax): the tag
+    stands between separators in the name, case-insensitively, so ``Q4_K`` is not ``Q4_K_M``; the
+    full file name is accepted too."""
+    if filename.lower() == tag.lower():
+        return True
+    return re.search(rf"(?:^|[-._]){re.escape(tag)}(?:[-.]|$)", filename, re.IGNORECASE) is not None
+
+
+def select_gguf_file(filenames: list[str], tag: str | None, include: str | None, where: str) -> str:
+    """The one GGUF file to fetch: the one ``include`` (a glob) or ``tag`` names; without either the
+    only one, else the ``Q4_K_M`` one. ``ValueError`` (with the choices) when that is not one file."""
+    candidates = gguf_files(filenames)
+    if not candidates:
+        raise ValueError(f"{where} has no .gguf files")
+    if include is not None:
+        chosen = [f for f in candidates if fnmatch.fnmatch(f, include)]
+        asked = f"--include {include!r}"
+    elif tag is not None:
+        chosen = [f for f in candidates if gguf_tag_matches(f, tag)]
+        asked = f"tag {tag!r}"
+    else:
+        chosen = candidates if len(candidates) == 1 else [f for f in candidates if gguf_tag_matches(f, DEFAULT_GGUF_TAG)]
+        asked = f"no tag (default {DEFAULT_GGUF_TAG})"
+    if len(chosen) == 1:
+        return chosen[0]
+    listing = ", ".join(candidates[:12]) + (", ..." if len(candidates) > 12 else "")
+    if not chosen:
+        raise ValueError(f"{where}: {asked} matches none of its GGUF files ({listing}); "
+                         "choose one with REPO:TAG (e.g. :Q4_K_M) or --include PATTERN")
+    raise ValueError(f"{where}: {asked} matches {len(chosen)} GGUF files ({', '.join(chosen[:6])}); "
+                     "llmctl loads one single-file GGUF: name it with REPO:TAG or --include PATTERN")
+
+
+def snapshot_gguf_files(snapshot: Path) -> list[Path]:
+    return [snapshot / name for name in gguf_files([p.name for p in snapshot.glob("*" + GGUF_SUFFIX) if p.is_file()])]
+
+
 def snapshot_weight_files(snapshot: Path) -> list[Path] | None:
     """The safetensors files of a snapshot (None if the index names a missing shard)."""
     index = snapshot / INDEX_FILE
@@ -127,9 +175,10 @@ def snapshot_weight_files(snapshot: Path) -> list[Path] | None:
 
 
 def snapshot_is_complete(snapshot: Path) -> bool:
-    """A snapshot llmctl can load: config.json and all its safetensors weights are present."""
+    """A snapshot llmctl can load: config.json and all its safetensors weights, or a GGUF file
+    (self-contained: config, tokenizer and weights) are present."""
     if not (snapshot / "config.json").is_file():
-        return False
+        return bool(snapshot_gguf_files(snapshot))
     weights = snapshot_weight_files(snapshot)
     return bool(weights)
 

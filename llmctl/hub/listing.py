@@ -1,9 +1,10 @@
 """``llmctl ls``: the cached snapshots (``scan_cache_dir``) with facts read from ``config.json`` and
-the safetensors headers alone (no weight is read)."""
+the safetensors headers, or a GGUF file's header and tensor infos, alone (no weight is read)."""
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections import Counter
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from llmctl.errors import HubError
-from llmctl.hub.layout import hub_cache_dir, snapshot_is_complete, snapshot_weight_files
+from llmctl.hub.layout import hub_cache_dir, snapshot_gguf_files, snapshot_is_complete, snapshot_weight_files
 
 _SAFETENSORS_DTYPES = {
     "F64": "float64",
@@ -31,6 +32,8 @@ _SAFETENSORS_DTYPES = {
     "BOOL": "bool",
 }
 _MAX_SAFETENSORS_HEADER = 100_000_000
+# the quant label in a GGUF file name ("SmolLM2-135M-Instruct.Q4_1.gguf" -> Q4_1), for REPO:TAG
+_GGUF_LABEL = re.compile(r"(?:^|[-._])((?:I?Q\d+(?:_[A-Z0-9]+)*)|BF16|F16|F32)(?=[-.])", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,22 @@ class CachedModel:
     num_parameters: int | None
     dtype: str | None
     complete: bool
+    weight_bytes: int | None = None  # what the weights take as stored (from the headers)
+    gguf_file: str | None = None  # a GGUF snapshot: one row per file
+
+    @property
+    def name(self) -> str:
+        """``repo_id``, or for a GGUF file ``repo_id:TAG`` (what ``llmctl generate`` takes)."""
+        if self.gguf_file is None:
+            return self.repo_id
+        found = _GGUF_LABEL.findall(self.gguf_file.removesuffix(".gguf") + ".")
+        return f"{self.repo_id}:{found[-1] if found else self.gguf_file}"
+
+    @property
+    def bytes_per_parameter(self) -> float | None:
+        if not self.weight_bytes or not self.num_parameters:
+            return None
+        return self.weight_bytes / self.num_parameters
 
     @property
     def revision(self) -> str:
@@ -91,7 +110,35 @@ def safetensors_stats(files: list[Path]) -> tuple[int, str | None]:
     return total, dtype
 
 
-def _model_facts(snapshot: Path) -> tuple[str | None, int | None, str | None, bool]:
+def safetensors_bytes(files: list[Path]) -> int:
+    """Bytes of the tensors' data, from the headers' offsets."""
+    total = 0
+    for path in files:
+        for name, entry in _safetensors_header(path).items():
+            if name != "__metadata__" and isinstance(entry, dict):
+                start, end = entry.get("data_offsets", (0, 0))
+                total += int(end) - int(start)
+    return total
+
+
+def _gguf_rows(base: dict[str, Any], snapshot: Path) -> list[CachedModel]:
+    """One row per GGUF file of a snapshot without config.json."""
+    from llmctl.errors import LlmctlError
+    from llmctl.models.gguf_reader import gguf_summary
+
+    rows = []
+    for path in snapshot_gguf_files(snapshot):
+        try:
+            facts = gguf_summary(path)
+            found = dict(architecture=facts.architecture, num_parameters=facts.num_parameters, dtype=facts.dtype,
+                         weight_bytes=facts.weight_bytes)
+        except (LlmctlError, OSError, ValueError):
+            found = dict(architecture=None, num_parameters=None, dtype=None)
+        rows.append(CachedModel(**base, **found, complete=True, gguf_file=path.name))
+    return rows
+
+
+def _model_facts(snapshot: Path) -> tuple[str | None, int | None, str | None, bool, int | None]:
     architecture: str | None = None
     config_dtype: str | None = None
     try:
@@ -103,15 +150,17 @@ def _model_facts(snapshot: Path) -> tuple[str | None, int | None, str | None, bo
         pass
     num_parameters: int | None = None
     dtype: str | None = None
+    weight_bytes: int | None = None
     weights = snapshot_weight_files(snapshot)
     if weights:
         try:
             num_parameters, dtype = safetensors_stats(weights)
+            weight_bytes = safetensors_bytes(weights)
         except (OSError, ValueError, TypeError):
             num_parameters, dtype = None, None
     if dtype is None and isinstance(config_dtype, str):
         dtype = config_dtype
-    return architecture, num_parameters, dtype, snapshot_is_complete(snapshot)
+    return architecture, num_parameters, dtype, snapshot_is_complete(snapshot), weight_bytes
 
 
 def list_models() -> list[CachedModel]:
@@ -131,21 +180,15 @@ def list_models() -> list[CachedModel]:
         if repo.repo_type != "model":
             continue
         for rev in repo.revisions:
-            architecture, num_parameters, dtype, complete = _model_facts(rev.snapshot_path)
-            models.append(
-                CachedModel(
-                    repo_id=repo.repo_id,
-                    commit=rev.commit_hash,
-                    refs=tuple(sorted(rev.refs)),
-                    size_on_disk=rev.size_on_disk,
-                    path=rev.snapshot_path,
-                    architecture=architecture,
-                    num_parameters=num_parameters,
-                    dtype=dtype,
-                    complete=complete,
-                )
-            )
-    models.sort(key=lambda m: (m.repo_id.lower(), m.revision))
+            base = dict(repo_id=repo.repo_id, commit=rev.commit_hash, refs=tuple(sorted(rev.refs)),
+                        size_on_disk=rev.size_on_disk, path=rev.snapshot_path)
+            if not (rev.snapshot_path / "config.json").is_file() and snapshot_gguf_files(rev.snapshot_path):
+                models.extend(_gguf_rows(base, rev.snapshot_path))
+                continue
+            architecture, num_parameters, dtype, complete, weight_bytes = _model_facts(rev.snapshot_path)
+            models.append(CachedModel(**base, architecture=architecture, num_parameters=num_parameters, dtype=dtype,
+                                      complete=complete, weight_bytes=weight_bytes))
+    models.sort(key=lambda m: (m.name.lower(), m.revision))
     return models
 
 

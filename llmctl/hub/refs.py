@@ -6,7 +6,8 @@ from pathlib import Path
 
 from llmctl.errors import ModelNotFoundError
 from llmctl.hub.layout import (
-    COMMIT_PREFIX, DEFAULT_REVISION, FULL_COMMIT, REPO_ID, repo_storage, snapshot_is_complete,
+    COMMIT_PREFIX, DEFAULT_REVISION, FULL_COMMIT, REPO_ID, repo_storage, select_gguf_file, snapshot_gguf_files,
+    snapshot_is_complete,
 )
 
 
@@ -27,6 +28,19 @@ def parse_model_ref(ref: str) -> tuple[str, str | None]:
     if sep and not revision.strip():
         raise ModelNotFoundError(f"empty revision after '@' in {ref!r}: expected ORG/NAME@REVISION")
     return repo_id, (revision.strip() if sep else None)
+
+
+def split_gguf_tag(ref: str) -> tuple[str, str | None]:
+    """``"org/name:Q4_K_M"`` (or ``org/name@rev:Q4_K_M``) -> ``("org/name", "Q4_K_M")``: the tag
+    that picks one GGUF file of a repo, as llama.cpp and Ollama write it. A colon can be in
+    neither a repo id nor a git revision, so the last one after the last '/' starts the tag."""
+    head, slash, last = ref.strip().rpartition("/")
+    name, colon, tag = last.partition(":")
+    if not colon:
+        return ref, None
+    if not tag.strip():
+        raise ModelNotFoundError(f"empty tag after ':' in {ref!r}: expected ORG/NAME:TAG (e.g. :Q4_K_M)")
+    return head + slash + name, tag.strip()
 
 
 def check_repo_id(repo_id: str, ref: str) -> None:
@@ -76,6 +90,20 @@ def find_cached_snapshot(repo_id: str, revision: str | None = None) -> Path | No
             return complete(matches[0].name)
     return None
 
+
+
+def find_cached_model(repo_id: str, revision: str | None = None, tag: str | None = None,
+                      include: str | None = None) -> Path | None:
+    """Like ``find_cached_snapshot``; with a GGUF ``tag`` or ``include`` glob, the cached GGUF file
+    they name (None when that file is not in the snapshot)."""
+    snapshot = find_cached_snapshot(repo_id, revision)
+    if snapshot is None or (tag is None and include is None):
+        return snapshot
+    try:
+        name = select_gguf_file([p.name for p in snapshot_gguf_files(snapshot)], tag, include, repo_id)
+    except ValueError:
+        return None
+    return snapshot / name
 
 
 def has_incomplete_snapshot(repo_id: str) -> bool:

@@ -10,17 +10,19 @@ from typing import TYPE_CHECKING
 from llmctl.errors import ModelNotFoundError
 from llmctl.hub.download import pull
 from llmctl.hub.layout import REPO_ID, hub_cache_dir, hub_endpoint
-from llmctl.hub.refs import find_cached_snapshot, has_incomplete_snapshot, parse_model_ref
+from llmctl.hub.refs import find_cached_model, has_incomplete_snapshot, parse_model_ref, split_gguf_tag
 
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console
 
 
 def resolve_model_dir(spec: str, *, allow_pull: bool | None = None, console: "Console | None" = None) -> Path:
-    """Turn a MODEL argument into a directory holding config.json and safetensors weights.
+    """Turn a MODEL argument into a directory holding config.json and safetensors weights, or a GGUF
+    file (or a snapshot holding one).
 
     - a local directory with config.json -> that directory;
-    - ``ORG/NAME[@REV]`` in the HF cache -> its snapshot (no network);
+    - ``ORG/NAME[@REV]`` in the HF cache -> its snapshot (no network); ``ORG/NAME[@REV]:TAG`` -> the
+      cached GGUF file that TAG names (a snapshot of one GGUF file is loaded as that file);
     - otherwise ``allow_pull=True`` pulls it, ``None`` asks on an interactive terminal (and
       refuses with a hint elsewhere), ``False`` refuses: ``ModelNotFoundError``.
     The embedded default model is the caller's business, before calling this.
@@ -36,12 +38,13 @@ def resolve_model_dir(spec: str, *, allow_pull: bool | None = None, console: "Co
     if text.startswith(("/", "./", "../", "~", ".\\")) or (os.sep != "/" and os.sep in text):
         raise ModelNotFoundError(f"no such model directory: {local}")
 
-    repo_id, revision = parse_model_ref(text)
+    untagged, tag = split_gguf_tag(text)
+    repo_id, revision = parse_model_ref(untagged)
     if not REPO_ID.match(repo_id) or "--" in repo_id or ".." in repo_id:
         raise ModelNotFoundError(
             f"{spec!r} is neither a model directory (with config.json) nor a hub id ORG/NAME[@REVISION]"
         )
-    cached = find_cached_snapshot(repo_id, revision)
+    cached = find_cached_model(repo_id, revision, tag)
     if cached is not None:
         return cached
 

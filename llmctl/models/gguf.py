@@ -18,13 +18,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGUFReader
 
 from llmctl.errors import ModelLoadError, UnsupportedModelError
 from llmctl.layers.ops import TorchOps
 from llmctl.layers.quantization.formats import PackedWeight
 from llmctl.models import gguf_quants
 from llmctl.models.config import ModelConfig
+from llmctl.models.gguf_reader import read_gguf
 from llmctl.models.gguf_tokenizer import GGUFTokenizerError, build_gguf_tokenizer
 from llmctl.models.llama import LlamaForCausalLM
 from llmctl.models.loader import build_model, load_weights
@@ -54,38 +55,9 @@ _LAYER_TENSORS = {
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-class _TensorInfoError(ValueError):
-    """A tensor-info record the plain reader would fail on without naming the tensor."""
-
-
-class _CheckedReader(GGUFReader):
-    """``GGUFReader`` that names the tensor whose type id is unknown or whose data runs past the
-    end of the file (the plain reader fails on those with a bare numpy or enum error)."""
-
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        for field in fields:
-            _, name_data, _, dims, raw_dtype, offset = field.parts
-            name = bytes(name_data).decode("utf-8", "replace")
-            try:
-                qtype = GGMLQuantizationType(int(raw_dtype[0]))
-            except ValueError:
-                raise _TensorInfoError(f"tensor {name!r} has unknown tensor type id {int(raw_dtype[0])}") from None
-            block_size, type_size = GGML_QUANT_SIZES[qtype]
-            end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block_size
-            if end > len(self.data):
-                raise _TensorInfoError(f"tensor {name!r} runs past the end of the file; it is truncated")
-        super()._build_tensors(start_offs, fields)
-
-
 def open_gguf(path: Path) -> GGUFReader:
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: no such GGUF file")
-    try:
-        reader = _CheckedReader(path)
-    except _TensorInfoError as exc:
-        raise ModelLoadError(f"{path}: {exc}") from exc
-    except (ValueError, IndexError, KeyError, TypeError, OSError, OverflowError) as exc:
-        raise ModelLoadError(f"{path}: not a readable GGUF file, it may be corrupt or truncated ({exc})") from exc
+    """The file's reader, once every tensor is of a type llmctl reads."""
+    reader = read_gguf(path)
     for tensor in reader.tensors:
         if tensor.tensor_type not in gguf_quants.SUPPORTED_TYPES:
             supported = ", ".join(t.name for t in gguf_quants.SUPPORTED_TYPES)
@@ -162,14 +134,17 @@ def _unpermute_order(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1).argsort()
 
 
-def read_tensor(tensor: Any) -> PackedWeight | torch.Tensor:
-    """A GGUF tensor in torch order (output features first): packed when quantized."""
+def read_tensor(tensor: Any, row_order: np.ndarray | None = None) -> PackedWeight | torch.Tensor:
+    """A GGUF tensor in torch order (output features first): packed when quantized. ``row_order``
+    reorders the output rows while still raw bytes (a quantized row is whole blocks, so this is exact
+    and costs the one copy that reading makes anyway)."""
     shape = tuple(int(d) for d in reversed(tensor.shape))
+    raw = tensor.data if row_order is None else tensor.data[row_order]
     if tensor.tensor_type in gguf_quants.DENSE_TYPES:
-        return gguf_quants.dense(tensor.data, tensor.tensor_type, shape)
+        return gguf_quants.dense(raw, tensor.tensor_type, shape)
     if len(shape) != 2:
         raise ValueError(f"a quantized tensor must be a matrix, got shape {shape}")
-    return gguf_quants.repack(tensor.data, tensor.tensor_type, shape)
+    return gguf_quants.repack(raw, tensor.tensor_type, shape)
 
 
 def iterate_gguf_tensors(reader: GGUFReader, cfg: ModelConfig, path: Path,
@@ -180,14 +155,14 @@ def iterate_gguf_tensors(reader: GGUFReader, cfg: ModelConfig, path: Path,
         name = _hf_name(tensor.name)
         if name is None:
             raise ModelLoadError(f"{path}: tensor {tensor.name!r} does not belong to a {cfg.architecture}")
+        proj = name.split(".")[-2]
+        order = None
+        if interleaved_qk and proj in heads:
+            order = _unpermute_order(int(tensor.shape[-1]), heads[proj]).numpy()
         try:
-            value = read_tensor(tensor)
+            value = read_tensor(tensor, order)
         except ValueError as exc:
             raise ModelLoadError(f"{path}: tensor {tensor.name!r} cannot be read ({exc})") from exc
-        proj = name.split(".")[-2]
-        if interleaved_qk and proj in heads:
-            order = _unpermute_order(value.shape[0], heads[proj])
-            value = value[order] if isinstance(value, torch.Tensor) else gguf_quants.permute_rows(value, order)
         yield name, value
 
 

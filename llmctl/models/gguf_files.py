@@ -57,7 +57,8 @@ def find_gguf_file(spec: str | Path) -> Path | None:
     files = sorted(path.glob("*.gguf"))
     if len(files) > 1:
         names = ", ".join(f.name for f in files)
-        raise ModelLoadError(f"{path}: holds several GGUF files ({names}); name the one to load")
+        raise ModelLoadError(f"{path}: holds several GGUF files ({names}); name the one to load (its path, or "
+                             "ORG/NAME:TAG for a hub snapshot, e.g. :Q4_K_M)")
     return files[0] if files else None
 
 

@@ -125,14 +125,6 @@ def dense(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) 
     return torch.from_numpy(data.copy()).reshape(shape)
 
 
-def permute_rows(packed: PackedWeight, order: torch.Tensor) -> PackedWeight:
-    """The same weight with its output rows reordered; rows are whole, so this is exact."""
-    if isinstance(packed, PackedInt4):
-        return PackedInt4(packed.qweight[order], packed.scales[order], packed.mins[order], packed.group_size)
-    mins = None if packed.mins is None else packed.mins[order]
-    return PackedInt8(packed.qweight[order], packed.scales[order], mins, packed.group_size)
-
-
 def _as_int8(packed: PackedWeight, group: int) -> PackedInt8:
     """Any PackedInt4/PackedInt8 as PackedInt8 with mins at a finer group size (exactly)."""
     if isinstance(packed, PackedInt4):
@@ -157,7 +149,8 @@ def concat_parts(parts: list[PackedWeight]) -> PackedWeight | None:
         group = min(p.group_size for p in parts)
         parts = [_as_int8(p, group) for p in parts]
         first = parts[0]
-    cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+    def cat(name: str) -> torch.Tensor:  # numpy's concatenate: no thread pool to wake for a copy at load time
+        return torch.from_numpy(np.concatenate([getattr(p, name).numpy() for p in parts]))
     if isinstance(first, PackedInt4):
         return PackedInt4(cat("qweight"), cat("scales"), cat("mins"), first.group_size)
     return PackedInt8(cat("qweight"), cat("scales"), None if first.mins is None else cat("mins"), first.group_size)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmctl.distributed import TensorParallel
+from llmctl.distributed import PipelineStage, TensorParallel
 from llmctl.layers.attention import Attention
 from llmctl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from llmctl.layers.linear import LinearMethod, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -14,6 +14,8 @@ from llmctl.layers.norm import RMSNorm
 from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl.layers.rotary import RotaryEmbedding
 from llmctl.models.config import ModelConfig
+
+StageOutput = tuple[torch.Tensor, torch.Tensor]  # (hidden, residual) handed to the next pipeline stage
 
 
 class LlamaAttention(nn.Module):
@@ -80,20 +82,28 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel, ops: TorchOps,
-                 method: LinearMethod | None) -> None:
+                 method: LinearMethod | None, stage: PipelineStage | None = None) -> None:
         super().__init__()
+        # A pipeline stage builds only its own layers; the others are empty placeholders, so that
+        # checkpoint names (model.layers.<i>) keep their global index.
+        self.stage = stage or PipelineStage.whole(cfg.num_layers)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, tp=tp)
         rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
                                      ops=ops)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, tp, ops, method, rotary_emb)
-                                    for _ in range(cfg.num_layers))
+                                    if self.stage.owns_layer(i) else nn.Identity() for i in range(cfg.num_layers))
+        self.stage_layers = list(self.layers)[self.stage.start : self.stage.end]  # a plain list: no per-step slicing
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, ops=ops)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate: StageOutput | None = None) -> torch.Tensor | StageOutput:
+        """The final hidden states; a pipeline stage other than the last returns ``(hidden, residual)``
+        for the next stage, and a stage other than the first starts from the previous one's."""
+        hidden, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
+        for layer in self.stage_layers:
             hidden, residual = layer(positions, hidden, residual, meta)
+        if not self.stage.is_last:
+            return hidden, residual
         return self.norm(hidden, residual)[0]
 
 
@@ -108,16 +118,18 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, ops: TorchOps,
-                 tp: TensorParallel = TensorParallel(), linear_method: LinearMethod | None = None) -> None:
+                 tp: TensorParallel = TensorParallel(), linear_method: LinearMethod | None = None,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, dtype, tp, ops, linear_method)
+        self.model = LlamaModel(cfg, dtype, tp, ops, linear_method, stage)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, tp=tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate: StageOutput | None = None) -> torch.Tensor | StageOutput:
+        return self.model(input_ids, positions, meta, intermediate)
 
     def process_weights_after_loading(self) -> None:
         """Final per-layer weight layouts (e.g. CPU prepacking), once every tensor is in place."""
@@ -129,4 +141,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]
+
+    def owns_checkpoint_tensor(self, name: str) -> bool:
+        """False for another pipeline stage's decoder layer (``model.layers.<i>.*``)."""
+        parts = name.split(".")
+        if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+            return self.model.stage.owns_layer(int(parts[2]))
+        return True

@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from llmctl.distributed import TensorParallel
+from llmctl.distributed import PipelineStage, TensorParallel
 from llmctl.errors import ModelLoadError
 from llmctl.layers.linear import LinearMethod, copy_checked
 from llmctl.layers.ops import TorchOps
@@ -67,6 +67,8 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path,
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
+        if not model.owns_checkpoint_tensor(name):  # another pipeline stage's layer
+            continue
         target, shard_id = name, None
         for ckpt_name, (merged_name, part) in model.packed_modules.items():
             if f".{ckpt_name}." in name:
@@ -109,15 +111,16 @@ def expected_checkpoint_names(model: LlamaForCausalLM) -> set[str]:
 
 
 def build_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, ops: TorchOps,
-                tp: TensorParallel = TensorParallel(), linear_method: LinearMethod | None = None) -> LlamaForCausalLM:
+                tp: TensorParallel = TensorParallel(), linear_method: LinearMethod | None = None,
+                stage: PipelineStage | None = None) -> LlamaForCausalLM:
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, dtype=dtype, ops=ops, tp=tp, linear_method=linear_method)
+        model = LlamaForCausalLM(cfg, dtype=dtype, ops=ops, tp=tp, linear_method=linear_method, stage=stage)
     return model.eval()
 
 
 def load_model(model_dir: Path, *, dtype: str, device: torch.device, ops: TorchOps,
                tp: TensorParallel = TensorParallel(), quantization: str = "none",
-               quantization_group_size: int = 64) -> LlamaForCausalLM:
+               quantization_group_size: int = 64, stage: PipelineStage | None = None) -> LlamaForCausalLM:
     """``quantization`` (int8 | int4 | fp8) quantizes every linear layer once its float weights are
     loaded; the embedding and the LM head stay in ``dtype``."""
     model_dir = Path(model_dir)
@@ -125,7 +128,7 @@ def load_model(model_dir: Path, *, dtype: str, device: torch.device, ops: TorchO
         raise ModelLoadError(f"{model_dir}: no such model directory")
     cfg = ModelConfig.from_dir(model_dir)
     model = build_model(cfg, dtype=cfg.resolve_dtype(dtype, device), device=device, ops=ops, tp=tp,
-                        linear_method=linear_method_for(quantization, quantization_group_size))
+                        linear_method=linear_method_for(quantization, quantization_group_size), stage=stage)
     with torch.no_grad():
         load_weights(model, model_dir)
     model.process_weights_after_loading()

@@ -27,6 +27,8 @@ from llmctl.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, bad_request,
 )
 from llmctl.server.serving import OpenAIServing, ServerState, sse
+from llmctl.server.tokenization import (TOKENIZER_PATHS, DetokenizeRequest, TokenizeRequest, detokenize, tokenize,
+                                        tokenizer_info)
 
 DEFAULT_MAX_QUEUE = 1024
 MAX_BODY_BYTES = 8 << 20  # larger bodies get a 413 (a full-context prompt as token ids is far smaller)
@@ -40,16 +42,18 @@ def error_response(exc: APIError) -> JSONResponse:
 
 
 class APIKeyMiddleware:
-    """``/v1/*`` needs ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open so
-    probes and scrapers need no secret. Plain ASGI (not ``BaseHTTPMiddleware``) so that streamed
-    responses and disconnects pass through untouched."""
+    """``/v1/*`` and the tokenizer routes need ``Authorization: Bearer <key>``; ``/health`` and
+    ``/metrics`` stay open so probes and scrapers need no secret. Plain ASGI (not
+    ``BaseHTTPMiddleware``) so that streamed responses and disconnects pass through untouched."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        path = scope.get("path", "")
+        guarded = path.startswith("/v1") or path in TOKENIZER_PATHS
+        if scope["type"] == "http" and guarded and scope["method"] != "OPTIONS":
             given = Headers(scope=scope).get("authorization", "").encode()
             if not secrets.compare_digest(given, self.expected):
                 error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
@@ -199,6 +203,18 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str, model_aliase
     @app.post("/v1/chat/completions", openapi_extra=_request_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await serving.create_chat_completion(await parse_body(request, ChatCompletionRequest), request)
+
+    @app.post("/tokenize", openapi_extra=_request_schema(TokenizeRequest))
+    async def tokenize_route(request: Request) -> JSONResponse:
+        return JSONResponse(tokenize(serving, await parse_body(request, TokenizeRequest)))
+
+    @app.post("/detokenize", openapi_extra=_request_schema(DetokenizeRequest))
+    async def detokenize_route(request: Request) -> JSONResponse:
+        return JSONResponse(detokenize(serving, await parse_body(request, DetokenizeRequest)))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route() -> JSONResponse:
+        return JSONResponse(tokenizer_info(serving))
 
     async def snapshot(max_steps: int) -> dict[str, Any]:
         # the engine lock can be held for a whole step: wait for it off the event loop

@@ -61,6 +61,12 @@ class _EngineCollector(Collector):
                       c.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens of all accepted requests.", c.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", c.generation_tokens_total)
+        yield counter("spec_decode_num_drafts", "Speculative decoding: verify steps of a sequence.",
+                      c.spec_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+                      c.spec_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+                      c.spec_num_accepted_tokens)
         success = CounterMetricFamily(PREFIX + "request_success", "Requests finished, by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason, count in sorted(c.requests_finished.items()):

@@ -192,11 +192,8 @@ class CompletionRequest(_Request):
             raise bad_request("best_of is not supported by llmctl (leave it unset or equal to n)", "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported by llmctl", "suffix")
-        if self.echo and self.logprobs is not None and self.stream:
-            raise bad_request("echo with logprobs is not supported when streaming (set stream: false)", "echo")
-        if self.max_tokens == 0 and not (self.echo and not self.stream):
-            raise bad_request("max_tokens 0 needs echo: true and stream: false (it scores the prompt only)",
-                              "max_tokens")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens 0 needs echo: true (it scores the prompt only)", "max_tokens")
 
     @property
     def prompt_only(self) -> bool:

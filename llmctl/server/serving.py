@@ -39,8 +39,8 @@ from llmctl.server.protocol import (
     CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails, Usage, bad_request,
 )
 from llmctl.structured.spec import StructuredOutputSpec
-from llmctl.structured.tools import (ParsedDelta, ReplyParser, messages_for_template, reply_parser, template_variables,
-                                     tool_choice_spec)
+from llmctl.structured.tool_calls import ParsedDelta, ReplyParser, reply_parser
+from llmctl.structured.tools import messages_for_template, template_variables, tool_choice_spec
 from llmctl.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -351,16 +351,12 @@ class OpenAIServing:
             for i, out in sorted(generation.final.items()):
                 for c in out.outputs:
                     if req.prompt_only:
-                        c = dataclasses.replace(c, text="", token_ids=[], logprobs=[], top_logprobs=None,
-                                                finish_reason="length", stop_reason=None)
+                        c = _prompt_only(c)
                     choices.append(CompletionChoice(index=i * req.n + c.index, text=echo.get(i, "") + c.text,
                                                     logprobs=self._completion_logprobs(req, out, c, echo.get(i)),
                                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-            usage = generation.usage()
-            if req.prompt_only:
-                usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
             return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                      usage=usage).model_dump()
+                                      usage=_completion_usage(generation, req)).model_dump()
 
         async def stream(generation: Generation) -> AsyncIterator[str]:
             choices: dict[int, _ChoiceStream] = {}
@@ -369,25 +365,29 @@ class OpenAIServing:
                     index = i * req.n + c.index
                     state = choices.get(index) or choices.setdefault(index, _ChoiceStream(
                         self.logprobs.texts(out.prompt_token_ids, params.skip_special_tokens)))
-                    text = c.delta_text if state.started else echo.get(i, "") + c.delta_text
+                    if req.prompt_only:  # the one token sampled is left out: the prompt, once it is scored
+                        if not c.finished:
+                            continue
+                        c = _prompt_only(c)
                     newly_finished = c.finished and not state.finished
+                    echoed = None if state.started else echo.get(i)  # the prompt leads the first chunk
                     # A chunk per step that produced tokens, even when they add no text yet (a split
                     # multi-byte character, a held-back stop string prefix), as vLLM does: clients
                     # time the first token by the first chunk.
-                    if not text and not c.delta_token_ids and not newly_finished:
+                    if not echoed and not c.delta_text and not c.delta_token_ids and not newly_finished:
                         continue
-                    state.started = True
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs = self.logprobs.completion(c, state.texts, len(c.token_ids))
-                    state.finished = c.finished
+                        generated = self.logprobs.completion(c, state.texts, len(c.token_ids))
+                        logprobs = self._echoed_logprobs(out, echoed, generated, len(echo.get(i, "")))
+                    state.started, state.finished = True, c.finished
                     chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[CompletionChoice(
-                        index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason)])
+                        index=index, text=(echoed or "") + c.delta_text, logprobs=logprobs,
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
                     yield sse(chunk.to_json())
             if req.include_usage:
                 yield sse(CompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                          usage=generation.usage()).to_json())
+                                          usage=_completion_usage(generation, req)).to_json())
             yield SSE_DONE
 
         return await self._run(request, prompts, params, request_id, req.user, respond,
@@ -395,20 +395,24 @@ class OpenAIServing:
 
     def _completion_logprobs(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput,
                              echoed: str | None) -> CompletionLogprobs | None:
-        """A whole choice's logprobs: with ``echo``, the prompt's tokens come first (vLLM's order)
-        and the generated tokens' offsets count from the start of the echoed text."""
+        """A whole choice's logprobs (with ``echo``, the prompt's first)."""
         if req.logprobs is None:
             return None
         generated = self.logprobs.completion(c, self.logprobs.texts(out.prompt_token_ids, req.skip_special_tokens),
                                              len(c.token_ids))
-        if echoed is None:
-            return generated
-        prompt = self.logprobs.prompt(out.prompt_token_ids, out.prompt_logprobs, echoed, True)
+        return self._echoed_logprobs(out, echoed, generated, len(echoed or ""))
+
+    def _echoed_logprobs(self, out: RequestOutput, echoed: str | None, generated: CompletionLogprobs,
+                         echo_len: int) -> CompletionLogprobs:
+        """``generated`` behind the echoed prompt's own logprobs (vLLM's order, when ``echoed`` is
+        given); generated offsets count from the start of the echoed text."""
+        prompt = CompletionLogprobs() if echoed is None else \
+            self.logprobs.prompt(out.prompt_token_ids, out.prompt_logprobs, echoed, True)
         return CompletionLogprobs(
             tokens=prompt.tokens + generated.tokens,
             token_logprobs=prompt.token_logprobs + generated.token_logprobs,
             top_logprobs=prompt.top_logprobs + generated.top_logprobs,
-            text_offset=prompt.text_offset + [len(echoed) + offset for offset in generated.text_offset])
+            text_offset=prompt.text_offset + [echo_len + offset for offset in generated.text_offset])
 
     def _prompt_text(self, prompt_ids: list[int]) -> str:
         return self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
@@ -480,6 +484,19 @@ class OpenAIServing:
                                stream if req.stream else None)
 
 
+def _prompt_only(c: CompletionOutput) -> CompletionOutput:
+    """A choice of a ``max_tokens: 0`` request: the token the engine sampled is left out."""
+    return dataclasses.replace(c, text="", delta_text="", token_ids=[], delta_token_ids=[], logprobs=[],
+                               top_logprobs=None, finish_reason="length", stop_reason=None)
+
+
+def _completion_usage(generation: Generation, req: CompletionRequest) -> Usage:
+    usage = generation.usage()
+    if req.prompt_only:
+        usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
+    return usage
+
+
 # ---- structured outputs and tool calls -------------------------------------------------------------
 def _constrained(params: SamplingParams, spec: StructuredOutputSpec | None) -> SamplingParams:
     return params if spec is None else dataclasses.replace(params, structured_outputs=spec)
@@ -494,16 +511,16 @@ def _assistant_message(text: str, parser: ReplyParser | None, finish_reason: str
                        ) -> tuple[AssistantMessage, str | None]:
     if parser is None:
         return AssistantMessage(content=text), finish_reason
-    first, last = parser.feed(text), parser.finish()
-    calls = [{k: v for k, v in call.items() if k != "index"} for call in first.tool_calls + last.tool_calls]
-    content = first.content + last.content
-    return (AssistantMessage(content=content or (None if calls else ""), tool_calls=calls or None),
-            _tool_finish(finish_reason, bool(calls)))
+    parsed = parser.whole(text)
+    return (AssistantMessage(content=parsed.content or (None if parsed.tool_calls else ""),
+                             tool_calls=parsed.tool_calls or None),
+            _tool_finish(finish_reason, bool(parsed.tool_calls)))
 
 
 def _stream_delta(parser: ReplyParser | None, text: str, finish_reason: str | None,
                   state: _ChoiceStream) -> tuple[DeltaMessage, str | None]:
-    """One chunk's delta: content, or the tool calls that completed (whole, each with its index)."""
+    """One chunk's delta: content, and tool-call deltas (a new call's index, id and name; then its
+    arguments as they are written)."""
     if parser is None:
         return (DeltaMessage(content=text) if text else DeltaMessage()), finish_reason
     parsed = parser.feed(text)

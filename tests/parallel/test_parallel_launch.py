@@ -1,0 +1,61 @@
+"""Launching: a TP size that cannot split the model is one clear line before any rank starts, and
+two torchrun agents (two "nodes" on 127.0.0.1, ``--nnodes 2``) give the one-process tokens."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+from parallel_helpers import REPO_ROOT, rank_env
+
+from llmctl.config import EngineConfig
+from llmctl.engine.llm_engine import LLMEngine
+from llmctl.sampling_params import SamplingParams
+
+PROMPT = "Once upon a time"
+
+
+def llmctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmctl.cli", *args], cwd=REPO_ROOT, env=rank_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_tp_size_that_does_not_divide_the_heads_is_a_clear_error(stories_dir):
+    started = time.monotonic()
+    done = llmctl("generate", str(stories_dir), PROMPT, "--tensor-parallel-size", "3")
+    assert done.returncode == 1
+    assert "--tensor-parallel-size 3 does not divide the model's 8 attention heads" in done.stderr
+    assert "torch.distributed" not in done.stderr + done.stdout  # no rank was started
+    assert time.monotonic() - started < 60
+
+
+def test_pipeline_deeper_than_the_model_is_a_clear_error(stories_dir):
+    done = llmctl("generate", str(stories_dir), PROMPT, "--pipeline-parallel-size", "6")
+    assert done.returncode == 1
+    assert "5 layers cannot be split over pipeline-parallel size 6" in done.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_give_the_single_process_tokens(stories_dir):
+    port = free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+               "--max-restarts", "0", "-m", "llmctl.cli", "generate", str(stories_dir), PROMPT, "-n", "24", "-t", "0",
+               "--tensor-parallel-size", "2", "--kv-cache-memory", "16MiB"]
+    nodes = [subprocess.Popen(command, cwd=REPO_ROOT, env=rank_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    for node, (out, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err
+    engine = LLMEngine(EngineConfig(model=str(stories_dir), kv_cache_memory=16 << 20))
+    expected = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text
+    printed = [out for out, _ in outputs if out.strip()]
+    assert len(printed) == 1  # only global rank 0 (on whichever node the rendezvous made it) prints
+    assert printed[0] == PROMPT + expected + "\n"

@@ -1,0 +1,65 @@
+"""The pieces of parallelism that need no second process: the per-step message round trip, the
+micro-batch split and the layer split."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from llmctl.distributed import split_layers
+from llmctl.engine.scheduler import ScheduledSeq, SchedulerOutput
+from llmctl.layers.ops import AttentionMetadata
+from llmctl.parallel.driver import split_micro_batches
+from llmctl.parallel.wire import MicroBatch, StepMessage, decode_step, encode_step
+
+
+def metadata(num_decodes: int) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=torch.arange(5 + num_decodes), num_prefills=1, num_prefill_tokens=5, num_decodes=num_decodes,
+        prefill_query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
+        prefill_seq_lens=torch.tensor([5], dtype=torch.int32),
+        prefill_block_tables=torch.tensor([[3, 4]], dtype=torch.int32), prefill_is_fresh=True,
+        decode_seq_lens=torch.arange(num_decodes, dtype=torch.int32) + 9,
+        decode_block_tables=torch.arange(2 * num_decodes, dtype=torch.int32).view(num_decodes, 2),
+        max_decode_seq_len=9 + num_decodes)
+
+
+def test_step_message_round_trip():
+    batches = [MicroBatch(torch.arange(5 + n), torch.arange(5 + n) * 2, metadata(n), torch.tensor([4, 5, 6][: n + 1]))
+               for n in (2, 0)]
+    sent = StepMessage(num_blocks_touched=17, blocks_to_copy=[(1, 2), (7, 9)], micro_batches=batches)
+    got = decode_step(encode_step(sent), torch.device("cpu"))
+    assert (got.num_blocks_touched, got.blocks_to_copy) == (17, [(1, 2), (7, 9)])
+    for want, have in zip(sent.micro_batches, got.micro_batches, strict=True):
+        for name in ("input_ids", "positions", "logit_rows"):
+            assert torch.equal(getattr(want, name), getattr(have, name))
+        for f in dataclasses.fields(AttentionMetadata):
+            a, b = getattr(want.meta, f.name), getattr(have.meta, f.name)
+            if isinstance(a, torch.Tensor):
+                assert a.dtype == b.dtype and torch.equal(a, b), f.name
+            else:
+                assert type(a) is type(b) and a == b, f.name
+
+
+def test_micro_batches_keep_the_batch_order_and_balance_tokens():
+    prefills = [ScheduledSeq(object(), n) for n in (12, 3)]  # type: ignore[arg-type]
+    decodes = [ScheduledSeq(object(), 1) for _ in range(5)]  # type: ignore[arg-type]
+    sched = SchedulerOutput(prefills=prefills, decodes=decodes)
+    parts = split_micro_batches(sched, 2)
+    assert [s for p in parts for s in p.scheduled] == sched.scheduled
+    assert [p.num_prefill_tokens + p.num_decode_tokens for p in parts] == [12, 8]
+    assert len(split_micro_batches(SchedulerOutput(decodes=decodes[:1]), 2)) == 1  # one sequence: no split
+    assert [len(p.scheduled) for p in split_micro_batches(SchedulerOutput(decodes=decodes), 3)] == [2, 2, 1]
+    assert len(split_micro_batches(SchedulerOutput(decodes=decodes), 2, min_tokens=4)) == 1  # too few tokens
+
+
+def test_layer_split_is_even_or_explicit():
+    assert [(s.start, s.end) for s in split_layers(5, 2)] == [(0, 2), (2, 5)]
+    assert [(s.start, s.end) for s in split_layers(5, 2, "4,1")] == [(0, 4), (4, 5)]
+    assert split_layers(4, 1)[0].is_first and split_layers(4, 1)[0].is_last
+    with pytest.raises(ValueError, match="must give 2 positive counts"):
+        split_layers(5, 2, "5,0")
+    with pytest.raises(ValueError, match="cannot be split"):
+        split_layers(2, 3)
