@@ -25,6 +25,7 @@ GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * GiB
 DEFAULT_CUDA_MEMORY_FRACTION = 0.90
 CLI_METADATA_KEY = "llmctl.cli"
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "kivi2", "kivi4")  # kernels/kv_quant.py implements them
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,12 @@ class EngineConfig:
         "quantize a float checkpoint's linear layers while loading (embedding and LM head stay float)."))
     quantization_group_size: int = field(default=64, metadata=cli(
         "--quantization-group-size", "Inputs per int4 scale/zero group: 32, 64 or 128."))
+    kv_cache_dtype: str = field(default="auto", metadata=cli(
+        "--kv-cache-dtype", "auto | fp8_e4m3 | fp8_e5m2 | int8 | kivi2 | kivi4. auto: the model dtype; fp8/int8: "
+        "a scale per token and KV head; kivi2/kivi4: KIVI 2/4-bit codes, keys per channel over each block, values "
+        "per token over --kv-quant-group-size channels, the open (last, partial) block in full precision."))
+    kv_quant_group_size: int = field(default=32, metadata=cli(
+        "--kv-quant-group-size", "KIVI: value channels per scale/zero group (KIVI's default 32; capped at head_dim)."))
     # ---- speculative decoding (llmctl/spec/) ----
     speculative_model: str | None = field(default=None, metadata=cli(
         "--speculative-model", "Draft tokens to verify in one forward: 'ngram' (prompt lookup: the tokens that "
@@ -116,8 +123,18 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.quantization not in ("auto", "none", "int8", "int4", "fp8"):
             raise ConfigError(f"unknown quantization {self.quantization!r}; choose auto, none, int8, int4 or fp8")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"unknown KV cache dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_quant_group_size not in (8, 16, 32, 64, 128):
+            raise ConfigError(f"KV quant group size must be 8, 16, 32, 64 or 128, got {self.kv_quant_group_size}")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ConfigError("tensor and pipeline parallel sizes must be at least 1")
+        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError("--kv-cache-dtype runs on one rank: it cannot be combined with tensor or pipeline "
+                              "parallelism yet")
+        if self.kv_cache_dtype.startswith("kivi") and self.speculative_model is not None:
+            raise ConfigError("--kv-cache-dtype kivi2/kivi4 cannot be combined with --speculative-model yet "
+                              "(a rejected draft may have completed, and so quantized, a block)")
         if self.quantization_group_size not in (32, 64, 128):
             raise ConfigError(f"quantization group size must be 32, 64 or 128, got {self.quantization_group_size}")
         if self.speculative_model is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:

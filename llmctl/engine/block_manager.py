@@ -10,7 +10,8 @@ A block's life::
 
 A full block's cache key is ``(hash of the previous block's key, its token ids)``, so a hit means
 the whole prefix up to and including that block matches (the dict compares the token ids; only
-the parent link relies on a hash). Only full blocks are cached, and they are never written
+the parent link relies on a hash); the first block's parent is the KV cache dtype, so a cache key
+never matches blocks stored in another format. Only full blocks are cached, and they are never written
 again, so sharing them needs no copy. The one block that can be shared *and* written is the
 partial last block of ``n > 1`` samples forked from one prompt: the first sharer to write into it
 gets a private copy (copy-on-write), recorded in ``pending_copies`` for the model runner.
@@ -19,12 +20,12 @@ gets a private copy (copy-on-write), recorded in ``pending_copies`` for the mode
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from llmctl.engine.sequence import Sequence
 
-CacheKey = tuple[int | None, tuple[int, ...]]
+CacheKey = tuple[int | str, tuple[int, ...]]
 
 
 @dataclass(eq=False)
@@ -35,7 +36,8 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 kv_cache_dtype: str = "auto") -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.block_size = block_size
@@ -48,6 +50,10 @@ class BlockManager:
         self.num_blocks_touched = 0  # 1 + the highest block id ever handed out
         self.num_evictions = 0
         self.num_copies = 0
+        self.kv_cache_dtype = kv_cache_dtype  # the prefix-cache hash chain starts from it
+        # Called with a block id when its last owner lets go (the quantized KV pool frees the block's
+        # full-precision residual slot then, before the block can be handed out again).
+        self.on_release: Callable[[int], None] | None = None
 
     # ---- queries -----------------------------------------------------------------------------
     @property
@@ -72,7 +78,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent: int | None = None
+        parent: int | str = self.kv_cache_dtype
         bs = self.block_size
         for i in range((seq.num_tokens - 1) // bs):
             key = (parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
@@ -137,6 +143,8 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
+                if self.on_release is not None:
+                    self.on_release(block_id)
                 if block.cache_key is not None:
                     self.evictable[block_id] = None
                 else:
@@ -151,7 +159,7 @@ class BlockManager:
             return
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
-            parent = seq.block_hashes[-1] if i else None
+            parent = seq.block_hashes[-1] if i else self.kv_cache_dtype
             key = (parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
             seq.block_hashes.append(hash(key))
             block = self.blocks[seq.block_table[i]]

@@ -26,7 +26,7 @@ import torch
 
 from llmctl.config import EngineConfig, kv_pool_too_small, resolve_kv_cache_bytes
 from llmctl.engine.block_manager import BlockManager
-from llmctl.engine.model_runner import ModelRunner, kv_block_bytes
+from llmctl.engine.model_runner import ModelRunner, kv_format
 from llmctl.engine.output_processor import OutputProcessor, RequestState
 from llmctl.engine.outputs import RequestMetrics, RequestOutput
 from llmctl.engine.sampler import Sampler
@@ -60,9 +60,12 @@ class LLMEngine:
         self.model, self.tokenizer, self.model_label = self._load(
             config, self.ops, self.parallel.shard_kwargs() if self.parallel else {})
         self.dtype = self.model.model.norm.weight.dtype  # the activation/KV dtype (weights may be packed)
-        num_blocks, self.max_model_len = self._size_kv_pool()
+        self.kv_format = kv_format(self.model, config.block_size, self.dtype, config.kv_cache_dtype,
+                                   config.kv_quant_group_size)
+        num_blocks, num_residual, self.max_model_len = self._size_kv_pool()
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
-                                  device=self.device, kv_dtype=self.dtype)
+                                  device=self.device, kv_dtype=self.dtype, kv_format=self.kv_format,
+                                  num_residual_slots=num_residual)
         if self.parallel is not None:
             from llmctl.parallel.driver import ParallelRunner
 
@@ -79,7 +82,11 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
             enable_chunked_prefill=config.enable_chunked_prefill,
             enable_prefix_caching=config.enable_prefix_caching, eos_token_ids=self.eos_token_ids,
-            num_speculative_tokens=config.num_speculative_tokens if config.speculative_model else 0))
+            num_speculative_tokens=config.num_speculative_tokens if config.speculative_model else 0,
+            kv_cache_dtype=config.kv_cache_dtype))
+        quantized_kv = getattr(self.runner, "quantized_kv", None)
+        if quantized_kv is not None:
+            self.block_manager.on_release = quantized_kv.release
         self.sampler = Sampler(config.seed, self.device, frozenset(self.eos_token_ids))
         self.speculator = build_speculator(self)  # --speculative-model (llmctl/spec/), else None
         if self.speculator is not None:
@@ -97,13 +104,21 @@ class LLMEngine:
         choice = getattr(self.model.config, "dtype_choice", None)
         return f"{name} ({choice.reason})" if choice is not None and choice.reason else name
 
-    def _size_kv_pool(self) -> tuple[int, int]:
-        """(KV blocks, max_model_len): the pool from the memory budget, the length from the model's
-        limit, capped by what the pool can hold."""
+    @property
+    def kv_description(self) -> str:
+        """The KV cache dtype and its bytes per token (for start-up lines)."""
+        name = self.config.kv_cache_dtype
+        if name == "auto":
+            name = f"auto ({str(self.dtype).removeprefix('torch.')})"
+        return f"KV {name}, {self.kv_format.bytes_per_token():g} B/token"
+
+    def _size_kv_pool(self) -> tuple[int, int, int]:
+        """(KV blocks, KIVI residual slots, max_model_len): the pool from the memory budget, the
+        length from the model's limit, capped by what the pool can hold."""
         config, cfg = self.config, self.model.config
         pool_bytes = resolve_kv_cache_bytes(config, self.device)
-        block_bytes = kv_block_bytes(self.model, config.block_size, self.dtype)
-        num_blocks = pool_bytes // block_bytes
+        block_bytes = self.kv_format.block_bytes() + self.kv_format.residual_block_bytes()
+        num_blocks, num_residual = self.kv_format.size_pool(pool_bytes, config.max_num_seqs)
         if self.parallel is not None:  # every rank must hold the blocks this scheduler hands out
             num_blocks = self.parallel.agree_min(num_blocks)
         capacity = num_blocks * config.block_size
@@ -118,7 +133,7 @@ class LLMEngine:
                 raise ConfigError(f"max_model_len {max_model_len} exceeds the model's limit {model_limit}")
         if max_model_len > capacity or num_blocks < 1:
             raise kv_pool_too_small(pool_bytes, block_bytes, config.block_size, config.max_model_len)
-        return num_blocks, max_model_len
+        return num_blocks, num_residual, max_model_len
 
     @staticmethod
     def _load(config: EngineConfig, ops: Any, shard: dict[str, Any]) -> tuple[Any, Tokenizer | None, str]:

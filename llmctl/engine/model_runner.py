@@ -1,7 +1,9 @@
 """Turns a scheduler decision into batch tensors, runs the model, and returns the sampling logits.
 
 It also owns the KV pool: one preallocated ``[num_blocks, block_size, num_kv_heads, head_dim]``
-tensor per layer for K and one for V, bound to each attention layer once at start-up.
+tensor per layer for K and one for V, bound to each attention layer once at start-up; or, with a
+quantized ``--kv-cache-dtype``, a ``QuantizedKVCache`` (llmctl/engine/kv_cache.py) indexed by the
+same block ids.
 """
 
 from __future__ import annotations
@@ -10,18 +12,25 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmctl.engine.kv_cache import KVFormat, QuantizedKVCache
 from llmctl.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmctl.engine.sequence import Sequence
 from llmctl.layers.ops import AttentionMetadata
 from llmctl.models.llama import LlamaForCausalLM
 
 
-def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V one block holds over all layers: the one place KV size is computed (from
-    the attention layers as built, so a tensor-parallel shard counts only its own heads)."""
+def kv_format(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+              group_size: int = 32) -> KVFormat:
+    """The KV storage of this model: the one place KV size is computed (from the attention layers
+    as built, so a tensor-parallel shard counts only its own heads)."""
     attn = model.attention_layers()[0]
-    per_token = 2 * len(model.attention_layers()) * attn.num_kv_heads * attn.head_dim
-    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+    return KVFormat(kv_cache_dtype, len(model.attention_layers()), attn.num_kv_heads, attn.head_dim,
+                    block_size, dtype, group_size)
+
+
+def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V one float block holds over all layers."""
+    return kv_format(model, block_size, dtype).block_bytes()
 
 
 @dataclass
@@ -44,12 +53,18 @@ class ModelOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int, device: torch.device,
-                 kv_dtype: torch.dtype) -> None:
+                 kv_dtype: torch.dtype, kv_format: KVFormat | None = None, num_residual_slots: int = 0) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         layers = model.attention_layers()
         attn = layers[0]
+        self.quantized_kv: QuantizedKVCache | None = None
+        if kv_format is not None and kv_format.kind != "auto":
+            self.quantized_kv = QuantizedKVCache(kv_format, num_blocks, num_residual_slots, device)
+            for i, layer in enumerate(layers):
+                layer.quantized_kv = self.quantized_kv.layer(i)
+            num_blocks = 0  # no float pool
         # Allocated empty (a large pool commits no memory until used) and zeroed block by block as
         # the block manager first hands blocks out: masked lanes of a partially filled block are read
         # and weighted by 0, and 0 * NaN from uninitialised memory would poison the output.
@@ -65,6 +80,8 @@ class ModelRunner:
         siblings share their prompt's row), plus the prompt positions' logits where asked for."""
         self.ready_blocks(sched.num_blocks_touched, sched.blocks_to_copy)
         input_ids, positions, meta, logits_indices = self.prepare(sched)
+        if self.quantized_kv is not None:
+            self.quantized_kv.begin_step(meta.slot_mapping.tolist())
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
         verify_logits = None
@@ -79,6 +96,8 @@ class ModelRunner:
         (tensor-parallel workers call this with what rank 0's scheduler decided)."""
         if num_blocks_touched > self.num_blocks_zeroed:
             self.kv_cache[:, :, self.num_blocks_zeroed : num_blocks_touched].zero_()
+            if self.quantized_kv is not None:
+                self.quantized_kv.zero_blocks(self.num_blocks_zeroed, num_blocks_touched)
             self.num_blocks_zeroed = num_blocks_touched
         if blocks_to_copy:
             self.copy_blocks(blocks_to_copy)
@@ -99,6 +118,9 @@ class ModelRunner:
         return found
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if self.quantized_kv is not None:
+            self.quantized_kv.copy_blocks(pairs)
+            return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]

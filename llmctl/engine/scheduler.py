@@ -47,6 +47,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     eos_token_ids: frozenset[int] = frozenset()
+    kv_cache_dtype: str = "auto"  # salts the prefix-cache keys
     num_speculative_tokens: int = 0  # most draft tokens a decode may verify per step (0: no speculation)
 
 
@@ -121,7 +122,8 @@ def max_min_fair_shares(demands: dict[str, int], capacity: int) -> dict[str, int
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          config.kv_cache_dtype)
         self.running: list[Sequence] = []  # admission order: the tail is preempted first
         self.waiting: dict[str, list[tuple[int, float, int, Sequence]]] = defaultdict(list)  # per-user heaps
         self.num_waiting = 0  # kept current so other threads may read it without walking the queues

@@ -255,6 +255,8 @@ def engine_snapshot(engine: LLMEngine, max_steps: int = 120) -> dict[str, Any]:
             "enable_prefix_caching": bm.enable_prefix_caching,
             "enable_chunked_prefill": cfg.enable_chunked_prefill,
             "dtype": str(engine.dtype).replace("torch.", ""),
+            "kv_cache_dtype": cfg.kv_cache_dtype,
+            "kv_bytes_per_token": engine.kv_format.bytes_per_token(),
             "device": str(engine.device),
             "attention_backend": getattr(engine.ops, "description", engine.ops.name),
         },

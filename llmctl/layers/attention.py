@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from llmctl.layers.ops import AttentionMetadata, TorchOps
+
+if TYPE_CHECKING:
+    from llmctl.engine.kv_cache import QuantizedLayerKV
 
 
 class Attention(nn.Module):
@@ -18,10 +23,15 @@ class Attention(nn.Module):
         # [num_blocks, block_size, num_kv_heads, head_dim] each.
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
+        # Or, with a quantized --kv-cache-dtype, this layer's view of the quantized pool
+        # (llmctl/engine/kv_cache.py), which stores and attends itself.
+        self.quantized_kv: QuantizedLayerKV | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> ``[T, Hq * D]``."""
+        if self.quantized_kv is not None:
+            return self.quantized_kv.attend(query, key, value, meta, self.scale, self.ops).flatten(1)
         if self.key_cache is None or self.value_cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the model runner binds it")
         self.ops.store_kv(key, value, self.key_cache, self.value_cache, meta.slot_mapping)

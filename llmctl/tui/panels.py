@@ -49,6 +49,9 @@ class KvPanel(Vertical):
             return
         kv, prefix = snap["kv"], snap["prefix_cache"]
         self.border_title = f"KV cache · {kv['num_blocks']:,} blocks × {snap['config']['block_size']} tokens"
+        if "kv_cache_dtype" in snap["config"]:  # absent from a vLLM server's metrics
+            config = snap["config"]
+            self.border_title += f" · {config['kv_cache_dtype']}, {config['kv_bytes_per_token']:g} B/token"
         summary = Text.assemble(
             ("usage ", "bold"), f"{100 * kv['usage']:.1f}%  ",
             (f"{kv['used']:,} used", STATE_COLORS[USED]), " · ",

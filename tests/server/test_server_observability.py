@@ -72,6 +72,7 @@ def test_stats_snapshot_shows_a_running_request(http):
         assert request["prompt_tokens"] == 5 and request["blocks"]
         assert all(stats["kv"]["block_states"][b] in "us" for b in request["blocks"])
         assert len(stats["kv"]["block_states"]) == stats["kv"]["num_blocks"] == stats["config"]["num_blocks"]
+        assert stats["config"]["kv_cache_dtype"] == "auto" and stats["config"]["kv_bytes_per_token"] > 0
         assert 0 < len(stats["steps"]) <= 5
         assert {"prefill_tokens", "decode_tokens", "num_seqs"} <= set(stats["steps"][0])
         assert stats["server"]["served_model_name"] == "stories" and stats["server"]["in_flight"] >= 1
