@@ -12,15 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.activation import silu_and_mul_torch
-from kernels.cpu_native import (
-    load_native,
-    native_isa,
-    paged_decode_attention_native,
-    reshape_and_cache_native,
-    rms_norm_native,
-    rotary_embedding_native,
-    silu_and_mul_native,
-)
+from kernels.cpu_native import load_native, native_isa
 from kernels.decode_attention import paged_decode_attention_torch
 from kernels.kv_store import reshape_and_cache_torch
 from kernels.prefill_attention import attend_causal, paged_prefill_attention_torch
@@ -29,6 +21,7 @@ from kernels.rotary import apply_rotary, rotary_cos_sin
 from llmctl.errors import ConfigError
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -63,26 +56,37 @@ class TorchOps:
         # decode attention for fp16 too): measured 2-50x faster per call than the torch op chains
         # at decode sizes (docs/kernels.md), and within float rounding of the references, which
         # keeps greedy output token-identical to transformers in the exactness tests.
-        self.native = native_cpu and load_native() is not None
+        # The compiled module is bound here, once per model: every per-step call below goes straight
+        # to it, without the ~3-18 us per call of the kernels.cpu_native wrappers (module lookup
+        # under a lock, reshape/view of 2-D tensors), ~175 calls per SmolLM2 decode step.
+        self._native = load_native() if native_cpu else None
+        self.native = self._native is not None
         # (positions, cache, dtype) -> cos, sin of the current step: every layer rotates the same
         # positions, so the gather runs once per step instead of once per layer.
         self._rope_key: tuple | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _native_for(self, x: torch.Tensor) -> bool:
-        return self.native and x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu"
+        return self.native and x.dtype in _NATIVE_DTYPES and x.device.type == "cpu"
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        kernel = rms_norm_native if self._native_for(x) else rms_norm_torch
-        return kernel(x, weight, eps, residual)
+        if not self._native_for(x):
+            return rms_norm_torch(x, weight, eps, residual)
+        if x.dim() == 2:  # every call of the models: no reshape/view round trip
+            return self._native.rms_norm(x, weight, eps, residual)
+        shape, width = x.shape, x.shape[-1]
+        out, new_residual = self._native.rms_norm(
+            x.reshape(-1, width), weight, eps, None if residual is None else residual.reshape(-1, width))
+        return out.view(shape), new_residual.view(shape)
 
     def rotary_embedding(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._native_for(query):
-            return rotary_embedding_native(positions, query, key, cos_sin_cache)
+            rotate = self._native.rotate
+            return rotate(query, positions, cos_sin_cache), rotate(key, positions, cos_sin_cache)
         key_ = (positions, cos_sin_cache, query.dtype)
         if self._rope_key is None or any(a is not b for a, b in zip(self._rope_key, key_)):
             self._rope_key, self._rope = key_, rotary_cos_sin(positions, cos_sin_cache, query.dtype)
@@ -90,7 +94,7 @@ class TorchOps:
         return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul_native(x) if self._native_for(x) else silu_and_mul_torch(x)
+        return self._native.silu_and_mul(x) if self._native_for(x) else silu_and_mul_torch(x)
 
     def store_kv(
         self,
@@ -101,7 +105,7 @@ class TorchOps:
         slot_mapping: torch.Tensor,
     ) -> None:
         if self.native and key.device.type == "cpu" and key.dtype == key_cache.dtype:
-            reshape_and_cache_native(key, value, key_cache, value_cache, slot_mapping)
+            self._native.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
         else:
             reshape_and_cache_torch(key, value, key_cache, value_cache, slot_mapping)
 
@@ -137,7 +141,7 @@ class TorchOps:
     ) -> torch.Tensor:
         kernel = paged_decode_attention_torch
         if self.native and query.device.type == "cpu":
-            kernel = paged_decode_attention_native
+            kernel = self._native.paged_decode_attention
         return kernel(query, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
 
     @property
