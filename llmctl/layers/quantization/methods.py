@@ -45,8 +45,11 @@ class PackedLinearMethod:
         kernel = self._bound_cpu_kernel(layer) if x.device.type == "cpu" else None
         if kernel is None:
             return quant_linear(x, read_packed(layer), bias)
-        out = kernel(x.reshape(-1, x.shape[-1]))
-        out = out.view(*x.shape[:-1], out.shape[-1])
+        if x.dim() == 2:  # the models' case: a reshape/view round trip costs more than a decode GEMV
+            out = kernel(x)
+        else:
+            out = kernel(x.reshape(-1, x.shape[-1]))
+            out = out.view(*x.shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
 
     def _bound_cpu_kernel(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
