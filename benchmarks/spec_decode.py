@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256, help="most output tokens (EOS ends a run earlier)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="auto", help="auto keeps a GGUF packed; none: float weights")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     args = parser.parse_args()
@@ -61,7 +62,7 @@ def main() -> None:
     from llmctl.engine.llm_engine import LLMEngine
     from llmctl.sampling_params import SamplingParams
 
-    common = dict(model=args.model, dtype=args.dtype, max_num_seqs=4, kv_cache_memory=256 << 20, max_model_len=2048,
+    common = dict(model=args.model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=4, kv_cache_memory=256 << 20, max_model_len=2048,
                   num_threads=args.threads)
     engines = {"plain": LLMEngine(**common),
                "spec": LLMEngine(**common, speculative_model=args.speculative_model,
@@ -80,7 +81,8 @@ def main() -> None:
     counters = engines["spec"].speculator.counters
     tokens = len(outputs["plain"])
     result = {
-        "model": args.model, "dtype": str(engines["plain"].dtype), "speculative_model": args.speculative_model,
+        "model": args.model, "dtype": str(engines["plain"].dtype), "quantization": args.quantization,
+        "speculative_model": args.speculative_model,
         "num_speculative_tokens": args.num_speculative_tokens, "prompt_tokens": len(prompt), "output_tokens": tokens,
         "identical_output": outputs["plain"] == outputs["spec"],
         "plain_tok_s": round(tokens / statistics.median(times["plain"]), 1),
