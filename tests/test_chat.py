@@ -312,10 +312,19 @@ def clean(text: str) -> str:
     return ANSI.sub("", text).replace("\r", "")
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """A child inherits an ignored or blocked SIGINT from this process, and Python then leaves Ctrl-C
+    ignored at the prompt; something earlier in the full suite leaves SIGINT so (seen in CI twice,
+    never with this file alone), so the chat starts as a shell would start it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def spawn_chat(*args: str, timeout: int = 60) -> pexpect.spawn:
     env = dict(os.environ, COLUMNS="300", LINES="50", TERM="xterm-256color", TOKENIZERS_PARALLELISM="false")
     child = pexpect.spawn(sys.executable, ["-m", "llmctl.cli", "chat", *args, "--threads", THREADS],
-                          env=env, encoding="utf-8", timeout=timeout, dimensions=(50, 300))
+                          env=env, encoding="utf-8", timeout=timeout, dimensions=(50, 300),
+                          preexec_fn=_ctrl_c_as_in_a_terminal)
     return child
 
 
