@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import kv_quant as kq
+from kernels.kv_quant_native import load_kv_quant_native, quantized_decode_attention_native
 from kernels.prefill_attention import attend_causal
 
 if TYPE_CHECKING:
@@ -45,10 +46,19 @@ class KVFormat:
     block_size: int
     model_dtype: torch.dtype
     group_size: int = 32  # KIVI: value channels per scale/zero group
+    residual_tokens: int = 0  # KIVI: the full-precision window R (0: the open block only)
 
     def __post_init__(self) -> None:
         if self.kind not in kq.KV_CACHE_DTYPES:
             raise ValueError(f"unknown KV cache dtype {self.kind!r}; choose one of {', '.join(kq.KV_CACHE_DTYPES)}")
+        if self.residual_tokens % self.block_size:
+            raise ValueError(f"the KIVI residual length ({self.residual_tokens}) must be a multiple of the block "
+                             f"size ({self.block_size})")
+
+    def residual_blocks_per_seq(self) -> int:
+        """KIVI: blocks of one window group (N = R / block_size, at least 1), the most a sequence
+        holds in full precision at once; 0 for other dtypes."""
+        return max(1, self.residual_tokens // self.block_size) if self.is_kivi else 0
 
     @property
     def is_kivi(self) -> bool:
@@ -138,6 +148,9 @@ class QuantizedKVCache:
         self.residual_table = torch.full((num_blocks,), -1, dtype=torch.int64)  # mirror of residual_of
         self.free_residual = list(range(num_residual - 1, -1, -1))
         self.plan: StepPlan | None = None
+        # decode attention: the native CPU kernel reads the pool in place where it is built, else
+        # the torch reference (gather, dequantize, attend)
+        self.native_decode = device.type == "cpu" and load_kv_quant_native() is not None
 
     def layer(self, index: int) -> QuantizedLayerKV:
         return QuantizedLayerKV(self, index)
@@ -299,6 +312,17 @@ class QuantizedLayerKV:
                 out[start:end] = attend_causal(query[start:end], keys[0], values[0], scale)
         if meta.num_decodes:
             n = meta.num_prefill_tokens
-            keys, values = self.gather(meta.decode_block_tables, meta.max_decode_seq_len, query.dtype)
-            out[n:] = kq.decode_attention_dense(query[n:], keys, values, meta.decode_seq_lens, scale)
+            out[n:] = self.decode(query[n:], meta.decode_block_tables, meta.decode_seq_lens, meta.max_decode_seq_len,
+                                  scale)
         return out
+
+    def decode(self, query: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+               scale: float) -> torch.Tensor:
+        """One query token per sequence over its blocks as the cache holds them."""
+        if self.cache.native_decode:
+            plan = self.cache.plan
+            return quantized_decode_attention_native(
+                query, self.fmt.kind, self.t, block_tables, seq_lens, scale, value_group=self.fmt.value_group,
+                residual=self.residual, residual_table=plan.residual_table if plan is not None else None)
+        keys, values = self.gather(block_tables, max_len, query.dtype)
+        return kq.decode_attention_dense(query, keys, values, seq_lens, scale)

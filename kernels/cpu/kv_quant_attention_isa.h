@@ -1,0 +1,210 @@
+// The per-ISA body of the quantized-KV decode kernel. kv_quant_attention.cpp includes this file
+// twice: in namespace `generic` (plain C++, any x86-64 or other CPU) and in namespace `avx2` under
+// `#pragma GCC target("avx2,fma,f16c")` with LLMCTL_KVQ_AVX2 defined, where the row helpers use
+// intrinsics. The module picks one at run time (kernels/kv_quant_native.py, from the CPU flags).
+//
+// The cache is never dequantized as a whole: each (sequence, KV head) task decodes one K or V row
+// (head_dim values) at a time into a small fp32 buffer and uses it for every query head of its GQA
+// group at once. Accumulation is fp32 throughout.
+
+// ---- row helpers -------------------------------------------------------------------------------
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef LLMCTL_KVQ_AVX2
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  acc0 = _mm256_add_ps(acc0, acc1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc0), _mm256_extractf128_ps(acc0, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  sum = _mm_cvtss_f32(s);
+#endif
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// y += p * x
+inline void axpy(float p, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+#ifdef LLMCTL_KVQ_AVX2
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += p * x[i];
+}
+
+// A full-precision row (query, KIVI residual) to fp32.
+inline void widen(const float* x, float* out, int64_t n) { std::memcpy(out, x, n * sizeof(float)); }
+inline void widen(const at::BFloat16* x, float* out, int64_t n) {
+  int64_t i = 0;
+#ifdef LLMCTL_KVQ_AVX2
+  for (; i + 8 <= n; i += 8) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
+}
+inline void widen(const at::Half* x, float* out, int64_t n) {
+  int64_t i = 0;
+#ifdef LLMCTL_KVQ_AVX2
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+#endif
+  for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
+}
+
+// fp8 codes through the 256-entry table of their values (exact: every fp8 value is a float).
+inline void fp8_row(const uint8_t* codes, const float* lut, float* out, int64_t n) {
+  int64_t i = 0;
+#ifdef LLMCTL_KVQ_AVX2
+  for (; i + 8 <= n; i += 8) {
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+    _mm256_storeu_ps(out + i, _mm256_i32gather_ps(lut, idx, 4));
+  }
+#endif
+  for (; i < n; ++i) out[i] = lut[codes[i]];
+}
+
+inline void int8_row(const int8_t* codes, float* out, int64_t n) {
+  int64_t i = 0;
+#ifdef LLMCTL_KVQ_AVX2
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)))));
+#endif
+  for (; i < n; ++i) out[i] = static_cast<float>(codes[i]);
+}
+
+// KIVI codes, packed little end first (kernels/kv_quant.py: pack_codes), to fp32 code values.
+inline void unpack_row(const uint8_t* packed, int bits, float* out, int64_t n) {
+  const int per_byte = 8 / bits;
+  const uint32_t mask = (1u << bits) - 1;
+  int64_t i = 0;
+#ifdef LLMCTL_KVQ_AVX2
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i shifts = _mm256_mullo_epi32(lanes, _mm256_set1_epi32(bits));
+  const __m256i maskv = _mm256_set1_epi32(static_cast<int>(mask));
+  for (; i + 8 <= n; i += 8) {  // 8 codes = bits bytes
+    uint32_t word = 0;
+    std::memcpy(&word, packed + i / per_byte, bits);
+    const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts), maskv);
+    _mm256_storeu_ps(out + i, _mm256_cvtepi32_ps(v));
+  }
+#endif
+  for (; i < n; ++i) out[i] = static_cast<float>((packed[i / per_byte] >> ((i % per_byte) * bits)) & mask);
+}
+
+// ---- one (sequence, KV head) ---------------------------------------------------------------------
+template <typename T>
+void decode_task(const KvqArgs<T>& a, int64_t task, std::vector<float>& scratch) {
+  const int64_t seq = task / a.num_kv_heads, h = task % a.num_kv_heads;
+  const int64_t len = a.seq_lens[seq];
+  const int64_t D = a.head_dim, G = a.num_q_heads / a.num_kv_heads, bs = a.block_size, H = a.num_kv_heads;
+  const int64_t packed = a.kind == kKivi ? D * a.bits / 8 : D;
+  const int64_t vgroups = a.kind == kKivi ? D / a.value_group : 1;
+  T* out = a.out + (seq * a.num_q_heads + h * G) * D;
+  if (len <= 0) {
+    for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(0.f);
+    return;
+  }
+  scratch.resize(3 * G * D + D + G * len + G * vgroups + 2 * G);
+  float* qf = scratch.data();        // [G, D] the group's query heads
+  float* qs = qf + G * D;            // [G, D] KIVI: query * key scale of the current block
+  float* acc = qs + G * D;           // [G, D] sum of p * V
+  float* row = acc + G * D;          // [D] one dequantized K or V row
+  float* scores = row + D;           // [G, len]
+  float* zacc = scores + G * len;    // [G, vgroups] KIVI: sum of p * value zero
+  float* qz = zacc + G * vgroups;    // [G] KIVI: query . key zero of the current block
+  float* inv_sum = qz + G;           // [G]
+  widen(a.q + (seq * a.num_q_heads + h * G) * D, qf, G * D);
+  const int32_t* table = a.block_tables + seq * a.max_blocks;
+  const int64_t num_blocks = (len + bs - 1) / bs;
+
+  // pass 1: scores
+  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+    const int64_t b = table[blk], first = blk * bs, n = std::min(bs, len - first);
+    const int64_t slot = a.residual_table != nullptr ? a.residual_table[b] : -1;
+    if (slot >= 0) {  // KIVI block still in the residual window: full precision
+      for (int64_t t = 0; t < n; ++t) {
+        widen(a.residual_k + ((slot * bs + t) * H + h) * D, row, D);
+        for (int64_t g = 0; g < G; ++g) scores[g * len + first + t] = dot(qf + g * D, row, D) * a.scale;
+      }
+    } else if (a.kind == kKivi) {  // k = code * scale[d] + zero[d]: fold the scale into q once per block
+      const at::Half* ks = a.kivi_k_scale + (b * H + h) * D;
+      const at::Half* kz = a.kivi_k_zero + (b * H + h) * D;
+      widen(kz, row, D);
+      for (int64_t g = 0; g < G; ++g) qz[g] = dot(qf + g * D, row, D);
+      widen(ks, row, D);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) qs[g * D + d] = qf[g * D + d] * row[d];
+      for (int64_t t = 0; t < n; ++t) {
+        unpack_row(a.k + ((b * bs + t) * H + h) * packed, a.bits, row, D);
+        for (int64_t g = 0; g < G; ++g) scores[g * len + first + t] = (dot(qs + g * D, row, D) + qz[g]) * a.scale;
+      }
+    } else {  // per-token scale
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t r = (b * bs + t) * H + h;
+        if (a.kind == kFp8) fp8_row(a.k + r * D, a.lut, row, D);
+        else int8_row(reinterpret_cast<const int8_t*>(a.k) + r * D, row, D);
+        const float s = a.k_scale[r] * a.scale;
+        for (int64_t g = 0; g < G; ++g) scores[g * len + first + t] = dot(qf + g * D, row, D) * s;
+      }
+    }
+  }
+
+  // softmax per query head
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * len;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = std::exp(s[t] - mx);
+      sum += s[t];
+    }
+    inv_sum[g] = 1.f / sum;
+  }
+
+  // pass 2: sum of p * V
+  std::fill(acc, acc + G * D, 0.f);
+  std::fill(zacc, zacc + G * vgroups, 0.f);
+  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+    const int64_t b = table[blk], first = blk * bs, n = std::min(bs, len - first);
+    const int64_t slot = a.residual_table != nullptr ? a.residual_table[b] : -1;
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t r = (b * bs + t) * H + h;
+      if (slot >= 0) {
+        widen(a.residual_v + ((slot * bs + t) * H + h) * D, row, D);
+        for (int64_t g = 0; g < G; ++g) axpy(scores[g * len + first + t], row, acc + g * D, D);
+      } else if (a.kind == kKivi) {  // v = code * scale[group] + zero[group]
+        unpack_row(a.v + r * packed, a.bits, row, D);
+        const at::Half* vs = a.kivi_v_scale + r * vgroups;
+        const at::Half* vz = a.kivi_v_zero + r * vgroups;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * len + first + t];
+          for (int64_t k = 0; k < vgroups; ++k) {
+            const int64_t off = k * a.value_group;
+            axpy(p * static_cast<float>(vs[k]), row + off, acc + g * D + off, a.value_group);
+            zacc[g * vgroups + k] += p * static_cast<float>(vz[k]);
+          }
+        }
+      } else {
+        if (a.kind == kFp8) fp8_row(a.v + r * D, a.lut, row, D);
+        else int8_row(reinterpret_cast<const int8_t*>(a.v) + r * D, row, D);
+        const float s = a.v_scale[r];
+        for (int64_t g = 0; g < G; ++g) axpy(scores[g * len + first + t] * s, row, acc + g * D, D);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) {
+      const float zero = a.kind == kKivi ? zacc[g * vgroups + d / a.value_group] : 0.f;
+      out[g * D + d] = static_cast<T>((acc[g * D + d] + zero) * inv_sum[g]);
+    }
+}

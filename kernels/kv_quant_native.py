@@ -1,0 +1,93 @@
+"""Native CPU decode attention over a quantized KV pool (C++ in kernels/cpu/kv_quant_attention.cpp),
+built once by the shared builder (``kernels/native_build.py``).
+
+A module of its own, so the float kernels and this one build (or fail) independently. Optional:
+without a C++ compiler, or with ``LLMCTL_NATIVE_CPU_KERNELS=0``, the quantized pool keeps its torch
+reference (``llmctl/engine/kv_cache.py``: gather, dequantize, attend). One build holds a generic
+and an AVX2+FMA+F16C variant, picked at run time from the CPU's flags.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kernels import kv_quant as kq
+from kernels.cpu_features import supported_isa_levels
+from kernels.native_build import FAILURES, build_extension, unavailable_reason
+
+NAME = "llmctl_kv_quant"
+SOURCE = Path(__file__).parent / "cpu" / "kv_quant_attention.cpp"
+HEADERS = [Path(__file__).parent / "cpu" / "kv_quant_attention_isa.h"]
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+LDFLAGS = ["-fopenmp"]
+KIND_CODES = {"fp8_e4m3": 0, "fp8_e5m2": 0, "int8": 1, "kivi2": 2, "kivi4": 2}
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_tried = False
+_luts: dict[str, torch.Tensor] = {}
+
+
+def native_unavailable_reason() -> str | None:
+    if os.environ.get("LLMCTL_NATIVE_CPU_KERNELS", "1") == "0":
+        return "disabled by LLMCTL_NATIVE_CPU_KERNELS=0"
+    return unavailable_reason() or FAILURES.get(NAME)
+
+
+def kernel_isa() -> str:
+    """``avx2`` where the CPU runs AVX2+FMA+F16C (any AVX-512 CPU does too), else ``generic``;
+    ``LLMCTL_CPU_ISA=generic`` forces the scalar variant (tests, A/B runs)."""
+    return "avx2" if "avx2" in supported_isa_levels() and os.environ.get("LLMCTL_CPU_ISA") != "generic" else "generic"
+
+
+def load_kv_quant_native() -> ModuleType | None:
+    """The compiled module with its ISA variant selected, building it on first call; None (the
+    reason said once on stderr) when it cannot be had here."""
+    global _module, _tried
+    with _lock:
+        if _module is None and not _tried and native_unavailable_reason() is None:
+            _tried = True
+            _module = build_extension(NAME, [SOURCE], CFLAGS, LDFLAGS, headers=HEADERS)
+            if _module is not None:
+                _module.set_isa(kernel_isa())
+        return _module
+
+
+def fp8_table(kind: str) -> torch.Tensor:
+    """The float value of each of the 256 codes of an fp8 format (the kernel reads codes through it)."""
+    if kind not in _luts:
+        _luts[kind] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(kq.FP8_DTYPES[kind]).float()
+    return _luts[kind]
+
+
+def quantized_decode_attention_native(
+    query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim]
+    kind: str,
+    tensors: dict[str, torch.Tensor],  # one layer's storage (kv_cache.KVFormat.tensor_shapes), [num_blocks, ...]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    *,
+    value_group: int = 0,  # KIVI: value channels per scale/zero group
+    residual: dict[str, torch.Tensor] | None = None,  # KIVI: "k"/"v" [slots, block_size, Hkv, D], model dtype
+    residual_table: torch.Tensor | None = None,  # KIVI: [num_blocks] int64 slot per block, -1 = quantized
+) -> torch.Tensor:
+    """Same result as gathering, dequantizing (``kernels/kv_quant.py``) and attending, up to fp32
+    summation order; the pool is read in place."""
+    module = load_kv_quant_native()
+    if module is None:
+        raise RuntimeError(native_unavailable_reason() or "quantized-KV CPU kernels unavailable")
+    k, v = tensors["k"], tensors["v"]
+    if kind in kq.FP8_DTYPES:
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+    is_kivi = kind in kq.KIVI_BITS
+    return module.quantized_decode_attention(
+        query, KIND_CODES[kind], kq.KIVI_BITS.get(kind, 8), k, v, tensors["k_scale"], tensors["v_scale"],
+        tensors.get("k_zero"), tensors.get("v_zero"),
+        residual["k"] if is_kivi else None, residual["v"] if is_kivi else None,
+        residual_table if is_kivi else None, fp8_table(kind) if kind in kq.FP8_DTYPES else None,
+        block_tables.to(torch.int32), seq_lens.to(torch.int32), value_group, float(scale))
