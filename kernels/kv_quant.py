@@ -124,15 +124,17 @@ def decode_attention_dense(query: torch.Tensor, keys: torch.Tensor, values: torc
 
 
 def attend_causal_kivi(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, exact_keys: torch.Tensor,
-                       exact_values: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
-    """Causal attention of the last ``len(query)`` positions as KIVI decoding would have seen them:
-    query ``p`` reads its own block in full precision (``exact_*``) unless ``p`` completes it, and
-    every earlier block dequantized (``keys``/``values``, all ``[L, Hkv, D]``)."""
+                       exact_values: torch.Tensor, window_tokens: int, scale: float) -> torch.Tensor:
+    """Causal attention of the last ``len(query)`` positions as KIVI decoding would have seen them.
+    The sequence's blocks form window groups of ``window_tokens`` (N blocks); a group is quantized
+    by the token that completes it. So query ``p`` reads the tokens of its own group in full
+    precision (``exact_*``) unless ``p`` completes the group, and every earlier group dequantized
+    (``keys``/``values``, all ``[L, Hkv, D]``)."""
     q_len, kv_len = query.shape[0], keys.shape[0]
     group = query.shape[1] // keys.shape[1]
     q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
     kv_pos = torch.arange(kv_len, device=query.device)[None, :]
-    exact = (kv_pos // block_size == q_pos // block_size) & (q_pos % block_size != block_size - 1)
+    exact = kv_pos // window_tokens >= (q_pos + 1) // window_tokens
     k, v, ek, ev = (t.float().repeat_interleave(group, dim=1) for t in (keys, values, exact_keys, exact_values))
     q = query.float()
     scores = torch.where(exact, torch.einsum("qhd,khd->hqk", q, ek), torch.einsum("qhd,khd->hqk", q, k)) * scale

@@ -91,9 +91,12 @@ class EngineConfig:
     kv_cache_dtype: str = field(default="auto", metadata=cli(
         "--kv-cache-dtype", "auto | fp8_e4m3 | fp8_e5m2 | int8 | kivi2 | kivi4. auto: the model dtype; fp8/int8: "
         "a scale per token and KV head; kivi2/kivi4: KIVI 2/4-bit codes, keys per channel over each block, values "
-        "per token over --kv-quant-group-size channels, the open (last, partial) block in full precision."))
+        "per token over --kv-quant-group-size channels, the last --kv-residual-length tokens at most in full precision."))
     kv_quant_group_size: int = field(default=32, metadata=cli(
         "--kv-quant-group-size", "KIVI: value channels per scale/zero group (KIVI's default 32; capped at head_dim)."))
+    kv_residual_length: int = field(default=128, metadata=cli(
+        "--kv-residual-length", "KIVI: recent tokens kept in full precision (KIVI's R, default 128; a multiple of "
+        "--block-size; 0 = the open block only). They are quantized R at a time, as KIVI does with keys."))
     # ---- speculative decoding (llmctl/spec/) ----
     speculative_model: str | None = field(default=None, metadata=cli(
         "--speculative-model", "Draft tokens to verify in one forward: 'ngram' (prompt lookup: the tokens that "
@@ -127,6 +130,9 @@ class EngineConfig:
             raise ConfigError(f"unknown KV cache dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
         if self.kv_quant_group_size not in (8, 16, 32, 64, 128):
             raise ConfigError(f"KV quant group size must be 8, 16, 32, 64 or 128, got {self.kv_quant_group_size}")
+        if self.kv_residual_length < 0 or self.kv_residual_length % self.block_size:
+            raise ConfigError(f"--kv-residual-length must be 0 or a multiple of --block-size ({self.block_size}), "
+                              f"got {self.kv_residual_length}")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ConfigError("tensor and pipeline parallel sizes must be at least 1")
         if self.kv_cache_dtype != "auto" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:

@@ -22,8 +22,14 @@ VOCAB = 320
 QUANTIZED = [d for d in KV_CACHE_DTYPES if d != "auto"]
 
 
+# KIVI's default window (128 tokens) would keep these short test sequences in full precision
+# throughout; two blocks make every mechanism (groups quantized mid-prompt, mid-decode) happen.
+TEST_RESIDUAL = 32
+
+
 def make_engine(model_dir, kind: str, **kw) -> LLMEngine:
     kw.setdefault("kv_cache_memory", 4 << 20)
+    kw.setdefault("kv_residual_length", TEST_RESIDUAL)
     return LLMEngine(model=str(model_dir), skip_tokenizer=True, dtype="float32", kv_cache_dtype=kind, **kw)
 
 
@@ -49,7 +55,7 @@ def test_pool_is_sized_by_bytes(llama_dir, kind):
     residual = engine.runner.quantized_kv.residual["k"].shape[1] if engine.runner.quantized_kv else 0
     assert num_blocks * fmt.block_bytes() + residual * fmt.residual_block_bytes() <= budget
     assert (num_blocks + 1) * fmt.block_bytes() + residual * fmt.residual_block_bytes() > budget
-    assert residual == (8 if kind.startswith("kivi") else 0)
+    assert residual == (8 * 2 if kind.startswith("kivi") else 0)  # 8 seats x a 2-block window
     auto_blocks = make_engine(llama_dir, "auto", kv_cache_memory=budget).block_manager.num_blocks
     # fp32 model (head_dim 16): fp8/int8 (16 + 4 B per head and token) hold 3.2x the tokens of fp32 (64 B)
     ratio = {"auto": 1.0, "fp8_e4m3": 3.1, "fp8_e5m2": 3.1, "int8": 3.1, "kivi4": 3.5, "kivi2": 5.0}[kind]
@@ -127,7 +133,7 @@ def test_preemption_matches_a_large_pool(llama_dir, kind):
     expected = make_engine(llama_dir, kind).generate(prompts, params)
     probe = make_engine(llama_dir, kind, kv_cache_memory=1 << 20)
     block_bytes = probe.kv_format.block_bytes()
-    residual = 4 * probe.kv_format.residual_block_bytes()
+    residual = 4 * probe.kv_format.residual_blocks_per_seq() * probe.kv_format.residual_block_bytes()
     small = make_engine(llama_dir, kind, kv_cache_memory=14 * block_bytes + residual, max_model_len=128,
                         max_num_seqs=4)
     assert small.block_manager.num_blocks == 14
@@ -166,12 +172,13 @@ class KiviBlockMachine(BlockMachine):
 
     @initialize()
     def make_engine(self):
+        window = 2 * BLOCK_SIZE  # a window group of two blocks: quantized (and cacheable) two at a time
         probe = LLMEngine(model=str(self.model_dir), skip_tokenizer=True, dtype="float32", block_size=BLOCK_SIZE,
-                          kv_cache_dtype="kivi2", kv_cache_memory=1 << 20)
+                          kv_cache_dtype="kivi2", kv_cache_memory=1 << 20, kv_residual_length=window)
         fmt = probe.kv_format
         self.engine = LLMEngine(model=str(self.model_dir), skip_tokenizer=True, dtype="float32",
-                                block_size=BLOCK_SIZE, kv_cache_dtype="kivi2",
-                                kv_cache_memory=NUM_BLOCKS * fmt.block_bytes() + 6 * fmt.residual_block_bytes(),
+                                block_size=BLOCK_SIZE, kv_cache_dtype="kivi2", kv_residual_length=window,
+                                kv_cache_memory=NUM_BLOCKS * fmt.block_bytes() + 6 * 2 * fmt.residual_block_bytes(),
                                 max_model_len=96, max_num_seqs=6, max_num_batched_tokens=40)
         assert self.engine.block_manager.num_blocks == NUM_BLOCKS
         self.live = set()

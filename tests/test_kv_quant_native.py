@@ -26,7 +26,8 @@ def filled_pool(kind: str, lens: list[int], *, heads: int = 2, head_dim: int = 3
     gen = torch.Generator().manual_seed(seed)
     fmt = KVFormat(kind, 1, heads, head_dim, block, dtype, group_size=group, residual_tokens=residual_tokens)
     per_seq = [-(-n // block) for n in lens]
-    cache = QuantizedKVCache(fmt, sum(per_seq) + 1, len(lens) * fmt.residual_blocks_per_seq(), torch.device("cpu"))
+    cache = QuantizedKVCache(fmt, sum(per_seq) + 1, len(lens) * max(1, fmt.residual_blocks_per_seq()),
+                             torch.device("cpu"))
     cache.zero_blocks(0, cache.num_blocks)
     tables, next_block = [], 1
     for n in per_seq:
@@ -36,7 +37,7 @@ def filled_pool(kind: str, lens: list[int], *, heads: int = 2, head_dim: int = 3
     for pos in range(max(lens)):
         seqs = [i for i, n in enumerate(lens) if pos < n]
         slots = [tables[i][pos // block] * block + pos % block for i in seqs]
-        cache.begin_step(slots)
+        cache.begin_step(slots, [pos] * len(seqs), [tables[i] for i in seqs])
         k = torch.randn(len(seqs), heads, head_dim, generator=gen)
         k[..., 3] += 5  # an outlier channel
         layer.store(k.to(dtype), torch.randn(len(seqs), heads, head_dim, generator=gen).to(dtype), torch.tensor(slots))
@@ -109,3 +110,13 @@ def test_kivi_residual_blocks_are_read_in_full_precision():
     torch.testing.assert_close(native(layer, query, table, lens, 0.2), before, atol=0, rtol=0)
     layer.residual["k"][layer.cache.residual_of[int(table[0, 1])]] += 1.0  # its residual is
     assert not torch.equal(native(layer, query, table, lens, 0.2), before)
+
+
+@pytest.mark.parametrize("kind", ["kivi2", "kivi4"])
+def test_native_equals_reference_with_a_multi_block_window(kind, isa):
+    """R = 3 blocks: a sequence reads up to three residual blocks in full precision, the rest quantized."""
+    layer, table, lens = filled_pool(kind, LENS, residual_tokens=24)
+    assert sum(slot >= 0 for slot in layer.cache.residual_of) > len(LENS)  # several open blocks per sequence
+    query = torch.randn(len(LENS), 4, 32)
+    torch.testing.assert_close(native(layer, query, table, lens, 0.2), reference(layer, query, table, lens, 0.2),
+                               atol=2e-6, rtol=1e-5)

@@ -106,13 +106,16 @@ BLOCK, HKV, HQ, D = 8, 2, 4, 32
 SCALE = 1 / math.sqrt(D)
 
 
-def fill_cache(kind: str, lens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], upto: list[int]):
+def fill_cache(kind: str, lens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], upto: list[int],
+               residual_tokens: int = 0):
     """A pool holding each sequence's first ``upto[i]`` tokens of K/V, stored through the engine's
-    own step plan one token per step like decoding (KIVI: full blocks quantized, the open block
-    in the residual). Returns the layer view, the padded block table and the slot of each token."""
-    fmt = KVFormat(kind, 1, HKV, D, BLOCK, torch.float32, group_size=16)
+    own step plan one token per step like decoding (KIVI: completed window groups quantized, the
+    current one in the residual). Returns the layer view, the padded block table and the slot of
+    each token."""
+    fmt = KVFormat(kind, 1, HKV, D, BLOCK, torch.float32, group_size=16, residual_tokens=residual_tokens)
     blocks_per_seq = [-(-n // BLOCK) for n in lens]
-    cache = QuantizedKVCache(fmt, sum(blocks_per_seq) + 1, len(lens), torch.device("cpu"))
+    cache = QuantizedKVCache(fmt, sum(blocks_per_seq) + 1, len(lens) * max(1, fmt.residual_blocks_per_seq()),
+                             torch.device("cpu"))
     cache.zero_blocks(0, cache.num_blocks)
     tables, next_block = [], 1  # block 0 unused: tables pad with 0
     for n in blocks_per_seq:
@@ -123,7 +126,7 @@ def fill_cache(kind: str, lens: list[int], keys: list[torch.Tensor], values: lis
     for pos in range(max(upto)):
         seqs = [i for i, n in enumerate(upto) if pos < n]
         step = [slots[i][pos] for i in seqs]
-        cache.begin_step(step)
+        cache.begin_step(step, [pos] * len(seqs), [tables[i] for i in seqs])
         layer.store(torch.stack([keys[i][pos] for i in seqs]), torch.stack([values[i][pos] for i in seqs]),
                     torch.tensor(step))
     width = max(blocks_per_seq)
@@ -164,14 +167,15 @@ def test_decode_over_quantized_cache_error_bound(kind):
     assert rel_err(got, exact) < ATTN_REL_BOUND[kind]
 
 
-@pytest.mark.parametrize("kind", QUANTIZED)
-def test_prefill_over_quantized_cache_error_bound_and_equal_to_decode(kind):
+@pytest.mark.parametrize("kind,residual", [(k, 0) for k in QUANTIZED] + [("kivi2", 2 * BLOCK), ("kivi4", 3 * BLOCK)])
+def test_prefill_over_quantized_cache_error_bound_and_equal_to_decode(kind, residual):
     """An extend chunk of the last 6 positions: within the bound of exact attention, and (what the
-    cache's read rule promises) each position equal to decoding that position."""
+    cache's read rule promises) each position equal to decoding that position; with KIVI windows
+    of one, two and three blocks."""
     torch.manual_seed(0)
     keys, values = random_kv(LENS)
     q_lens = [min(6, n) for n in LENS]
-    layer, table, slots = fill_cache(kind, LENS, keys, values, [n - q for n, q in zip(LENS, q_lens)])
+    layer, table, slots = fill_cache(kind, LENS, keys, values, [n - q for n, q in zip(LENS, q_lens)], residual)
     starts = [0]
     for q in q_lens:
         starts.append(starts[-1] + q)
@@ -183,7 +187,9 @@ def test_prefill_over_quantized_cache_error_bound_and_equal_to_decode(kind):
         prefill_seq_lens=torch.tensor(LENS, dtype=torch.int32), prefill_block_tables=table, prefill_is_fresh=False,
         decode_seq_lens=torch.zeros(0, dtype=torch.int32), decode_block_tables=torch.zeros(0, 1, dtype=torch.int32),
         max_decode_seq_len=0)
-    layer.cache.begin_step(step_slots.tolist())
+    tables = table.tolist()
+    layer.cache.begin_step(step_slots.tolist(), [n - q_lens[i] + j for i, n in enumerate(LENS) for j in range(q_lens[i])],
+                           [tables[i] for i in range(len(LENS)) for _ in range(q_lens[i])])
     new_k = torch.cat([k[-q:] for k, q in zip(keys, q_lens)])
     new_v = torch.cat([v[-q:] for v, q in zip(values, q_lens)])
     got = layer.attend(query, new_k, new_v, meta, SCALE, TorchOps())
@@ -194,7 +200,7 @@ def test_prefill_over_quantized_cache_error_bound_and_equal_to_decode(kind):
     for i, n in enumerate(LENS):  # position p of the chunk == a decode step at p, on a pool filled to p
         for j in range(q_lens[i]):
             pos = n - q_lens[i] + j
-            one, one_table, one_slots = fill_cache(kind, [n], [keys[i]], [values[i]], [pos])
+            one, one_table, one_slots = fill_cache(kind, [n], [keys[i]], [values[i]], [pos], residual)
             decode_meta = AttentionMetadata(
                 slot_mapping=torch.tensor([one_slots[0][pos]]), num_prefills=0, num_prefill_tokens=0, num_decodes=1,
                 prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
@@ -202,7 +208,7 @@ def test_prefill_over_quantized_cache_error_bound_and_equal_to_decode(kind):
                 prefill_block_tables=torch.zeros(0, 1, dtype=torch.int32), prefill_is_fresh=False,
                 decode_seq_lens=torch.tensor([pos + 1], dtype=torch.int32), decode_block_tables=one_table,
                 max_decode_seq_len=pos + 1)
-            one.cache.begin_step([one_slots[0][pos]])
+            one.cache.begin_step([one_slots[0][pos]], [pos], one_table.tolist())
             q = query[starts[i] + j : starts[i] + j + 1]
             decoded = one.attend(q, keys[i][pos : pos + 1], values[i][pos : pos + 1], decode_meta, SCALE, TorchOps())
             torch.testing.assert_close(got[starts[i] + j], decoded[0], atol=1e-5, rtol=1e-5)
@@ -234,3 +240,23 @@ def test_bytes_per_token(kind):
     }[kind]
     assert fmt.bytes_per_token() == per_token
     assert fmt.residual_block_bytes() == (2 * 32 * 64 * 2 if kind.startswith("kivi") else 0)
+
+
+@pytest.mark.parametrize("kind", ["kivi2", "kivi4"])
+def test_kivi_window_group_stays_exact_until_its_last_block_completes(kind):
+    """A window of 3 blocks (R = 24): tokens 0-23 are quantized together by token 23; tokens 24-29
+    (the next group, not complete) stay in full precision, each block in its own residual slot."""
+    torch.manual_seed(2)
+    keys, values = [torch.randn(30, HKV, D)], [torch.randn(30, HKV, D)]
+    layer, table, _ = fill_cache(kind, [30], keys, values, [23], residual_tokens=3 * BLOCK)
+    layer.cache.begin_step([])
+    k, v = layer.gather(table, 23, torch.float32)  # 23 tokens: the group is open, all exact
+    assert torch.equal(k[0], keys[0][:23]) and torch.equal(v[0], values[0][:23])
+    assert sorted(layer.cache.residual_of[b] >= 0 for b in table[0, :3].tolist()) == [True] * 3
+
+    layer, table, _ = fill_cache(kind, [30], keys, values, [30], residual_tokens=3 * BLOCK)
+    layer.cache.begin_step([])
+    k, v = layer.gather(table, 30, torch.float32)
+    assert not torch.equal(k[0, :24], keys[0][:24]) and not torch.equal(v[0, :24], values[0][:24])
+    assert torch.equal(k[0, 24:], keys[0][24:]) and torch.equal(v[0, 24:], values[0][24:])
+    assert [layer.cache.residual_of[b] >= 0 for b in table[0].tolist()] == [False, False, False, True]

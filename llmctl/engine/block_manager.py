@@ -15,6 +15,11 @@ never matches blocks stored in another format. Only full blocks are cached, and 
 again, so sharing them needs no copy. The one block that can be shared *and* written is the
 partial last block of ``n > 1`` samples forked from one prompt: the first sharer to write into it
 gets a private copy (copy-on-write), recorded in ``pending_copies`` for the model runner.
+
+``cache_group`` (KIVI's residual window, in blocks) makes the prefix cache work in whole groups of
+blocks: a block is registered only once its group is complete (the KIVI pool quantizes the group
+then, and only then is its content final), and a hit is cut to whole groups, so a request that
+adopts cached blocks starts at a group boundary, where none of them is read in full precision.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class BlockManager:
         # Called with a block id when its last owner lets go (the quantized KV pool frees the block's
         # full-precision residual slot then, before the block can be handed out again).
         self.on_release: Callable[[int], None] | None = None
+        self.cache_group = 1  # blocks per prefix-cache unit (KIVI: the residual window's blocks)
 
     # ---- queries -----------------------------------------------------------------------------
     @property
@@ -87,7 +93,7 @@ class BlockManager:
                 break
             hits.append(block_id)
             parent = hash(key)
-        return hits
+        return hits[: len(hits) - len(hits) % self.cache_group]
 
     # ---- allocation --------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_prefix: list[int] = ()) -> bool:
@@ -157,8 +163,8 @@ class BlockManager:
         """Register the sequence's newly completed (fully computed) blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+        bs, group = self.block_size, self.cache_group
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // (bs * group) * group):
             parent = seq.block_hashes[-1] if i else self.kv_cache_dtype
             key = (parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
             seq.block_hashes.append(hash(key))

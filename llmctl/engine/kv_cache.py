@@ -106,14 +106,15 @@ class KVFormat:
         return self.block_bytes() / self.block_size
 
     def size_pool(self, pool_bytes: int, max_num_seqs: int) -> tuple[int, int]:
-        """(pool blocks, residual slots) that fit ``pool_bytes``. Open blocks are at most one per
-        sequence seat and at most one per block, so KIVI pays for min(max_num_seqs, blocks)
-        residual slots out of the same budget."""
+        """(pool blocks, residual slots) that fit ``pool_bytes``. Blocks in full precision are at
+        most one window group (N blocks) per sequence seat and at most one per block, so KIVI pays
+        for min(N * max_num_seqs, blocks) residual slots out of the same budget."""
         block, residual = self.block_bytes(), self.residual_block_bytes()
         if not residual:
             return pool_bytes // block, 0
-        if max_num_seqs * (block + residual) <= pool_bytes:
-            return (pool_bytes - max_num_seqs * residual) // block, max_num_seqs
+        seats = max_num_seqs * self.residual_blocks_per_seq()
+        if seats * (block + residual) <= pool_bytes:
+            return (pool_bytes - seats * residual) // block, seats
         num_blocks = pool_bytes // (block + residual)
         return num_blocks, num_blocks
 
@@ -190,14 +191,30 @@ class QuantizedKVCache:
         return slot
 
     # ---- one step ----------------------------------------------------------------------------
-    def begin_step(self, slots: list[int]) -> None:
-        """Plan this step's staging, which blocks it completes and where open blocks go (KIVI)."""
+    def begin_batch(self, meta: AttentionMetadata, positions: torch.Tensor) -> None:
+        """``begin_step`` for a model step: each token's block table comes from the metadata (rows
+        of prefill chunks repeated over their tokens, one row per decode token)."""
+        tables = None
+        if self.fmt.residual_blocks_per_seq() > 1:
+            starts = meta.prefill_query_start_loc.tolist()
+            prefill = meta.prefill_block_tables.tolist()
+            tables = [prefill[i] for i in range(meta.num_prefills) for _ in range(starts[i + 1] - starts[i])]
+            tables += meta.decode_block_tables.tolist()
+        self.begin_step(meta.slot_mapping.tolist(), positions.tolist(), tables)
+
+    def begin_step(self, slots: list[int], positions: list[int] | None = None,
+                   tables: list[list[int]] | None = None) -> None:
+        """Plan this step's staging, which blocks it quantizes and where the others go (KIVI).
+        ``positions`` and ``tables`` (each token's sequence block table) are needed when the
+        residual window spans several blocks: the token that completes a window group's last
+        block quantizes the whole group."""
         if not self.fmt.is_kivi:
             return
-        bs = self.fmt.block_size
+        bs, window = self.fmt.block_size, self.fmt.residual_blocks_per_seq()
         staging_of: dict[int, int] = {}
-        rows, finalize = [], []
-        for slot in slots:
+        rows: list[int] = []
+        finalize_blocks: list[int] = []
+        for i, slot in enumerate(slots):
             if slot < 0:
                 rows.append(-1)
                 continue
@@ -205,10 +222,19 @@ class QuantizedKVCache:
             index = staging_of.setdefault(block, len(staging_of))
             rows.append(index * bs + offset)
             if offset == bs - 1:
-                finalize.append(index)
+                if window == 1:
+                    finalize_blocks.append(block)
+                elif positions[i] // bs % window == window - 1:
+                    last = positions[i] // bs
+                    finalize_blocks += tables[i][last - window + 1 : last + 1]
+        for block in finalize_blocks:  # the group's earlier blocks are staged from their residual
+            if block not in staging_of and self.residual_of[block] < 0:
+                raise RuntimeError(f"KIVI: block {block} completes a window group but holds no residual")
+            staging_of.setdefault(block, len(staging_of))
+        finalize = sorted({staging_of[b] for b in finalize_blocks})
         blocks = list(staging_of)
         staged_from = [self.residual_of[b] for b in blocks]
-        for index in finalize:  # completed: its slot is free again (the store reads it before any write)
+        for index in finalize:  # quantized: its slot is free again (the store reads it before any write)
             self.release(blocks[index])
         done = set(finalize)
         open_staged = [i for i in range(len(blocks)) if i not in done]
@@ -280,16 +306,22 @@ class QuantizedLayerKV:
         shape = (num_seqs, nb * fmt.block_size, fmt.num_kv_heads, fmt.head_dim)
         return keys.reshape(shape)[:, :max_len], values.reshape(shape)[:, :max_len]
 
-    def gather_exact(self, block_table: list[int], max_len: int, dtype: torch.dtype
+    def gather_exact(self, block_table: list[int], keys: torch.Tensor, values: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """KIVI: this step's full-precision keys and values ``[max_len, Hkv, D]`` of one sequence's
-        blocks that the step writes (rows of other blocks are garbage for the caller to ignore)."""
+        """KIVI: one sequence's keys and values ``[max_len, Hkv, D]`` in full precision wherever
+        the cache has them this step: the staged blocks (those the step writes or quantizes) from
+        staging, the others as ``gather`` read them (from the residual while in the window; the
+        rows of quantized blocks are never read as exact)."""
         fmt, plan = self.fmt, self.cache.plan
-        nb = -(-max_len // fmt.block_size)
-        index = torch.tensor([plan.staging_of.get(b, 0) for b in block_table[:nb]], device=self.cache.device)
-        shape = (nb * fmt.block_size, fmt.num_kv_heads, fmt.head_dim)
-        return (plan.staging["k"][index].reshape(shape)[:max_len].to(dtype),
-                plan.staging["v"][index].reshape(shape)[:max_len].to(dtype))
+        bs = fmt.block_size
+        keys, values = keys.clone(), values.clone()
+        for i, block in enumerate(block_table[: -(-keys.shape[0] // bs)]):
+            index = plan.staging_of.get(block)
+            if index is not None:
+                n = min(bs, keys.shape[0] - i * bs)
+                keys[i * bs : i * bs + n] = plan.staging["k"][index, :n]
+                values[i * bs : i * bs + n] = plan.staging["v"][index, :n]
+        return keys, values
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata,
                scale: float, ops: TorchOps) -> torch.Tensor:
@@ -305,9 +337,10 @@ class QuantizedLayerKV:
             table = meta.prefill_block_tables[i : i + 1]
             keys, values = self.gather(table, seq_len, query.dtype)
             if self.fmt.is_kivi:
-                exact_keys, exact_values = self.gather_exact(table[0].tolist(), seq_len, query.dtype)
+                exact_keys, exact_values = self.gather_exact(table[0].tolist(), keys[0], values[0])
+                window = self.fmt.block_size * self.fmt.residual_blocks_per_seq()
                 out[start:end] = kq.attend_causal_kivi(query[start:end], keys[0], values[0], exact_keys,
-                                                       exact_values, self.fmt.block_size, scale)
+                                                       exact_values, window, scale)
             else:
                 out[start:end] = attend_causal(query[start:end], keys[0], values[0], scale)
         if meta.num_decodes:

@@ -61,7 +61,7 @@ class LLMEngine:
             config, self.ops, self.parallel.shard_kwargs() if self.parallel else {})
         self.dtype = self.model.model.norm.weight.dtype  # the activation/KV dtype (weights may be packed)
         self.kv_format = kv_format(self.model, config.block_size, self.dtype, config.kv_cache_dtype,
-                                   config.kv_quant_group_size)
+                                   config.kv_quant_group_size, config.kv_residual_length)
         num_blocks, num_residual, self.max_model_len = self._size_kv_pool()
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
                                   device=self.device, kv_dtype=self.dtype, kv_format=self.kv_format,
@@ -87,6 +87,7 @@ class LLMEngine:
         quantized_kv = getattr(self.runner, "quantized_kv", None)
         if quantized_kv is not None:
             self.block_manager.on_release = quantized_kv.release
+            self.block_manager.cache_group = max(1, self.kv_format.residual_blocks_per_seq())
         self.sampler = Sampler(config.seed, self.device, frozenset(self.eos_token_ids))
         self.speculator = build_speculator(self)  # --speculative-model (llmctl/spec/), else None
         if self.speculator is not None:

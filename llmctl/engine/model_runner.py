@@ -20,12 +20,12 @@ from llmctl.models.llama import LlamaForCausalLM
 
 
 def kv_format(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
-              group_size: int = 32) -> KVFormat:
+              group_size: int = 32, residual_tokens: int = 0) -> KVFormat:
     """The KV storage of this model: the one place KV size is computed (from the attention layers
     as built, so a tensor-parallel shard counts only its own heads)."""
     attn = model.attention_layers()[0]
     return KVFormat(kv_cache_dtype, len(model.attention_layers()), attn.num_kv_heads, attn.head_dim,
-                    block_size, dtype, group_size)
+                    block_size, dtype, group_size, residual_tokens)
 
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -81,7 +81,7 @@ class ModelRunner:
         self.ready_blocks(sched.num_blocks_touched, sched.blocks_to_copy)
         input_ids, positions, meta, logits_indices = self.prepare(sched)
         if self.quantized_kv is not None:
-            self.quantized_kv.begin_step(meta.slot_mapping.tolist())
+            self.quantized_kv.begin_batch(meta, positions)
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
         verify_logits = None
