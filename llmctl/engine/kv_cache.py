@@ -4,17 +4,18 @@ Every storage tensor is ``[layers, num_blocks, ...]``, indexed by the block mana
 block id, so allocation, copy-on-write, prefix caching and preemption work on block ids exactly
 as for the float pool; a block copy copies codes *and* scales/zeros.
 
-KIVI keeps the **open block** (the partially filled last block of a sequence, the paper's residual
-window of recent tokens) in full precision, in a separate residual pool of ``max_num_seqs`` block
-slots (one open block per sequence seat at most). The step that writes a block's last slot
-quantizes it (keys per channel over the block's tokens, values per token over channel groups)
-and returns its residual slot; from then on the block is immutable and only then can the prefix
-cache register and share it (it registers only full blocks). A block freed while open gives its
-residual slot back at once (``release``).
+KIVI keeps the **residual window** (the paper's R most recent tokens) in full precision: a
+sequence's blocks form window groups of N = R / block_size blocks, and every block of the group
+being written lives in a slot of a separate residual pool (N slots per sequence seat). The step
+that writes the last slot of a group's last block quantizes the whole group (keys per channel over
+each block's tokens, values per token over channel groups) and frees its residual slots; from then
+on those blocks are immutable, and only then can the prefix cache register and share them (the
+block manager caches whole groups). A block freed while in the window gives its residual slot
+back at once (``release``). docs/architecture.md has the full account.
 
 Attention always reads what the cache holds, in prefill too: position ``p`` sees every token as
 it was stored when ``p`` was the last one, that is quantized, except (KIVI) the tokens of its own
-block while that block is still open at ``p``, in full precision. So a request's output does not
+window group while that group is still open at ``p``, in full precision. So a request's output does not
 depend on how its prompt was chunked, batched or hit in the prefix cache; prompt
 log-probabilities measure the quantization, and no position sees a scale or zero that a later
 token helped set.
@@ -121,9 +122,10 @@ class KVFormat:
 
 @dataclass
 class StepPlan:
-    """Host-side decisions of one KIVI step, shared by every layer. Each block the step writes gets
-    a staging row (its earlier tokens from the residual, then this step's): blocks it completes
-    are quantized from there, the others go back to a residual slot."""
+    """Host-side decisions of one KIVI step, shared by every layer. Each block the step writes or
+    quantizes gets a staging row (its earlier tokens from the residual, then this step's): the
+    window groups it completes are quantized from there, the other blocks go back to a residual
+    slot."""
 
     staging_rows: torch.Tensor  # [num_tokens] int64: staging row (index * block_size + offset), -1 skip
     staged_from: torch.Tensor  # [B] int64: residual slot holding the block's earlier tokens, -1 none
@@ -185,7 +187,7 @@ class QuantizedKVCache:
         slot = self.residual_of[block_id]
         if slot < 0:
             if not self.free_residual:
-                raise RuntimeError("KIVI residual slots exhausted: more open KV blocks than max_num_seqs")
+                raise RuntimeError("KIVI residual slots exhausted: more blocks in residual windows than N x max_num_seqs")
             slot = self.residual_of[block_id] = self.free_residual.pop()
             self.residual_table[block_id] = slot
         return slot
