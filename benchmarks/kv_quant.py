@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -63,6 +64,39 @@ def throughputs(engine: LLMEngine, args: argparse.Namespace) -> dict:
     return best
 
 
+def decode_step_ms(engine: LLMEngine, args: argparse.Namespace) -> dict:
+    """Median wall time of one decode step of ``--concurrency`` sequences (prompts of
+    ``--prompt-len``), ``--steps`` steps per mode and round, ``--repeats`` rounds; with
+    ``--compare-reference`` the native kernel and the torch reference alternate (ABAB...)."""
+    kv = engine.runner.quantized_kv
+    available = kv is not None and kv.native_decode
+    modes = {"decode_ms": True}
+    if args.compare_reference and available:
+        modes["decode_ms_reference"] = False
+    vocab = engine.model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=0, max_tokens=10 + args.steps * args.repeats * len(modes), ignore_eos=True)
+    ids = [engine.add_request(torch.randint(100, vocab, (args.prompt_len,), generator=gen).tolist(), params)
+           for _ in range(args.concurrency)]
+    for _ in range(1000):  # until every prompt is prefilled and each step is all decodes
+        if len(engine.step()) == args.concurrency and engine.scheduler.num_waiting == 0:
+            break
+    times: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(args.repeats):
+        for name, native in modes.items():
+            if kv is not None:
+                kv.native_decode = native and available
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                engine.step()
+                times[name].append(time.perf_counter() - start)
+    for request_id in ids:
+        engine.abort(request_id)
+    if kv is not None:
+        kv.native_decode = available
+    return {name: 1000 * statistics.median(values) for name, values in times.items()}
+
+
 def run(args: argparse.Namespace, kind: str) -> dict:
     engine = LLMEngine(model=args.model, dtype=args.dtype, kv_cache_dtype=kind, kv_cache_memory=args.kv_cache_memory,
                        block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -75,7 +109,7 @@ def run(args: argparse.Namespace, kind: str) -> dict:
            "vs_bf16_slots": slots / bf16_slots, "seqs_at_len": slots // args.seq_len,
            "residual_slots": 0 if kv is None else kv.residual["k"].shape[1]}
     if not args.skip_throughput:
-        row.update(throughputs(engine, args))
+        row.update(decode_step_ms(engine, args) if args.decode_steps else throughputs(engine, args))
     if not args.skip_perplexity:
         ids = engine.tokenizer.encode(Path(args.text).read_text())
         result = perplexity(engine, ids, args.window, args.window - 1)
@@ -103,6 +137,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="throughput runs per mode; the best is kept")
     parser.add_argument("--compare-reference", action="store_true",
                         help="also time the torch reference decode over the quantized pool, interleaved")
+    parser.add_argument("--decode-steps", action="store_true",
+                        help="time decode steps at --concurrency instead of whole requests (tok/s = seqs / step)")
+    parser.add_argument("--steps", type=int, default=4, help="decode steps per mode and round (--decode-steps)")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-perplexity", action="store_true")
     parser.add_argument("--json", action="store_true")
@@ -122,6 +159,10 @@ def main() -> None:
             base = rows[0] if rows[0]["kv_cache_dtype"] == "auto" else None
             ppl = r.get("perplexity")
             rel = f"{(ppl / base['perplexity'] - 1) * 100:+.2f} %" if ppl and base and base.get("perplexity") else "-"
+            if "decode_ms" in r:  # decode steps: sequences per step / step time
+                r["output_tok_s"] = args.concurrency / r["decode_ms"] * 1000
+                if "decode_ms_reference" in r:
+                    r["output_tok_s_reference"] = args.concurrency / r["decode_ms_reference"] * 1000
             print(f"| {r['kv_cache_dtype']} | {r['bytes_per_token']:g} | {r['token_slots']:,} | "
                   f"{r['vs_bf16_slots']:.2f}x | {r['seqs_at_len']} | {r.get('output_tok_s', float('nan')):.1f}"
                   f"{' (ref %.1f)' % r['output_tok_s_reference'] if 'output_tok_s_reference' in r else ''} | "

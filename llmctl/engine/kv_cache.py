@@ -122,20 +122,20 @@ class KVFormat:
 
 @dataclass
 class StepPlan:
-    """Host-side decisions of one KIVI step, shared by every layer. Each block the step writes or
-    quantizes gets a staging row (its earlier tokens from the residual, then this step's): the
-    window groups it completes are quantized from there, the other blocks go back to a residual
-    slot."""
+    """Host-side decisions of one KIVI step, shared by every layer. A token of a block that stays
+    in the window goes straight to the block's residual slot; the blocks of each window group the
+    step completes get a staging row (earlier tokens from their residual, then this step's) and
+    are quantized from there."""
 
-    staging_rows: torch.Tensor  # [num_tokens] int64: staging row (index * block_size + offset), -1 skip
-    staged_from: torch.Tensor  # [B] int64: residual slot holding the block's earlier tokens, -1 none
-    finalize: torch.Tensor  # [F] int64: staging indices of the blocks this step completes
-    finalize_blocks: torch.Tensor  # [F] int64: those blocks
-    open_staged: torch.Tensor  # [O] int64: staging indices of the blocks still open after the step
-    open_slots: torch.Tensor  # [O] int64: their residual slots
-    staging_of: dict[int, int]  # block id -> staging index
+    residual_tokens: torch.Tensor  # [R] int64: tokens written to a residual slot
+    residual_rows: torch.Tensor  # [R] int64: their rows (slot * block_size + offset)
+    staging_tokens: torch.Tensor  # [S] int64: tokens of blocks quantized this step
+    staging_rows: torch.Tensor  # [S] int64: their staging rows (index * block_size + offset)
+    staged_from: torch.Tensor  # [F] int64: residual slot holding each quantized block's earlier tokens, -1 none
+    finalize_blocks: torch.Tensor  # [F] int64: the blocks this step quantizes
+    staging_of: dict[int, int]  # block id -> staging index, for the blocks this step quantizes
     residual_table: torch.Tensor  # [num_blocks] int64: each block's residual slot after the step, -1 none
-    staging: dict[str, torch.Tensor] | None = None  # "k", "v": [B, block_size, Hkv, D] of the current layer
+    staging: dict[str, torch.Tensor] | None = None  # "k", "v": [F, block_size, Hkv, D] of the current layer
 
 
 class QuantizedKVCache:
@@ -213,41 +213,40 @@ class QuantizedKVCache:
         if not self.fmt.is_kivi:
             return
         bs, window = self.fmt.block_size, self.fmt.residual_blocks_per_seq()
-        staging_of: dict[int, int] = {}
-        rows: list[int] = []
-        finalize_blocks: list[int] = []
+        written: list[tuple[int, int, int]] = []  # (token, block, offset)
+        completed: list[int] = []
         for i, slot in enumerate(slots):
             if slot < 0:
-                rows.append(-1)
                 continue
             block, offset = divmod(slot, bs)
-            index = staging_of.setdefault(block, len(staging_of))
-            rows.append(index * bs + offset)
+            written.append((i, block, offset))
             if offset == bs - 1:
                 if window == 1:
-                    finalize_blocks.append(block)
+                    completed.append(block)
                 elif positions[i] // bs % window == window - 1:
                     last = positions[i] // bs
-                    finalize_blocks += tables[i][last - window + 1 : last + 1]
-        for block in finalize_blocks:  # the group's earlier blocks are staged from their residual
-            if block not in staging_of and self.residual_of[block] < 0:
-                raise RuntimeError(f"KIVI: block {block} completes a window group but holds no residual")
-            staging_of.setdefault(block, len(staging_of))
-        finalize = sorted({staging_of[b] for b in finalize_blocks})
-        blocks = list(staging_of)
-        staged_from = [self.residual_of[b] for b in blocks]
-        for index in finalize:  # quantized: its slot is free again (the store reads it before any write)
-            self.release(blocks[index])
-        done = set(finalize)
-        open_staged = [i for i in range(len(blocks)) if i not in done]
-        open_slots = [self._residual_for(blocks[i]) for i in open_staged]
+                    completed += tables[i][last - window + 1 : last + 1]
+        # A group block that this step does not write and that holds no residual was already
+        # quantized (an n > 1 sibling sharing it completed the same group first).
+        written_blocks = {block for _, block, _ in written}
+        finalize = list(dict.fromkeys(b for b in completed if b in written_blocks or self.residual_of[b] >= 0))
+        staging_of = {block: index for index, block in enumerate(finalize)}
+        staged_from = [self.residual_of[b] for b in finalize]
+        for block in finalize:  # its slot is free again (the store copies it out before any write)
+            self.release(block)
+        residual, staging = [], []
+        for i, block, offset in written:
+            if block in staging_of:
+                staging.append((i, staging_of[block] * bs + offset))
+            else:
+                residual.append((i, self._residual_for(block) * bs + offset))
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-        self.plan = StepPlan(tensor(rows), tensor(staged_from), tensor(finalize),
-                             tensor([blocks[i] for i in finalize]), tensor(open_staged), tensor(open_slots),
-                             staging_of, self.residual_table.to(self.device))
+        self.plan = StepPlan(tensor([i for i, _ in residual]), tensor([r for _, r in residual]),
+                             tensor([i for i, _ in staging]), tensor([r for _, r in staging]), tensor(staged_from),
+                             tensor(finalize), staging_of, self.residual_table.to(self.device))
 
 
 class QuantizedLayerKV:
@@ -270,20 +269,18 @@ class QuantizedLayerKV:
                 self.t[name + "_scale"].flatten(0, 1).index_copy_(0, slots, scale)
             return
         plan = self.cache.plan
-        valid = plan.staging_rows >= 0
-        rows = plan.staging_rows[valid]
         plan.staging = {}
         for name, x in (("k", key), ("v", value)):
             residual = self.residual[name]
-            staging = residual[plan.staged_from.clamp(min=0)]  # [B, bs, H, D]; rows of new blocks unused
-            staging.flatten(0, 1).index_copy_(0, rows, x[valid].to(staging.dtype))
-            residual[plan.open_slots] = staging[plan.open_staged]
+            staging = residual[plan.staged_from.clamp(min=0)]  # a copy, taken before a freed slot is reused
+            staging.flatten(0, 1).index_copy_(0, plan.staging_rows, x[plan.staging_tokens].to(staging.dtype))
+            residual.flatten(0, 1).index_copy_(0, plan.residual_rows, x[plan.residual_tokens].to(residual.dtype))
             plan.staging[name] = staging
-        if plan.finalize.numel():
+        if plan.finalize_blocks.numel():
             blocks, t = plan.finalize_blocks, self.t
-            codes, scale, zero = kq.quantize_kivi_keys(plan.staging["k"][plan.finalize], fmt.bits)
+            codes, scale, zero = kq.quantize_kivi_keys(plan.staging["k"], fmt.bits)
             t["k"][blocks], t["k_scale"][blocks], t["k_zero"][blocks] = codes, scale, zero
-            codes, scale, zero = kq.quantize_kivi_values(plan.staging["v"][plan.finalize], fmt.bits, fmt.value_group)
+            codes, scale, zero = kq.quantize_kivi_values(plan.staging["v"], fmt.bits, fmt.value_group)
             t["v"][blocks], t["v_scale"][blocks], t["v_zero"][blocks] = codes, scale, zero
 
     def gather(self, block_tables: torch.Tensor, max_len: int, dtype: torch.dtype
@@ -311,8 +308,8 @@ class QuantizedLayerKV:
     def gather_exact(self, block_table: list[int], keys: torch.Tensor, values: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """KIVI: one sequence's keys and values ``[max_len, Hkv, D]`` in full precision wherever
-        the cache has them this step: the staged blocks (those the step writes or quantizes) from
-        staging, the others as ``gather`` read them (from the residual while in the window; the
+        the cache has them this step: the blocks this step quantizes from staging, the others as
+        ``gather`` read them (from the residual while in the window; the
         rows of quantized blocks are never read as exact)."""
         fmt, plan = self.fmt, self.cache.plan
         bs = fmt.block_size
