@@ -114,4 +114,9 @@ if __name__ == "__main__":  # `python -m kernels.cpu_native`: build every native
     print(f"native CPU kernels: {f'{module.__file__} ({isa_level()})' if module else native_unavailable_reason()}")
     quant = load_quant_native()
     print(f"quantized CPU kernels: {quant.__file__ if quant else quant_unavailable_reason()}")
+    from kernels.kv_quant_native import load_kv_quant_native
+    from kernels.kv_quant_native import native_unavailable_reason as kv_unavailable_reason
+
+    kv = load_kv_quant_native()
+    print(f"quantized-KV CPU kernels: {f'{kv.__file__} ({kv.isa()})' if kv else kv_unavailable_reason()}")
     sys.exit(0)
