@@ -120,3 +120,22 @@ def test_native_equals_reference_with_a_multi_block_window(kind, isa):
     query = torch.randn(len(LENS), 4, 32)
     torch.testing.assert_close(native(layer, query, table, lens, 0.2), reference(layer, query, table, lens, 0.2),
                                atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["fp8_e5m2", "kivi2"])
+def test_engine_decodes_with_the_native_kernel_like_the_reference(llama_dir, kind):
+    """The engine on CPU uses the kernel; switching it off (the reference path, as where the build
+    is missing) gives the same greedy tokens."""
+    from model_factory import random_prompts
+
+    from llmctl.engine.llm_engine import LLMEngine
+    from llmctl.sampling_params import SamplingParams
+
+    engine = LLMEngine(model=str(llama_dir), skip_tokenizer=True, dtype="float32", kv_cache_dtype=kind,
+                       kv_cache_memory=4 << 20, kv_residual_length=32)
+    assert engine.runner.quantized_kv.native_decode
+    prompts = random_prompts(4, 320, 10, 40, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    native_out = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+    engine.runner.quantized_kv.native_decode = False
+    assert [o.outputs[0].token_ids for o in engine.generate(prompts, params)] == native_out

@@ -15,8 +15,8 @@ back at once (``release``). docs/architecture.md has the full account.
 
 Attention always reads what the cache holds, in prefill too: position ``p`` sees every token as
 it was stored when ``p`` was the last one, that is quantized, except (KIVI) the tokens of its own
-window group while that group is still open at ``p``, in full precision. So a request's output does not
-depend on how its prompt was chunked, batched or hit in the prefix cache; prompt
+window group while that group is still open at ``p``, in full precision. So a request's output
+does not depend on how its prompt was chunked, batched or hit in the prefix cache; prompt
 log-probabilities measure the quantization, and no position sees a scale or zero that a later
 token helped set.
 """
@@ -196,6 +196,8 @@ class QuantizedKVCache:
     def begin_batch(self, meta: AttentionMetadata, positions: torch.Tensor) -> None:
         """``begin_step`` for a model step: each token's block table comes from the metadata (rows
         of prefill chunks repeated over their tokens, one row per decode token)."""
+        if not self.fmt.is_kivi:
+            return
         tables = None
         if self.fmt.residual_blocks_per_seq() > 1:
             starts = meta.prefill_query_start_loc.tolist()
