@@ -91,7 +91,8 @@ class EngineConfig:
     kv_cache_dtype: str = field(default="auto", metadata=cli(
         "--kv-cache-dtype", "auto | fp8_e4m3 | fp8_e5m2 | int8 | kivi2 | kivi4. auto: the model dtype; fp8/int8: "
         "a scale per token and KV head; kivi2/kivi4: KIVI 2/4-bit codes, keys per channel over each block, values "
-        "per token over --kv-quant-group-size channels, the last --kv-residual-length tokens at most in full precision."))
+        "per token over --kv-quant-group-size channels, the last --kv-residual-length tokens at most in full "
+        "precision."))
     kv_quant_group_size: int = field(default=32, metadata=cli(
         "--kv-quant-group-size", "KIVI: value channels per scale/zero group (KIVI's default 32; capped at head_dim)."))
     kv_residual_length: int = field(default=128, metadata=cli(

@@ -188,7 +188,8 @@ def test_prefill_over_quantized_cache_error_bound_and_equal_to_decode(kind, resi
         decode_seq_lens=torch.zeros(0, dtype=torch.int32), decode_block_tables=torch.zeros(0, 1, dtype=torch.int32),
         max_decode_seq_len=0)
     tables = table.tolist()
-    layer.cache.begin_step(step_slots.tolist(), [n - q_lens[i] + j for i, n in enumerate(LENS) for j in range(q_lens[i])],
+    step_positions = [n - q_lens[i] + j for i, n in enumerate(LENS) for j in range(q_lens[i])]
+    layer.cache.begin_step(step_slots.tolist(), step_positions,
                            [tables[i] for i in range(len(LENS)) for _ in range(q_lens[i])])
     new_k = torch.cat([k[-q:] for k, q in zip(keys, q_lens)])
     new_v = torch.cat([v[-q:] for v, q in zip(values, q_lens)])

@@ -187,7 +187,8 @@ class QuantizedKVCache:
         slot = self.residual_of[block_id]
         if slot < 0:
             if not self.free_residual:
-                raise RuntimeError("KIVI residual slots exhausted: more blocks in residual windows than N x max_num_seqs")
+                raise RuntimeError("KIVI residual slots exhausted: more blocks in residual windows than "
+                                   "N x max_num_seqs")
             slot = self.residual_of[block_id] = self.free_residual.pop()
             self.residual_table[block_id] = slot
         return slot
