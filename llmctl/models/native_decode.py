@@ -18,7 +18,7 @@ from llmctl.layers.linear import LinearBase, RowParallelLinear, UnquantizedLinea
 from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
-ACTIVE = "native decode loop"
+ACTIVE = "decode: native loop"
 
 
 class NativeDecode:
@@ -38,12 +38,12 @@ def build_native_decode(model: LlamaForCausalLM, kv_cache: torch.Tensor) -> tupl
     and the decode path for start-up lines: ``ACTIVE``, or why the module path runs instead."""
     reason = why_not(model, kv_cache)
     if reason is not None:
-        return None, f"Python decode path ({reason})"
+        return None, f"decode: Python modules ({reason})"
     from kernels.decode_loop import load_decode_loop, unavailable_reason
 
     module = load_decode_loop()
     if module is None:
-        return None, f"Python decode path ({unavailable_reason()})"
+        return None, f"decode: Python modules ({unavailable_reason()})"
     layers = model.model.stage_layers
     attn = layers[0].self_attn
     loop = module.DecodeLoop(isa_level(), attn.num_heads, attn.num_kv_heads, attn.head_dim, model.config.rms_norm_eps,
