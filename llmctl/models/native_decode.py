@@ -46,7 +46,7 @@ def build_native_decode(model: LlamaForCausalLM, kv_cache: torch.Tensor) -> tupl
         return None, f"decode: Python modules ({unavailable_reason()})"
     layers = model.model.stage_layers
     attn = layers[0].self_attn
-    loop = module.DecodeLoop(isa_level(), attn.num_heads, attn.num_kv_heads, attn.head_dim, model.config.rms_norm_eps,
+    loop = module.DecodeLoop(isa_level(), attn.num_heads, attn.num_kv_heads, attn.head_dim, model.model.norm.eps,
                              attn.attn.scale, attn.rotary_emb.cos_sin_cache, model.model.norm.weight, kv_cache)
     for layer in layers:
         a, mlp = layer.self_attn, layer.mlp
