@@ -7,15 +7,22 @@ that in ``tests/conftest.py``). ``select_ops`` imports this module lazily.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kernels.activation import silu_and_mul_triton
-from kernels.decode_attention import paged_decode_attention_triton
-from kernels.kv_store import reshape_and_cache_triton
-from kernels.prefill_attention import paged_prefill_attention_triton, varlen_causal_attention_triton
+from kernels.decode_attention import paged_decode_attention_quantized_triton, paged_decode_attention_triton
+from kernels.kv_store import kivi_quantize_blocks_triton, quantize_and_cache_triton, reshape_and_cache_triton
+from kernels.prefill_attention import (
+    paged_prefill_attention_quantized_triton, paged_prefill_attention_triton, varlen_causal_attention_triton,
+)
 from kernels.rms_norm import rms_norm_triton
 from kernels.rotary import rotary_embedding_triton
 from llmctl.layers.ops import AttentionMetadata, TorchOps
+
+if TYPE_CHECKING:
+    from llmctl.engine.kv_cache import QuantizedLayerKV
 
 
 def _max_query_len(meta: AttentionMetadata) -> int:
@@ -89,3 +96,37 @@ class TritonOps(TorchOps):
             query, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
             max_seq_len=meta.max_decode_seq_len or None,
         )
+
+    def attend_quantized(self, kv: QuantizedLayerKV, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """``QuantizedLayerKV.attend`` on the Triton kernels: quantize-on-store, then prefill chunks
+        and decodes over the quantized blocks, dequantized inside the kernels. KIVI stages the
+        step's blocks like the reference (``kv.stage``), quantizes the completed ones in a kernel,
+        and hands the kernels its full-precision blocks: the residual pool to decodes, this step's
+        staging to prefill chunks."""
+        fmt, n = kv.fmt, meta.num_prefill_tokens
+        decode_fp = prefill_fp = None
+        if fmt.is_kivi:
+            plan = kv.stage(key, value)
+            kivi_quantize_blocks_triton(plan.staging["k"], plan.staging["v"], plan.finalize, plan.finalize_blocks,
+                                        kv.t, fmt.bits)
+            decode_fp = (kv.residual["k"], kv.residual["v"], plan.residual_table)
+            if meta.num_prefills:
+                staged = torch.tensor(list(plan.staging_of), dtype=torch.int64, device=query.device)
+                table = torch.full((kv.cache.num_blocks,), -1, dtype=torch.int32, device=query.device)
+                table[staged] = torch.arange(staged.numel(), dtype=torch.int32, device=query.device)
+                prefill_fp = (plan.staging["k"], plan.staging["v"], table)
+        else:
+            quantize_and_cache_triton(key, value, kv.t, fmt.kind, meta.slot_mapping)
+        out = torch.empty_like(query)
+        if meta.num_prefills:
+            out[:n] = paged_prefill_attention_quantized_triton(
+                query[:n], kv.t, fmt.kind, meta.prefill_block_tables, meta.prefill_query_start_loc,
+                meta.prefill_seq_lens, scale, full_precision=prefill_fp, max_query_len=_max_query_len(meta),
+            )
+        if meta.num_decodes:
+            out[n:] = paged_decode_attention_quantized_triton(
+                query[n:], kv.t, fmt.kind, meta.decode_block_tables, meta.decode_seq_lens, scale,
+                full_precision=decode_fp, max_seq_len=meta.max_decode_seq_len or None,
+            )
+        return out
