@@ -11,8 +11,9 @@ layer's slice of the ``[layers, blocks, ...]`` pool in place:
   (block, head, channel) for keys and per (block, token, head, channel group) for values;
   dequantized as ``code * scale + zero``.
 
-One dequantizing tile loader serves both: the scale (and zero) of channel ``d`` of a row sits at
-``block * sb + tok * st + (d // SCALE_DIV) * sd`` (per-token: ``sd = 0``; KIVI keys: ``st = 0``).
+One dequantizing tile loader serves both: a per-token scale sits at ``block * sb + tok * st``;
+KIVI's scale (and zero) of channel ``d`` at ``block * sb + tok * st + (d // SCALE_DIV) * sd``
+(keys: ``st = 0``).
 Dequantized values are rounded to the query dtype, as the reference does, before the dots.
 
 Attention reuses the float kernels' structure (kernels/_triton_attention.py): online softmax in
@@ -31,32 +32,33 @@ import triton.language as tl
 
 from kernels._triton_elementwise import _round_to
 
-RNE_MAGIC = 12582912.0  # 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 to an integer, half to even
+RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 to an integer, half to even
 
 
 # ---- dequantization ------------------------------------------------------------------------------
 @triton.jit
 def _dequant_tile(
     codes_ptr, scale_ptr, zero_ptr,  # one KV head's base pointers
-    block, tok, offs_d, mask,  # block ids / token offsets [BLOCK_N] (int64), channels [BLOCK_D]
+    block, tok, offs_d, n_mask, d_mask,  # block ids / token offsets [BLOCK_N] (int64), channels [BLOCK_D]
     stride_cb, stride_ct, stride_sb, stride_st, stride_sd,
-    BITS: tl.constexpr,  # 8: one code per byte, no zero (per-token formats); 2/4: packed KIVI codes
-    SCALE_DIV: tl.constexpr,  # channels per scale entry along D
+    BITS: tl.constexpr,  # 8: one code per byte, one scale per row, no zero (per-token formats); 2/4: KIVI
+    SCALE_DIV: tl.constexpr,  # channels per scale entry along D (KIVI)
 ):
     """A ``[BLOCK_N, BLOCK_D]`` fp32 tile of dequantized K or V rows (0 where masked)."""
     rows = block * stride_cb + tok * stride_ct
+    mask = n_mask[:, None] & d_mask[None, :]
     if BITS == 8:
         codes = tl.load(codes_ptr + rows[:, None] + offs_d[None, :], mask=mask)  # no `other`: fp8 has no literal
-        codes = tl.where(mask, codes.to(tl.float32), 0.0)
+        scale = tl.load(scale_ptr + block * stride_sb + tok * stride_st, mask=n_mask, other=0.0)
+        x = tl.where(mask, codes.to(tl.float32), 0.0) * scale[:, None]
     else:
         PER_BYTE: tl.constexpr = 8 // BITS
         packed = tl.load(codes_ptr + rows[:, None] + (offs_d // PER_BYTE)[None, :], mask=mask, other=0)
         shift = ((offs_d % PER_BYTE) * BITS)[None, :]
         codes = ((packed.to(tl.int32) >> shift) & ((1 << BITS) - 1)).to(tl.float32)
-    at = (block * stride_sb + tok * stride_st)[:, None] + ((offs_d // SCALE_DIV) * stride_sd)[None, :]
-    x = codes * tl.load(scale_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    if BITS != 8:
-        x = x + tl.load(zero_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        at = (block * stride_sb + tok * stride_st)[:, None] + ((offs_d // SCALE_DIV) * stride_sd)[None, :]
+        scale = tl.load(scale_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        x = codes * scale + tl.load(zero_ptr + at, mask=mask, other=0.0).to(tl.float32)
     return x
 
 
@@ -142,29 +144,28 @@ def _quant_decode_kernel(
         n_mask = pos < end
         block = tl.load(table_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         tok = (pos % BLOCK_SIZE).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
         k = _dequant_tile(kc_ptr + h * stride_kch, ks_ptr + h * stride_ksh, kz_ptr + h * stride_ksh,
-                          block, tok, offs_d, kv_mask, stride_kcb, stride_kct, stride_ksb, stride_kst, stride_ksd,
-                          BITS, K_SCALE_DIV)
-        v = _dequant_tile(vc_ptr + h * stride_vch, vs_ptr + h * stride_vsh, vz_ptr + h * stride_vsh,
-                          block, tok, offs_d, kv_mask, stride_vcb, stride_vct, stride_vsb, stride_vst, stride_vsd,
-                          BITS, V_SCALE_DIV)
+                          block, tok, offs_d, n_mask, d_mask,
+                          stride_kcb, stride_kct, stride_ksb, stride_kst, stride_ksd, BITS, K_SCALE_DIV)
         if HAS_FP:  # blocks still open (KIVI's residual) are read in full precision
             fk, has = _full_precision_rows(fpk_ptr + h * stride_fh, fp_table_ptr, block, tok, offs_d, n_mask,
                                            d_mask, stride_fb, stride_ft)
-            fv, has = _full_precision_rows(fpv_ptr + h * stride_fh, fp_table_ptr, block, tok, offs_d, n_mask,
-                                           d_mask, stride_fb, stride_ft)
             k = tl.where(has[:, None], fk, k)
-            v = tl.where(has[:, None], fv, v)
-        k = _as_operand(k, DTYPE, DOT_FP32, EMULATE_RNE)
-        v = _as_operand(v, DTYPE, DOT_FP32, EMULATE_RNE)
-        qk = _dot(q, tl.trans(k), DOT_FP32, DOT_PREC)
+        qk = _dot(q, tl.trans(_as_operand(k, DTYPE, DOT_FP32, EMULATE_RNE)), DOT_FP32, DOT_PREC)
         qk = tl.where(n_mask[None, :], qk * scale_log2e, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p, v, DOT_FP32, DOT_PREC)
+
+        v = _dequant_tile(vc_ptr + h * stride_vch, vs_ptr + h * stride_vsh, vz_ptr + h * stride_vsh,
+                          block, tok, offs_d, n_mask, d_mask,
+                          stride_vcb, stride_vct, stride_vsb, stride_vst, stride_vsd, BITS, V_SCALE_DIV)
+        if HAS_FP:
+            fv, has = _full_precision_rows(fpv_ptr + h * stride_fh, fp_table_ptr, block, tok, offs_d, n_mask,
+                                           d_mask, stride_fb, stride_ft)
+            v = tl.where(has[:, None], fv, v)
+        acc = acc * alpha[:, None] + _dot(p, _as_operand(v, DTYPE, DOT_FP32, EMULATE_RNE), DOT_FP32, DOT_PREC)
         m_i = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]
@@ -201,10 +202,9 @@ def _quant_prefill_tile(
     d_mask = offs_d < HEAD_DIM
     block = tl.load(table_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     tok = (pos % BLOCK_SIZE).to(tl.int64)
-    kv_mask = n_mask[:, None] & d_mask[None, :]
     k = _dequant_tile(kc_ptr + h * stride_kch, ks_ptr + h * stride_ksh, kz_ptr + h * stride_ksh,
-                      block, tok, offs_d, kv_mask, stride_kcb, stride_kct, stride_ksb, stride_kst, stride_ksd,
-                      BITS, K_SCALE_DIV)
+                      block, tok, offs_d, n_mask, d_mask,
+                      stride_kcb, stride_kct, stride_ksb, stride_kst, stride_ksd, BITS, K_SCALE_DIV)
     qk = _dot(q, tl.trans(_as_operand(k, DTYPE, DOT_FP32, EMULATE_RNE)), DOT_FP32, DOT_PREC)
     if DIAGONAL and HAS_FP:
         fk, has = _full_precision_rows(fpk_ptr + h * stride_fh, fp_table_ptr, block, tok, offs_d, n_mask, d_mask,
@@ -221,8 +221,8 @@ def _quant_prefill_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     v = _dequant_tile(vc_ptr + h * stride_vch, vs_ptr + h * stride_vsh, vz_ptr + h * stride_vsh,
-                      block, tok, offs_d, kv_mask, stride_vcb, stride_vct, stride_vsb, stride_vst, stride_vsd,
-                      BITS, V_SCALE_DIV)
+                      block, tok, offs_d, n_mask, d_mask,
+                      stride_vcb, stride_vct, stride_vsb, stride_vst, stride_vsd, BITS, V_SCALE_DIV)
     if DIAGONAL and HAS_FP:
         fv, has = _full_precision_rows(fpv_ptr + h * stride_fh, fp_table_ptr, block, tok, offs_d, n_mask, d_mask,
                                        stride_fb, stride_ft)

@@ -239,6 +239,8 @@ def paged_prefill_attention_quantized_triton(
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     block_g, cfg_m, cfg_n, num_warps, num_stages = _prefill_config(head_dim, group, query.dtype)
+    if full_precision is not None and not interpreting():  # KIVI's diagonal tiles hold 4 dots: no spills
+        cfg_m, cfg_n = max(cfg_m // 2, block_g, 16), max(cfg_n // 4, 16)
     block_m = max(next_pow2(block_m), block_g, 16) if block_m else cfg_m
     block_n = max(next_pow2(block_n), 16) if block_n else cfg_n
     num_q_blocks = cdiv(max(int(max_query_len), 1), block_m // block_g)
