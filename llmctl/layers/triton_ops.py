@@ -22,7 +22,7 @@ from kernels.rotary import rotary_embedding_triton
 from llmctl.layers.ops import AttentionMetadata, TorchOps
 
 if TYPE_CHECKING:
-    from llmctl.engine.kv_cache import QuantizedLayerKV
+    from llmctl.engine.kv_cache import QuantizedLayerKV, StepPlan
 
 
 def _max_query_len(meta: AttentionMetadata) -> int:
@@ -38,6 +38,10 @@ class TritonOps(TorchOps):
     """Triton kernels for every fused op (the CUDA default)."""
 
     name = "triton"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._staged: tuple[StepPlan, torch.Tensor] | None = None  # see _staging_table
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -112,10 +116,7 @@ class TritonOps(TorchOps):
                                         kv.t, fmt.bits)
             decode_fp = (kv.residual["k"], kv.residual["v"], plan.residual_table)
             if meta.num_prefills:
-                staged = torch.tensor(list(plan.staging_of), dtype=torch.int64, device=query.device)
-                table = torch.full((kv.cache.num_blocks,), -1, dtype=torch.int32, device=query.device)
-                table[staged] = torch.arange(staged.numel(), dtype=torch.int32, device=query.device)
-                prefill_fp = (plan.staging["k"], plan.staging["v"], table)
+                prefill_fp = (plan.staging["k"], plan.staging["v"], self._staging_table(plan, kv.cache.num_blocks))
         else:
             quantize_and_cache_triton(key, value, kv.t, fmt.kind, meta.slot_mapping)
         out = torch.empty_like(query)
@@ -130,3 +131,14 @@ class TritonOps(TorchOps):
                 full_precision=decode_fp, max_seq_len=meta.max_decode_seq_len or None,
             )
         return out
+
+    def _staging_table(self, plan: StepPlan, num_blocks: int) -> torch.Tensor:
+        """block id -> staging index of this step's KIVI plan (-1: not written), built once per step
+        for all layers."""
+        if self._staged is None or self._staged[0] is not plan:
+            device = plan.residual_table.device
+            staged = torch.tensor(list(plan.staging_of), dtype=torch.int64, device=device)
+            table = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
+            table[staged] = torch.arange(staged.numel(), dtype=torch.int32, device=device)
+            self._staged = (plan, table)
+        return self._staged[1]
