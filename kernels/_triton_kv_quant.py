@@ -74,6 +74,20 @@ def _full_precision_rows(fp_ptr, fp_table_ptr, block, tok, offs_d, n_mask, d_mas
 
 
 @triton.jit
+def _exact_rows(fp_ptr, fp_table_ptr, r_ptr, r_table_ptr, h, block, tok, offs_d, n_mask, d_mask,
+                stride_fb, stride_ft, stride_fh, stride_rb, stride_rt, stride_rh, HAS_RES: tl.constexpr):
+    """Prefill's full-precision rows: this step's staging first, else (``HAS_RES``) the residual."""
+    x, has = _full_precision_rows(fp_ptr + h * stride_fh, fp_table_ptr, block, tok, offs_d, n_mask, d_mask,
+                                  stride_fb, stride_ft)
+    if HAS_RES:
+        r, has_r = _full_precision_rows(r_ptr + h * stride_rh, r_table_ptr, block, tok, offs_d, n_mask & ~has,
+                                        d_mask, stride_rb, stride_rt)
+        x = tl.where(has[:, None], x, r)
+        has = has | has_r
+    return x, has
+
+
+@triton.jit
 def _as_operand(x, DTYPE: tl.constexpr, DOT_FP32: tl.constexpr, EMULATE_RNE: tl.constexpr):
     """fp32 ``x`` rounded to the query dtype (what the reference attends over), as a dot operand."""
     x = _round_to(x, DTYPE, EMULATE_RNE)
@@ -184,15 +198,16 @@ def _quant_decode_kernel(
 # ---- prefill -----------------------------------------------------------------------------------
 @triton.jit
 def _quant_prefill_tile(
-    q, m_i, l_i, acc, n0, hi, q_pos, exact_block, table_row, h,
-    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, fpk_ptr, fpv_ptr, fp_table_ptr,
+    q, m_i, l_i, acc, n0, hi, q_pos, exact_group, table_row, h,
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, fpk_ptr, fpv_ptr, fp_table_ptr, rk_ptr, rv_ptr, r_table_ptr,
     stride_kcb, stride_kct, stride_kch, stride_ksb, stride_kst, stride_ksh, stride_ksd,
     stride_vcb, stride_vct, stride_vch, stride_vsb, stride_vst, stride_vsh, stride_vsd,
-    stride_fb, stride_ft, stride_fh, scale_log2e,
+    stride_fb, stride_ft, stride_fh, stride_rb, stride_rt, stride_rh, scale_log2e,
     DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BITS: tl.constexpr, K_SCALE_DIV: tl.constexpr, V_SCALE_DIV: tl.constexpr,
-    DIAGONAL: tl.constexpr,  # causal mask, and (with HAS_FP) full-precision tokens of the rows' own blocks
-    HAS_FP: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    DIAGONAL: tl.constexpr,  # causal mask, and (with HAS_FP) full-precision tokens of the rows' own windows
+    HAS_FP: tl.constexpr, HAS_RES: tl.constexpr, WINDOW: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
     """One KV tile of the quantized prefill's online softmax; returns the updated (m, l, acc)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -207,9 +222,9 @@ def _quant_prefill_tile(
                       stride_kcb, stride_kct, stride_ksb, stride_kst, stride_ksd, BITS, K_SCALE_DIV)
     qk = _dot(q, tl.trans(_as_operand(k, DTYPE, DOT_FP32, EMULATE_RNE)), DOT_FP32, DOT_PREC)
     if DIAGONAL and HAS_FP:
-        fk, has = _full_precision_rows(fpk_ptr + h * stride_fh, fp_table_ptr, block, tok, offs_d, n_mask, d_mask,
-                                       stride_fb, stride_ft)
-        exact = (exact_block[:, None] == (pos // BLOCK_SIZE)[None, :]) & has[None, :]
+        fk, has = _exact_rows(fpk_ptr, fp_table_ptr, rk_ptr, r_table_ptr, h, block, tok, offs_d, n_mask, d_mask,
+                              stride_fb, stride_ft, stride_fh, stride_rb, stride_rt, stride_rh, HAS_RES)
+        exact = (exact_group[:, None] == (pos // WINDOW)[None, :]) & has[None, :]
         fk = _as_operand(fk, DTYPE, DOT_FP32, EMULATE_RNE)
         qk = tl.where(exact, _dot(q, tl.trans(fk), DOT_FP32, DOT_PREC), qk)
     qk = qk * scale_log2e
@@ -224,8 +239,8 @@ def _quant_prefill_tile(
                       block, tok, offs_d, n_mask, d_mask,
                       stride_vcb, stride_vct, stride_vsb, stride_vst, stride_vsd, BITS, V_SCALE_DIV)
     if DIAGONAL and HAS_FP:
-        fv, has = _full_precision_rows(fpv_ptr + h * stride_fh, fp_table_ptr, block, tok, offs_d, n_mask, d_mask,
-                                       stride_fb, stride_ft)
+        fv, has = _exact_rows(fpv_ptr, fp_table_ptr, rv_ptr, r_table_ptr, h, block, tok, offs_d, n_mask, d_mask,
+                              stride_fb, stride_ft, stride_fh, stride_rb, stride_rt, stride_rh, HAS_RES)
         acc += _dot(tl.where(exact, p, 0.0), _as_operand(fv, DTYPE, DOT_FP32, EMULATE_RNE), DOT_FP32, DOT_PREC)
         p = tl.where(exact, 0.0, p)
     acc += _dot(p, _as_operand(v, DTYPE, DOT_FP32, EMULATE_RNE), DOT_FP32, DOT_PREC)
@@ -237,6 +252,7 @@ def _quant_prefill_kernel(
     q_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
     fpk_ptr, fpv_ptr, fp_table_ptr,  # HAS_FP: this step's full-precision blocks (KIVI staging)
+    rk_ptr, rv_ptr, r_table_ptr,  # HAS_RES: blocks in a residual window (read where the staging has none)
     out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     scale_log2e, num_q_blocks,
@@ -244,22 +260,27 @@ def _quant_prefill_kernel(
     stride_kcb, stride_kct, stride_kch, stride_ksb, stride_kst, stride_ksh, stride_ksd,
     stride_vcb, stride_vct, stride_vch, stride_vsb, stride_vst, stride_vsh, stride_vsd,
     stride_fb, stride_ft, stride_fh,
+    stride_rb, stride_rt, stride_rh,
     stride_bt,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BITS: tl.constexpr, K_SCALE_DIV: tl.constexpr, V_SCALE_DIV: tl.constexpr, HAS_FP: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    WINDOW: tl.constexpr,  # KIVI: tokens of a full-precision window group (a multiple of BLOCK_SIZE)
     DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
     """Causal attention of query chunks over their sequences' quantized blocks (``_prefill_kernel``
     with PAGED; grid (query block, KV head, sequence)).
 
-    With ``HAS_FP`` (KIVI), query position ``p`` reads the tokens of its own block in full
-    precision (``fp_table[block]`` indexes this step's staging of every block it writes) unless
-    ``p`` is the block's last slot, i.e. completes it; every other token dequantized. This is
-    ``kv_quant.attend_causal_kivi``: what decoding token by token would have seen. Tiles that can
-    hold such tokens compute both scores and pick per (row, column)."""
+    With ``HAS_FP`` (KIVI), query position ``p`` reads the tokens of its own window group
+    (``WINDOW`` tokens; the block when the window is the open block) in full precision unless
+    ``p`` is the group's last token, i.e. completes it; every other token dequantized. This is
+    ``kv_quant.attend_causal_kivi``: what decoding token by token would have seen. Full-precision
+    rows come from this step's staging (``fp_table[block]``) or else the residual
+    (``r_table[block]``). Tiles that can hold such tokens compute both scores and pick per
+    (row, column)."""
     q_block = num_q_blocks - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -277,8 +298,8 @@ def _quant_prefill_kernel(
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + g
     q_pos = ctx_len + tok_q
-    # KIVI: the block whose tokens row p reads in full precision (-1: none, p completes its block)
-    exact_block = tl.where(q_pos % BLOCK_SIZE == BLOCK_SIZE - 1, -1, q_pos // BLOCK_SIZE)
+    # KIVI: the window group whose tokens row p reads in full precision (-1: none, p completes it)
+    exact_group = tl.where(q_pos % WINDOW == WINDOW - 1, -1, q_pos // WINDOW)
 
     q_rows = (q_start + tok_q).to(tl.int64) * stride_qt + heads * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
@@ -290,32 +311,32 @@ def _quant_prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     first_pos = ctx_len + q_block * BLOCK_Q
     hi = ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
-    if HAS_FP:  # the first row's own block may hold full-precision tokens
-        first_pos = (first_pos // BLOCK_SIZE) * BLOCK_SIZE
+    if HAS_FP:  # the first row's own window group may hold full-precision tokens
+        first_pos = (first_pos // WINDOW) * WINDOW
     plain_end = (first_pos // BLOCK_N) * BLOCK_N
     h = kv_head.to(tl.int64)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Tiles every row sees whole and dequantized: no mask, one score per (row, token).
     for n0 in range(0, plain_end, BLOCK_N):
         m_i, l_i, acc = _quant_prefill_tile(
-            q, m_i, l_i, acc, n0, hi, q_pos, exact_block, table_row, h,
-            kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, fpk_ptr, fpv_ptr, fp_table_ptr,
+            q, m_i, l_i, acc, n0, hi, q_pos, exact_group, table_row, h,
+            kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, fpk_ptr, fpv_ptr, fp_table_ptr, rk_ptr, rv_ptr, r_table_ptr,
             stride_kcb, stride_kct, stride_kch, stride_ksb, stride_kst, stride_ksh, stride_ksd,
             stride_vcb, stride_vct, stride_vch, stride_vsb, stride_vst, stride_vsh, stride_vsd,
-            stride_fb, stride_ft, stride_fh, scale_log2e,
+            stride_fb, stride_ft, stride_fh, stride_rb, stride_rt, stride_rh, scale_log2e,
             q_ptr.dtype.element_ty, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, BITS, K_SCALE_DIV, V_SCALE_DIV,
-            False, HAS_FP, DOT_FP32, DOT_PREC, EMULATE_RNE,
+            False, HAS_FP, HAS_RES, WINDOW, DOT_FP32, DOT_PREC, EMULATE_RNE,
         )
     # Tiles that reach the causal diagonal (or the rows' own blocks).
     for n0 in range(plain_end, hi, BLOCK_N):
         m_i, l_i, acc = _quant_prefill_tile(
-            q, m_i, l_i, acc, n0, hi, q_pos, exact_block, table_row, h,
-            kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, fpk_ptr, fpv_ptr, fp_table_ptr,
+            q, m_i, l_i, acc, n0, hi, q_pos, exact_group, table_row, h,
+            kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, fpk_ptr, fpv_ptr, fp_table_ptr, rk_ptr, rv_ptr, r_table_ptr,
             stride_kcb, stride_kct, stride_kch, stride_ksb, stride_kst, stride_ksh, stride_ksd,
             stride_vcb, stride_vct, stride_vch, stride_vsb, stride_vst, stride_vsh, stride_vsd,
-            stride_fb, stride_ft, stride_fh, scale_log2e,
+            stride_fb, stride_ft, stride_fh, stride_rb, stride_rt, stride_rh, scale_log2e,
             q_ptr.dtype.element_ty, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, BITS, K_SCALE_DIV, V_SCALE_DIV,
-            True, HAS_FP, DOT_FP32, DOT_PREC, EMULATE_RNE,
+            True, HAS_FP, HAS_RES, WINDOW, DOT_FP32, DOT_PREC, EMULATE_RNE,
         )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

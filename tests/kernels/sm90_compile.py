@@ -153,10 +153,10 @@ def _compile_quantized_kv(quick: bool) -> None:
             paged_decode_attention_quantized_triton(q, cache, kind, bt, sl, 0.1, full_precision=fp,
                                                     max_seq_len=4096, num_splits=splits)
         qp = torch.empty(40, hq, d, dtype=dtype)
-        fp_prefill = (residual, residual, torch.zeros(8, dtype=torch.int32)) if fmt.is_kivi else None
+        kivi = dict(full_precision=(residual, residual, torch.zeros(8, dtype=torch.int32)), residual=fp,
+                    window=8 * bs) if fmt.is_kivi else {}  # KIVI: a 128-token residual window
         paged_prefill_attention_quantized_triton(qp, cache, kind, bt, torch.tensor([0, 30, 40], dtype=torch.int32),
-                                                 torch.tensor([50, 10], dtype=torch.int32), 0.1,
-                                                 full_precision=fp_prefill)
+                                                 torch.tensor([50, 10], dtype=torch.int32), 0.1, **kivi)
         kv = torch.empty(4, hkv, d, dtype=dtype)
         if fmt.is_kivi:
             index = torch.zeros(2, dtype=torch.int64)

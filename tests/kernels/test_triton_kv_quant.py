@@ -10,6 +10,7 @@ blocks sit in the residual pool; block tables are scattered over a pool with spa
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -258,3 +259,57 @@ def test_triton_ops_step_matches_torch_ops(kind):
         assert _same_bytes(t, reference.tensors[name]), name
     for name, t in scene.cache.residual.items():
         assert torch.equal(t, reference.residual[name]), name
+
+
+@pytest.mark.parametrize("kind", ["kivi2", "kivi4"])
+def test_prefill_with_a_multi_block_residual_window(kind):
+    """A KIVI residual window of two blocks (``window``): a row reads its window group in full
+    precision, from this step's staging (groups the step completes) or else the residual (the group
+    still open), every completed group dequantized. Pool state built by hand from the references."""
+    bits, bs, window, hkv, hq, dim = kq.KIVI_BITS[kind], 8, 16, 2, 4, 16
+    cases = [(5, 20), (16, 9), (3, 4), (0, 16), (20, 13)]  # (cached tokens, chunk tokens)
+    seq_lens = [c + q for c, q in cases]
+    blocks_of = [-(-n // bs) for n in seq_lens]
+    num_blocks = sum(blocks_of) + 2
+    perm = torch.randperm(num_blocks).tolist()
+    tables = torch.zeros(len(cases), max(blocks_of), dtype=torch.int32)
+    fmt = KVFormat(kind, 1, hkv, dim, bs, torch.float32, 8)
+    t = {name: torch.zeros(num_blocks, *shape, dtype=dt) for name, (shape, dt) in fmt.tensor_shapes().items()}
+    residual = torch.zeros(2, num_blocks, bs, hkv, dim)  # k, v; slot = block id (any slot works)
+    residual_table = torch.full((num_blocks,), -1, dtype=torch.int64)
+    staging, staging_table = [], torch.full((num_blocks,), -1, dtype=torch.int32)
+    queries, expected = [], []
+    for s, ((ctx, q_len), seq_len) in enumerate(zip(cases, seq_lens)):
+        exact = torch.randn(2, blocks_of[s] * bs, hkv, dim) * 3  # the full-precision K, V of every position
+        cached = exact.clone()  # what the cache holds: dequantized groups, full precision in the open group
+        for i in range(blocks_of[s]):
+            block = perm.pop()
+            tables[s, i] = block
+            rows = slice(i * bs, (i + 1) * bs)
+            group_end = (i * bs // window + 1) * window
+            if group_end > seq_len:  # the open group: in the residual
+                residual[:, block] = exact[:, rows]
+                residual_table[block] = block
+                continue
+            kb = kq.quantize_kivi_keys(exact[0, rows], bits)
+            vb = kq.quantize_kivi_values(exact[1, rows], bits, 8)
+            for name, x in zip(("k", "k_scale", "k_zero", "v", "v_scale", "v_zero"), (*kb, *vb)):
+                t[name][block] = x
+            cached[0, rows] = kq.dequantize_kivi_keys(*kb, bits, torch.float32)
+            cached[1, rows] = kq.dequantize_kivi_values(*vb, bits, 8, torch.float32)
+            if group_end > ctx:  # completed by this step: staged
+                staging_table[block] = len(staging)
+                staging.append(exact[:, rows])
+        q = torch.randn(q_len, hq, dim)
+        queries.append(q)
+        expected.append(kq.attend_causal_kivi(q, cached[0, :seq_len], cached[1, :seq_len], exact[0, :seq_len],
+                                              exact[1, :seq_len], window, dim**-0.5))
+    staged = torch.stack(staging, 1)
+    loc = torch.tensor([0, *itertools.accumulate(q for _, q in cases)], dtype=torch.int32)
+    actual = paged_prefill_attention_quantized_triton(
+        torch.cat(queries).to(DEVICE), {n: x.to(DEVICE) for n, x in t.items()}, kind, tables.to(DEVICE),
+        loc.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), dim**-0.5,
+        full_precision=(staged[0].to(DEVICE), staged[1].to(DEVICE), staging_table.to(DEVICE)),
+        residual=(residual[0].to(DEVICE), residual[1].to(DEVICE), residual_table.to(DEVICE)),
+        window=window, block_m=16, block_n=16)
+    assert_close(actual, torch.cat(expected).to(DEVICE), torch.float32)
