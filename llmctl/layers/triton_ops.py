@@ -107,23 +107,24 @@ class TritonOps(TorchOps):
         and decodes over the quantized blocks, dequantized inside the kernels. KIVI stages the
         step's blocks like the reference (``kv.stage``), quantizes the completed ones in a kernel,
         and hands the kernels its full-precision blocks: the residual pool to decodes, this step's
-        staging to prefill chunks."""
+        staging (then the residual pool) to prefill chunks."""
         fmt, n = kv.fmt, meta.num_prefill_tokens
-        decode_fp = prefill_fp = None
+        decode_fp, prefill_kivi = None, {}
         if fmt.is_kivi:
             plan = kv.stage(key, value)
             kivi_quantize_blocks_triton(plan.staging["k"], plan.staging["v"], plan.finalize, plan.finalize_blocks,
                                         kv.t, fmt.bits)
             decode_fp = (kv.residual["k"], kv.residual["v"], plan.residual_table)
-            if meta.num_prefills:
-                prefill_fp = (plan.staging["k"], plan.staging["v"], self._staging_table(plan, kv.cache.num_blocks))
+            if meta.num_prefills:  # a query's own window group: this step's staging, else the residual
+                staging = (plan.staging["k"], plan.staging["v"], self._staging_table(plan, kv.cache.num_blocks))
+                prefill_kivi = {"full_precision": staging, "residual": decode_fp}
         else:
             quantize_and_cache_triton(key, value, kv.t, fmt.kind, meta.slot_mapping)
         out = torch.empty_like(query)
         if meta.num_prefills:
             out[:n] = paged_prefill_attention_quantized_triton(
                 query[:n], kv.t, fmt.kind, meta.prefill_block_tables, meta.prefill_query_start_loc,
-                meta.prefill_seq_lens, scale, full_precision=prefill_fp, max_query_len=_max_query_len(meta),
+                meta.prefill_seq_lens, scale, **prefill_kivi, max_query_len=_max_query_len(meta),
             )
         if meta.num_decodes:
             out[n:] = paged_decode_attention_quantized_triton(
