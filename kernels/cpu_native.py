@@ -119,4 +119,9 @@ if __name__ == "__main__":  # `python -m kernels.cpu_native`: build every native
 
     kv = load_kv_quant_native()
     print(f"quantized-KV CPU kernels: {f'{kv.__file__} ({kv.isa()})' if kv else kv_unavailable_reason()}")
+    from kernels.decode_loop import load_decode_loop
+    from kernels.decode_loop import unavailable_reason as loop_unavailable_reason
+
+    loop = load_decode_loop()
+    print(f"native decode loop: {loop.__file__ if loop else loop_unavailable_reason()}")
     sys.exit(0)

@@ -132,6 +132,7 @@ class StepPlan:
     staging_tokens: torch.Tensor  # [S] int64: tokens of blocks quantized this step
     staging_rows: torch.Tensor  # [S] int64: their staging rows (index * block_size + offset)
     staged_from: torch.Tensor  # [F] int64: residual slot holding each quantized block's earlier tokens, -1 none
+    finalize: torch.Tensor  # [F] int64: staging index of each block to quantize (all of the staging, in order)
     finalize_blocks: torch.Tensor  # [F] int64: the blocks this step quantizes
     staging_of: dict[int, int]  # block id -> staging index, for the blocks this step quantizes
     residual_table: torch.Tensor  # [num_blocks] int64: each block's residual slot after the step, -1 none
@@ -249,7 +250,8 @@ class QuantizedKVCache:
 
         self.plan = StepPlan(tensor([i for i, _ in residual]), tensor([r for _, r in residual]),
                              tensor([i for i, _ in staging]), tensor([r for _, r in staging]), tensor(staged_from),
-                             tensor(finalize), staging_of, self.residual_table.to(self.device))
+                             tensor(list(range(len(finalize)))), tensor(finalize), staging_of,
+                             self.residual_table.to(self.device))
 
 
 class QuantizedLayerKV:
@@ -271,6 +273,19 @@ class QuantizedLayerKV:
                 self.t[name].flatten(0, 1).view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
                 self.t[name + "_scale"].flatten(0, 1).index_copy_(0, slots, scale)
             return
+        plan = self.stage(key, value)
+        if plan.finalize.numel():
+            blocks, t = plan.finalize_blocks, self.t
+            codes, scale, zero = kq.quantize_kivi_keys(plan.staging["k"][plan.finalize], fmt.bits)
+            t["k"][blocks], t["k_scale"][blocks], t["k_zero"][blocks] = codes, scale, zero
+            codes, scale, zero = kq.quantize_kivi_values(plan.staging["v"][plan.finalize], fmt.bits, fmt.value_group)
+            t["v"][blocks], t["v_scale"][blocks], t["v_zero"][blocks] = codes, scale, zero
+
+    def stage(self, key: torch.Tensor, value: torch.Tensor) -> StepPlan:
+        """KIVI's store up to quantization: tokens of blocks that stay in the window go to their
+        residual slots, the blocks of the window groups this step completes get their
+        full-precision staging (``plan.staging``), left for the caller to quantize
+        (``plan.finalize`` indexes it, ``plan.finalize_blocks`` are the pool blocks)."""
         plan = self.cache.plan
         plan.staging = {}
         for name, x in (("k", key), ("v", value)):
@@ -279,12 +294,7 @@ class QuantizedLayerKV:
             staging.flatten(0, 1).index_copy_(0, plan.staging_rows, x[plan.staging_tokens].to(staging.dtype))
             residual.flatten(0, 1).index_copy_(0, plan.residual_rows, x[plan.residual_tokens].to(residual.dtype))
             plan.staging[name] = staging
-        if plan.finalize_blocks.numel():
-            blocks, t = plan.finalize_blocks, self.t
-            codes, scale, zero = kq.quantize_kivi_keys(plan.staging["k"], fmt.bits)
-            t["k"][blocks], t["k_scale"][blocks], t["k_zero"][blocks] = codes, scale, zero
-            codes, scale, zero = kq.quantize_kivi_values(plan.staging["v"], fmt.bits, fmt.value_group)
-            t["v"][blocks], t["v_scale"][blocks], t["v_zero"][blocks] = codes, scale, zero
+        return plan
 
     def gather(self, block_tables: torch.Tensor, max_len: int, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,19 +318,22 @@ class QuantizedLayerKV:
         shape = (num_seqs, nb * fmt.block_size, fmt.num_kv_heads, fmt.head_dim)
         return keys.reshape(shape)[:, :max_len], values.reshape(shape)[:, :max_len]
 
-    def gather_exact(self, block_table: list[int], keys: torch.Tensor, values: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_exact(self, block_table: list[int], max_len: int, dtype: torch.dtype,
+                     gathered: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """KIVI: one sequence's keys and values ``[max_len, Hkv, D]`` in full precision wherever
         the cache has them this step: the blocks this step quantizes from staging, the others as
-        ``gather`` read them (from the residual while in the window; the
-        rows of quantized blocks are never read as exact)."""
+        ``gather`` reads them (``gathered``, when the caller has them already): from the residual
+        while in the window; the rows of quantized blocks are never read as exact."""
         fmt, plan = self.fmt, self.cache.plan
         bs = fmt.block_size
-        keys, values = keys.clone(), values.clone()
-        for i, block in enumerate(block_table[: -(-keys.shape[0] // bs)]):
+        if gathered is None:
+            table = torch.tensor([block_table], dtype=torch.int32, device=self.cache.device)
+            gathered = tuple(t[0] for t in self.gather(table, max_len, dtype))
+        keys, values = gathered[0].clone(), gathered[1].clone()
+        for i, block in enumerate(block_table[: -(-max_len // bs)]):
             index = plan.staging_of.get(block)
             if index is not None:
-                n = min(bs, keys.shape[0] - i * bs)
+                n = min(bs, max_len - i * bs)
                 keys[i * bs : i * bs + n] = plan.staging["k"][index, :n]
                 values[i * bs : i * bs + n] = plan.staging["v"][index, :n]
         return keys, values
@@ -339,7 +352,8 @@ class QuantizedLayerKV:
             table = meta.prefill_block_tables[i : i + 1]
             keys, values = self.gather(table, seq_len, query.dtype)
             if self.fmt.is_kivi:
-                exact_keys, exact_values = self.gather_exact(table[0].tolist(), keys[0], values[0])
+                exact_keys, exact_values = self.gather_exact(table[0].tolist(), seq_len, query.dtype,
+                                                             (keys[0], values[0]))
                 window = self.fmt.block_size * self.fmt.residual_blocks_per_seq()
                 out[start:end] = kq.attend_causal_kivi(query[start:end], keys[0], values[0], exact_keys,
                                                        exact_values, window, scale)
