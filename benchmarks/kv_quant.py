@@ -75,7 +75,8 @@ def decode_step_ms(engine: LLMEngine, args: argparse.Namespace) -> dict:
         modes["decode_ms_reference"] = False
     vocab = engine.model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
-    params = SamplingParams(temperature=0, max_tokens=10 + args.steps * args.repeats * len(modes), ignore_eos=True)
+    # room for every timed step however many tokens a sequence decoded while others were prefilling
+    params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - args.prompt_len, ignore_eos=True)
     ids = [engine.add_request(torch.randint(100, vocab, (args.prompt_len,), generator=gen).tolist(), params)
            for _ in range(args.concurrency)]
     for _ in range(1000):  # until every prompt is prefilled and each step is all decodes
