@@ -217,6 +217,8 @@ def _prefill_triton(scene: Scene, **kw) -> torch.Tensor:
         for block, index in plan.staging_of.items():
             table[block] = index
         fp = (plan.staging["k"], plan.staging["v"], table)
+        # blocks that stay in the window hold this step's tokens in their residual slots
+        kw["residual"] = (layer.residual["k"], layer.residual["v"], plan.residual_table)
     n = meta.num_prefill_tokens
     return paged_prefill_attention_quantized_triton(
         scene.query[:n], layer.t, scene.kind, meta.prefill_block_tables, meta.prefill_query_start_loc,
