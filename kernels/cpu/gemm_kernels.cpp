@@ -46,6 +46,9 @@ struct GemmArgs {
 
 constexpr int64_t KC = 256;  // K block: 16 KiB of a panel, kept in L1 across a block of rows
 constexpr int64_t MC = 144;  // rows a K block of x keeps in L2 (144 x 256 x 4 B = 144 KiB)
+// k steps ahead that a tile prefetches its panel (2 KiB): a decode step streams the packed weight
+// from memory, and a panel's next K block follows its current one.
+constexpr int64_t PREFETCH_K = 32;
 
 namespace generic {
 using V = float;
@@ -55,6 +58,7 @@ inline V vload(const float* p) { return *p; }
 inline V vbcast(const float* p) { return *p; }
 inline V vfma(V a, V b, V c) { return std::fma(a, b, c); }
 inline void vstore(float* p, V v) { *p = v; }
+inline void prefetch(const float* p) { __builtin_prefetch(p); }
 #include "gemm_kernels_isa.h"
 }  // namespace generic
 
@@ -69,6 +73,7 @@ inline V vload(const float* p) { return _mm256_loadu_ps(p); }
 inline V vbcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline void prefetch(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
 #include "gemm_kernels_isa.h"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -83,6 +88,7 @@ inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 inline V vbcast(const float* p) { return _mm512_set1_ps(*p); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
+inline void prefetch(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
 #include "gemm_kernels_isa.h"
 }  // namespace avx512
 #pragma GCC pop_options

@@ -1,5 +1,5 @@
 // One instruction set's fp32 panel GEMM, included by gemm_kernels.cpp inside a namespace that
-// defines the vector type `V` (VW floats), vzero / vload / vbcast / vfma / vstore, and the tiling
+// defines the vector type `V` (VW floats), vzero / vload / vbcast / vfma / vstore / prefetch, and the tiling
 // constants CHAINS (accumulator vectors a tile may hold), ROWS (rows of a full tile) and GROUP
 // (panels processed together). The generic variant is the same code with V = float.
 //
@@ -34,6 +34,7 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t wstride, float* y
   for (int64_t k = 0; k < kc; ++k) {
 #pragma GCC unroll 64
     for (int p = 0; p < P; ++p) {
+      prefetch(w + p * wstride + (k + PREFETCH_K) * 16);  // one 64-byte line of w per k
       V b[VPP];
 #pragma GCC unroll 16
       for (int v = 0; v < VPP; ++v) b[v] = vload(w + p * wstride + k * 16 + v * VW);
@@ -85,16 +86,18 @@ void ragged_panel(const GemmArgs& a, int64_t panel, int64_t m0, int64_t m1, int6
   }
 }
 
-// Panels [p0, p1) of the output, all rows: K in blocks of KC (the block of w stays in cache across
-// the row tiles), rows in blocks of MC (the block of x stays in L2 across the panels).
+// Panels [p0, p1) of the output, all rows. Rows in blocks of MC; in a block, panels in groups of
+// GROUP, each group's panels read from k = 0 to K (contiguous streams of the packed weight, which a
+// decode step reads from memory once) in blocks of KC: a block of the group's weights stays in
+// cache across the row tiles, a block of x (MC x KC) in L2 across the group's panels.
 void gemm_panels(const GemmArgs& a, int64_t p0, int64_t p1) {
-  const int64_t full = a.n / 16;  // panels with 16 valid columns
-  for (int64_t k0 = 0; k0 < a.k; k0 += KC) {
-    const int64_t kc = std::min<int64_t>(KC, a.k - k0);
-    for (int64_t m0 = 0; m0 < a.m; m0 += MC) {
-      const int64_t m1 = std::min<int64_t>(a.m, m0 + MC);
-      for (int64_t g0 = p0; g0 < std::min(p1, full); g0 += GROUP) {
-        const int64_t g1 = std::min({g0 + GROUP, p1, full});
+  const int64_t full = std::min(p1, a.n / 16);  // panels with 16 valid columns
+  for (int64_t m0 = 0; m0 < a.m; m0 += MC) {
+    const int64_t m1 = std::min<int64_t>(a.m, m0 + MC);
+    for (int64_t g0 = p0; g0 < full; g0 += GROUP) {
+      const int64_t g1 = std::min(g0 + GROUP, full);
+      for (int64_t k0 = 0; k0 < a.k; k0 += KC) {
+        const int64_t kc = std::min<int64_t>(KC, a.k - k0);
         for (int64_t r0 = m0; r0 < m1; r0 += ROWS) {
           const int rows = static_cast<int>(std::min<int64_t>(ROWS, m1 - r0));
           const int step = panels_for(rows);
@@ -105,8 +108,9 @@ void gemm_panels(const GemmArgs& a, int64_t p0, int64_t p1) {
           }
         }
       }
-      if (full < p1 && full * 16 < a.n) ragged_panel(a, full, m0, m1, k0, kc);
     }
+    if (full < p1 && full * 16 < a.n)  // the ragged last panel is in this range
+      for (int64_t k0 = 0; k0 < a.k; k0 += KC) ragged_panel(a, full, m0, m1, k0, std::min<int64_t>(KC, a.k - k0));
   }
   if (a.bias != nullptr) {
     const int64_t n0 = p0 * 16, n1 = std::min(p1 * 16, a.n);
