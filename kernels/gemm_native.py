@@ -20,7 +20,7 @@ from kernels.native_build import FAILURES, build_extension, unavailable_reason
 
 NAME = "llmctl_gemm"
 SOURCE = Path(__file__).parent / "cpu" / "gemm_kernels.cpp"
-HEADERS = [Path(__file__).parent / "cpu" / "gemm_kernels_isa.h"]
+HEADERS = [Path(__file__).parent / "cpu" / name for name in ("gemm_kernels.h", "gemm_kernels_isa.h")]
 # -ffp-contract=off: only the explicit FMAs fuse, so every variant (the scalar one included) does the
 # same arithmetic. -fopenmp: at::parallel_for is inline OpenMP on torch's own libgomp.
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
