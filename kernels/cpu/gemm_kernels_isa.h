@@ -12,7 +12,7 @@
 
 constexpr int VPP = 16 / VW;  // vectors per 16-column panel
 
-// Rows of a tile of R rows that process P panels at once: enough independent accumulation chains
+// Panels a tile of `rows` rows takes at once: enough independent accumulation chains
 // to cover the FMA latency when few rows are left (P > 1 only for tails).
 constexpr int panels_for(int rows) {
   const int p = CHAINS / (rows * VPP);
