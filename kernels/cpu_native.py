@@ -124,4 +124,9 @@ if __name__ == "__main__":  # `python -m kernels.cpu_native`: build every native
 
     loop = load_decode_loop()
     print(f"native decode loop: {loop.__file__ if loop else loop_unavailable_reason()}")
+    from kernels.gemm_native import load_gemm_native
+    from kernels.gemm_native import native_unavailable_reason as gemm_unavailable_reason
+
+    gemm = load_gemm_native()
+    print(f"fp32 GEMM kernels: {gemm.__file__ if gemm else gemm_unavailable_reason()}")
     sys.exit(0)

@@ -20,7 +20,8 @@ from kernels.native_build import FAILURES, build_extension
 
 NAME = "llmctl_decode_loop"
 SOURCE = Path(__file__).parent / "cpu" / "decode_loop.cpp"
-HEADERS = [Path(__file__).parent / "cpu" / name for name in ("cpu_kernels.cpp", "cpu_kernels_isa.h", "quant_kernels.cpp")]
+HEADERS = [Path(__file__).parent / "cpu" / name for name in ("cpu_kernels.cpp", "cpu_kernels_isa.h", "quant_kernels.cpp",
+                                                            "gemm_kernels.h", "gemm_kernels_isa.h")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _tried = False

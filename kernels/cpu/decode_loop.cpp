@@ -44,13 +44,15 @@ namespace quantk {
 }  // namespace quantk
 
 #pragma pop_macro("PYBIND11_MODULE")
+#include "gemm_kernels.h"  // fp32 weights packed in 16-column panels (kernels/fp32_linear.py)
 
 namespace {
 
-// One linear layer: a plain fp32 weight (at::linear, as F.linear) or a packed int4/int8 weight
+// One linear layer: a plain fp32 weight (at::linear, as F.linear), a panel-packed fp32 weight (the
+// native fp32 GEMM, gemm_kernels.h) or a packed int4/int8 weight
 // (the integer tiles with int16 activations, as kernels/quant_native.py binds them).
 struct Linear {
-  enum Kind { kDense = 0, kInt4 = 1, kInt8 = 2 };
+  enum Kind { kDense = 0, kInt4 = 1, kInt8 = 2, kPanel = 3 };
   Kind kind = kDense;
   at::Tensor weight, qweight, scales, mins, bias;
   int64_t n = 0, k = 0, k_packed = 0, group = 0;
@@ -60,7 +62,7 @@ struct Linear {
 Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<at::Tensor> weight,
                    c10::optional<at::Tensor> qweight, c10::optional<at::Tensor> scales,
                    c10::optional<at::Tensor> mins, int64_t group, c10::optional<at::Tensor> bias,
-                   bool bias_in_gemm) {
+                   bool bias_in_gemm, int64_t out_features) {
   Linear l;
   l.k = in_features;
   l.group = group;
@@ -68,6 +70,15 @@ Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<a
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous(), "bias must be contiguous float32");
     l.bias = *bias;
+  }
+  if (kind == "panel") {  // fp32 panels [ceil(n / 16), k, 16], llmctl_gemm::linear as in the module path
+    TORCH_CHECK(weight.has_value() && weight->scalar_type() == at::kFloat && weight->dim() == 3 &&
+                weight->size(1) == in_features && out_features > 0, "panel linear: a panel-packed float32 weight");
+    l.kind = Linear::kPanel;
+    l.weight = *weight;
+    l.n = out_features;
+    l.k_packed = in_features;
+    return l;
   }
   if (kind == "dense") {
     TORCH_CHECK(weight.has_value() && weight->scalar_type() == at::kFloat && weight->layout() == at::kStrided,
@@ -105,6 +116,8 @@ Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<a
 
 // x [m, k] contiguous float32 -> [m, n], as PackedLinearMethod.apply / UnquantizedLinearMethod.apply.
 at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
+  if (l.kind == Linear::kPanel)  // the bias is one add after the sum, in the kernel or after it alike
+    return llmctl_gemm::linear(x, l.weight, l.n, l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt);
   if (l.kind == Linear::kDense) {
     if (l.bias_in_gemm) return at::linear(x, l.weight, l.bias);
     auto out = at::linear(x, l.weight);
@@ -171,6 +184,7 @@ class DecodeLoop {
                 "kv_cache: contiguous float32 [2, layers, blocks, block_size, kv_heads, head_dim]");
     TORCH_CHECK(kv_cache.size(4) == hkv_ && kv_cache.size(5) == d_ && hq_ % hkv_ == 0, "KV cache shape");
     TORCH_CHECK(final_norm_.scalar_type() == at::kFloat, "float32 final norm");
+    llmctl_gemm::set_isa(isa);  // the variant kernels/gemm_native.py selects: same bits as the module path
   }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, Linear qkv, Linear o, Linear gate_up, Linear down) {
@@ -302,7 +316,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("in_features"), pybind11::arg("weight") = pybind11::none(),
         pybind11::arg("qweight") = pybind11::none(), pybind11::arg("scales") = pybind11::none(),
         pybind11::arg("mins") = pybind11::none(), pybind11::arg("group") = 0, pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("bias_in_gemm") = false);
+        pybind11::arg("bias_in_gemm") = false, pybind11::arg("out_features") = 0);
   pybind11::class_<DecodeLoop>(m, "DecodeLoop", "Every decoder layer of a decode step in one call")
       .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
                           at::Tensor>())

@@ -116,8 +116,9 @@ def _bind_linear(module: object, layer: LinearBase) -> object:
     bias = None if layer.bias is None else layer.bias.data.contiguous()
     bias_in_gemm = not isinstance(layer, RowParallelLinear)  # row-parallel adds it after the reduce
     if type(layer.method) is UnquantizedLinearMethod:
-        return module.make_linear("dense", layer.in_features, weight=layer.weight.data, bias=bias,
-                                  bias_in_gemm=bias_in_gemm)
+        kind = "panel" if layer.weight.dim() == 3 else "dense"  # panel: llmctl.layers.linear.prepack_for_cpu
+        return module.make_linear(kind, layer.in_features, weight=layer.weight.data, bias=bias,
+                                  bias_in_gemm=bias_in_gemm, out_features=layer.out_features)
     mins = layer._parameters.get("mins")
     return module.make_linear(layer.packed_format, layer.in_features, qweight=layer.qweight.data,
                               scales=layer.scales.data, mins=None if mins is None else mins.data,
