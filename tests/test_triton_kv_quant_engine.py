@@ -61,7 +61,9 @@ def test_cuda_dispatch_runs_the_quantized_triton_kernels(monkeypatch):
 @pytest.mark.parametrize("kind", ["fp8_e4m3", "kivi2"])  # every dtype: tests/kernels/test_triton_kv_quant.py
 def test_triton_backend_matches_torch_with_quantized_kv(llama_dir, kind):
     # Two prompts share a 20-token prefix and the token budget forces chunked prefill, so cached
-    # prefixes, chunks over quantized blocks, mixed prefill/decode steps and decodes all run.
+    # prefixes, chunks over quantized blocks, mixed prefill/decode steps and decodes all run. A
+    # two-block KIVI window (not the default 128 tokens) makes window groups complete and get
+    # quantized mid-prompt and mid-decode in these short sequences.
     prefix = list(range(10, 30))
     prompts = [prefix + p for p in random_prompts(2, 320, 3, 12, seed=2)] + random_prompts(1, 320, 5, 30, seed=3)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -69,6 +71,6 @@ def test_triton_backend_matches_torch_with_quantized_kv(llama_dir, kind):
     for backend in ("torch", "triton"):
         engine = LLMEngine(model=str(llama_dir), attention_backend=backend, kv_cache_memory=2 << 20,
                            kv_cache_dtype=kind, skip_tokenizer=True, dtype="float32",
-                           max_num_batched_tokens=24, block_size=16)
+                           max_num_batched_tokens=24, block_size=16, kv_residual_length=32)
         tokens[backend] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"]
