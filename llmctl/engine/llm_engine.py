@@ -95,7 +95,7 @@ class LLMEngine:
         if self.parallel is not None and self.parallel.pp_size > 1 and self.speculator is None:
             from llmctl.parallel.pipeline import PipelinedSteps
 
-            self.pipeline = PipelinedSteps(self.scheduler, self.runner, depth=self.parallel.pp_size)
+            self.pipeline = PipelinedSteps(self.scheduler, self.runner)
         self._structured_outputs: StructuredOutputManager | None = None
         self._structured_lock = threading.Lock()
         self.output_processor = OutputProcessor(self.tokenizer)

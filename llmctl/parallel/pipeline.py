@@ -21,18 +21,22 @@ see ``ParallelRunner``). Here rank 0 keeps up to ``depth`` (= S) batches in flig
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from llmctl.engine.model_runner import ModelOutput
 from llmctl.engine.scheduler import Scheduler, SchedulerOutput
 from llmctl.parallel.driver import ParallelRunner
+from llmctl.parallel.topology import BATCHES_IN_FLIGHT_ENV
 
 
 class PipelinedSteps:
     """The engine's step with batches in flight: ``advance`` launches and collects."""
 
-    def __init__(self, scheduler: Scheduler, runner: ParallelRunner, depth: int) -> None:
-        self.scheduler, self.runner, self.depth = scheduler, runner, depth
-        scheduler.pipeline_groups = depth
+    def __init__(self, scheduler: Scheduler, runner: ParallelRunner) -> None:
+        # 1: a step ends when its logits are back (no overlap across steps; for comparisons)
+        depth = int(os.environ.get(BATCHES_IN_FLIGHT_ENV, runner.ctx.pp_size))
+        self.scheduler, self.runner, self.depth = scheduler, runner, max(1, depth)
+        scheduler.pipeline_groups = self.depth
         self.overlapped_launches = 0  # batches launched while another was in flight (the overlap)
 
     @property

@@ -33,6 +33,7 @@ LAYER_PARTITION_ENV = "LLMCTL_PP_LAYER_PARTITION"  # e.g. "3,2": layers per pipe
 MICRO_BATCHES_ENV = "LLMCTL_PP_MICRO_BATCHES"  # micro-batches per step (default: the number of stages)
 MICRO_BATCH_MIN_TOKENS_ENV = "LLMCTL_PP_MICRO_BATCH_MIN_TOKENS"  # fewer tokens per micro-batch: fewer micro-batches
 DEFAULT_MICRO_BATCH_MIN_TOKENS = 256
+BATCHES_IN_FLIGHT_ENV = "LLMCTL_PP_BATCHES_IN_FLIGHT"  # pipelined batches at once (default: the number of stages)
 
 
 @dataclass

@@ -4,6 +4,8 @@ micro-batch split, the layer split, and the scheduler's side of batches in fligh
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from llmctl.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, Sc
 from llmctl.engine.sequence import FinishReason, Sequence, SequenceStatus
 from llmctl.layers.ops import AttentionMetadata
 from llmctl.parallel.driver import split_micro_batches
-from llmctl.parallel.pipeline import drop_finished
+from llmctl.parallel.pipeline import PipelinedSteps, drop_finished
 from llmctl.parallel.wire import MicroBatch, StepMessage, decode_step, encode_step
 from llmctl.sampling_params import SamplingParams
 
@@ -114,3 +116,33 @@ def test_a_sequence_aborted_in_flight_is_not_booked():
     assert kept_output.logits[:, 0].tolist() == [0.0, 2.0]
     scheduler.update_from_output(kept, [7, 7])
     assert seqs[1].token_ids == [1, 2, 3, 4, 5] and seqs[0].token_ids == [1, 2, 3, 4, 5, 7]
+
+
+class LaunchRecorder:
+    """Stands in for ``ParallelRunner``: batches are "in the pipeline" until collected."""
+
+    def __init__(self) -> None:
+        self.in_flight: deque[SimpleNamespace] = deque()
+        self.ctx = SimpleNamespace(pp_size=2)
+
+    def launch(self, sched: SchedulerOutput) -> SimpleNamespace:
+        self.in_flight.append(SimpleNamespace(sched=sched, launched_at=0.0))
+        return self.in_flight[-1]
+
+    def collect(self, step: SimpleNamespace) -> ModelOutput:
+        assert self.in_flight.popleft() is step
+        return ModelOutput(torch.zeros(len(step.sched.sampling), 4))
+
+
+def test_the_engine_books_one_batch_while_the_next_is_in_the_pipeline():
+    scheduler, seqs = decoding_scheduler(4, num_blocks=64)
+    runner = LaunchRecorder()
+    pipeline = PipelinedSteps(scheduler, runner)  # type: ignore[arg-type]
+    assert pipeline.advance() is None  # A launched: nothing to book yet
+    booked, _, _ = pipeline.advance()  # B launched while A was in flight, then A collected
+    assert [item.seq for item in booked.decodes] == seqs[:2] and pipeline.overlapped_launches == 1
+    assert [item.seq for item in runner.in_flight[0].sched.decodes] == seqs[2:]
+    scheduler.update_from_output(booked, [7, 7])
+    booked, _, _ = pipeline.advance()  # A' launched, B collected
+    assert [item.seq for item in booked.decodes] == seqs[2:]
+    assert scheduler.in_flight == {seq.seq_id for seq in seqs[:2]}
