@@ -11,10 +11,12 @@ A prefill-heavy run (long prompts, few output tokens) shows what micro-batches o
 
     python benchmarks/parallel_tp.py [--reps 2] [--model-dir /tmp/llmctl-tp-bench-model]
 
-Decode overlap across steps (PP=1 vs PP=2, 1 thread per rank):
+Decode overlap across steps (PP=1 vs PP=2, 1 thread per rank; 128 short requests so that each of
+the two batches in flight has 64 sequences and compute, not reading the weights, dominates a step;
+5 + 3 layers so that the last stage, which also runs the LM head, is not the slow one):
 
-    python benchmarks/parallel_tp.py --num-prompts 32 --input-len 16 --output-len 32 \
-        --variants "TP=1,TP=1 (1 thread),PP=2,PP=2 (one batch in flight)"
+    LLMCTL_PP_LAYER_PARTITION=5,3 python benchmarks/parallel_tp.py --num-prompts 128 --input-len 8 \
+        --output-len 16 --variants "TP=1,TP=1 (1 thread),PP=2,PP=2 (one batch in flight)"
 """
 
 from __future__ import annotations
