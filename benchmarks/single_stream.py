@@ -76,7 +76,8 @@ def run_llmctl(model: str, tokens: int, reps: int, args: argparse.Namespace) -> 
         return ids, time.perf_counter() - start, first or 0.0
 
     result = timed(run, reps)
-    result["engine"] = f"llmctl ({engine.dtype}, quantization {args.quantization}, {engine.ops.description})"
+    result["engine"] = (f"llmctl ({engine.dtype}, quantization {args.quantization}, {engine.ops.description}, "
+                        f"{engine.runner.decode_path})")
     return result
 
 

@@ -114,4 +114,14 @@ if __name__ == "__main__":  # `python -m kernels.cpu_native`: build every native
     print(f"native CPU kernels: {f'{module.__file__} ({isa_level()})' if module else native_unavailable_reason()}")
     quant = load_quant_native()
     print(f"quantized CPU kernels: {quant.__file__ if quant else quant_unavailable_reason()}")
+    from kernels.decode_loop import load_decode_loop
+    from kernels.decode_loop import unavailable_reason as loop_unavailable_reason
+
+    loop = load_decode_loop()
+    print(f"native decode loop: {loop.__file__ if loop else loop_unavailable_reason()}")
+    from kernels.gemm_native import load_gemm_native
+    from kernels.gemm_native import native_unavailable_reason as gemm_unavailable_reason
+
+    gemm = load_gemm_native()
+    print(f"fp32 GEMM kernels: {gemm.__file__ if gemm else gemm_unavailable_reason()}")
     sys.exit(0)

@@ -9,6 +9,8 @@ prefill and prefix-cache hits alike.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 
@@ -200,3 +202,70 @@ def varlen_causal_attention_triton(
     step's contiguous keys/values (the same kernel as the paged path, without the gather).
     The torch counterpart is ``attend_causal`` per chunk."""
     return _launch_prefill(query, key, value, None, query_start_loc, None, scale, max_query_len, block_m, block_n)
+
+
+def paged_prefill_attention_quantized_triton(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    cache: Mapping[str, torch.Tensor],  # one layer's quantized K/V (llmctl/engine/kv_cache.py names and layouts)
+    kind: str,  # the --kv-cache-dtype of ``cache`` (not "auto")
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    *,
+    full_precision: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    residual: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
+    max_query_len: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+    """``paged_prefill_attention_triton`` over quantized blocks, dequantized inside the kernel.
+
+    KIVI passes ``full_precision = (k, v, table)``, this step's staging (``table[block]`` = its
+    staging index, -1 none), and optionally ``residual = (k, v, residual_table)`` for blocks the
+    staging lacks: position ``p`` reads the tokens of its window group (``window`` tokens, default
+    the block) in full precision, from the staging or else the residual, unless ``p`` completes
+    the group (``kv_quant.attend_causal_kivi``)."""
+    from kernels import _triton_kv_quant as tq
+    from kernels._triton_utils import (
+        cdiv, dots_in_fp32, fp32_dot_precision, interpreting, last_dim_contiguous, next_pow2,
+    )
+
+    num_tokens, num_q_heads, head_dim = query.shape
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    num_seqs = query_start_loc.shape[0] - 1
+    if num_tokens == 0 or num_seqs <= 0:
+        return out
+    _, block_size, num_kv_heads, _ = cache["k"].shape
+    assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    group = num_q_heads // num_kv_heads
+    query, block_tables = last_dim_contiguous(query), last_dim_contiguous(block_tables)
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    block_g, cfg_m, cfg_n, num_warps, num_stages = _prefill_config(head_dim, group, query.dtype)
+    if full_precision is not None and not interpreting():  # KIVI's diagonal tiles hold 4 dots: no spills
+        cfg_m, cfg_n = max(cfg_m // (2 if residual is None else 4), block_g, 16), max(cfg_n // 4, 16)
+    block_m = max(next_pow2(block_m), block_g, 16) if block_m else cfg_m
+    block_n = max(next_pow2(block_n), 16) if block_n else cfg_n
+    num_q_blocks = cdiv(max(int(max_query_len), 1), block_m // block_g)
+    ptrs, strides, formats = tq.cache_operands(cache, kind, head_dim)
+    fp_ptrs, fp_strides, has_fp = tq.full_precision_operands(full_precision, query)
+    res_ptrs, res_strides, has_res = tq.full_precision_operands(residual, query)
+    window = window or block_size
+    assert window % block_size == 0, "a window group is whole blocks"
+    tq._quant_prefill_kernel[(num_q_blocks, num_kv_heads, num_seqs)](
+        query, *ptrs, *fp_ptrs, *res_ptrs, out, block_tables, query_start_loc, seq_lens,
+        float(scale) * LOG2E, num_q_blocks,
+        query.stride(0), query.stride(1),
+        *strides, *fp_strides, *res_strides,
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_Q=block_m // block_g, BLOCK_N=block_n,
+        BLOCK_D=max(16, next_pow2(head_dim)),
+        **formats, HAS_FP=has_fp, HAS_RES=has_res, WINDOW=window,
+        DOT_FP32=dots_in_fp32(query.dtype), DOT_PREC=fp32_dot_precision(), EMULATE_RNE=interpreting(),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

@@ -68,6 +68,7 @@ def generate(
         from llmctl.layers.quantization import weight_bytes
 
         err.print(f"[dim]model: {engine.model_label} · {engine.dtype_description} · {engine.kv_description} · {engine.device} · "
+                  f"{engine.runner.decode_path} · "
                   f"weights {weight_bytes(engine.model) / 2**20:.1f} MiB · "
                   f"{engine.block_manager.num_blocks} KV blocks · load {time.perf_counter() - loaded:.2f}s[/]")
         start = time.perf_counter()

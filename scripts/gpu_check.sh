@@ -7,8 +7,10 @@
 #
 # 1. finds a python whose torch sees a CUDA device and has triton (the image's python3 first; it
 #    never installs a CPU torch over it), 2. runs tests/kernels on the GPU (compiled kernels, no
-#    interpreter), 3. runs benchmarks/gpu_kernels.py (one table: decode GB/s vs peak, prefill vs
-#    SDPA, elementwise kernels, one decoder layer's decode step). Every stage runs even if an
+#    interpreter; test_triton_kv_quant.py there covers the quantized KV cache: every
+#    --kv-cache-dtype's store, decode and prefill against the torch references), 3. runs
+#    benchmarks/gpu_kernels.py (one table: decode GB/s vs peak, prefill vs SDPA, elementwise
+#    kernels, one decoder layer's decode step). Every stage runs even if an
 #    earlier one failed; the exit code is non-zero if any did. Each stage has its own timeout, so
 #    the whole check stays well under 10 minutes.
 set -euo pipefail
@@ -87,7 +89,7 @@ fi
 section "kernel tests on $LLMCTL_TEST_DEVICE (tests/kernels, TRITON_INTERPRET=$TRITON_INTERPRET)"
 EXTRA=()
 if [[ $DRY == 1 ]]; then
-    EXTRA=(-k "select_ops or split_heuristic or more_splits or (varlen_batches and single)")
+    EXTRA=(-k "select_ops or split_heuristic or more_splits or (varlen_batches and single) or dequantized_value")
 elif "$PY" -c 'import xdist' >/dev/null 2>&1; then
     EXTRA=(-n 8)  # parallel workers: mostly parallel Triton compiles
 fi

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kernels.fp32_linear import unpack_panels
 from llmctl.bench.datasets import BenchRequest
 from llmctl.bench.metrics import RequestRecord
 from llmctl.bench.runner import RunResult
@@ -58,6 +59,8 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     for name, tensor in model.state_dict().items():
         if tensor.is_mkldnn:  # a CPU-prepacked linear weight (llmctl.layers.linear.prepack_for_cpu)
             tensor = tensor.to_dense()
+        elif tensor.dim() == 3:  # a panel-packed fp32 linear weight (same function)
+            tensor = unpack_panels(tensor, model.get_submodule(name.rsplit(".", 1)[0]).out_features)
         if ".qkv_proj." in name:
             for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split(qkv_sizes)):
                 out[name.replace("qkv_proj", part)] = piece

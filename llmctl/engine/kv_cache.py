@@ -228,6 +228,18 @@ class QuantizedLayerKV:
                 self.t[name].flatten(0, 1).view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
                 self.t[name + "_scale"].flatten(0, 1).index_copy_(0, slots, scale)
             return
+        plan = self.stage(key, value)
+        if plan.finalize.numel():
+            blocks, t = plan.finalize_blocks, self.t
+            codes, scale, zero = kq.quantize_kivi_keys(plan.staging["k"][plan.finalize], fmt.bits)
+            t["k"][blocks], t["k_scale"][blocks], t["k_zero"][blocks] = codes, scale, zero
+            codes, scale, zero = kq.quantize_kivi_values(plan.staging["v"][plan.finalize], fmt.bits, fmt.value_group)
+            t["v"][blocks], t["v_scale"][blocks], t["v_zero"][blocks] = codes, scale, zero
+
+    def stage(self, key: torch.Tensor, value: torch.Tensor) -> StepPlan:
+        """KIVI's store up to quantization: every block the step writes gets its full-precision
+        staging (``plan.staging``), and the blocks still open go back to their residual slots.
+        Completed blocks (``plan.finalize``) are left for the caller to quantize."""
         plan = self.cache.plan
         valid = plan.staging_rows >= 0
         rows = plan.staging_rows[valid]
@@ -238,12 +250,7 @@ class QuantizedLayerKV:
             staging.flatten(0, 1).index_copy_(0, rows, x[valid].to(staging.dtype))
             residual[plan.open_slots] = staging[plan.open_staged]
             plan.staging[name] = staging
-        if plan.finalize.numel():
-            blocks, t = plan.finalize_blocks, self.t
-            codes, scale, zero = kq.quantize_kivi_keys(plan.staging["k"][plan.finalize], fmt.bits)
-            t["k"][blocks], t["k_scale"][blocks], t["k_zero"][blocks] = codes, scale, zero
-            codes, scale, zero = kq.quantize_kivi_values(plan.staging["v"][plan.finalize], fmt.bits, fmt.value_group)
-            t["v"][blocks], t["v_scale"][blocks], t["v_zero"][blocks] = codes, scale, zero
+        return plan
 
     def gather(self, block_tables: torch.Tensor, max_len: int, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ from llmctl.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmctl.engine.sequence import Sequence
 from llmctl.layers.ops import AttentionMetadata
 from llmctl.models.llama import LlamaForCausalLM
+from llmctl.models.native_decode import build_native_decode
 
 
 def kv_format(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
@@ -73,6 +74,8 @@ class ModelRunner:
         self.num_blocks_zeroed = 0
         for i, layer in enumerate(layers):
             layer.key_cache, layer.value_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        # Decode-only steps in one native call where the model allows (else None); decode_path says which.
+        self.native_decode, self.decode_path = build_native_decode(model, self.kv_cache)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
@@ -82,7 +85,10 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices = self.prepare(sched)
         if self.quantized_kv is not None:
             self.quantized_kv.begin_step(meta.slot_mapping.tolist())
-        hidden = self.model(input_ids, positions, meta)
+        if self.native_decode is not None and meta.num_prefill_tokens == 0:
+            hidden = self.native_decode(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
         verify_logits = None
         if sched.verifies:  # prepare put the verify rows last

@@ -31,7 +31,7 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> ``[T, Hq * D]``."""
         if self.quantized_kv is not None:
-            return self.quantized_kv.attend(query, key, value, meta, self.scale, self.ops).flatten(1)
+            return self.ops.attend_quantized(self.quantized_kv, query, key, value, meta, self.scale).flatten(1)
         if self.key_cache is None or self.value_cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the model runner binds it")
         self.ops.store_kv(key, value, self.key_cache, self.value_cache, meta.slot_mapping)

@@ -76,7 +76,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if self.packed_format is not None:
             return quant_linear(hidden, read_packed(self))
-        logits = linear(hidden, self.weight if self.packed_weight is None else self.packed_weight)
+        logits = linear(hidden, self.weight if self.packed_weight is None else self.packed_weight, None, self.shard_size)
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

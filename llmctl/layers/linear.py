@@ -10,6 +10,9 @@ without touching model code, because checkpoint tensors always arrive through
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from functools import lru_cache
 from typing import Protocol
 
 import torch
@@ -27,23 +30,60 @@ class LinearMethod(Protocol):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
 
-# fp32 weights with at least this many elements (LM heads, wide MLP projections) are prepacked.
-# Measured on a 2-core Zen 3 (AVX2), CPU time of one thread (docs/benchmarks.md): the 576 x 49,152
-# LM head at batch 1 9.0 -> 7.1 ms; at batch 64 the 1,024 x 32,000 LM head 90 -> 71 ms and the
-# 1,024 x 5,632 gate-up 15.8 -> 11.8 ms; but smaller matrices at batch 1 are slower prepacked
-# (576 x 960: 58 -> 85 µs, 576 x 3,072: 211 -> 255 µs) and 1,024 x 1,536 at batch 64 too.
+# fp32 weights with at least this many elements (LM heads, wide MLP projections) are prepacked for
+# oneDNN when the native panel GEMM is off. Measured on a 2-core Zen 3 (AVX2), CPU time of one thread
+# (docs/benchmarks.md): the 576 x 49,152 LM head at batch 1 9.0 -> 7.1 ms; at batch 64 the 1,024 x
+# 32,000 LM head 90 -> 71 ms and the 1,024 x 5,632 gate-up 15.8 -> 11.8 ms; but smaller matrices at
+# batch 1 are slower prepacked (576 x 960: 58 -> 85 µs, 576 x 3,072: 211 -> 255 µs) and 1,024 x
+# 1,536 at batch 64 too.
 FP32_PREPACK_MIN_ELEMENTS = 1 << 22
+
+# CPUs (kernels.cpu_features ISA levels) on which fp32 weights take the native panel GEMM
+# (kernels/cpu/gemm_kernels.cpp) by default. Measured on a 2-core Zen 3 (docs/benchmarks.md, "A
+# native fp32 GEMM"): faster than torch's (MKL / oneDNN) at every linear shape of the 246M Llama and
+# SmolLM2-135M at 1-64 rows, on par at 512. The AVX-512 variant has not been measured (nor run) on an
+# AVX-512 CPU: there ``LLMCTL_NATIVE_GEMM=1`` turns it on, ``0`` turns it off everywhere.
+NATIVE_GEMM_ISAS = frozenset({"avx2"})
+
+
+def native_gemm_wanted() -> bool:
+    """``LLMCTL_NATIVE_GEMM``: 1 = on, 0 = off, unset/auto = on where ``NATIVE_GEMM_ISAS`` says."""
+    from kernels.cpu_features import isa_level
+
+    setting = os.environ.get("LLMCTL_NATIVE_GEMM", "auto")
+    if setting not in ("0", "1", "auto"):
+        raise ValueError(f"LLMCTL_NATIVE_GEMM={setting!r}: choose 0, 1 or auto")
+    return setting == "1" or (setting == "auto" and isa_level() in NATIVE_GEMM_ISAS)
+
+
+def _native_gemm() -> Callable[..., torch.Tensor] | None:
+    """The native kernel's entry point, or None where it is not wanted or cannot be built."""
+    if not native_gemm_wanted():
+        return None
+    from kernels.gemm_native import load_gemm_native
+
+    module = load_gemm_native()
+    return None if module is None else module.linear
 
 
 def prepack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight in oneDNN's blocked layout, or None where that does not apply.
+    """The weight in a layout that a CPU kernel multiplies faster, or None where none applies.
 
-    On a CPU, ``F.linear`` re-lays the weight out for oneDNN's kernels (AMX/AVX-512/AVX2) on every
-    call; prepacking once makes bf16 decode-sized matmuls about a third faster, and large fp32 ones
-    (``FP32_PREPACK_MIN_ELEMENTS``) 20-30 % faster. The products are the same; only the
-    summation order differs, within float rounding (the exactness tests against ``transformers``
-    run with it)."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    fp32: packed once into panels of 16 output columns (``[ceil(N/16), K, 16]``,
+    kernels/fp32_linear.py) for the native GEMM, where it is wanted and built; each output is then
+    summed in k order by fused multiply-adds, so a row's result is bitwise independent of its batch.
+    Otherwise (and for bf16) oneDNN's blocked layout: ``F.linear`` re-lays the weight out for
+    oneDNN's kernels (AMX/AVX-512/AVX2) on every call; prepacking once makes bf16 decode-sized
+    matmuls about a third faster, and large fp32 ones (``FP32_PREPACK_MIN_ELEMENTS``) 20-30 %
+    faster. The products are the same; only the summation order differs, within float rounding
+    (the exactness tests against ``transformers`` run with it)."""
+    if weight.device.type != "cpu":
+        return None
+    if weight.dtype == torch.float32 and _native_gemm() is not None:
+        from kernels.fp32_linear import pack_panels
+
+        return pack_panels(weight)
+    if not torch.backends.mkldnn.is_available():
         return None
     if not (weight.dtype == torch.bfloat16 or
             (weight.dtype == torch.float32 and weight.numel() >= FP32_PREPACK_MIN_ELEMENTS)):
@@ -54,11 +94,27 @@ def prepack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` that also accepts a weight prepacked by ``prepack_for_cpu``."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_features: int | None = None) -> torch.Tensor:
+    """``F.linear`` that also accepts a weight prepacked by ``prepack_for_cpu`` (a panel-packed one
+    needs ``out_features``: its last panel is zero-padded)."""
+    if weight.dim() == 3:
+        return _panel_gemm()(x, weight, out_features, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+@lru_cache(maxsize=1)
+def _panel_gemm() -> Callable[..., torch.Tensor]:
+    """The kernel for panel-packed weights, chosen once (~120 calls a decode step): the native one,
+    or its torch reference should the native one be turned off after the weights were packed."""
+    native = _native_gemm()
+    if native is not None:
+        return native
+    from kernels.fp32_linear import fp32_linear_torch
+
+    return fp32_linear_torch
 
 
 class UnquantizedLinearMethod:
@@ -71,7 +127,7 @@ class UnquantizedLinearMethod:
             layer.weight = nn.Parameter(packed, requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return linear(x, layer.weight, bias)
+        return linear(x, layer.weight, bias, layer.out_features)
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:

@@ -8,6 +8,7 @@ switching backends never touches model code and there is no global switch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from kernels.prefill_attention import attend_causal, paged_prefill_attention_tor
 from kernels.rms_norm import rms_norm_torch
 from kernels.rotary import apply_rotary, rotary_cos_sin
 from llmctl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from llmctl.engine.kv_cache import QuantizedLayerKV
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -143,6 +147,12 @@ class TorchOps:
         if self.native and query.device.type == "cpu":
             kernel = self._native.paged_decode_attention
         return kernel(query, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+
+    def attend_quantized(self, kv: QuantizedLayerKV, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Store and attend over a quantized KV layer (``--kv-cache-dtype``): the torch reference
+        of llmctl/engine/kv_cache.py here; ``TritonOps`` runs its Triton kernels instead."""
+        return kv.attend(query, key, value, meta, scale, self)
 
     @property
     def description(self) -> str:

@@ -7,15 +7,22 @@ that in ``tests/conftest.py``). ``select_ops`` imports this module lazily.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kernels.activation import silu_and_mul_triton
-from kernels.decode_attention import paged_decode_attention_triton
-from kernels.kv_store import reshape_and_cache_triton
-from kernels.prefill_attention import paged_prefill_attention_triton, varlen_causal_attention_triton
+from kernels.decode_attention import paged_decode_attention_quantized_triton, paged_decode_attention_triton
+from kernels.kv_store import kivi_quantize_blocks_triton, quantize_and_cache_triton, reshape_and_cache_triton
+from kernels.prefill_attention import (
+    paged_prefill_attention_quantized_triton, paged_prefill_attention_triton, varlen_causal_attention_triton,
+)
 from kernels.rms_norm import rms_norm_triton
 from kernels.rotary import rotary_embedding_triton
 from llmctl.layers.ops import AttentionMetadata, TorchOps
+
+if TYPE_CHECKING:
+    from llmctl.engine.kv_cache import QuantizedLayerKV, StepPlan
 
 
 def _max_query_len(meta: AttentionMetadata) -> int:
@@ -31,6 +38,10 @@ class TritonOps(TorchOps):
     """Triton kernels for every fused op (the CUDA default)."""
 
     name = "triton"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._staged: tuple[StepPlan, torch.Tensor] | None = None  # see _staging_table
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -89,3 +100,46 @@ class TritonOps(TorchOps):
             query, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
             max_seq_len=meta.max_decode_seq_len or None,
         )
+
+    def attend_quantized(self, kv: QuantizedLayerKV, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """``QuantizedLayerKV.attend`` on the Triton kernels: quantize-on-store, then prefill chunks
+        and decodes over the quantized blocks, dequantized inside the kernels. KIVI stages the
+        step's blocks like the reference (``kv.stage``), quantizes the completed ones in a kernel,
+        and hands the kernels its full-precision blocks: the residual pool to decodes, this step's
+        staging (then the residual pool) to prefill chunks."""
+        fmt, n = kv.fmt, meta.num_prefill_tokens
+        decode_fp, prefill_kivi = None, {}
+        if fmt.is_kivi:
+            plan = kv.stage(key, value)
+            kivi_quantize_blocks_triton(plan.staging["k"], plan.staging["v"], plan.finalize, plan.finalize_blocks,
+                                        kv.t, fmt.bits)
+            decode_fp = (kv.residual["k"], kv.residual["v"], plan.residual_table)
+            if meta.num_prefills:  # a query's own window group: this step's staging, else the residual
+                staging = (plan.staging["k"], plan.staging["v"], self._staging_table(plan, kv.cache.num_blocks))
+                prefill_kivi = {"full_precision": staging, "residual": decode_fp}
+        else:
+            quantize_and_cache_triton(key, value, kv.t, fmt.kind, meta.slot_mapping)
+        out = torch.empty_like(query)
+        if meta.num_prefills:
+            out[:n] = paged_prefill_attention_quantized_triton(
+                query[:n], kv.t, fmt.kind, meta.prefill_block_tables, meta.prefill_query_start_loc,
+                meta.prefill_seq_lens, scale, **prefill_kivi, max_query_len=_max_query_len(meta),
+            )
+        if meta.num_decodes:
+            out[n:] = paged_decode_attention_quantized_triton(
+                query[n:], kv.t, fmt.kind, meta.decode_block_tables, meta.decode_seq_lens, scale,
+                full_precision=decode_fp, max_seq_len=meta.max_decode_seq_len or None,
+            )
+        return out
+
+    def _staging_table(self, plan: StepPlan, num_blocks: int) -> torch.Tensor:
+        """block id -> staging index of this step's KIVI plan (-1: not written), built once per step
+        for all layers."""
+        if self._staged is None or self._staged[0] is not plan:
+            device = plan.residual_table.device
+            staged = torch.tensor(list(plan.staging_of), dtype=torch.int64, device=device)
+            table = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
+            table[staged] = torch.arange(staged.numel(), dtype=torch.int32, device=device)
+            self._staged = (plan, table)
+        return self._staged[1]

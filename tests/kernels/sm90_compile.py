@@ -15,6 +15,7 @@ first failure.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -124,8 +125,44 @@ def main() -> int:
             torch.empty(4, 8, 128, dtype=dtype), torch.empty(4, 8, 128, dtype=dtype), kc, kc,
             torch.zeros(4, dtype=torch.int64),
         )
+    _compile_quantized_kv(QUICK)
     print(f"compiled {len(RESULTS)} kernel variants for sm_90")
     return 0
+
+
+def _compile_quantized_kv(quick: bool) -> None:
+    """The kernels over the quantized KV cache (--kv-cache-dtype): every format's store, decode
+    (split and not) and prefill, at a Llama-8B-like GQA shape (32q/8kv, D=128), bf16 (and fp32)."""
+    from kernels.decode_attention import paged_decode_attention_quantized_triton
+    from kernels.kv_store import kivi_quantize_blocks_triton, quantize_and_cache_triton
+    from kernels.prefill_attention import paged_prefill_attention_quantized_triton
+    from llmctl.engine.kv_cache import KVFormat
+
+    hq, hkv, d, bs = 32, 8, 128, 16
+    kinds = ("fp8_e4m3", "int8", "kivi2") if quick else ("fp8_e4m3", "fp8_e5m2", "int8", "kivi2", "kivi4")
+    dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float32)
+    for dtype, kind in itertools.product(dtypes, kinds):
+        fmt = KVFormat(kind, 1, hkv, d, bs, dtype)
+        cache = {name: torch.empty(8, *shape, dtype=dt) for name, (shape, dt) in fmt.tensor_shapes().items()}
+        residual = torch.empty(4, bs, hkv, d, dtype=dtype)
+        fp = (residual, residual, torch.zeros(8, dtype=torch.int64)) if fmt.is_kivi else None
+        q = torch.empty(2, hq, d, dtype=dtype)
+        bt = torch.zeros(2, 4, dtype=torch.int32)
+        sl = torch.tensor([64, 10], dtype=torch.int32)
+        for splits in (1, 4):
+            paged_decode_attention_quantized_triton(q, cache, kind, bt, sl, 0.1, full_precision=fp,
+                                                    max_seq_len=4096, num_splits=splits)
+        qp = torch.empty(40, hq, d, dtype=dtype)
+        kivi = dict(full_precision=(residual, residual, torch.zeros(8, dtype=torch.int32)), residual=fp,
+                    window=8 * bs) if fmt.is_kivi else {}  # KIVI: a 128-token residual window
+        paged_prefill_attention_quantized_triton(qp, cache, kind, bt, torch.tensor([0, 30, 40], dtype=torch.int32),
+                                                 torch.tensor([50, 10], dtype=torch.int32), 0.1, **kivi)
+        kv = torch.empty(4, hkv, d, dtype=dtype)
+        if fmt.is_kivi:
+            index = torch.zeros(2, dtype=torch.int64)
+            kivi_quantize_blocks_triton(residual, residual, index, index, cache, fmt.bits)
+        else:
+            quantize_and_cache_triton(kv, kv, cache, kind, torch.zeros(4, dtype=torch.int64))
 
 
 if __name__ == "__main__":

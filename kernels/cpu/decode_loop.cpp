@@ -1,0 +1,326 @@
+// The decode step of a Llama-family model in one native call: every decoder layer, for a batch in
+// which each row is one token of its own sequence (decode rows, speculative verify rows). At batch
+// 1 each kernel runs for a few microseconds, and the Python around ~30 x 9 kernel calls a step
+// (module calls, argument conversion, tensor allocations) cost as much as the kernels themselves.
+//
+// Same kernels, same order, same rounding as the Python module path: this file compiles the
+// existing kernel sources into itself (cpu_kernels.cpp: RMSNorm, rotary, KV store, decode
+// attention, SiLU-and-mul; quant_kernels.cpp: the packed int4/int8 tiles) and calls their inner
+// row/tile functions directly. Each source keeps its own module's floating-point contraction:
+// the quantized kernels build with the flags of kernels/quant_native.py (this module's flags,
+// FMA contraction on), the others with -ffp-contract=off, as kernels/cpu_native.py builds them
+// (the `#pragma GCC optimize` region below). Their pybind11 module bodies become unused functions.
+// Result: logits bit-identical to the module path (tests/test_decode_loop.py).
+//
+// Weights are bound once (DecodeLoop::add_layer), so a step passes only the step's tensors.
+// Threading: the GEMVs, attention and (for larger batches) the row-wise kernels split their work
+// with at::parallel_for exactly as the standalone kernels do.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#pragma push_macro("PYBIND11_MODULE")
+#undef PYBIND11_MODULE
+#define PYBIND11_MODULE(name, variable) [[maybe_unused]] static void unused_bindings(pybind11::module_& variable)
+
+namespace cpuk {
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#include "cpu_kernels.cpp"
+#pragma GCC pop_options
+}  // namespace cpuk
+
+namespace quantk {
+#include "quant_kernels.cpp"
+}  // namespace quantk
+
+#pragma pop_macro("PYBIND11_MODULE")
+#include "gemm_kernels.h"  // fp32 weights packed in 16-column panels (kernels/fp32_linear.py)
+
+namespace {
+
+// One linear layer: a plain fp32 weight (at::linear, as F.linear), a panel-packed fp32 weight (the
+// native fp32 GEMM, gemm_kernels.h) or a packed int4/int8 weight
+// (the integer tiles with int16 activations, as kernels/quant_native.py binds them).
+struct Linear {
+  enum Kind { kDense = 0, kInt4 = 1, kInt8 = 2, kPanel = 3 };
+  Kind kind = kDense;
+  at::Tensor weight, qweight, scales, mins, bias;
+  int64_t n = 0, k = 0, k_packed = 0, group = 0;
+  bool bias_in_gemm = false;  // a column-parallel dense layer passes its bias to F.linear
+};
+
+Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<at::Tensor> weight,
+                   c10::optional<at::Tensor> qweight, c10::optional<at::Tensor> scales,
+                   c10::optional<at::Tensor> mins, int64_t group, c10::optional<at::Tensor> bias,
+                   bool bias_in_gemm, int64_t out_features) {
+  Linear l;
+  l.k = in_features;
+  l.group = group;
+  l.bias_in_gemm = bias_in_gemm;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous(), "bias must be contiguous float32");
+    l.bias = *bias;
+  }
+  if (kind == "panel") {  // fp32 panels [ceil(n / 16), k, 16], llmctl_gemm::linear as in the module path
+    TORCH_CHECK(weight.has_value() && weight->scalar_type() == at::kFloat && weight->dim() == 3 &&
+                weight->size(1) == in_features && out_features > 0, "panel linear: a panel-packed float32 weight");
+    l.kind = Linear::kPanel;
+    l.weight = *weight;
+    l.n = out_features;
+    l.k_packed = in_features;
+    return l;
+  }
+  if (kind == "dense") {
+    TORCH_CHECK(weight.has_value() && weight->scalar_type() == at::kFloat && weight->layout() == at::kStrided,
+                "dense linear: a plain float32 weight");
+    l.weight = *weight;
+    l.n = weight->size(0);
+    l.k_packed = in_features;
+    return l;
+  }
+  TORCH_CHECK(qweight.has_value() && scales.has_value(), "packed linear: qweight and scales");
+  TORCH_CHECK(qweight->is_contiguous() && scales->is_contiguous() && scales->scalar_type() == at::kFloat,
+              "packed linear: contiguous qweight and float32 scales");
+  l.qweight = *qweight;
+  l.scales = *scales;
+  if (mins.has_value()) l.mins = *mins;
+  l.n = qweight->size(0);
+  if (kind == "int4") {
+    TORCH_CHECK(qweight->scalar_type() == at::kByte && mins.has_value(), "int4: uint8 qweight and mins");
+    l.kind = Linear::kInt4;
+    l.k_packed = qweight->size(1) * 2;
+    TORCH_CHECK(group % quantk::QB == 0 && l.k_packed % group == 0, "int4 group must be a multiple of 32");
+  } else if (kind == "int8") {
+    TORCH_CHECK(qweight->scalar_type() == at::kChar, "int8: int8 qweight");
+    l.kind = Linear::kInt8;
+    l.k_packed = qweight->size(1);
+    TORCH_CHECK(l.k_packed % quantk::QB == 0 && (group == 16 || group % quantk::QB == 0) && l.k_packed % group == 0,
+                "int8 group must be 16 or a multiple of 32");
+  } else {
+    TORCH_CHECK(false, "unknown linear kind ", kind);
+  }
+  TORCH_CHECK(l.k_packed >= in_features, "packed weight narrower than the layer input");
+  if (l.mins.defined()) TORCH_CHECK(l.mins.is_contiguous() && l.mins.scalar_type() == at::kFloat, "float32 mins");
+  return l;
+}
+
+// x [m, k] contiguous float32 -> [m, n], as PackedLinearMethod.apply / UnquantizedLinearMethod.apply.
+at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
+  if (l.kind == Linear::kPanel)  // the bias is one add after the sum, in the kernel or after it alike
+    return llmctl_gemm::linear(x, l.weight, l.n, l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt);
+  if (l.kind == Linear::kDense) {
+    if (l.bias_in_gemm) return at::linear(x, l.weight, l.bias);
+    auto out = at::linear(x, l.weight);
+    return l.bias.defined() ? out.add_(l.bias) : out;
+  }
+  const int64_t m = x.size(0);
+  // Zero inputs meet the zero-padded weight columns (F.pad in the module path).
+  const at::Tensor xp = l.k_packed == l.k ? x : at::constant_pad_nd(x, {0, l.k_packed - l.k});
+  const bool int4 = l.kind == Linear::kInt4;
+  const quantk::QuantizedX xq = quantk::quantize_x(xp.data_ptr<float>(), m, l.k_packed, /*even_odd=*/int4);
+  auto out = at::empty({m, l.n}, x.options());
+  static constexpr quantk::TileFn int4_tiles[] = {nullptr, quantk::int4_tile_avx2<1>, quantk::int4_tile_avx2<2>,
+                                                  quantk::int4_tile_avx2<3>, quantk::int4_tile_avx2<4>};
+  static constexpr quantk::TileFn int8_tiles[] = {nullptr, quantk::int8_tile_avx2<1>, quantk::int8_tile_avx2<2>,
+                                                  quantk::int8_tile_avx2<3>, quantk::int8_tile_avx2<4>};
+  const auto* w = static_cast<const uint8_t*>(l.qweight.data_ptr());
+  const int64_t row_bytes = int4 ? l.k_packed / 2 : l.k_packed;
+  quantk::tiled_gemm(xq, w, row_bytes, l.scales.data_ptr<float>(), l.mins.defined() ? l.mins.data_ptr<float>() : nullptr,
+                     l.group, l.n, int4 ? int4_tiles : int8_tiles, out.data_ptr<float>());
+  return l.bias.defined() ? out.add_(l.bias) : out;
+}
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+using cpuk::DecodeArgs;
+using RmsNormFn = void (*)(const float*, const float*, const float*, float*, float*, int64_t, int64_t, int64_t, float);
+using RotateFn = void (*)(const float*, int64_t, int64_t, const int64_t*, const float*, float*, int64_t, int64_t,
+                          int64_t, int64_t, int64_t);
+using SiluFn = void (*)(const float*, float*, int64_t, int64_t, int64_t);
+using DecodeFn = void (*)(const DecodeArgs<float>&, int64_t, int64_t);
+
+struct IsaKernels {
+  RmsNormFn rms_norm;
+  RotateFn rotate;
+  SiluFn silu_and_mul;
+  DecodeFn decode;
+};
+
+IsaKernels kernels_for(const std::string& isa) {
+#ifdef LLMCTL_X86_VARIANTS
+  if (isa == "avx512" || isa == "avx512bf16")  // fp32: AVX512-BF16 changes nothing (bf16 attention only)
+    return {cpuk::avx512::rms_norm_rows<float>, cpuk::avx512::rotate_rows<float>,
+            cpuk::avx512::silu_and_mul_rows<float>, cpuk::avx512::decode_range<float>};
+  if (isa == "avx2")
+    return {cpuk::avx2::rms_norm_rows<float>, cpuk::avx2::rotate_rows<float>, cpuk::avx2::silu_and_mul_rows<float>,
+            cpuk::avx2::decode_range<float>};
+#endif
+  // The generic variant is compiled here with this module's -mavx2 and would round differently
+  // from the cpu module's own generic build: refused, the Python path runs instead.
+  TORCH_CHECK(false, "the native decode loop runs the avx2 or avx512 kernel variants, not ", isa);
+}
+
+class DecodeLoop {
+ public:
+  DecodeLoop(const std::string& isa, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+             double scale, at::Tensor cos_sin_cache, at::Tensor final_norm, at::Tensor kv_cache)
+      : k_(kernels_for(isa)), hq_(num_q_heads), hkv_(num_kv_heads), d_(head_dim), eps_(static_cast<float>(eps)),
+        scale_(static_cast<float>(scale)), cos_sin_(cos_sin_cache.to(at::kFloat).contiguous()),
+        final_norm_(final_norm.contiguous()), kv_cache_(kv_cache) {
+    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kFloat,
+                "kv_cache: contiguous float32 [2, layers, blocks, block_size, kv_heads, head_dim]");
+    TORCH_CHECK(kv_cache.size(4) == hkv_ && kv_cache.size(5) == d_ && hq_ % hkv_ == 0, "KV cache shape");
+    TORCH_CHECK(final_norm_.scalar_type() == at::kFloat, "float32 final norm");
+    llmctl_gemm::set_isa(isa);  // the variant kernels/gemm_native.py selects: same bits as the module path
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, Linear qkv, Linear o, Linear gate_up, Linear down) {
+    const int64_t hidden = final_norm_.size(0);
+    TORCH_CHECK(static_cast<int64_t>(layers_.size()) < kv_cache_.size(1), "more layers than KV cache layers");
+    TORCH_CHECK(qkv.k == hidden && qkv.n == (hq_ + 2 * hkv_) * d_ && o.k == hq_ * d_ && o.n == hidden &&
+                    gate_up.k == hidden && gate_up.n % 2 == 0 && down.k == gate_up.n / 2 && down.n == hidden,
+                "layer shapes disagree");
+    TORCH_CHECK(input_norm.scalar_type() == at::kFloat && post_norm.scalar_type() == at::kFloat, "float32 norms");
+    layers_.push_back({input_norm.contiguous(), post_norm.contiguous(), std::move(qkv), std::move(o),
+                       std::move(gate_up), std::move(down)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden [B, H] (the embeddings), positions / slot_mapping [B] int64, block_tables [B, W] int32,
+  // seq_lens [B] int32 -> the final-normed hidden states [B, H].
+  at::Tensor forward(const at::Tensor& embeddings, const at::Tensor& positions_in, const at::Tensor& slots_in,
+                     const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in) {
+    TORCH_CHECK(static_cast<int64_t>(layers_.size()) == kv_cache_.size(1), "not every layer was added");
+    TORCH_CHECK(embeddings.dim() == 2 && embeddings.scalar_type() == at::kFloat, "hidden [B, H] float32");
+    const int64_t rows = embeddings.size(0);
+    const auto positions = positions_in.to(at::kLong).contiguous();
+    const auto slots = slots_in.to(at::kLong).contiguous();
+    const auto tables = block_tables_in.contiguous();
+    const auto lens = seq_lens_in.contiguous();
+    TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt, "int32 block tables, seq lens");
+    TORCH_CHECK(positions.size(0) == rows && slots.size(0) == rows && tables.size(0) == rows && lens.size(0) == rows,
+                "one position, slot, table and length per row");
+    auto x = embeddings.contiguous();
+    auto residual = at::empty_like(x);
+    auto normed = at::empty_like(x);
+    auto q = at::empty({rows, hq_, d_}, x.options());
+    auto k = at::empty({rows, hkv_, d_}, x.options());
+    auto attn = at::empty({rows, hq_ * d_}, x.options());
+    bool first = true;
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      const Layer& layer = layers_[i];
+      rms_norm(x, first ? nullptr : &residual, layer.input_norm, normed, residual);
+      first = false;
+      const at::Tensor qkv = run_linear(layer.qkv, normed);
+      const int64_t width = qkv.size(1);
+      rotate(qkv.data_ptr<float>(), width, hq_, positions, q);
+      rotate(qkv.data_ptr<float>() + hq_ * d_, width, hkv_, positions, k);
+      store_kv(i, k.data_ptr<float>(), hkv_ * d_, qkv.data_ptr<float>() + (hq_ + hkv_) * d_, width, slots);
+      attention(i, q, tables, lens, attn);
+      x = run_linear(layer.o, attn);
+      rms_norm(x, &residual, layer.post_norm, normed, residual);
+      const at::Tensor gate_up = run_linear(layer.gate_up, normed);
+      x = run_linear(layer.down, silu_and_mul(gate_up));
+    }
+    rms_norm(x, &residual, final_norm_, normed, residual);
+    return normed;
+  }
+
+ private:
+  // RMSNorm(x [+ residual]) -> out; residual <- x (+ residual). In place is safe: each element is
+  // read before it is written, as the kernel's own rows are.
+  void rms_norm(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, at::Tensor& out,
+                at::Tensor& new_residual) {
+    const int64_t rows = x.size(0), hidden = x.size(1);
+    const float* xp = x.data_ptr<float>();
+    if (residual == nullptr) new_residual.copy_(x);  // the module path's new residual is x itself
+    const float* rp = residual == nullptr ? nullptr : residual->data_ptr<float>();
+    float* res_out = new_residual.data_ptr<float>();
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      k_.rms_norm(xp, rp, weight.data_ptr<float>(), out.data_ptr<float>(), res_out, begin, end, hidden, eps_);
+    });
+  }
+
+  // Rotary of ``heads`` heads starting at ``src`` in rows of ``row_stride`` floats -> out [B, heads, D].
+  void rotate(const float* src, int64_t row_stride, int64_t heads, const at::Tensor& positions, at::Tensor& out) {
+    const int64_t rows = out.size(0), rot = cos_sin_.size(1);
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      k_.rotate(src, row_stride, d_, positions.data_ptr<int64_t>(), cos_sin_.data_ptr<float>(), out.data_ptr<float>(),
+                begin, end, heads, d_, rot);
+    });
+  }
+
+  void store_kv(int64_t layer, const float* key, int64_t key_stride, const float* value, int64_t value_stride,
+                const at::Tensor& slots) {
+    const int64_t row = hkv_ * d_, rows = slots.size(0);
+    const int64_t per_layer = kv_cache_.size(2) * kv_cache_.size(3) * row;
+    float* k_cache = kv_cache_.data_ptr<float>() + layer * per_layer;
+    float* v_cache = k_cache + kv_cache_.size(1) * per_layer;
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < rows; ++t) {
+      if (slot[t] < 0) continue;
+      std::memcpy(k_cache + slot[t] * row, key + t * key_stride, row * sizeof(float));
+      std::memcpy(v_cache + slot[t] * row, value + t * value_stride, row * sizeof(float));
+    }
+  }
+
+  // As cpu_kernels.cpp's paged_decode_attention, on this layer's slice of the pool.
+  void attention(int64_t layer, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
+                 at::Tensor& out) {
+    const int64_t num_seqs = q.size(0), block_size = kv_cache_.size(3);
+    const int64_t per_layer = kv_cache_.size(2) * block_size * hkv_ * d_;
+    const float* k_cache = kv_cache_.data_ptr<float>() + layer * per_layer;
+    const float* v_cache = k_cache + kv_cache_.size(1) * per_layer;
+    const int64_t heads_per_task = num_seqs >= 2 * at::get_num_threads() ? hkv_ : 1;
+    DecodeArgs<float> args{q.data_ptr<float>(), k_cache, v_cache, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                           out.data_ptr<float>(), hq_, hkv_, d_, block_size, tables.size(1), heads_per_task, scale_};
+    const int64_t tasks = num_seqs * (hkv_ / heads_per_task);
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) { k_.decode(args, begin, end); });
+  }
+
+  at::Tensor silu_and_mul(const at::Tensor& x) {
+    const int64_t rows = x.size(0), d = x.size(1) / 2;
+    auto out = at::empty({rows, d}, x.options());
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      k_.silu_and_mul(x.data_ptr<float>(), out.data_ptr<float>(), begin, end, d);
+    });
+    return out;
+  }
+
+  IsaKernels k_;
+  int64_t hq_, hkv_, d_;
+  float eps_, scale_;
+  at::Tensor cos_sin_, final_norm_, kv_cache_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Linear>(m, "Linear", "One bound linear layer (dense float32, or packed int4/int8)");
+  m.def("make_linear", &make_linear, "Bind a linear layer's weights", pybind11::arg("kind"),
+        pybind11::arg("in_features"), pybind11::arg("weight") = pybind11::none(),
+        pybind11::arg("qweight") = pybind11::none(), pybind11::arg("scales") = pybind11::none(),
+        pybind11::arg("mins") = pybind11::none(), pybind11::arg("group") = 0, pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("bias_in_gemm") = false, pybind11::arg("out_features") = 0);
+  pybind11::class_<DecodeLoop>(m, "DecodeLoop", "Every decoder layer of a decode step in one call")
+      .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
+                          at::Tensor>())
+      .def("add_layer", &DecodeLoop::add_layer)
+      .def("num_layers", &DecodeLoop::num_layers)
+      .def("forward", &DecodeLoop::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

@@ -1,0 +1,44 @@
+"""The native decode loop (kernels/cpu/decode_loop.cpp): every decoder layer of a decode step in
+one C++ call, built once by the shared builder (``kernels/native_build.py``).
+
+It compiles the sources of the two other native modules into itself (cpu_kernels.cpp and
+quant_kernels.cpp) and so needs what both need: x86-64 with AVX2+FMA+F16C and a C++ compiler.
+Its flags are the quantized module's (the packed tiles then round exactly as there); the other
+kernels keep -ffp-contract=off through a pragma in the source. ``LLMCTL_DECODE_LOOP=0`` turns it
+off (the Python module path runs every step), as does ``LLMCTL_NATIVE_CPU_KERNELS=0``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+from kernels import quant_native
+from kernels.native_build import FAILURES, build_extension
+
+NAME = "llmctl_decode_loop"
+SOURCE = Path(__file__).parent / "cpu" / "decode_loop.cpp"
+HEADERS = [Path(__file__).parent / "cpu" / name for name in ("cpu_kernels.cpp", "cpu_kernels_isa.h", "quant_kernels.cpp",
+                                                            "gemm_kernels.h", "gemm_kernels_isa.h")]
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_tried = False
+
+
+def unavailable_reason() -> str | None:
+    """Why the loop cannot be had here (None when it can, or may still be built)."""
+    if os.environ.get("LLMCTL_DECODE_LOOP", "1") == "0":
+        return "disabled by LLMCTL_DECODE_LOOP=0"
+    return quant_native.native_unavailable_reason() or FAILURES.get(NAME)
+
+
+def load_decode_loop() -> ModuleType | None:
+    """The compiled module, building it on first call; None when it cannot be had here."""
+    global _module, _tried
+    with _lock:
+        if _module is None and not _tried and unavailable_reason() is None:
+            _tried = True
+            _module = build_extension(NAME, [SOURCE], quant_native.CFLAGS, quant_native.LDFLAGS, headers=HEADERS)
+        return _module

