@@ -1,4 +1,5 @@
-"""TP=1 vs TP=2 (and PP=2 with and without micro-batches) on the same cores, interleaved.
+"""TP=1 vs TP=2 and PP=2 (with and without batches in flight across steps, with and without
+micro-batches) on the same cores, interleaved.
 
 Each variant is one ``llmctl bench`` run (in-process engine; the parallel ones start their ranks
 through torchrun) on a random-weight fp32 Llama built once with transformers. The variants share
@@ -9,6 +10,13 @@ A prefill-heavy run (long prompts, few output tokens) shows what micro-batches o
         --variants "PP=2 (split every step),PP=2 (never split)"
 
     python benchmarks/parallel_tp.py [--reps 2] [--model-dir /tmp/llmctl-tp-bench-model]
+
+Decode overlap across steps (PP=1 vs PP=2, 1 thread per rank; 128 short requests so that each of
+the two batches in flight has 64 sequences and compute, not reading the weights, dominates a step;
+5 + 3 layers so that the last stage, which also runs the LM head, is not the slow one):
+
+    LLMCTL_PP_LAYER_PARTITION=5,3 python benchmarks/parallel_tp.py --num-prompts 128 --input-len 8 \
+        --output-len 16 --variants "TP=1,TP=1 (1 thread),PP=2,PP=2 (one batch in flight)"
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ VARIANTS = {  # name -> (extra flags, ranks, extra env)
     "TP=1": ((), 1, {}),
     "TP=1 (1 thread)": ((), 2, {}),  # one rank's share of the cores: the per-rank baseline
     "TP=2": (("--tensor-parallel-size", "2"), 2, {}),
+    "PP=2": (("--pipeline-parallel-size", "2"), 2, {}),  # 2 batches in flight across steps
+    "PP=2 (one batch in flight)": (("--pipeline-parallel-size", "2"), 2, {"LLMCTL_PP_BATCHES_IN_FLIGHT": "1"}),
     "PP=2 (split every step)": (("--pipeline-parallel-size", "2"), 2, {"LLMCTL_PP_MICRO_BATCH_MIN_TOKENS": "1"}),
     "PP=2 (never split)": (("--pipeline-parallel-size", "2"), 2, {"LLMCTL_PP_MICRO_BATCHES": "1"}),
 }

@@ -26,11 +26,11 @@ import torch
 
 from llmctl.config import EngineConfig, kv_pool_too_small, resolve_kv_cache_bytes
 from llmctl.engine.block_manager import BlockManager
-from llmctl.engine.model_runner import ModelRunner, kv_format
+from llmctl.engine.model_runner import ModelOutput, ModelRunner, kv_format
 from llmctl.engine.output_processor import OutputProcessor, RequestState
 from llmctl.engine.outputs import RequestMetrics, RequestOutput
 from llmctl.engine.sampler import Sampler
-from llmctl.engine.scheduler import Scheduler, SchedulerConfig
+from llmctl.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmctl.engine.sequence import FinishReason, Sequence
 from llmctl.engine.stats import EngineCounters, EngineStats, engine_counters, engine_snapshot
 from llmctl.errors import ConfigError, InvalidRequestError, ModelLoadError
@@ -92,6 +92,11 @@ class LLMEngine:
         self.speculator = build_speculator(self)  # --speculative-model (llmctl/spec/), else None
         if self.speculator is not None:
             self.scheduler.propose_drafts = self.speculator.lookahead
+        self.pipeline = None  # pipeline parallelism: batches in flight across steps (llmctl.parallel.pipeline)
+        if self.parallel is not None and self.parallel.pp_size > 1 and self.speculator is None:
+            from llmctl.parallel.pipeline import PipelinedSteps
+
+            self.pipeline = PipelinedSteps(self.scheduler, self.runner)
         self._structured_outputs: StructuredOutputManager | None = None
         self._structured_lock = threading.Lock()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -256,17 +261,24 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.output_processor.requests)
+        """Requests to finish, or batches still in the pipeline (aborted ones too: collected, not booked)."""
+        return bool(self.output_processor.requests) or (self.pipeline is not None and self.pipeline.busy)
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.pipeline is not None:  # launch the next batch, book the oldest one in flight
+            done = self.pipeline.advance()
+            return [] if done is None else self._book(*done)
         started = time.time()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         if sched.verifies:  # speculative decoding: the draft model proposes now (n-gram did while scheduling)
             self.speculator.propose(sched)
-        output = self.runner.execute(sched)
+        return self._book(sched, self.runner.execute(sched), started)
+
+    def _book(self, sched: SchedulerOutput, output: ModelOutput, started: float) -> list[RequestOutput]:
+        """Sample from the batch's logits, book the tokens, and build the requests' outputs."""
         sampled = self.sampler.sample(output, sched.sampling)
         seqs = sched.sampling
         if sched.verifies:

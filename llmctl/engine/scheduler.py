@@ -133,6 +133,11 @@ class Scheduler:
         self.resumed_hit_tokens = 0  # tokens a preempted sequence found again in the cache on resuming
         # Speculative decoding: ``(seq, most) -> k`` drafts for a decode (llmctl/spec/), set by the engine.
         self.propose_drafts: Callable[[Sequence, int], int] | None = None
+        # Pipeline parallelism (llmctl/parallel/pipeline.py): the sequences of batches still in the
+        # pipeline, which are neither scheduled nor preempted; and how many batches share the live
+        # sequences, each taking at most its share so that every stage has a batch to run.
+        self.in_flight: set[int] = set()
+        self.pipeline_groups = 1
 
     # ---- queue management --------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -170,11 +175,15 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
+        limit = self._batch_seq_limit()
 
         # 1. decodes
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < limit:
             seq = self.running[i]
+            if seq.seq_id in self.in_flight:
+                i += 1
+                continue
             k = self._lookahead(seq, budget) if seq.num_pending_tokens == 1 else 0
             if seq.num_pending_tokens == 1 and self._allocate_or_preempt(seq, 1 + k, out, scheduled):
                 (out.verifies if k else out.decodes).append(ScheduledSeq(seq, 1 + k))
@@ -189,11 +198,19 @@ class Scheduler:
         if not self.config.enable_chunked_prefill:
             budget = self.config.max_num_batched_tokens
         if budget > 0:
-            self._schedule_prefills(budget, out, scheduled)
+            self._schedule_prefills(budget, out, scheduled, limit)
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         out.num_blocks_touched = self.block_manager.num_blocks_touched
         self._plan_sampling(out)
         return out
+
+    def _batch_seq_limit(self) -> int:
+        """Most sequences in one batch: all of them, or with pipeline parallelism the batch's share
+        of the live ones (those that could run: at most ``max_num_seqs``)."""
+        if self.pipeline_groups == 1:
+            return self.config.max_num_seqs
+        live = min(len(self.running) + self.num_waiting, self.config.max_num_seqs)
+        return max(1, -(-live // self.pipeline_groups))
 
     def _lookahead(self, seq: Sequence, budget: int) -> int:
         """Draft tokens to verify behind a decode's pending token: within the token budget, the
@@ -218,21 +235,26 @@ class Scheduler:
                 out.sampling.extend(children)
                 out.logits_rows.extend([row] * len(children))
 
-    def _schedule_prefills(self, budget: int, out: SchedulerOutput, scheduled: set[int]) -> None:
-        chunked = self.config.enable_chunked_prefill
+    def _prefill_shares(self, budget: int) -> dict[str, int]:
+        """Each user's share of the step's prefill tokens."""
         demands: dict[str, int] = defaultdict(int)
         for seq in self.running:
-            if seq.num_pending_tokens > 1:
+            if seq.num_pending_tokens > 1 and seq.seq_id not in self.in_flight:
                 demands[seq.user] += seq.num_pending_tokens
         for user, queue in self.waiting.items():
             demands[user] += sum(entry[3].num_pending_tokens for entry in queue)
-        if chunked:
-            shares = max_min_fair_shares(demands, budget)
-        else:  # whole prompts only: splitting the budget could leave every user's share below its prompt
-            shares = dict.fromkeys(demands, budget)
+        if self.config.enable_chunked_prefill:
+            return max_min_fair_shares(demands, budget)
+        return dict.fromkeys(demands, budget)  # whole prompts only: an even split could fit none
 
+    def _schedule_prefills(self, budget: int, out: SchedulerOutput, scheduled: set[int], limit: int) -> None:
+        chunked = self.config.enable_chunked_prefill
+        shares = self._prefill_shares(budget)
         for seq in list(self.running):
-            if seq.num_pending_tokens <= 1 or seq.seq_id in scheduled or seq.status is not SequenceStatus.RUNNING:
+            if len(scheduled) >= limit:
+                return
+            if (seq.num_pending_tokens <= 1 or seq.seq_id in scheduled or seq.seq_id in self.in_flight
+                    or seq.status is not SequenceStatus.RUNNING):
                 continue
             n = min(seq.num_pending_tokens, shares[seq.user], budget)
             if n <= 0 or (not chunked and n < seq.num_pending_tokens):
@@ -244,7 +266,7 @@ class Scheduler:
                 budget -= n
 
         blocked_users: set[str] = set()
-        while budget > 0:
+        while budget > 0 and len(scheduled) < limit:
             user = self._next_user(blocked_users)
             if user is None:
                 break
@@ -313,7 +335,7 @@ class Scheduler:
         """Allocate for a running sequence, preempting from the tail of ``running`` until it fits.
         Returns False when ``seq`` itself had to be preempted."""
         while not self.block_manager.allocate(seq, n):
-            victim = self.running[-1]
+            victim = next(s for s in reversed(self.running) if s.seq_id not in self.in_flight)  # seq at the latest
             self._preempt(victim, out, scheduled)
             if victim is seq:
                 return False
@@ -330,7 +352,10 @@ class Scheduler:
         heaviest = max(seats, key=lambda u: seats[u], default=None)
         if heaviest is None or heaviest == user or seats[heaviest] <= fair:
             return False
-        victim = next(s for s in reversed(self.running) if s.user == heaviest)
+        victim = next((s for s in reversed(self.running) if s.user == heaviest and s.seq_id not in self.in_flight),
+                      None)
+        if victim is None:  # all in the pipeline: their blocks are being written
+            return False
         self._preempt(victim, out, scheduled)
         return True
 

@@ -6,6 +6,7 @@
 * ``wire``     -- one step's batch as one flat int64 tensor (the per-step broadcast).
 * ``stage``    -- what every rank runs for a step: its stage of every micro-batch.
 * ``driver``   -- rank 0's model runner: splits, broadcasts, runs its stage, collects logits.
+* ``pipeline`` -- pipeline parallelism across steps: batches in flight, booked oldest first.
 * ``worker``   -- the loop of every other rank.
 * ``watchdog`` -- no hangs, no orphans: fatal exits and parent watching.
 """

@@ -2,13 +2,18 @@
 rank; rank 0 runs its own stage, then collects the logits for sampling.
 
 It stands in for ``ModelRunner`` inside ``LLMEngine`` (same ``execute``), so the scheduler, the
-block manager, the sampler and the server are unchanged and live on rank 0 only.
+block manager, the sampler and the server are unchanged and live on rank 0 only. With pipeline
+parallelism the engine uses ``launch`` and ``collect`` instead, keeping batches in flight
+(``llmctl.parallel.pipeline``).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +25,7 @@ from llmctl.engine.model_runner import ModelOutput, ModelRunner, PromptLogits
 from llmctl.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmctl.engine.sequence import Sequence
 from llmctl.models.config import ModelConfig
-from llmctl.parallel.stage import receive_logits, run_stage
+from llmctl.parallel.stage import StageRun, receive_logits, run_stage
 from llmctl.parallel.topology import (
     DEFAULT_MICRO_BATCH_MIN_TOKENS,
     MICRO_BATCH_MIN_TOKENS_ENV,
@@ -59,12 +64,28 @@ def split_micro_batches(sched: SchedulerOutput, count: int, min_tokens: int = 1)
                             decodes=[s for s in part if id(s) not in prefills]) for part in slices]
 
 
+@dataclass
+class InFlightStep:
+    """A batch rank 0 has sent into the pipeline whose logits it has not collected yet."""
+
+    sched: SchedulerOutput
+    micro_batches: tuple[MicroBatch, ...]
+    prompt_specs: tuple[list[tuple[Sequence, int, int]], ...]
+    stage: StageRun  # rank 0's own stage: its sends (and, with one stage, the logits)
+    broadcasts: list[dist.Work]
+    message: list[torch.Tensor]  # the broadcast tensors, alive until their sends completed
+    launched_at: float = field(default_factory=time.time)
+
+
 class ParallelRunner:
-    """``ModelRunner.execute`` over all ranks. Anything else is read from rank 0's own runner."""
+    """``ModelRunner.execute`` over all ranks, also as ``launch`` + ``collect`` so that with pipeline
+    parallelism several batches can be in the pipeline at once (``llmctl.parallel.pipeline``).
+    Anything else is read from rank 0's own runner."""
 
     def __init__(self, ctx: ParallelContext, runner: ModelRunner) -> None:
         self.ctx, self.local = ctx, runner
         self.model = runner.model
+        self.in_flight: deque[InFlightStep] = deque()  # launched, oldest first
         self._stopped = False
         # Micro-batches per step: as many as stages keeps every stage busy once the pipeline fills.
         # Only steps with enough tokens are split: a decode step is bound by reading the weights,
@@ -77,17 +98,41 @@ class ParallelRunner:
         return getattr(self.local, name)
 
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        return self.collect(self.launch(sched))
+
+    def launch(self, sched: SchedulerOutput) -> InFlightStep:
+        """Send the batch to every rank and run rank 0's stage of it; the later stages run it while
+        this returns (their results come back through ``collect``, oldest first)."""
         parts = split_micro_batches(sched, self.micro_batches, self.micro_batch_min_tokens)
         micro_batches, prompt_specs = zip(*(self._micro_batch(part) for part in parts))
         message = StepMessage(sched.num_blocks_touched, sched.blocks_to_copy, list(micro_batches))
-        try:
-            self._broadcast(CMD_STEP, encode_step(message))
-            logits = run_stage(self.ctx, self.model, self.local, message)
-            if self.ctx.pp_size > 1:
-                logits = receive_logits(self.ctx, message.micro_batches, self.model.config.vocab_size)
+        payload = encode_step(message)
+        header = torch.tensor([CMD_STEP, payload.numel()], dtype=torch.int64)
+        try:  # not waited for here: a worker still busy with the previous batch takes it when done
+            broadcasts = [dist.broadcast(t, src=0, group=self.ctx.control_group, async_op=True)
+                          for t in (header, payload)]
+            stage = run_stage(self.ctx, self.model, self.local, message)
         except RuntimeError as exc:  # a peer died or the ranks fell out of step: nothing can continue
             fatal(f"rank 0: a step failed across the ranks ({exc}); stopping every rank")
-        return self._assemble(sched, micro_batches, logits, prompt_specs)
+        step = InFlightStep(sched, micro_batches, prompt_specs, stage, broadcasts, [header, payload])
+        self.in_flight.append(step)
+        return step
+
+    def collect(self, step: InFlightStep) -> ModelOutput:
+        """The logits of the oldest launched batch (``step``), once the last stage has them."""
+        if not self.in_flight or self.in_flight[0] is not step:
+            raise RuntimeError("pipeline steps are collected in the order they were launched")
+        self.in_flight.popleft()
+        try:
+            logits = step.stage.logits
+            if self.ctx.pp_size > 1:
+                logits = receive_logits(self.ctx, step.micro_batches, self.model.config.vocab_size)
+            for work in step.broadcasts:
+                work.wait()
+            step.stage.wait()
+        except RuntimeError as exc:
+            fatal(f"rank 0: a step failed across the ranks ({exc}); stopping every rank")
+        return self._assemble(step.sched, step.micro_batches, logits, step.prompt_specs)
 
     @staticmethod
     def _assemble(sched: SchedulerOutput, micro_batches: tuple[MicroBatch, ...], logits: list[torch.Tensor],
@@ -120,19 +165,17 @@ class ParallelRunner:
         extra = torch.tensor(rows, dtype=logits_indices.dtype, device=logits_indices.device)
         return MicroBatch(input_ids, positions, meta, torch.cat([logits_indices, extra])), specs
 
-    def _broadcast(self, command: int, payload: torch.Tensor | None = None) -> None:
-        header = torch.tensor([command, 0 if payload is None else payload.numel()], dtype=torch.int64)
-        dist.broadcast(header, src=0, group=self.ctx.control_group)
-        if payload is not None:
-            dist.broadcast(payload, src=0, group=self.ctx.control_group)
-
     def shutdown(self) -> None:
-        """Tell the workers this engine is done (at the latest at interpreter exit); the process
-        group stays up for another engine on the same ranks (tests run several models per job)."""
+        """Collect the batches still in the pipeline (their results are dropped), then tell the
+        workers this engine is done (at the latest at interpreter exit). The process group stays
+        up for another engine on the same ranks (tests run several models per job); it is torn
+        down once, at exit (``topology.teardown``)."""
         if self._stopped:
             return
         self._stopped = True
+        while self.in_flight:
+            self.collect(self.in_flight[0])
         try:
-            self._broadcast(CMD_STOP)
+            dist.broadcast(torch.tensor([CMD_STOP, 0], dtype=torch.int64), src=0, group=self.ctx.control_group)
         except RuntimeError:  # they are gone already (Ctrl-C reaches every rank): nothing left to stop
             fatal("rank 0: the other ranks had stopped before this engine finished")

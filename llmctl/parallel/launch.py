@@ -15,17 +15,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from typing import NoReturn
 
 from llmctl.config import EMBEDDED_MODEL_NAME, EngineConfig
 from llmctl.errors import ConfigError
-from llmctl.parallel.topology import LAYER_PARTITION_ENV, under_torchrun
+from llmctl.parallel.topology import LAYER_PARTITION_ENV, leave_process_group, under_torchrun
 
 CLI_MODULE = "llmctl.cli"
 
 
 def divert_parallel_ranks(config: EngineConfig, model_spec: str | None) -> bool:
-    """Called by every engine command once its options are parsed. Returns True when this process
-    was a worker rank that has finished (the command must not run); False to run the command."""
+    """Called by every engine command once its options are parsed. Returns False to run the command
+    (rank 0, or a single process); a worker rank runs its loop and ends the process instead."""
     model_dir = check_splittable(config, model_spec)
     if not under_torchrun():
         relaunch_under_torchrun(config.world_size)
@@ -34,7 +35,17 @@ def divert_parallel_ranks(config: EngineConfig, model_spec: str | None) -> bool:
     from llmctl.parallel.worker import run_worker
 
     run_worker(dataclasses.replace(config, model=model_dir))
-    return True
+    finish_worker_rank()
+
+
+def finish_worker_rank() -> NoReturn:
+    """A worker rank whose engine stopped cleanly: leave the process group in order, then end the
+    process without interpreter finalization (nothing of a worker needs it: it prints nothing and
+    writes no files), so no C++ thread of the communication library can outlive the interpreter."""
+    leave_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def check_splittable(config: EngineConfig, model_spec: str | None) -> str:

@@ -8,6 +8,8 @@ stage its tensor-parallel rank 0 sends them to rank 0, which samples.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 
@@ -17,17 +19,33 @@ from llmctl.parallel.topology import ParallelContext
 from llmctl.parallel.wire import MicroBatch, StepMessage
 
 
+@dataclass
+class StageRun:
+    """This rank's part of one step once its compute is done: the float32 logits of each
+    micro-batch where this rank holds them (the last stage; rank 0 when there is one stage), and
+    the sends still in flight. A gloo send completes only when the peer posts its receive, so
+    rank 0 waits for its sends when it collects the step, not when it launches it: by then the
+    next stage has taken them, and meanwhile rank 0 has scheduled and run the next batch."""
+
+    logits: list[torch.Tensor] = field(default_factory=list)
+    pending: list[dist.Work] = field(default_factory=list)
+    keep_alive: list[torch.Tensor] = field(default_factory=list)  # tensors in flight outlive their sends
+
+    def wait(self) -> None:
+        for work in self.pending:
+            work.wait()
+        self.pending.clear()
+        self.keep_alive.clear()
+
+
 @torch.inference_mode()
-def run_stage(ctx: ParallelContext, model: LlamaForCausalLM, runner: ModelRunner,
-              message: StepMessage) -> list[torch.Tensor]:
-    """This rank's part of the step; the float32 logits of each micro-batch where this rank holds
-    them (the last stage; rank 0 when there is one stage), else an empty list."""
+def run_stage(ctx: ParallelContext, model: LlamaForCausalLM, runner: ModelRunner, message: StepMessage) -> StageRun:
+    """Run this rank's stage of every micro-batch of the step; the sends are left in flight."""
     runner.ready_blocks(message.num_blocks_touched, message.blocks_to_copy)
     hidden_size = model.config.hidden_size
     dtype = model.model.norm.weight.dtype
-    pending: list[dist.Work] = []
-    logits: list[torch.Tensor] = []
-    keep_alive: list[torch.Tensor] = []  # tensors in flight must outlive their sends
+    run = StageRun()
+    pending, logits, keep_alive = run.pending, run.logits, run.keep_alive
     for mb in message.micro_batches:
         intermediate = None
         if not ctx.stage.is_first:
@@ -46,9 +64,7 @@ def run_stage(ctx: ParallelContext, model: LlamaForCausalLM, runner: ModelRunner
         elif ctx.rank == ctx.logits_rank:
             keep_alive.append(mb_logits)
             pending.append(dist.isend(mb_logits, dst=0))
-    for work in pending:
-        work.wait()
-    return logits
+    return run
 
 
 def receive_logits(ctx: ParallelContext, micro_batches: list[MicroBatch], vocab_size: int) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ traffic use three groups:
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,6 +33,7 @@ LAYER_PARTITION_ENV = "LLMCTL_PP_LAYER_PARTITION"  # e.g. "3,2": layers per pipe
 MICRO_BATCHES_ENV = "LLMCTL_PP_MICRO_BATCHES"  # micro-batches per step (default: the number of stages)
 MICRO_BATCH_MIN_TOKENS_ENV = "LLMCTL_PP_MICRO_BATCH_MIN_TOKENS"  # fewer tokens per micro-batch: fewer micro-batches
 DEFAULT_MICRO_BATCH_MIN_TOKENS = 256
+BATCHES_IN_FLIGHT_ENV = "LLMCTL_PP_BATCHES_IN_FLIGHT"  # pipelined batches at once (default: the number of stages)
 
 
 @dataclass
@@ -77,6 +79,40 @@ class ParallelContext:
         return {"tp": self.tp, "stage": self.stage}
 
 
+LEAVE_TIMEOUT = timedelta(seconds=60)  # the exit barrier: peers that are alive get there within a step
+
+
+_contexts: list[ParallelContext] = []  # every context this process built: their groups go at exit
+
+
+def leave_process_group() -> None:
+    """Every rank's last act on the process group (once, at exit, after the driver's stop):
+    wait at a barrier until every rank has finished its last step, destroy every group, and drop
+    every reference to them, so that their C++ objects go now, while the interpreter is alive.
+
+    Why the last part: ``destroy_process_group`` only forgets the groups; a group Python still
+    references (this context, and every tensor-parallel layer through ``TensorParallel.group``)
+    keeps its gloo worker threads running into interpreter finalization. Such a thread releases a
+    finished collective's work a moment after the waiting thread returned from it; if that is the
+    last reference to a tensor Python also knew, it takes the GIL to drop the Python object, and a
+    thread taking the GIL during finalization is ended by ``pthread_exit``, whose unwinding through
+    a ``noexcept`` destructor aborts the process ("terminate called without an active exception",
+    exit -6, seen under load after the rank's work was done). Destroying the group joins those
+    threads (its destructor releases the GIL while it waits)."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier(async_op=True).wait(LEAVE_TIMEOUT)
+    except RuntimeError:  # a peer is gone already: there is nobody left to wait for
+        pass
+    dist.destroy_process_group()
+    for ctx in _contexts:
+        ctx.control_group = None
+        object.__setattr__(ctx.tp, "group", None)  # frozen, and shared by the model's parallel layers
+    _contexts.clear()
+    gc.collect()  # groups held in reference cycles go now too
+
+
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
@@ -100,7 +136,7 @@ def init_parallel(config: EngineConfig, num_layers: int) -> ParallelContext:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=CONTROL_TIMEOUT if backend == "gloo" else None,
                                 device_id=device if device.type == "cuda" else None)
-        atexit.register(dist.destroy_process_group)  # runs after the driver's stop message (LIFO)
+        atexit.register(leave_process_group)  # runs after the driver's stop message (LIFO)
         watch_parent(int(os.environ.get("RANK", "0")))
     rank, tp_size, pp_size = dist.get_rank(), config.tensor_parallel_size, config.pipeline_parallel_size
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT) if device.type == "cuda" else dist.group.WORLD
@@ -112,7 +148,9 @@ def init_parallel(config: EngineConfig, num_layers: int) -> ParallelContext:
             tp_group = group
     stage_index = rank // tp_size
     stages = split_layers(num_layers, pp_size, os.environ.get(LAYER_PARTITION_ENV))
-    return ParallelContext(rank=rank, world_size=world_size,
-                           tp=TensorParallel(rank=rank % tp_size, size=tp_size, group=tp_group),
-                           pp_size=pp_size, stage_index=stage_index, stage=stages[stage_index],
-                           control_group=control, device=device)
+    ctx = ParallelContext(rank=rank, world_size=world_size,
+                          tp=TensorParallel(rank=rank % tp_size, size=tp_size, group=tp_group),
+                          pp_size=pp_size, stage_index=stage_index, stage=stages[stage_index],
+                          control_group=control, device=device)
+    _contexts.append(ctx)
+    return ctx

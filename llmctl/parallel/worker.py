@@ -38,6 +38,6 @@ def run_worker(config: EngineConfig) -> None:
                 break
             payload = torch.empty(length, dtype=torch.int64)
             dist.broadcast(payload, src=0, group=ctx.control_group)
-            run_stage(ctx, model, runner, decode_step(payload, ctx.device))
+            run_stage(ctx, model, runner, decode_step(payload, ctx.device)).wait()
     except RuntimeError as exc:
         fatal(f"rank {ctx.rank}: lost rank 0 or a peer during a step ({exc}); exiting")

@@ -1,7 +1,9 @@
 """Run under torchrun by the parallel tests: every model of a list through one TP x PP engine.
 
 Rank 0 runs ``LLMEngine.generate`` (greedy, token-id prompts, with prompt logprobs on one
-request) and writes the tokens as JSON; the other ranks run the worker loop, once per model.
+request), then the same prompts again aborting half of them after a few steps (with pipeline
+parallelism their batches are in flight), and writes the tokens, the blocks still held and the
+pipeline's overlap as JSON; the other ranks run the worker loop, once per model.
 Usage: torchrun ... greedy_ranks.py SPEC.json OUT.json
 """
 
@@ -15,6 +17,20 @@ from llmctl.config import EngineConfig
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.parallel.worker import run_worker
 from llmctl.sampling_params import SamplingParams
+
+
+def run_with_aborts(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> int:
+    """Abort every other request after a few steps, finish the rest; the KV blocks still held."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    for _ in range(6):
+        engine.step()
+    for request_id in ids[::2]:
+        engine.abort(request_id)
+    while engine.has_unfinished():
+        engine.step()
+    engine.block_manager.check_invariants(engine.live_sequences())
+    return engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
 
 
 def main() -> None:
@@ -32,6 +48,8 @@ def main() -> None:
         results[model_dir] = {
             "tokens": [o.outputs[0].token_ids for o in outputs],
             "prompt_logprobs": [sorted(d.items()) if d else None for d in outputs[0].prompt_logprobs or []],
+            "overlapped_launches": engine.pipeline.overlapped_launches if engine.pipeline else 0,
+            "blocks_held_after_aborts": run_with_aborts(engine, spec["prompts"], spec["max_tokens"]),
         }
         engine.runner.shutdown()
     if int(os.environ["RANK"]) == 0:

@@ -55,6 +55,9 @@ def test_greedy_tokens_match_one_process(tmp_path, model_dirs, single_process, t
     for model_dir in model_dirs:
         expected, got = single_process[model_dir], results[model_dir]
         assert got["tokens"] == expected["tokens"], model_dir
+        assert got["blocks_held_after_aborts"] == 0, model_dir  # aborts while in flight leak nothing
+        if pp > 1:  # a batch was launched while another was still in the later stage
+            assert got["overlapped_launches"] > 0, model_dir
         for want, have in zip(expected["prompt_logprobs"], got["prompt_logprobs"], strict=True):
             if want is None:
                 assert have is None

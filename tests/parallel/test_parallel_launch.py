@@ -1,14 +1,16 @@
-"""Launching: a TP size that cannot split the model is one clear line before any rank starts, and
-two torchrun agents (two "nodes" on 127.0.0.1, ``--nnodes 2``) give the one-process tokens."""
+"""Launching: a TP size that cannot split the model is one clear line before any rank starts,
+two torchrun agents (two "nodes" on 127.0.0.1, ``--nnodes 2``) give the one-process tokens, and a
+rank that leaves leaves no communication thread behind."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
 import time
 
-from parallel_helpers import REPO_ROOT, rank_env
+from parallel_helpers import HERE, REPO_ROOT, rank_env, torchrun
 
 from llmctl.config import EngineConfig
 from llmctl.engine.llm_engine import LLMEngine
@@ -59,3 +61,13 @@ def test_two_nodes_give_the_single_process_tokens(stories_dir):
     printed = [out for out, _ in outputs if out.strip()]
     assert len(printed) == 1  # only global rank 0 (on whichever node the rendezvous made it) prints
     assert printed[0] == PROMPT + expected + "\n"
+
+
+def test_leaving_the_process_group_ends_its_threads(tmp_path):
+    """What keeps a finished rank from aborting at exit (docs/parallelism.md, "A clean exit"): once
+    a rank has left, no gloo thread of any group it used (the world, a stage's group) is left to
+    outlive the interpreter."""
+    torchrun(str(HERE / "leave_ranks.py"), "1", "2", str(tmp_path / "threads"), nproc=2)
+    for rank in (0, 1):
+        threads = json.loads((tmp_path / f"threads.{rank}").read_text())
+        assert threads and not [name for name in threads if "gloo" in name], threads

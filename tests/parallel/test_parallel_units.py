@@ -1,18 +1,24 @@
 """The pieces of parallelism that need no second process: the per-step message round trip, the
-micro-batch split and the layer split."""
+micro-batch split, the layer split, and the scheduler's side of batches in flight."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from llmctl.distributed import split_layers
-from llmctl.engine.scheduler import ScheduledSeq, SchedulerOutput
+from llmctl.engine.model_runner import ModelOutput
+from llmctl.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from llmctl.engine.sequence import FinishReason, Sequence, SequenceStatus
 from llmctl.layers.ops import AttentionMetadata
 from llmctl.parallel.driver import split_micro_batches
+from llmctl.parallel.pipeline import PipelinedSteps, drop_finished
 from llmctl.parallel.wire import MicroBatch, StepMessage, decode_step, encode_step
+from llmctl.sampling_params import SamplingParams
 
 
 def metadata(num_decodes: int) -> AttentionMetadata:
@@ -63,3 +69,80 @@ def test_layer_split_is_even_or_explicit():
         split_layers(5, 2, "5,0")
     with pytest.raises(ValueError, match="cannot be split"):
         split_layers(2, 3)
+
+
+def decoding_scheduler(num_seqs: int, num_blocks: int) -> tuple[Scheduler, list[Sequence]]:
+    """``num_seqs`` sequences of one full 4-token block each, past their prompt (one pending token)."""
+    scheduler = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=4, max_model_len=64, max_num_seqs=8,
+                                          max_num_batched_tokens=64))
+    seqs = [Sequence(f"r{i}", [1, 2, 3, 4], 4, SamplingParams(max_tokens=8)) for i in range(num_seqs)]
+    for seq in seqs:
+        scheduler.add(seq)
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, [5] * len(first.sampling))
+    return scheduler, seqs
+
+
+def test_pipelined_batches_take_turns_and_skip_sequences_in_flight():
+    scheduler, seqs = decoding_scheduler(5, num_blocks=64)
+    scheduler.pipeline_groups = 2
+    first = scheduler.schedule()
+    assert [item.seq for item in first.decodes] == seqs[:3]  # its share: ceil(5 / 2)
+    scheduler.in_flight.update(item.seq.seq_id for item in first.scheduled)
+    second = scheduler.schedule()
+    assert [item.seq for item in second.decodes] == seqs[3:]
+    scheduler.in_flight.update(item.seq.seq_id for item in second.scheduled)
+    assert scheduler.schedule().is_empty  # everything is in the pipeline
+
+
+def test_a_sequence_in_flight_is_never_preempted():
+    scheduler, seqs = decoding_scheduler(4, num_blocks=4)  # the pool is full: each next token needs a block
+    scheduler.pipeline_groups = 2
+    first = scheduler.schedule()  # seqs 0 and 1 take the blocks of 3 and 2, preempted
+    assert [item.seq for item in first.decodes] == seqs[:2] and first.preempted == [seqs[3], seqs[2]]
+    scheduler.in_flight.update(item.seq.seq_id for item in first.scheduled)
+    second = scheduler.schedule()  # 2 and 3 cannot come back: the only holders are in flight
+    assert second.is_empty and not second.preempted
+    assert all(seq.status is SequenceStatus.RUNNING and len(seq.block_table) == 2 for seq in seqs[:2])
+
+
+def test_a_sequence_aborted_in_flight_is_not_booked():
+    scheduler, seqs = decoding_scheduler(3, num_blocks=64)
+    sched = scheduler.schedule()
+    output = ModelOutput(torch.arange(3.0)[:, None].repeat(1, 4))
+    scheduler.finish(seqs[1], FinishReason.ABORT)  # while its batch was in the pipeline
+    kept, kept_output = drop_finished(sched, output)
+    assert kept.sampling == [seqs[0], seqs[2]] and [item.seq for item in kept.decodes] == [seqs[0], seqs[2]]
+    assert kept_output.logits[:, 0].tolist() == [0.0, 2.0]
+    scheduler.update_from_output(kept, [7, 7])
+    assert seqs[1].token_ids == [1, 2, 3, 4, 5] and seqs[0].token_ids == [1, 2, 3, 4, 5, 7]
+
+
+class LaunchRecorder:
+    """Stands in for ``ParallelRunner``: batches are "in the pipeline" until collected."""
+
+    def __init__(self) -> None:
+        self.in_flight: deque[SimpleNamespace] = deque()
+        self.ctx = SimpleNamespace(pp_size=2)
+
+    def launch(self, sched: SchedulerOutput) -> SimpleNamespace:
+        self.in_flight.append(SimpleNamespace(sched=sched, launched_at=0.0))
+        return self.in_flight[-1]
+
+    def collect(self, step: SimpleNamespace) -> ModelOutput:
+        assert self.in_flight.popleft() is step
+        return ModelOutput(torch.zeros(len(step.sched.sampling), 4))
+
+
+def test_the_engine_books_one_batch_while_the_next_is_in_the_pipeline():
+    scheduler, seqs = decoding_scheduler(4, num_blocks=64)
+    runner = LaunchRecorder()
+    pipeline = PipelinedSteps(scheduler, runner)  # type: ignore[arg-type]
+    assert pipeline.advance() is None  # A launched: nothing to book yet
+    booked, _, _ = pipeline.advance()  # B launched while A was in flight, then A collected
+    assert [item.seq for item in booked.decodes] == seqs[:2] and pipeline.overlapped_launches == 1
+    assert [item.seq for item in runner.in_flight[0].sched.decodes] == seqs[2:]
+    scheduler.update_from_output(booked, [7, 7])
+    booked, _, _ = pipeline.advance()  # A' launched, B collected
+    assert [item.seq for item in booked.decodes] == seqs[2:]
+    assert scheduler.in_flight == {seq.seq_id for seq in seqs[:2]}
