@@ -9,6 +9,8 @@ import pytest
 import torch
 from gguf_factory import write_tiny_gguf
 
+from kernels.fp32_linear import unpack_panels
+
 pytest.importorskip("llmctl.layers.quantization.methods", reason="packed linear methods (quantization work) absent")
 
 from llmctl.engine.llm_engine import LLMEngine  # noqa: E402
@@ -41,7 +43,10 @@ def test_every_quantized_tensor_is_installed_packed_and_exact(tiny_llama):
         if getattr(module, "packed_format", None) is None:
             continue
         weight = dequantize(read_packed(module))
-        assert torch.equal(weight, dense_weights[f"{name}.weight"].float()), name
+        dense_weight = dense_weights[f"{name}.weight"]
+        if dense_weight.dim() == 3:  # fp32 weights packed in panels for the native GEMM
+            dense_weight = unpack_panels(dense_weight, weight.shape[0])
+        assert torch.equal(weight, dense_weight.float()), name
         formats[name] = (module.packed_format, module.packed_group_size)
     layer0, layer1 = "model.layers.0.", "model.layers.1."
     assert formats[layer0 + "self_attn.qkv_proj"] == ("int8", 32)  # Q4_0 + Q4_1 + Q8_0 meet in int8
