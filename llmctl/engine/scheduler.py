@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -206,9 +207,10 @@ class Scheduler:
 
     def _batch_seq_limit(self) -> int:
         """Most sequences in one batch: all of them, or with pipeline parallelism the batch's share
-        of the live ones (those that could run: at most ``max_num_seqs``)."""
+        of the live ones (those that could run: at most ``max_num_seqs``). Without pipeline
+        parallelism there is no cap here: forked children (``n`` > 1) may outnumber the seats."""
         if self.pipeline_groups == 1:
-            return self.config.max_num_seqs
+            return sys.maxsize
         live = min(len(self.running) + self.num_waiting, self.config.max_num_seqs)
         return max(1, -(-live // self.pipeline_groups))
 
