@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmctl import __version__
@@ -32,6 +33,7 @@ from llmctl.server.tokenization import (TOKENIZER_PATHS, DetokenizeRequest, Toke
 
 DEFAULT_MAX_QUEUE = 1024
 MAX_BODY_BYTES = 8 << 20  # larger bodies get a 413 (a full-context prompt as token ids is far smaller)
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone mid-request; no one is left to read it
 STATS_MIN_INTERVAL_S = 0.05
 DRAIN_POLL_S = 0.25  # how soon a stats stream notices that the server drains
 Body = TypeVar("Body", bound=BaseModel)
@@ -79,16 +81,22 @@ def _describe_validation_errors(errors: Iterable[dict[str, Any]]) -> tuple[str, 
 
 
 async def read_body(request: Request) -> bytes:
-    """The body, refused with a 413 as soon as it is known to exceed ``MAX_BODY_BYTES``."""
+    """The body, refused with a 413 as soon as it is known to exceed ``MAX_BODY_BYTES``. A client
+    that hangs up before its body is complete gets nothing and costs nothing: an ``APIError`` ends
+    the request quietly, where a bare ``ClientDisconnect`` would be logged as a server bug."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise body_too_large()
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise body_too_large()
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise body_too_large()
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(CLIENT_CLOSED_REQUEST, "the client closed the connection before sending its whole body",
+                       code="client_disconnected") from None
     return b"".join(chunks)
 
 

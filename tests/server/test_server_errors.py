@@ -4,6 +4,7 @@ prompts (400), a missing or wrong API key (401), an unknown model (404), a full 
 from __future__ import annotations
 
 import concurrent.futures
+import socket
 
 import httpx
 import pytest
@@ -156,3 +157,21 @@ def test_full_queue_is_503_with_retry_after(start_server, stories_dir):
         assert int(r.headers["Retry-After"]) >= 1
         assert error_of(r, 503)["code"] == "queue_full"
     assert all(r.json()["usage"]["completion_tokens"] == 200 for r in served)
+
+
+def test_a_client_gone_before_its_body_ends_is_no_server_error(stories_server, http):
+    """A POST that declares more body than it sends and hangs up: the server logs no traceback,
+    holds nothing, and answers the next request."""
+    host, port = stories_server.url.removeprefix("http://").split(":")
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+                         "Content-Type: application/json\r\nContent-Length: 4000\r\n\r\n".encode()
+                         + b'{"model": "stories", "prompt": "Once upon')
+            sock.shutdown(socket.SHUT_WR)  # the server sees the end of the stream mid-body ...
+            while sock.recv(4096):  # ... and has finished with the request once it closes its side
+                pass
+    assert completion(http, max_tokens=2).status_code == 200
+    assert "Traceback" not in stories_server.log() and "ClientDisconnect" not in stories_server.log()
+    stats = http.get("/v1/engine/stats").json()
+    assert stats["kv"]["used"] == 0 and stats["requests"] == []
