@@ -123,6 +123,28 @@ def test_any_leading_shape_and_strided_input():
     assert fp32_linear_native(x[:0], packed, 40).shape == (0, 40)
 
 
+def test_large_outputs_reuse_freed_buffers_and_stay_correct():
+    """Outputs of 2 MiB and more come from a cache of freed output buffers (no page faults per
+    layer in a prefill step): a live output is never handed out twice, a freed one is reused, and
+    every result is still the exact product."""
+    x, w, _ = _case(520, 1040, 64)  # 520 x 1040 fp32 = 2.06 MiB
+    packed = pack_panels(w)
+    reference = F.linear(x, w)
+    first = fp32_linear_native(x, packed, 1040)
+    second = fp32_linear_native(x * 2, packed, 1040)  # both alive: two distinct buffers
+    assert first.data_ptr() != second.data_ptr()
+    freed = second.data_ptr()
+    del second
+    third = fp32_linear_native(x, packed, 1040)
+    assert third.data_ptr() == freed  # taken from the cache
+    assert torch.equal(third, first)
+    torch.testing.assert_close(third, reference, rtol=1e-5, atol=1e-4)
+    view = third[::3]  # a view keeps the buffer alive
+    del third
+    assert fp32_linear_native(x, packed, 1040).data_ptr() != view.data_ptr()
+    assert torch.equal(view, first[::3])
+
+
 def test_bad_arguments_are_one_line_errors():
     x, w, _ = _case(2, 40, 64)
     packed = pack_panels(w)
