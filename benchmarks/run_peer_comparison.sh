@@ -16,13 +16,19 @@ OUT=${OUT:-$ROOT/results/peer}
 mkdir -p "$OUT"
 PRE="/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$PEER_WORK/venv/lib/libiomp5.so"
 export REPS
+# llmctl runs from this checkout; the peers' venv must not see it (nor any other PYTHONPATH)
+LLMCTL_PATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+unset PYTHONPATH
+echo "CPU: $(lscpu | sed -n 's/^Model name: *//p'); ISA: $(grep -o -w -E 'avx2|fma|f16c|avx512f|avx512_bf16|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+echo "load at start: $(cut -d' ' -f1-3 /proc/loadavg)"
 (cd "$PEER_WORK" && VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 LD_PRELOAD=$PRE \
    venv/bin/python bench_vllm.py "$DTYPE" "$MODEL" "$OUT/vllm_$DTYPE.json" 2>"$OUT/vllm.log" | grep RESULT)
 (cd "$PEER_WORK" && LD_PRELOAD=$PRE venv/bin/python bench_hf.py "$DTYPE" 64 "$MODEL" "$OUT/hf_$DTYPE.json" \
    2>"$OUT/hf.log" | grep RESULT)
-LD_PRELOAD=$PRE KMP_AFFINITY=granularity=fine,compact,1,0 \
+LD_PRELOAD=$PRE KMP_AFFINITY=granularity=fine,compact,1,0 PYTHONPATH=$LLMCTL_PATH \
   .venv/bin/python benchmarks/peer_workload.py "$DTYPE" "$MODEL" "$OUT/llmctl_$DTYPE.json" | grep RESULT
-.venv/bin/python benchmarks/peer_workload.py "$DTYPE" "$MODEL" "$OUT/llmctl_nopreload_$DTYPE.json" | grep RESULT
+PYTHONPATH=$LLMCTL_PATH .venv/bin/python benchmarks/peer_workload.py "$DTYPE" "$MODEL" "$OUT/llmctl_nopreload_$DTYPE.json" | grep RESULT
+echo "load at end: $(cut -d' ' -f1-3 /proc/loadavg)"
 cd "$PEER_WORK"
 venv/bin/python summarize.py "$OUT/vllm_$DTYPE.json" "$OUT/hf_$DTYPE.json" "$OUT/llmctl_$DTYPE.json" \
   "$OUT/llmctl_nopreload_$DTYPE.json" || true
