@@ -29,7 +29,8 @@ def test_schemathesis_finds_no_server_error(start_server, tiny_chat_model, tmp_p
                "--exclude-path", "/v1/engine/stats/stream",  # an endless stream by design
                "--phases", "examples,coverage,fuzzing", "--generation-database", "none",
                "--report-dir", str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    # cwd: schemathesis keeps a crash cache in ./.schemathesis; not in the repository
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert "Unresolvable" not in result.stdout and " passed" in result.stdout
     with httpx.Client(base_url=server.url, timeout=30) as client:
