@@ -9,15 +9,12 @@ AVX2+FMA, AVX-512, AVX512-BF16); ``load_native`` selects the best one this CPU r
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from kernels.cpu_features import isa_level
-from kernels.native_build import FAILURES, build_extension, unavailable_reason
+from kernels.native_build import LazyExtension, disabled_by
 
 log = logging.getLogger(__name__)
 NAME = "llmctl_cpu"
@@ -28,28 +25,12 @@ HEADERS = [Path(__file__).parent / "cpu" / "cpu_kernels_isa.h"]
 # libgomp.so.1, which resolves to the copy torch already loaded (same soname): one thread pool.
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
-_lock = threading.Lock()
-_module: ModuleType | None = None
-_tried = False
-
-
-def native_unavailable_reason() -> str | None:
-    if os.environ.get("LLMCTL_NATIVE_CPU_KERNELS", "1") == "0":
-        return "disabled by LLMCTL_NATIVE_CPU_KERNELS=0"
-    return unavailable_reason() or FAILURES.get(NAME)
-
-
-def load_native() -> ModuleType | None:
-    """The compiled module with the best ISA variant selected, building it on first call; None
-    (the reason said once on stderr) when it cannot be had here."""
-    global _module, _tried
-    with _lock:
-        if _module is None and not _tried and native_unavailable_reason() is None:
-            _tried = True
-            _module = build_extension(NAME, [SOURCE], CFLAGS, LDFLAGS, headers=HEADERS)
-            if _module is not None:
-                _module.set_isa(isa_level())
-        return _module
+EXTENSION = LazyExtension(NAME, [SOURCE], CFLAGS, LDFLAGS, headers=HEADERS,
+                          precondition=lambda: disabled_by("LLMCTL_NATIVE_CPU_KERNELS"),
+                          on_load=lambda module: module.set_isa(isa_level()))
+native_unavailable_reason = EXTENSION.unavailable_reason
+load_native = EXTENSION.load  # the module with the best ISA variant selected, or None
+_module_or_raise = EXTENSION.require
 
 
 def native_isa() -> str | None:
@@ -94,13 +75,6 @@ def reshape_and_cache_native(key: torch.Tensor, value: torch.Tensor, key_cache: 
                              value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Same signature and effect as ``reshape_and_cache_torch`` (one memcpy per token, -1 skipped)."""
     _module_or_raise().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-
-
-def _module_or_raise() -> ModuleType:
-    module = load_native()
-    if module is None:
-        raise RuntimeError(native_unavailable_reason() or "native CPU kernels unavailable")
-    return module
 
 
 if __name__ == "__main__":  # `python -m kernels.cpu_native`: build every native kernel ahead of time

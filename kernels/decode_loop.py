@@ -10,35 +10,16 @@ off (the Python module path runs every step), as does ``LLMCTL_NATIVE_CPU_KERNEL
 
 from __future__ import annotations
 
-import os
-import threading
 from pathlib import Path
-from types import ModuleType
 
 from kernels import quant_native
-from kernels.native_build import FAILURES, build_extension
+from kernels.native_build import LazyExtension, disabled_by
 
 NAME = "llmctl_decode_loop"
 SOURCE = Path(__file__).parent / "cpu" / "decode_loop.cpp"
 HEADERS = [Path(__file__).parent / "cpu" / name for name in ("cpu_kernels.cpp", "cpu_kernels_isa.h", "quant_kernels.cpp",
                                                             "gemm_kernels.h", "gemm_kernels_isa.h")]
-_lock = threading.Lock()
-_module: ModuleType | None = None
-_tried = False
-
-
-def unavailable_reason() -> str | None:
-    """Why the loop cannot be had here (None when it can, or may still be built)."""
-    if os.environ.get("LLMCTL_DECODE_LOOP", "1") == "0":
-        return "disabled by LLMCTL_DECODE_LOOP=0"
-    return quant_native.native_unavailable_reason() or FAILURES.get(NAME)
-
-
-def load_decode_loop() -> ModuleType | None:
-    """The compiled module, building it on first call; None when it cannot be had here."""
-    global _module, _tried
-    with _lock:
-        if _module is None and not _tried and unavailable_reason() is None:
-            _tried = True
-            _module = build_extension(NAME, [SOURCE], quant_native.CFLAGS, quant_native.LDFLAGS, headers=HEADERS)
-        return _module
+EXTENSION = LazyExtension(NAME, [SOURCE], quant_native.CFLAGS, quant_native.LDFLAGS, headers=HEADERS,
+                          precondition=lambda: disabled_by("LLMCTL_DECODE_LOOP") or quant_native.native_unavailable_reason())
+unavailable_reason = EXTENSION.unavailable_reason
+load_decode_loop = EXTENSION.load  # the module, or None when it cannot be had here

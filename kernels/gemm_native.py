@@ -8,15 +8,12 @@ The ISA variant (generic, AVX2+FMA, AVX-512) is chosen at run time from ``kernel
 
 from __future__ import annotations
 
-import os
-import threading
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from kernels.cpu_features import isa_level
-from kernels.native_build import FAILURES, build_extension, unavailable_reason
+from kernels.native_build import LazyExtension, disabled_by
 
 NAME = "llmctl_gemm"
 SOURCE = Path(__file__).parent / "cpu" / "gemm_kernels.cpp"
@@ -25,35 +22,14 @@ HEADERS = [Path(__file__).parent / "cpu" / name for name in ("gemm_kernels.h", "
 # same arithmetic. -fopenmp: at::parallel_for is inline OpenMP on torch's own libgomp.
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
-_lock = threading.Lock()
-_module: ModuleType | None = None
-_tried = False
-
-
-def native_unavailable_reason() -> str | None:
-    for variable in ("LLMCTL_NATIVE_CPU_KERNELS", "LLMCTL_NATIVE_GEMM"):
-        if os.environ.get(variable, "1") == "0":
-            return f"disabled by {variable}=0"
-    return unavailable_reason() or FAILURES.get(NAME)
-
-
-def load_gemm_native() -> ModuleType | None:
-    """The compiled module with the best ISA variant selected, building it on first call; None
-    (the reason said once on stderr) when it cannot be had here."""
-    global _module, _tried
-    with _lock:
-        if _module is None and not _tried and native_unavailable_reason() is None:
-            _tried = True
-            _module = build_extension(NAME, [SOURCE], CFLAGS, LDFLAGS, headers=HEADERS)
-            if _module is not None:
-                _module.set_isa(isa_level())
-        return _module
+EXTENSION = LazyExtension(NAME, [SOURCE], CFLAGS, LDFLAGS, headers=HEADERS,
+                          precondition=lambda: disabled_by("LLMCTL_NATIVE_CPU_KERNELS", "LLMCTL_NATIVE_GEMM"),
+                          on_load=lambda module: module.set_isa(isa_level()))
+native_unavailable_reason = EXTENSION.unavailable_reason
+load_gemm_native = EXTENSION.load  # the module with the best ISA variant selected, or None
 
 
 def fp32_linear_native(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """Same signature and result as ``fp32_linear_torch`` (up to fp32 summation order)."""
-    module = load_gemm_native()
-    if module is None:
-        raise RuntimeError(native_unavailable_reason() or "native fp32 GEMM unavailable")
-    return module.linear(x, packed, out_features, bias)
+    return EXTENSION.require().linear(x, packed, out_features, bias)

@@ -10,15 +10,13 @@ and an AVX2+FMA+F16C variant, picked at run time from the CPU's flags.
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from kernels import kv_quant as kq
 from kernels.cpu_features import supported_isa_levels
-from kernels.native_build import FAILURES, build_extension, unavailable_reason
+from kernels.native_build import LazyExtension, disabled_by
 
 NAME = "llmctl_kv_quant"
 SOURCE = Path(__file__).parent / "cpu" / "kv_quant_attention.cpp"
@@ -26,16 +24,7 @@ HEADERS = [Path(__file__).parent / "cpu" / "kv_quant_attention_isa.h"]
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 LDFLAGS = ["-fopenmp"]
 KIND_CODES = {"fp8_e4m3": 0, "fp8_e5m2": 0, "int8": 1, "kivi2": 2, "kivi4": 2}
-_lock = threading.Lock()
-_module: ModuleType | None = None
-_tried = False
 _luts: dict[str, torch.Tensor] = {}
-
-
-def native_unavailable_reason() -> str | None:
-    if os.environ.get("LLMCTL_NATIVE_CPU_KERNELS", "1") == "0":
-        return "disabled by LLMCTL_NATIVE_CPU_KERNELS=0"
-    return unavailable_reason() or FAILURES.get(NAME)
 
 
 def kernel_isa() -> str:
@@ -44,17 +33,11 @@ def kernel_isa() -> str:
     return "avx2" if "avx2" in supported_isa_levels() and os.environ.get("LLMCTL_CPU_ISA") != "generic" else "generic"
 
 
-def load_kv_quant_native() -> ModuleType | None:
-    """The compiled module with its ISA variant selected, building it on first call; None (the
-    reason said once on stderr) when it cannot be had here."""
-    global _module, _tried
-    with _lock:
-        if _module is None and not _tried and native_unavailable_reason() is None:
-            _tried = True
-            _module = build_extension(NAME, [SOURCE], CFLAGS, LDFLAGS, headers=HEADERS)
-            if _module is not None:
-                _module.set_isa(kernel_isa())
-        return _module
+EXTENSION = LazyExtension(NAME, [SOURCE], CFLAGS, LDFLAGS, headers=HEADERS,
+                          precondition=lambda: disabled_by("LLMCTL_NATIVE_CPU_KERNELS"),
+                          on_load=lambda module: module.set_isa(kernel_isa()))
+native_unavailable_reason = EXTENSION.unavailable_reason
+load_kv_quant_native = EXTENSION.load  # the module with its ISA variant selected, or None
 
 
 def fp8_table(kind: str) -> torch.Tensor:
@@ -78,9 +61,7 @@ def quantized_decode_attention_native(
 ) -> torch.Tensor:
     """Same result as gathering, dequantizing (``kernels/kv_quant.py``) and attending, up to fp32
     summation order; the pool is read in place."""
-    module = load_kv_quant_native()
-    if module is None:
-        raise RuntimeError(native_unavailable_reason() or "quantized-KV CPU kernels unavailable")
+    module = EXTENSION.require()
     k, v = tensors["k"], tensors["v"]
     if kind in kq.FP8_DTYPES:
         k, v = k.view(torch.uint8), v.view(torch.uint8)

@@ -17,7 +17,8 @@ with a lock file that outlives a killed build: every later start then waits on i
 * a build at start says so on stderr, with its elapsed time every few seconds.
 
 ``build_extension(name, sources, extra_cflags)`` returns the imported module, or None (the
-reason is logged and kept in ``FAILURES[name]``).
+reason is logged and kept in ``FAILURES[name]``). ``LazyExtension`` wraps it for the kernel
+modules: built on first use, at most once per process, thread-safe, with its own switches.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -204,6 +206,53 @@ def _compile(name: str, module_name: str, sources: list[Path], extra_cflags: Seq
     os.replace(partial, target)
     _say(f"built the native {name} kernels in {time.monotonic() - start:.0f} s ({target})")
     return None
+
+
+def disabled_by(*variables: str) -> str | None:
+    """The first of these environment switches set to ``0``, as a reason (None when none is)."""
+    for variable in variables:
+        if os.environ.get(variable, "1") == "0":
+            return f"disabled by {variable}=0"
+    return None
+
+
+class LazyExtension:
+    """One native kernel module, built (or loaded from the cache) on first use and at most once per
+    process. ``precondition`` says why it cannot be used here (switches, CPU features) before any
+    build is tried; ``on_load`` configures a fresh module (e.g. selects its ISA variant)."""
+
+    def __init__(self, name: str, sources: Sequence[Path], cflags: Sequence[str], ldflags: Sequence[str] = (),
+                 *, headers: Sequence[Path] = (), precondition: Callable[[], str | None] = lambda: None,
+                 on_load: Callable[[ModuleType], None] | None = None) -> None:
+        self.name, self.sources, self.headers = name, list(sources), list(headers)
+        self.cflags, self.ldflags = list(cflags), list(ldflags)
+        self.precondition, self.on_load = precondition, on_load
+        self.module: ModuleType | None = None  # set once loaded; read directly on hot paths
+        self._lock = threading.Lock()
+        self._tried = False
+
+    def unavailable_reason(self) -> str | None:
+        """Why the module cannot be had here (None when it can, or may still be built)."""
+        return self.precondition() or unavailable_reason() or FAILURES.get(self.name)
+
+    def load(self) -> ModuleType | None:
+        """The module, building it on first call; None (the reason said once on stderr) when it
+        cannot be had here."""
+        with self._lock:
+            if self.module is None and not self._tried and self.unavailable_reason() is None:
+                self._tried = True
+                module = build_extension(self.name, self.sources, self.cflags, self.ldflags, headers=self.headers)
+                if module is not None and self.on_load is not None:
+                    self.on_load(module)
+                self.module = module
+            return self.module
+
+    def require(self) -> ModuleType:
+        """The module, or a RuntimeError that says why it is unavailable."""
+        module = self.load()
+        if module is None:
+            raise RuntimeError(self.unavailable_reason() or f"the native {self.name} kernels are unavailable")
+        return module
 
 
 class BuildLock:

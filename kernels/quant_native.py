@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import os
 import platform
-import threading
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from kernels.cpu_features import cpu_flags
-from kernels.native_build import FAILURES, build_extension, unavailable_reason
+from kernels.native_build import LazyExtension, disabled_by
 
 NAME = "llmctl_quant"
 SOURCE = Path(__file__).parent / "cpu" / "quant_kernels.cpp"
@@ -26,42 +24,26 @@ SOURCE = Path(__file__).parent / "cpu" / "quant_kernels.cpp"
 # own target attributes and are chosen at run time.
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 LDFLAGS = ["-fopenmp"]
-_lock = threading.Lock()
-_module: ModuleType | None = None
-_tried = False
-
 # Rows of x up to which the fp8 kernel converts weights inside its dot products; above, it dequantizes
 # slabs of the weight for torch's GEMM (both compute the same float products).
 FP8_DIRECT_MAX_ROWS = 32
 
 
-def native_unavailable_reason() -> str | None:
-    if os.environ.get("LLMCTL_NATIVE_CPU_KERNELS", "1") == "0":
-        return "disabled by LLMCTL_NATIVE_CPU_KERNELS=0"
+def _precondition() -> str | None:
+    if reason := disabled_by("LLMCTL_NATIVE_CPU_KERNELS"):
+        return reason
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"quantized CPU kernels are built for x86-64 only (this is {platform.machine()})"
     missing = {"avx2", "fma", "f16c"} - cpu_flags()
     if missing:
         return f"this CPU lacks {', '.join(sorted(missing))}"
-    return unavailable_reason() or FAILURES.get(NAME)
+    return None
 
 
-def load_quant_native() -> ModuleType | None:
-    """The compiled module, building it on first call; None when it cannot be had here (the
-    builder says why once on stderr)."""
-    global _module, _tried
-    with _lock:
-        if _module is None and not _tried and native_unavailable_reason() is None:
-            _tried = True
-            _module = build_extension(NAME, [SOURCE], CFLAGS, LDFLAGS)
-        return _module
-
-
-def _module_or_raise() -> ModuleType:
-    module = load_quant_native()
-    if module is None:
-        raise RuntimeError(native_unavailable_reason() or "quantized CPU kernels unavailable")
-    return module
+EXTENSION = LazyExtension(NAME, [SOURCE], CFLAGS, LDFLAGS, precondition=_precondition)
+native_unavailable_reason = EXTENSION.unavailable_reason
+load_quant_native = EXTENSION.load  # the module, or None (the builder says why once on stderr)
+_module_or_raise = EXTENSION.require
 
 
 def supports(packed) -> bool:
@@ -107,7 +89,7 @@ def bind_native(packed) -> Callable[[torch.Tensor], torch.Tensor] | None:
 
     if not supports(packed) or load_quant_native() is None:
         return None
-    module = _module
+    module = EXTENSION.module
     if isinstance(packed, (PackedInt4, PackedInt8)):
         linear = module.int4_linear if isinstance(packed, PackedInt4) else module.int8_linear
         args = (packed.qweight, packed.scales, packed.mins, packed.group_size, not _exact_activations())
@@ -117,6 +99,7 @@ def bind_native(packed) -> Callable[[torch.Tensor], torch.Tensor] | None:
 
 
 if __name__ == "__main__":  # `python -m kernels.quant_native`: build ahead of time
+    import logging
     import sys
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
