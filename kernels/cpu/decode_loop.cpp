@@ -131,7 +131,7 @@ at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
   // Zero inputs meet the zero-padded weight columns (F.pad in the module path).
   const at::Tensor xp = l.k_packed == l.k ? x : at::constant_pad_nd(x, {0, l.k_packed - l.k});
   const bool int4 = l.kind == Linear::kInt4;
-  const quantk::QuantizedX xq = quantk::quantize_x(xp.data_ptr<float>(), m, l.k_packed, /*even_odd=*/int4);
+  const quantk::QuantizedX xq = quantk::quantize_x(xp.data_ptr<float>(), m, l.k_packed, /*nibble_order=*/int4);
   auto out = at::empty({m, l.n}, x.options());
   quantk::packed_gemm(xq, static_cast<const uint8_t*>(l.qweight.data_ptr()), int4, l.scales, l.mins, l.group, l.n,
                       out.data_ptr<float>());

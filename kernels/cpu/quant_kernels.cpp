@@ -49,12 +49,15 @@ constexpr float X_LEVELS = 32767.f;  // activations: int16, scale = max|x| / 327
 // ---- dynamic int16 activations ---------------------------------------------------------------
 struct QuantizedX {
   int64_t m, k;
-  std::vector<int16_t> q;    // [M, K]; for int4 each 32-block is permuted to (even k..., odd k...)
+  std::vector<int16_t> q;    // [M, K]; for int4 each 32-block is permuted to int4_tile_avx2's lane order
   std::vector<float> scale;  // [M, K / 32]
   std::vector<float> sum16;  // [M, K / 16] exact float sums of x (natural order), for the mins
 };
 
-QuantizedX quantize_x(const float* x, int64_t m, int64_t k, bool even_odd) {
+// int4_tile_avx2 reads a block's 16 weight bytes as 8 16-bit words of 4 nibbles, word i = inputs
+// 4i .. 4i+3; its lanes want x as (4i+0 for each i, 4i+1 ..., 4i+2 ..., 4i+3 ...): position j of the
+// permuted block holds input 4 * (j % 8) + j / 8.
+QuantizedX quantize_x(const float* x, int64_t m, int64_t k, bool nibble_order) {
   QuantizedX r{m, k, std::vector<int16_t>(m * k), std::vector<float>(m * k / QB), std::vector<float>(m * k / 16)};
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -70,7 +73,7 @@ QuantizedX quantize_x(const float* x, int64_t m, int64_t k, bool even_odd) {
         r.sum16[i * (k / 16) + 2 * b + 1] = s1;
         int16_t* qb = r.q.data() + i * k + b * QB;
         for (int j = 0; j < QB; ++j) {
-          const int src = even_odd ? (j < 16 ? 2 * j : 2 * (j - 16) + 1) : j;
+          const int src = nibble_order ? 4 * (j % 8) + j / 8 : j;
           qb[j] = static_cast<int16_t>(std::nearbyint(xb[src] * inv));
         }
       }
@@ -153,26 +156,31 @@ __attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off"))) inline voi
   for (int r = 0; r < R; ++r) out[r] = y[r];
 }
 
-// int4 weights against int16 activations: nibbles widened to 16 bits, madd with x (even inputs
-// against the low nibbles, odd against the high), exact int32 sums (|sum| < 32 * 15 * 32767 < 2^24,
-// so the float conversion is exact too).
+// int4 weights against int16 activations, without widening bytes: the block's 16 bytes go to both
+// 128-bit lanes, read as 16-bit words of 4 nibbles; one AND keeps nibble 0 in the low lane and
+// nibble 1 (times 16) in the high lane, a shift by 8 and the same AND give nibbles 2 and 3; two madd
+// with x (permuted to match by quantize_x), then the high lane's int32 sums shift right by 4
+// (exact: multiples of 16). Exact int32 sums (|sum| < 32 * 15 * 32767 < 2^24, so the float
+// conversion is exact too; before the shift |16 * 15 * 32767 * 4| < 2^31).
 template <int R, typename S>
 __attribute__((target("avx2,fma,f16c"))) void int4_tile_avx2(const uint8_t* w, int64_t row_bytes, const S* scales,
                                                              const S* mins, int64_t groups, int64_t bpg, XRow x,
                                                              float* out) {
-  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i nibble = _mm256_setr_epi16(15, 15, 15, 15, 15, 15, 15, 15, 240, 240, 240, 240, 240, 240, 240, 240);
+  const __m256i unscale = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
-      const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB));
-      const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB + 16));
+      const __m256i x01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB));
+      const __m256i x23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB + 16));
       const float xd = x.scale[b];
       for (int r = 0; r < R; ++r) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * row_bytes + b * 16));
-        const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
-        const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
-        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, xe), _mm256_madd_epi16(hi, xo));
+        const __m256i raw = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * row_bytes + b * 16)));
+        const __m256i n01 = _mm256_and_si256(raw, nibble), n23 = _mm256_and_si256(_mm256_srli_epi16(raw, 8), nibble);
+        const __m256i dot = _mm256_srav_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(n01, x01), _mm256_madd_epi16(n23, x23)), unscale);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(to_float(scales[r * groups + g]) * xd),
                                  acc[r]);
       }
@@ -327,7 +335,7 @@ torch::Tensor int4_linear(const torch::Tensor& x_in, const torch::Tensor& qweigh
   const int64_t groups = k / group;
   torch::Tensor out;
   if (int_path) {
-    const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*even_odd=*/true);
+    const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*nibble_order=*/true);
     out = torch::empty({x.size(0), n}, x.options());
     packed_gemm(xq, q, /*int4=*/true, scales, mins, group, n, out.data_ptr<float>());
   } else {
@@ -353,7 +361,7 @@ torch::Tensor int8_linear(const torch::Tensor& x_in, const torch::Tensor& qweigh
   const int64_t groups = k / group;
   torch::Tensor out;
   if (int_path) {
-    const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*even_odd=*/false);
+    const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*nibble_order=*/false);
     out = torch::empty({x.size(0), n}, x.options());
     packed_gemm(xq, reinterpret_cast<const uint8_t*>(q), /*int4=*/false, scales, mins.value_or(torch::Tensor()), group,
                 n, out.data_ptr<float>());
