@@ -6,8 +6,8 @@
 // stream the packed rows and do the arithmetic in integers, like llama.cpp:
 // - int4 and int8 weights: the activations are quantized per row and per block of 32 inputs to
 //   int16 (scale = max|x| / 32767, round to nearest even); each 32-input block is one integer dot
-//   product (weights widened to s16, madd -> s32, exact), scaled in float by weight-scale x
-//   activation-scale. An asymmetric weight's min adds min * sum(x over the group), with the exact
+//   product (int8 weights widened to s16, int4 nibbles masked in 16-bit words; madd -> s32,
+//   exact), scaled in float by weight-scale x activation-scale. An asymmetric weight's min adds min * sum(x over the group), with the exact
 //   float sum of x. (int8 activations, llama.cpp's Q8_1, cost SmolLM2-135M Q4_1 +1.4 % perplexity
 //   and flipped greedy answers at close margins; int16 costs about one instruction more a block.)
 // - fp8 (e4m3fn) weights: bytes become fp16 by moving the bit fields ((b & 0x80) << 8 | (b & 0x7f) << 7
