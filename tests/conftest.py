@@ -43,3 +43,22 @@ def hf_model_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def llama_dir(hf_model_dirs) -> Path:
     return hf_model_dirs["llama"]
+
+
+@pytest.fixture(autouse=True)
+def _sigint_left_as_found():
+    """A test that leaves SIGINT ignored, handled or blocked in this process fails here, by name, and
+    the disposition is put back. (A pytest started as a background job of a non-interactive shell
+    has SIGINT ignored from the start: that is kept, not flagged. Children that must see Ctrl-C set
+    it to the default themselves, as tests/test_chat.py does.)"""
+    import signal
+
+    handler, blocked = signal.getsignal(signal.SIGINT), signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield
+    handler_after = signal.getsignal(signal.SIGINT)
+    blocked_after = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    if handler_after is not handler or blocked_after != blocked:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_BLOCK if blocked else signal.SIG_UNBLOCK, {signal.SIGINT})
+        pytest.fail(f"this test changed SIGINT in the pytest process: handler {handler!r} -> {handler_after!r}, "
+                    f"blocked {blocked} -> {blocked_after}")

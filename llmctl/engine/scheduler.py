@@ -12,7 +12,8 @@ Every step:
    split: users take turns by the seats they hold.
 3. **Fair seats.** When all ``max_num_seqs`` seats (or all blocks) are taken and a user holding
    fewer than its share ``max_num_seqs // active users`` is waiting, the most recent sequence of
-   the user holding the most seats above its share is preempted to make room.
+   the user holding the most seats above its share is preempted to make room, if that user keeps
+   its share (a prompt that forks ``n > 1`` samples holds ``n`` seats).
 
 The scheduler never fails a request for lack of blocks: preempted sequences wait at the head of
 their user's queue and resume, finding their full blocks again in the prefix cache.
@@ -354,9 +355,11 @@ class Scheduler:
         heaviest = max(seats, key=lambda u: seats[u], default=None)
         if heaviest is None or heaviest == user or seats[heaviest] <= fair:
             return False
-        victim = next((s for s in reversed(self.running) if s.user == heaviest and s.seq_id not in self.in_flight),
-                      None)
-        if victim is None:  # all in the pipeline: their blocks are being written
+        # The victim's user keeps its fair share: a prompt that will fork (n > 1) holds several seats,
+        # and taking it could leave its user below the share, free to take one back: round and round.
+        victim = next((s for s in reversed(self.running) if s.user == heaviest and s.seq_id not in self.in_flight
+                       and seats[heaviest] - 1 - s.pending_forks >= fair), None)
+        if victim is None:  # all in the pipeline (their blocks are being written), or none can be spared
             return False
         self._preempt(victim, out, scheduled)
         return True
