@@ -9,7 +9,13 @@ import os
 import torch
 from torch import nn
 
-from llmctl.layers.quantization.formats import PackedFp8, PackedInt4, PackedInt8, PackedWeight, packed_tensors
+from llmctl.layers.quantization.formats import (
+    PackedFp8,
+    PackedInt4,
+    PackedInt8,
+    PackedWeight,
+    packed_tensors,
+)
 
 FORMAT_NAMES = {PackedInt4: "int4", PackedInt8: "int8", PackedFp8: "fp8"}
 
