@@ -19,6 +19,8 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -89,8 +91,9 @@ Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<a
     return l;
   }
   TORCH_CHECK(qweight.has_value() && scales.has_value(), "packed linear: qweight and scales");
-  TORCH_CHECK(qweight->is_contiguous() && scales->is_contiguous() && scales->scalar_type() == at::kFloat,
-              "packed linear: contiguous qweight and float32 scales");
+  TORCH_CHECK(qweight->is_contiguous() && scales->is_contiguous() &&
+                  (scales->scalar_type() == at::kFloat || scales->scalar_type() == at::kHalf),
+              "packed linear: contiguous qweight and float32 (or exact float16) scales");
   l.qweight = *qweight;
   l.scales = *scales;
   if (mins.has_value()) l.mins = *mins;
@@ -110,7 +113,8 @@ Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<a
     TORCH_CHECK(false, "unknown linear kind ", kind);
   }
   TORCH_CHECK(l.k_packed >= in_features, "packed weight narrower than the layer input");
-  if (l.mins.defined()) TORCH_CHECK(l.mins.is_contiguous() && l.mins.scalar_type() == at::kFloat, "float32 mins");
+  if (l.mins.defined())
+    TORCH_CHECK(l.mins.is_contiguous() && l.mins.scalar_type() == l.scales.scalar_type(), "mins of the scales' dtype");
   return l;
 }
 
@@ -127,16 +131,10 @@ at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
   // Zero inputs meet the zero-padded weight columns (F.pad in the module path).
   const at::Tensor xp = l.k_packed == l.k ? x : at::constant_pad_nd(x, {0, l.k_packed - l.k});
   const bool int4 = l.kind == Linear::kInt4;
-  const quantk::QuantizedX xq = quantk::quantize_x(xp.data_ptr<float>(), m, l.k_packed, /*even_odd=*/int4);
+  const quantk::QuantizedX xq = quantk::quantize_x(xp.data_ptr<float>(), m, l.k_packed, /*nibble_order=*/int4);
   auto out = at::empty({m, l.n}, x.options());
-  static constexpr quantk::TileFn int4_tiles[] = {nullptr, quantk::int4_tile_avx2<1>, quantk::int4_tile_avx2<2>,
-                                                  quantk::int4_tile_avx2<3>, quantk::int4_tile_avx2<4>};
-  static constexpr quantk::TileFn int8_tiles[] = {nullptr, quantk::int8_tile_avx2<1>, quantk::int8_tile_avx2<2>,
-                                                  quantk::int8_tile_avx2<3>, quantk::int8_tile_avx2<4>};
-  const auto* w = static_cast<const uint8_t*>(l.qweight.data_ptr());
-  const int64_t row_bytes = int4 ? l.k_packed / 2 : l.k_packed;
-  quantk::tiled_gemm(xq, w, row_bytes, l.scales.data_ptr<float>(), l.mins.defined() ? l.mins.data_ptr<float>() : nullptr,
-                     l.group, l.n, int4 ? int4_tiles : int8_tiles, out.data_ptr<float>());
+  quantk::packed_gemm(xq, static_cast<const uint8_t*>(l.qweight.data_ptr()), int4, l.scales, l.mins, l.group, l.n,
+                      out.data_ptr<float>());
   return l.bias.defined() ? out.add_(l.bias) : out;
 }
 
@@ -221,23 +219,51 @@ class DecodeLoop {
     auto k = at::empty({rows, hkv_, d_}, x.options());
     auto attn = at::empty({rows, hq_ * d_}, x.options());
     bool first = true;
+    Clock clock(profile_ ? &op_ns_ : nullptr);
     for (int64_t i = 0; i < num_layers(); ++i) {
       const Layer& layer = layers_[i];
       rms_norm(x, first ? nullptr : &residual, layer.input_norm, normed, residual);
       first = false;
+      clock.lap(kNorm);
       const at::Tensor qkv = run_linear(layer.qkv, normed);
+      clock.lap(kQkv);
       const int64_t width = qkv.size(1);
       rotate(qkv.data_ptr<float>(), width, hq_, positions, q);
       rotate(qkv.data_ptr<float>() + hq_ * d_, width, hkv_, positions, k);
       store_kv(i, k.data_ptr<float>(), hkv_ * d_, qkv.data_ptr<float>() + (hq_ + hkv_) * d_, width, slots);
+      clock.lap(kRotaryStore);
       attention(i, q, tables, lens, attn);
+      clock.lap(kAttention);
       x = run_linear(layer.o, attn);
+      clock.lap(kO);
       rms_norm(x, &residual, layer.post_norm, normed, residual);
+      clock.lap(kNorm);
       const at::Tensor gate_up = run_linear(layer.gate_up, normed);
-      x = run_linear(layer.down, silu_and_mul(gate_up));
+      clock.lap(kGateUp);
+      const at::Tensor act = silu_and_mul(gate_up);
+      clock.lap(kSilu);
+      x = run_linear(layer.down, act);
+      clock.lap(kDown);
     }
     rms_norm(x, &residual, final_norm_, normed, residual);
+    clock.lap(kNorm);
+    if (profile_) ++profiled_steps_;
     return normed;
+  }
+
+  // Per-op wall time of the steps run since profiling was switched on (benchmarks/decode_breakdown.py):
+  // {op: total seconds, "steps": n}. Off by default: two clock reads per op otherwise.
+  void set_profile(bool on) {
+    profile_ = on;
+    op_ns_.fill(0);
+    profiled_steps_ = 0;
+  }
+
+  pybind11::dict profile() const {
+    pybind11::dict d;
+    for (int i = 0; i < kNumOps; ++i) d[kOpNames[i]] = op_ns_[i] * 1e-9;
+    d["steps"] = profiled_steps_;
+    return d;
   }
 
  private:
@@ -301,6 +327,26 @@ class DecodeLoop {
     return out;
   }
 
+  enum Op { kNorm, kQkv, kRotaryStore, kAttention, kO, kGateUp, kSilu, kDown, kNumOps };
+  static constexpr const char* kOpNames[kNumOps] = {"norm", "qkv", "rotary_store", "attention",
+                                                    "o", "gate_up", "silu", "down"};
+  using OpTimes = std::array<int64_t, kNumOps>;
+  // Adds the time since the previous lap to an op's total (nothing when profiling is off).
+  struct Clock {
+    OpTimes* times;
+    std::chrono::steady_clock::time_point last;
+    explicit Clock(OpTimes* t) : times(t), last(t ? std::chrono::steady_clock::now() : last) {}
+    void lap(Op op) {
+      if (times == nullptr) return;
+      const auto now = std::chrono::steady_clock::now();
+      (*times)[op] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count();
+      last = now;
+    }
+  };
+  bool profile_ = false;
+  OpTimes op_ns_{};
+  int64_t profiled_steps_ = 0;
+
   IsaKernels k_;
   int64_t hq_, hkv_, d_;
   float eps_, scale_;
@@ -322,5 +368,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           at::Tensor>())
       .def("add_layer", &DecodeLoop::add_layer)
       .def("num_layers", &DecodeLoop::num_layers)
+      .def("set_profile", &DecodeLoop::set_profile)
+      .def("profile", &DecodeLoop::profile)
       .def("forward", &DecodeLoop::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

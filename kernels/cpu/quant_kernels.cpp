@@ -6,8 +6,8 @@
 // stream the packed rows and do the arithmetic in integers, like llama.cpp:
 // - int4 and int8 weights: the activations are quantized per row and per block of 32 inputs to
 //   int16 (scale = max|x| / 32767, round to nearest even); each 32-input block is one integer dot
-//   product (weights widened to s16, madd -> s32, exact), scaled in float by weight-scale x
-//   activation-scale. An asymmetric weight's min adds min * sum(x over the group), with the exact
+//   product (int8 weights widened to s16, int4 nibbles masked in 16-bit words; madd -> s32,
+//   exact), scaled in float by weight-scale x activation-scale. An asymmetric weight's min adds min * sum(x over the group), with the exact
 //   float sum of x. (int8 activations, llama.cpp's Q8_1, cost SmolLM2-135M Q4_1 +1.4 % perplexity
 //   and flipped greedy answers at close margins; int16 costs about one instruction more a block.)
 // - fp8 (e4m3fn) weights: bytes become fp16 by moving the bit fields ((b & 0x80) << 8 | (b & 0x7f) << 7
@@ -16,6 +16,12 @@
 // multiplies it with at::mm (torch's BLAS), which re-uses each weight across all rows of x. int4 and
 // int8 keep the integer path at every M, so that a row's result never depends on the batch it is in
 // (batched == unbatched); their slab path, with exact float activations, is there on request.
+//
+// Scales and mins are float32, or float16 where every value is exactly a float16 (GGUF files store
+// them so; kernels/quant_native.py makes the copy): decode streams every weight byte once a step and
+// is bound by memory bandwidth on small CPUs, and float16 scales and mins cut Q4_1's bytes per weight
+// from 0.75 to 0.625 (Q8_0's from 1.125 to 1.0625). Each converts to the same float32, so the results
+// are bitwise those of the float32 scales.
 //
 // ISA: AVX2+FMA+F16C, what every x86-64 machine here has; the build checks for it (quant_native.py).
 // (The AVX-512 VNNI variants multiplied int8 activations; VNNI's int16 dot product, vpdpwssd, is
@@ -43,12 +49,15 @@ constexpr float X_LEVELS = 32767.f;  // activations: int16, scale = max|x| / 327
 // ---- dynamic int16 activations ---------------------------------------------------------------
 struct QuantizedX {
   int64_t m, k;
-  std::vector<int16_t> q;    // [M, K]; for int4 each 32-block is permuted to (even k..., odd k...)
+  std::vector<int16_t> q;    // [M, K]; for int4 each 32-block is permuted to int4_tile_avx2's lane order
   std::vector<float> scale;  // [M, K / 32]
   std::vector<float> sum16;  // [M, K / 16] exact float sums of x (natural order), for the mins
 };
 
-QuantizedX quantize_x(const float* x, int64_t m, int64_t k, bool even_odd) {
+// int4_tile_avx2 reads a block's 16 weight bytes as 8 16-bit words of 4 nibbles, word i = inputs
+// 4i .. 4i+3; its lanes want x as (4i+0 for each i, 4i+1 ..., 4i+2 ..., 4i+3 ...): position j of the
+// permuted block holds input 4 * (j % 8) + j / 8.
+QuantizedX quantize_x(const float* x, int64_t m, int64_t k, bool nibble_order) {
   QuantizedX r{m, k, std::vector<int16_t>(m * k), std::vector<float>(m * k / QB), std::vector<float>(m * k / 16)};
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -64,7 +73,7 @@ QuantizedX quantize_x(const float* x, int64_t m, int64_t k, bool even_odd) {
         r.sum16[i * (k / 16) + 2 * b + 1] = s1;
         int16_t* qb = r.q.data() + i * k + b * QB;
         for (int j = 0; j < QB; ++j) {
-          const int src = even_odd ? (j < 16 ? 2 * j : 2 * (j - 16) + 1) : j;
+          const int src = nibble_order ? 4 * (j % 8) + j / 8 : j;
           qb[j] = static_cast<int16_t>(std::nearbyint(xb[src] * inv));
         }
       }
@@ -125,55 +134,68 @@ struct XRow {
   const float* group_sums;
 };
 
-using TileFn = void (*)(const uint8_t*, int64_t, const float*, const float*, int64_t, int64_t, XRow, float*);
+// A scale or min as float32: stored so, or as float16 bits (converted exactly).
+inline float to_float(float v) { return v; }
+__attribute__((target("f16c"))) inline float to_float(uint16_t half_bits) { return _cvtsh_ss(half_bits); }
 
-template <int R>
-__attribute__((target("avx2,fma"))) inline void add_mins(const float* mins, int64_t groups, const float* xs,
-                                                         const __m256* acc, float* out) {
+template <typename S>
+using TileFn = void (*)(const uint8_t*, int64_t, const S*, const S*, int64_t, int64_t, XRow, float*);
+
+// The product and the sum round separately (no FMA contraction, whichever S: the compiler contracted
+// the two instantiations differently).
+template <int R, typename S>
+__attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off"))) inline void add_mins(const S* mins, int64_t groups, const float* xs,
+                                                              const __m256* acc, float* out) {
   float y[R];
   for (int r = 0; r < R; ++r) y[r] = hsum256(acc[r]);
   if (mins != nullptr) {
     for (int64_t g = 0; g < groups; ++g) {
-      for (int r = 0; r < R; ++r) y[r] += mins[r * groups + g] * xs[g];
+      for (int r = 0; r < R; ++r) y[r] += to_float(mins[r * groups + g]) * xs[g];
     }
   }
   for (int r = 0; r < R; ++r) out[r] = y[r];
 }
 
-// int4 weights against int16 activations: nibbles widened to 16 bits, madd with x (even inputs
-// against the low nibbles, odd against the high), exact int32 sums (|sum| < 32 * 15 * 32767 < 2^24,
-// so the float conversion is exact too).
-template <int R>
-__attribute__((target("avx2,fma"))) void int4_tile_avx2(const uint8_t* w, int64_t row_bytes, const float* scales,
-                                                        const float* mins, int64_t groups, int64_t bpg, XRow x,
-                                                        float* out) {
-  const __m128i low4 = _mm_set1_epi8(0x0F);
+// int4 weights against int16 activations, without widening bytes: the block's 16 bytes go to both
+// 128-bit lanes, read as 16-bit words of 4 nibbles; one AND keeps nibble 0 in the low lane and
+// nibble 1 (times 16) in the high lane, a shift by 8 and the same AND give nibbles 2 and 3; two madd
+// with x (permuted to match by quantize_x), then the high lane's int32 sums shift right by 4
+// (exact: multiples of 16). Exact int32 sums (|sum| < 32 * 15 * 32767 < 2^24, so the float
+// conversion is exact too; before the shift |16 * 15 * 32767 * 4| < 2^31).
+template <int R, typename S>
+__attribute__((target("avx2,fma,f16c"))) void int4_tile_avx2(const uint8_t* w, int64_t row_bytes, const S* scales,
+                                                             const S* mins, int64_t groups, int64_t bpg, XRow x,
+                                                             float* out) {
+  const __m256i nibble = _mm256_setr_epi16(15, 15, 15, 15, 15, 15, 15, 15, 240, 240, 240, 240, 240, 240, 240, 240);
+  const __m256i unscale = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
-      const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB));
-      const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB + 16));
+      const __m256i x01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB));
+      const __m256i x23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB + 16));
       const float xd = x.scale[b];
       for (int r = 0; r < R; ++r) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * row_bytes + b * 16));
-        const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
-        const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
-        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, xe), _mm256_madd_epi16(hi, xo));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scales[r * groups + g] * xd), acc[r]);
+        const __m256i raw = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * row_bytes + b * 16)));
+        const __m256i n01 = _mm256_and_si256(raw, nibble), n23 = _mm256_and_si256(_mm256_srli_epi16(raw, 8), nibble);
+        const __m256i dot = _mm256_srav_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(n01, x01), _mm256_madd_epi16(n23, x23)), unscale);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(to_float(scales[r * groups + g]) * xd),
+                                 acc[r]);
       }
     }
   }
-  add_mins<R>(mins, groups, x.group_sums, acc, out);
+  add_mins<R, S>(mins, groups, x.group_sums, acc, out);
 }
 
 // int8 weights against int16 activations: the 32 weights widened to 16 bits, madd with x. Each
 // int32 lane sums at most 4 products, |sum| <= 4 * 128 * 32767 < 2^24: exact, also as a float.
 // Group 16: the first 16 inputs and the last 16 get their own scale, so the halves stay apart.
-template <int R>
-__attribute__((target("avx2,fma"))) void int8_tile_avx2(const uint8_t* w_bytes, int64_t row_bytes,
-                                                        const float* scales, const float* mins, int64_t groups,
-                                                        int64_t bpg, XRow x, float* out) {
+template <int R, typename S>
+__attribute__((target("avx2,fma,f16c"))) void int8_tile_avx2(const uint8_t* w_bytes, int64_t row_bytes, const S* scales,
+                                                             const S* mins, int64_t groups, int64_t bpg, XRow x,
+                                                             float* out) {
   const int8_t* w = reinterpret_cast<const int8_t*>(w_bytes);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -187,23 +209,25 @@ __attribute__((target("avx2,fma"))) void int8_tile_avx2(const uint8_t* w_bytes, 
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * row_bytes + b * QB));
       const __m256i lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(wv)), xlo);
       const __m256i hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(wv, 1)), xhi);
-      const float* s = scales + r * groups;
+      const S* s = scales + r * groups;
       if (bpg == 0) {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(s[2 * b] * xd), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(s[2 * b + 1] * xd), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(to_float(s[2 * b]) * xd), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(to_float(s[2 * b + 1]) * xd), acc[r]);
       } else {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_set1_ps(s[g] * xd), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_set1_ps(to_float(s[g]) * xd),
+                                 acc[r]);
       }
     }
     if (bpg != 0 && --left == 0) ++g, left = bpg;
   }
-  add_mins<R>(mins, groups, x.group_sums, acc, out);
+  add_mins<R, S>(mins, groups, x.group_sums, acc, out);
 }
 
 // out[m, n] for every n: tiles of RT weight rows in parallel, each against every row of x while the
 // tile's bytes are in L1.
-void tiled_gemm(const QuantizedX& xq, const uint8_t* w, int64_t row_bytes, const float* scales, const float* mins,
-                int64_t group, int64_t n, const TileFn* tile_fns, float* out) {
+template <typename S>
+void tiled_gemm(const QuantizedX& xq, const uint8_t* w, int64_t row_bytes, const S* scales, const S* mins,
+                int64_t group, int64_t n, const TileFn<S>* tile_fns, float* out) {
   const int64_t m = xq.m, groups = xq.k / group, nb = xq.k / QB;
   const int64_t bpg = group == 16 ? 0 : group / QB;
   std::vector<float> xsums(m * groups);
@@ -223,6 +247,29 @@ void tiled_gemm(const QuantizedX& xq, const uint8_t* w, int64_t row_bytes, const
       }
     }
   });
+}
+
+template <typename S>
+void packed_gemm_as(const QuantizedX& xq, const uint8_t* w, bool int4, const void* scales, const void* mins,
+                    int64_t group, int64_t n, float* out) {
+  static constexpr TileFn<S> int4_tiles[] = {nullptr, int4_tile_avx2<1, S>, int4_tile_avx2<2, S>,
+                                             int4_tile_avx2<3, S>, int4_tile_avx2<4, S>};
+  static constexpr TileFn<S> int8_tiles[] = {nullptr, int8_tile_avx2<1, S>, int8_tile_avx2<2, S>,
+                                             int8_tile_avx2<3, S>, int8_tile_avx2<4, S>};
+  tiled_gemm<S>(xq, w, int4 ? xq.k / 2 : xq.k, static_cast<const S*>(scales), static_cast<const S*>(mins), group, n,
+                int4 ? int4_tiles : int8_tiles, out);
+}
+
+// The integer path of a packed int4 (``int4``) or int8 weight [n, xq.k] against quantized x -> out [m, n].
+// ``scales`` and ``mins`` (undefined: none) are both float32 or both float16.
+void packed_gemm(const QuantizedX& xq, const uint8_t* w, bool int4, const at::Tensor& scales, const at::Tensor& mins,
+                 int64_t group, int64_t n, float* out) {
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(half || scales.scalar_type() == at::kFloat, "scales must be float32 or float16");
+  TORCH_CHECK(!mins.defined() || mins.scalar_type() == scales.scalar_type(), "mins and scales of one dtype");
+  const void* mn = mins.defined() ? mins.data_ptr() : nullptr;
+  if (half) packed_gemm_as<uint16_t>(xq, w, int4, scales.data_ptr(), mn, group, n, out);
+  else packed_gemm_as<float>(xq, w, int4, scales.data_ptr(), mn, group, n, out);
 }
 
 // ---- dequantized slabs for prefill --------------------------------------------------------------
@@ -272,7 +319,8 @@ torch::Tensor slab_gemm(const torch::Tensor& x, int64_t n, int64_t k, Dequant de
 
 void check_weight(const torch::Tensor& x, const torch::Tensor& scales, int64_t k_from_weight) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k_from_weight, "x must be [M, ", k_from_weight, "]");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous(), "scales must be contiguous float32");
+  TORCH_CHECK((scales.scalar_type() == torch::kFloat || scales.scalar_type() == torch::kHalf) && scales.is_contiguous(),
+              "scales must be contiguous float32 (or float16 for int4/int8)");
 }
 
 torch::Tensor int4_linear(const torch::Tensor& x_in, const torch::Tensor& qweight, const torch::Tensor& scales,
@@ -281,18 +329,18 @@ torch::Tensor int4_linear(const torch::Tensor& x_in, const torch::Tensor& qweigh
   check_weight(x_in, scales, k);
   TORCH_CHECK(qweight.scalar_type() == torch::kByte && qweight.is_contiguous(), "qweight must be contiguous uint8");
   TORCH_CHECK(group % QB == 0 && k % group == 0, "int4 group must be a multiple of 32 dividing K");
+  TORCH_CHECK(mins.is_contiguous(), "mins must be contiguous");
   const auto x = x_in.to(torch::kFloat).contiguous();
   const uint8_t* q = qweight.data_ptr<uint8_t>();
-  const float *s = scales.data_ptr<float>(), *mn = mins.data_ptr<float>();
   const int64_t groups = k / group;
   torch::Tensor out;
   if (int_path) {
-    const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*even_odd=*/true);
+    const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*nibble_order=*/true);
     out = torch::empty({x.size(0), n}, x.options());
-    static constexpr TileFn tiles[] = {nullptr, int4_tile_avx2<1>, int4_tile_avx2<2>, int4_tile_avx2<3>,
-                                       int4_tile_avx2<4>};
-    tiled_gemm(xq, q, k / 2, s, mn, group, n, tiles, out.data_ptr<float>());
+    packed_gemm(xq, q, /*int4=*/true, scales, mins, group, n, out.data_ptr<float>());
   } else {
+    const auto scales32 = scales.to(torch::kFloat), mins32 = mins.to(torch::kFloat);
+    const float *s = scales32.data_ptr<float>(), *mn = mins32.data_ptr<float>();
     out = slab_gemm(x, n, k, [&](int64_t j, float* dst) {
       dequant_int4_rows(q + j * (k / 2), s + j * groups, mn + j * groups, group, k, dst);
     });
@@ -307,19 +355,21 @@ torch::Tensor int8_linear(const torch::Tensor& x_in, const torch::Tensor& qweigh
   TORCH_CHECK(qweight.scalar_type() == torch::kChar && qweight.is_contiguous(), "qweight must be contiguous int8");
   TORCH_CHECK(k % QB == 0 && (group == 16 || group % QB == 0) && k % group == 0,
               "int8 group must be 16 or a multiple of 32 dividing K");
+  TORCH_CHECK(!mins.has_value() || mins->is_contiguous(), "mins must be contiguous");
   const auto x = x_in.to(torch::kFloat).contiguous();
   const int8_t* q = qweight.data_ptr<int8_t>();
-  const float* s = scales.data_ptr<float>();
-  const float* mn = mins.has_value() ? mins->data_ptr<float>() : nullptr;
   const int64_t groups = k / group;
   torch::Tensor out;
   if (int_path) {
-    const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*even_odd=*/false);
+    const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*nibble_order=*/false);
     out = torch::empty({x.size(0), n}, x.options());
-    static constexpr TileFn tiles[] = {nullptr, int8_tile_avx2<1>, int8_tile_avx2<2>, int8_tile_avx2<3>,
-                                       int8_tile_avx2<4>};
-    tiled_gemm(xq, reinterpret_cast<const uint8_t*>(q), k, s, mn, group, n, tiles, out.data_ptr<float>());
+    packed_gemm(xq, reinterpret_cast<const uint8_t*>(q), /*int4=*/false, scales, mins.value_or(torch::Tensor()), group,
+                n, out.data_ptr<float>());
   } else {
+    const auto scales32 = scales.to(torch::kFloat);
+    const auto mins32 = mins.has_value() ? mins->to(torch::kFloat) : torch::Tensor();
+    const float* s = scales32.data_ptr<float>();
+    const float* mn = mins32.defined() ? mins32.data_ptr<float>() : nullptr;
     out = slab_gemm(x, n, k, [&](int64_t j, float* dst) {
       dequant_int8_rows(q + j * k, s + j * groups, mn ? mn + j * groups : nullptr, group, k, dst);
     });

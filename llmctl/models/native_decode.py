@@ -25,6 +25,7 @@ class NativeDecode:
     """``(input_ids, positions, meta) -> final hidden states`` of a decode-only step."""
 
     def __init__(self, loop: object, embed: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.loop = loop  # set_profile / profile: per-op times (benchmarks/decode_breakdown.py)
         self._forward = loop.forward
         self._embed = embed
 
@@ -119,8 +120,10 @@ def _bind_linear(module: object, layer: LinearBase) -> object:
         kind = "panel" if layer.weight.dim() == 3 else "dense"  # panel: llmctl.layers.linear.prepack_for_cpu
         return module.make_linear(kind, layer.in_features, weight=layer.weight.data, bias=bias,
                                   bias_in_gemm=bias_in_gemm, out_features=layer.out_features)
-    mins = layer._parameters.get("mins")
-    return module.make_linear(layer.packed_format, layer.in_features, qweight=layer.qweight.data,
-                              scales=layer.scales.data, mins=None if mins is None else mins.data,
+    from llmctl.layers.quantization.params import kernel_packed
+
+    packed = kernel_packed(layer)  # float16 scales and mins where exact: fewer bytes a step, same bits
+    return module.make_linear(layer.packed_format, layer.in_features, qweight=packed.qweight.data,
+                              scales=packed.scales.data, mins=None if packed.mins is None else packed.mins.data,
                               group=layer.packed_group_size, bias=bias)
 

@@ -11,7 +11,8 @@ quantization (``--quantization int4|int8|fp8``) land in the same few layouts the
 - ``PackedFp8``: ``w[n, k] = scales[n] * float(e4m3fn bits[n, k])``.
 
 All tensors are ``[N, ...]`` with the output features first, so merged projections (QKV,
-gate-up) concatenate along dim 0. Scales and mins are float32.
+gate-up) concatenate along dim 0. Scales and mins are float32 (the native CPU kernels may read float16
+copies where those are exact: ``params.kernel_packed``).
 """
 
 from __future__ import annotations

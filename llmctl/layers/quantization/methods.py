@@ -17,7 +17,7 @@ from torch import nn
 from llmctl.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
 from llmctl.layers.quantization.formats import PackedWeight
 from llmctl.layers.quantization.matmul import bind_cpu_kernel, quant_linear
-from llmctl.layers.quantization.params import attach_packed, read_packed
+from llmctl.layers.quantization.params import attach_packed, kernel_packed, read_packed
 from llmctl.layers.quantization.quantize import quantize
 
 QUANTIZATION_KINDS = ("none", "int8", "int4", "fp8")
@@ -54,7 +54,7 @@ class PackedLinearMethod:
 
     def _bound_cpu_kernel(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
         if self._cpu_kernel is None or self._cpu_kernel[0] is not layer.qweight:
-            self._cpu_kernel = (layer.qweight, bind_cpu_kernel(read_packed(layer)))
+            self._cpu_kernel = (layer.qweight, bind_cpu_kernel(kernel_packed(layer)))
         return self._cpu_kernel[1]
 
 
