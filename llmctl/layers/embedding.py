@@ -14,8 +14,8 @@ from torch import nn
 from llmctl.distributed import TensorParallel
 from llmctl.layers.linear import copy_checked, linear, prepack_for_cpu
 from llmctl.layers.quantization.formats import PackedWeight, dequantize, take_rows
-from llmctl.layers.quantization.matmul import quant_linear
-from llmctl.layers.quantization.params import attach_packed, kernel_packed, read_packed
+from llmctl.layers.quantization.matmul import bound_cpu_kernel, quant_linear
+from llmctl.layers.quantization.params import attach_packed, read_packed
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -74,8 +74,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.packed_weight = prepack_for_cpu(self.weight.data)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if self.packed_format is not None:  # on a CPU: float16 scales where exact (fewer bytes a step, same bits)
-            return quant_linear(hidden, kernel_packed(self) if hidden.device.type == "cpu" else read_packed(self))
+        if self.packed_format is not None:
+            kernel = bound_cpu_kernel(self) if hidden.device.type == "cpu" else None
+            if kernel is None:
+                return quant_linear(hidden, read_packed(self))
+            return kernel(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
         logits = linear(hidden, self.weight if self.packed_weight is None else self.packed_weight, None, self.shard_size)
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)

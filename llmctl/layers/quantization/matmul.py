@@ -9,8 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from llmctl.layers.quantization.formats import PackedWeight
+from llmctl.layers.quantization.params import kernel_packed
 
 
 def quant_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -32,12 +34,18 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | Non
     return out if bias is None else out + bias
 
 
-def bind_cpu_kernel(packed: PackedWeight) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The native CPU kernel bound to this weight (``x [M, K] -> [M, N]``), or None where only the
-    torch reference applies; a layer keeps it so that decode pays no per-call dispatch."""
-    from kernels.quant_native import bind_native
+def bound_cpu_kernel(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The native CPU kernel bound to this module's packed weight (``x [M, K] -> [M, N]``; float16
+    scales where exact, ``kernel_packed``), or None where only the torch reference applies. Bound
+    once and kept on the module while it holds the same ``qweight``: decode then pays no per-call
+    dispatch (format checks, imports, the environment), ~120 calls a step."""
+    cached = module.__dict__.get("_bound_cpu_kernel")
+    if cached is None or cached[0] is not module.qweight:
+        from kernels.quant_native import bind_native
 
-    return bind_native(packed)
+        cached = (module.qweight, bind_native(kernel_packed(module)))
+        module.__dict__["_bound_cpu_kernel"] = cached
+    return cached[1]
 
 
 def _native_takes(packed: PackedWeight) -> bool:

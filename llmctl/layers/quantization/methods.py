@@ -8,16 +8,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmctl.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
 from llmctl.layers.quantization.formats import PackedWeight
-from llmctl.layers.quantization.matmul import bind_cpu_kernel, quant_linear
-from llmctl.layers.quantization.params import attach_packed, kernel_packed, read_packed
+from llmctl.layers.quantization.matmul import bound_cpu_kernel, quant_linear
+from llmctl.layers.quantization.params import attach_packed, read_packed
 from llmctl.layers.quantization.quantize import quantize
 
 QUANTIZATION_KINDS = ("none", "int8", "int4", "fp8")
@@ -26,11 +24,8 @@ INT4_GROUP_SIZES = (32, 64, 128)
 
 class PackedLinearMethod:
     """A layer whose weight is packed (``qweight``/``scales``/``mins`` parameters). On a CPU the
-    native kernel is bound once per weight (``bind_cpu_kernel``) and reused while the layer holds
+    native kernel is bound once per weight (``bound_cpu_kernel``) and reused while the layer holds
     the same ``qweight`` tensor."""
-
-    def __init__(self) -> None:
-        self._cpu_kernel: tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None] | None = None
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         raise TypeError("packed weights are installed with install_packed_weight, not loaded by name")
@@ -42,7 +37,7 @@ class PackedLinearMethod:
         padding = layer.qweight.shape[1] * (2 if layer.packed_format == "int4" else 1) - x.shape[-1]
         if padding:  # zero inputs meet the zero-padded weight columns
             x = F.pad(x, (0, padding))
-        kernel = self._bound_cpu_kernel(layer) if x.device.type == "cpu" else None
+        kernel = bound_cpu_kernel(layer) if x.device.type == "cpu" else None
         if kernel is None:
             return quant_linear(x, read_packed(layer), bias)
         if x.dim() == 2:  # the models' case: the reshape/view round trip costs ~6 µs, ~120 calls a step
@@ -51,11 +46,6 @@ class PackedLinearMethod:
             out = kernel(x.reshape(-1, x.shape[-1]))
             out = out.view(*x.shape[:-1], out.shape[-1])
         return out if bias is None else out + bias
-
-    def _bound_cpu_kernel(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        if self._cpu_kernel is None or self._cpu_kernel[0] is not layer.qweight:
-            self._cpu_kernel = (layer.qweight, bind_cpu_kernel(kernel_packed(layer)))
-        return self._cpu_kernel[1]
 
 
 def _layer_device(layer: nn.Module) -> torch.device:

@@ -83,11 +83,10 @@ def kernel_packed(module: nn.Module) -> PackedWeight:
 
 
 def _exact_half(scales: torch.Tensor, mins: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    pairs = [(t, t.half()) for t in (scales, mins) if t is not None]
-    if all(torch.equal(half.float(), t) for t, half in pairs):
-        halves = [half for _, half in pairs]
-        return halves[0], halves[1] if mins is not None else None
-    return scales, mins
+    """Float16 copies of both, or both unchanged unless every value survives the round trip."""
+    halves = (scales.half(), None if mins is None else mins.half())
+    exact = all(t is None or torch.equal(h.float(), t) for t, h in zip((scales, mins), halves))
+    return halves if exact else (scales, mins)
 
 
 def weight_bytes(model: nn.Module) -> int:
