@@ -84,18 +84,53 @@ def bind_native(packed) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``quant_linear_native(x, packed)`` with the kernel, its arguments and the path chosen once
     (``LLMCTL_QUANT_EXACT_ACTIVATIONS`` is read here), or None where the native kernels do not take
     this weight. Why: at decode sizes the per-call Python dispatch (format checks, imports, the
-    environment) cost several times the kernel itself, over ~120 calls a token."""
+    environment) cost several times the kernel itself, over ~120 calls a token. The integer path of
+    a grouped int4/int8 weight is bound to its tile-interleaved copy (``InterleavedKernel``)."""
     from llmctl.layers.quantization.formats import PackedInt4, PackedInt8
 
     if not supports(packed) or load_quant_native() is None:
         return None
     module = EXTENSION.module
     if isinstance(packed, (PackedInt4, PackedInt8)):
+        int_path = not _exact_activations()
+        if int_path and interleaves(packed):
+            return InterleavedKernel(module, packed)
         linear = module.int4_linear if isinstance(packed, PackedInt4) else module.int8_linear
-        args = (packed.qweight, packed.scales, packed.mins, packed.group_size, not _exact_activations())
+        args = (packed.qweight, packed.scales, packed.mins, packed.group_size, int_path)
         return lambda x: linear(x, *args)
     fp8_linear, qweight, scales = module.fp8_linear, packed.qweight, packed.scales
     return lambda x: fp8_linear(x, qweight, scales, x.shape[0] <= FP8_DIRECT_MAX_ROWS)
+
+
+def interleaves(packed) -> bool:
+    """Whether the integer path binds this weight to the tile-interleaved layout: int4, and int8 in
+    groups of 32 (GGUF's Q8_0) up to K/2 (a per-output-channel int8 weight keeps ``int8_linear``);
+    ``LLMCTL_QUANT_INTERLEAVE=0`` keeps the row layout (the A/B switch)."""
+    from llmctl.layers.quantization.formats import PackedInt4
+
+    k, group = packed.shape[1], packed.group_size
+    fits = group % 32 == 0 and (isinstance(packed, PackedInt4) or 2 * group <= k)
+    return fits and packed.qweight.device.type == "cpu" and os.environ.get("LLMCTL_QUANT_INTERLEAVE") != "0"
+
+
+class InterleavedKernel:
+    """The integer path of an int4/int8 weight from its tile-interleaved copy (``interleave_tiles``
+    in quant_kernels.cpp: each tile of 4 rows is one run of bytes, blocks with their scales and
+    mins, read as one sequential stream instead of 12). Made once when bound; the same bits as the
+    row layout. ``tiles`` and its description are what the native decode loop binds too (one copy)."""
+
+    def __init__(self, module, packed) -> None:
+        from llmctl.layers.quantization.formats import PackedInt4
+
+        self.int4 = isinstance(packed, PackedInt4)
+        self.n, self.group = packed.shape[0], packed.group_size
+        self.half = packed.scales.dtype == torch.float16
+        self.has_mins = packed.mins is not None
+        self.tiles = module.interleave_tiles(packed.qweight, packed.scales, packed.mins, self.group)
+        self._linear = module.interleaved_linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, self.tiles, self.int4, self.n, self.group, self.half, self.has_mins)
 
 
 if __name__ == "__main__":  # `python -m kernels.quant_native`: build ahead of time

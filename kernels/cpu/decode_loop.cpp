@@ -57,6 +57,7 @@ struct Linear {
   enum Kind { kDense = 0, kInt4 = 1, kInt8 = 2, kPanel = 3 };
   Kind kind = kDense;
   at::Tensor weight, qweight, scales, mins, bias;
+  at::Tensor tiles;  // packed int4/int8: the same weight in quant_kernels.cpp's tile-interleaved layout, if bound
   int64_t n = 0, k = 0, k_packed = 0, group = 0;
   bool bias_in_gemm = false;  // a column-parallel dense layer passes its bias to F.linear
 };
@@ -64,7 +65,7 @@ struct Linear {
 Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<at::Tensor> weight,
                    c10::optional<at::Tensor> qweight, c10::optional<at::Tensor> scales,
                    c10::optional<at::Tensor> mins, int64_t group, c10::optional<at::Tensor> bias,
-                   bool bias_in_gemm, int64_t out_features) {
+                   bool bias_in_gemm, int64_t out_features, c10::optional<at::Tensor> tiles) {
   Linear l;
   l.k = in_features;
   l.group = group;
@@ -115,6 +116,14 @@ Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<a
   TORCH_CHECK(l.k_packed >= in_features, "packed weight narrower than the layer input");
   if (l.mins.defined())
     TORCH_CHECK(l.mins.is_contiguous() && l.mins.scalar_type() == l.scales.scalar_type(), "mins of the scales' dtype");
+  if (tiles.has_value()) {
+    const quantk::TileLayout layout = quantk::tile_layout(l.k_packed, group, l.kind == Linear::kInt4,
+                                                          l.scales.element_size(), l.mins.defined());
+    TORCH_CHECK(group % quantk::QB == 0 && tiles->scalar_type() == at::kByte && tiles->is_contiguous() &&
+                    tiles->numel() == (l.n + quantk::RT - 1) / quantk::RT * layout.tile_bytes(),
+                "packed linear: interleaved tiles that do not match the weight");
+    l.tiles = *tiles;
+  }
   return l;
 }
 
@@ -133,8 +142,12 @@ at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
   const bool int4 = l.kind == Linear::kInt4;
   const quantk::QuantizedX xq = quantk::quantize_x(xp.data_ptr<float>(), m, l.k_packed, /*nibble_order=*/int4);
   auto out = at::empty({m, l.n}, x.options());
-  quantk::packed_gemm(xq, static_cast<const uint8_t*>(l.qweight.data_ptr()), int4, l.scales, l.mins, l.group, l.n,
-                      out.data_ptr<float>());
+  if (l.tiles.defined())  // the layout the module path's bound kernel reads (kernels/quant_native.py): same bits
+    quantk::interleaved_gemm(xq, l.tiles.data_ptr<uint8_t>(), int4, l.scales.scalar_type() == at::kHalf, l.group,
+                             l.mins.defined(), l.n, out.data_ptr<float>());
+  else
+    quantk::packed_gemm(xq, static_cast<const uint8_t*>(l.qweight.data_ptr()), int4, l.scales, l.mins, l.group, l.n,
+                        out.data_ptr<float>());
   return l.bias.defined() ? out.add_(l.bias) : out;
 }
 
@@ -362,7 +375,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("in_features"), pybind11::arg("weight") = pybind11::none(),
         pybind11::arg("qweight") = pybind11::none(), pybind11::arg("scales") = pybind11::none(),
         pybind11::arg("mins") = pybind11::none(), pybind11::arg("group") = 0, pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("bias_in_gemm") = false, pybind11::arg("out_features") = 0);
+        pybind11::arg("bias_in_gemm") = false, pybind11::arg("out_features") = 0,
+        pybind11::arg("tiles") = pybind11::none());
   pybind11::class_<DecodeLoop>(m, "DecodeLoop", "Every decoder layer of a decode step in one call")
       .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
                           at::Tensor>())

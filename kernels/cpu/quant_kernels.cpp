@@ -143,17 +143,24 @@ using TileFn = void (*)(const uint8_t*, int64_t, const S*, const S*, int64_t, in
 
 // The product and the sum round separately (no FMA contraction, whichever S: the compiler contracted
 // the two instantiations differently).
+// Row r's min of group g is mins[r * row_stride + g * group_stride].
 template <int R, typename S>
-__attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off"))) inline void add_mins(const S* mins, int64_t groups, const float* xs,
-                                                              const __m256* acc, float* out) {
+__attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off"))) inline void add_mins(
+    const S* mins, int64_t groups, const float* xs, const __m256* acc, float* out, int64_t row_stride,
+    int64_t group_stride) {
   float y[R];
   for (int r = 0; r < R; ++r) y[r] = hsum256(acc[r]);
   if (mins != nullptr) {
     for (int64_t g = 0; g < groups; ++g) {
-      for (int r = 0; r < R; ++r) y[r] += to_float(mins[r * groups + g]) * xs[g];
+      for (int r = 0; r < R; ++r) y[r] += to_float(mins[r * row_stride + g * group_stride]) * xs[g];
     }
   }
   for (int r = 0; r < R; ++r) out[r] = y[r];
+}
+
+template <int R, typename S>
+inline void add_mins(const S* mins, int64_t groups, const float* xs, const __m256* acc, float* out) {
+  add_mins<R, S>(mins, groups, xs, acc, out, groups, 1);
 }
 
 // int4 weights against int16 activations, without widening bytes: the block's 16 bytes go to both
@@ -270,6 +277,166 @@ void packed_gemm(const QuantizedX& xq, const uint8_t* w, bool int4, const at::Te
   const void* mn = mins.defined() ? mins.data_ptr() : nullptr;
   if (half) packed_gemm_as<uint16_t>(xq, w, int4, scales.data_ptr(), mn, group, n, out);
   else packed_gemm_as<float>(xq, w, int4, scales.data_ptr(), mn, group, n, out);
+}
+
+// ---- tile-interleaved layout -----------------------------------------------------------------
+// The layout above has a tile read 12 places at once (RT rows' blocks, RT rows' scales, RT rows'
+// mins). The interleaved layout, made once when a weight is bound (interleave_tiles), stores each
+// tile of RT rows as one run of bytes in the order the tile reads them (llama.cpp's repacked
+// q4_0x4 idea), so a tile is one sequential stream:
+//   for each group g: the RT rows' scales of g, then for each block of g the RT rows' blocks (16
+//                     bytes for int4, 32 for int8), row after row;
+//   then, with mins:  for each group g the RT rows' mins of g.
+// Rows past n (in the last tile) are zero. Each row's arithmetic is that of the tiles above, in the
+// same order (the same products, accumulators, hsum256 and mins): the same bits.
+struct TileLayout {
+  int64_t groups, bpg, block_bytes, scale_bytes;
+  bool mins;
+  int64_t group_bytes() const { return RT * scale_bytes + bpg * RT * block_bytes; }
+  int64_t tile_bytes() const { return groups * group_bytes() + (mins ? groups * RT * scale_bytes : 0); }
+};
+
+template <typename S>
+using InterleavedTileFn = void (*)(const uint8_t*, const TileLayout&, XRow, float*);
+
+template <typename S>
+__attribute__((target("avx2,fma,f16c"))) void int4_tile_interleaved(const uint8_t* p, const TileLayout& l, XRow x,
+                                                                    float* out) {
+  const __m256i nibble = _mm256_setr_epi16(15, 15, 15, 15, 15, 15, 15, 15, 240, 240, 240, 240, 240, 240, 240, 240);
+  const __m256i unscale = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+  __m256 acc[RT];
+  for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (int64_t g = 0; g < l.groups; ++g) {
+    const S* s = reinterpret_cast<const S*>(p);
+    float scale[RT];
+    for (int r = 0; r < RT; ++r) scale[r] = to_float(s[r]);
+    p += RT * sizeof(S);
+    for (int64_t e = 0; e < l.bpg; ++e, ++b, p += RT * 16) {
+      const __m256i x01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB));
+      const __m256i x23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB + 16));
+      const float xd = x.scale[b];
+      for (int r = 0; r < RT; ++r) {
+        const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + r * 16)));
+        const __m256i n01 = _mm256_and_si256(raw, nibble), n23 = _mm256_and_si256(_mm256_srli_epi16(raw, 8), nibble);
+        const __m256i dot = _mm256_srav_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(n01, x01), _mm256_madd_epi16(n23, x23)), unscale);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale[r] * xd), acc[r]);
+      }
+    }
+  }
+  add_mins<RT, S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x.group_sums, acc, out, 1, RT);
+}
+
+template <typename S>
+__attribute__((target("avx2,fma,f16c"))) void int8_tile_interleaved(const uint8_t* p, const TileLayout& l, XRow x,
+                                                                    float* out) {
+  __m256 acc[RT];
+  for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (int64_t g = 0; g < l.groups; ++g) {
+    const S* s = reinterpret_cast<const S*>(p);
+    float scale[RT];
+    for (int r = 0; r < RT; ++r) scale[r] = to_float(s[r]);
+    p += RT * sizeof(S);
+    for (int64_t e = 0; e < l.bpg; ++e, ++b, p += RT * QB) {
+      const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB));
+      const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB + 16));
+      const float xd = x.scale[b];
+      for (int r = 0; r < RT; ++r) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + r * QB));
+        const __m256i lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(wv)), xlo);
+        const __m256i hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(wv, 1)), xhi);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_set1_ps(scale[r] * xd), acc[r]);
+      }
+    }
+  }
+  add_mins<RT, S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x.group_sums, acc, out, 1, RT);
+}
+
+TileLayout tile_layout(int64_t k, int64_t group, bool int4, int64_t scale_bytes, bool mins) {
+  return {k / group, group / QB, int4 ? QB / 2 : QB, scale_bytes, mins};
+}
+
+template <typename S>
+void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, int64_t group, bool mins, int64_t n,
+                         float* out) {
+  const TileLayout l = tile_layout(xq.k, group, int4, sizeof(S), mins);
+  const InterleavedTileFn<S> tile = int4 ? int4_tile_interleaved<S> : int8_tile_interleaved<S>;
+  const int64_t m = xq.m, nb = xq.k / QB, tile_bytes = l.tile_bytes();
+  std::vector<float> xsums(m * l.groups);
+  if (mins) {
+    for (int64_t r = 0; r < m; ++r) group_sums(xq, r, group, xsums.data() + r * l.groups);
+  }
+  at::parallel_for(0, (n + RT - 1) / RT, 4, [&](int64_t begin, int64_t end) {
+    float y[RT];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t j0 = t * RT, rows = std::min(RT, n - j0);
+      for (int64_t i = 0; i < m; ++i) {
+        tile(tiles + t * tile_bytes, l, XRow{xq.q.data() + i * xq.k, xq.scale.data() + i * nb, xsums.data() + i * l.groups},
+             y);
+        for (int64_t r = 0; r < rows; ++r) out[i * n + j0 + r] = y[r];
+      }
+    }
+  });
+}
+
+// packed_gemm on interleave_tiles' layout; ``half``: float16 scales and mins (else float32).
+void interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, bool int4, bool half, int64_t group, bool mins,
+                      int64_t n, float* out) {
+  if (half) interleaved_gemm_as<uint16_t>(xq, tiles, int4, group, mins, n, out);
+  else interleaved_gemm_as<float>(xq, tiles, int4, group, mins, n, out);
+}
+
+// A packed int4 (uint8 [n, k / 2]) or int8 (int8 [n, k]) weight with its scales (and mins) [n, k /
+// group], float32 or float16, in the interleaved layout (uint8, flat). Group: a multiple of 32.
+torch::Tensor interleave_tiles(const torch::Tensor& qweight, const torch::Tensor& scales,
+                               const c10::optional<torch::Tensor>& mins, int64_t group) {
+  const bool int4 = qweight.scalar_type() == torch::kByte;
+  TORCH_CHECK((int4 || qweight.scalar_type() == torch::kChar) && qweight.dim() == 2 && qweight.is_contiguous(),
+              "qweight: contiguous uint8 (int4) or int8 [n, packed k]");
+  const int64_t n = qweight.size(0), row_bytes = qweight.size(1), k = int4 ? 2 * row_bytes : row_bytes;
+  TORCH_CHECK(group % QB == 0 && k % group == 0, "interleaved tiles need a group that is a multiple of 32 dividing K");
+  TORCH_CHECK((scales.scalar_type() == torch::kFloat || scales.scalar_type() == torch::kHalf) && scales.is_contiguous() &&
+                  scales.numel() == n * (k / group), "scales: contiguous float32 or float16 [n, k / group]");
+  TORCH_CHECK(!mins.has_value() || (mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() &&
+                                    mins->numel() == scales.numel()), "mins: like the scales");
+  const int64_t sb = scales.element_size();
+  const TileLayout l = tile_layout(k, group, int4, sb, mins.has_value());
+  const int64_t tiles = (n + RT - 1) / RT, tile_bytes = l.tile_bytes(), bb = l.block_bytes;
+  auto out = torch::zeros({tiles * tile_bytes}, torch::kByte);
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const uint8_t* q = static_cast<const uint8_t*>(qweight.data_ptr());
+  const uint8_t* s = static_cast<const uint8_t*>(scales.data_ptr());
+  const uint8_t* mn = mins.has_value() ? static_cast<const uint8_t*>(mins->data_ptr()) : nullptr;
+  for (int64_t j = 0; j < n; ++j) {
+    uint8_t* tile = dst + (j / RT) * tile_bytes;
+    const int64_t r = j % RT;
+    for (int64_t g = 0; g < l.groups; ++g) {
+      uint8_t* group_start = tile + g * l.group_bytes();
+      std::memcpy(group_start + r * sb, s + (j * l.groups + g) * sb, sb);
+      for (int64_t e = 0; e < l.bpg; ++e)
+        std::memcpy(group_start + RT * sb + (e * RT + r) * bb, q + j * row_bytes + (g * l.bpg + e) * bb, bb);
+      if (mn != nullptr) std::memcpy(tile + l.groups * l.group_bytes() + (g * RT + r) * sb, mn + (j * l.groups + g) * sb, sb);
+    }
+  }
+  return out;
+}
+
+// x [M, K] @ W^T -> [M, n] for W in interleave_tiles' layout (the integer path of int4/int8_linear).
+torch::Tensor interleaved_linear(const torch::Tensor& x_in, const torch::Tensor& tiles, bool int4, int64_t n,
+                                 int64_t group, bool half, bool mins) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
+  const int64_t k = x_in.size(1);
+  TORCH_CHECK(group % QB == 0 && k % group == 0, "group must be a multiple of 32 dividing K");
+  const TileLayout l = tile_layout(k, group, int4, half ? 2 : 4, mins);
+  TORCH_CHECK(tiles.scalar_type() == torch::kByte && tiles.is_contiguous() &&
+                  tiles.numel() == (n + RT - 1) / RT * l.tile_bytes(), "tiles do not match n, K and the group");
+  const auto x = x_in.to(torch::kFloat).contiguous();
+  const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*nibble_order=*/int4);
+  auto out = torch::empty({x.size(0), n}, x.options());
+  interleaved_gemm(xq, tiles.data_ptr<uint8_t>(), int4, half, group, mins, n, out.data_ptr<float>());
+  return out.to(x_in.scalar_type());
 }
 
 // ---- dequantized slabs for prefill --------------------------------------------------------------
@@ -417,6 +584,8 @@ torch::Tensor fp8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "x @ dequant(int4)^T from the packed nibbles");
   m.def("int8_linear", &int8_linear, "x @ dequant(int8)^T from the packed bytes");
+  m.def("interleave_tiles", &interleave_tiles, "a packed int4/int8 weight in the tile-interleaved layout");
+  m.def("interleaved_linear", &interleaved_linear, "x @ dequant(W)^T from interleave_tiles' layout");
   m.def("fp8_linear", &fp8_linear, "x @ dequant(fp8 e4m3)^T from the packed bytes");
   m.def("isa", [] { return std::string("avx2"); }, "the instruction set the kernels use");
 }

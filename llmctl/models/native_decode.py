@@ -120,10 +120,12 @@ def _bind_linear(module: object, layer: LinearBase) -> object:
         kind = "panel" if layer.weight.dim() == 3 else "dense"  # panel: llmctl.layers.linear.prepack_for_cpu
         return module.make_linear(kind, layer.in_features, weight=layer.weight.data, bias=bias,
                                   bias_in_gemm=bias_in_gemm, out_features=layer.out_features)
+    from llmctl.layers.quantization.matmul import bound_cpu_kernel
     from llmctl.layers.quantization.params import kernel_packed
 
     packed = kernel_packed(layer)  # float16 scales and mins where exact: fewer bytes a step, same bits
+    tiles = getattr(bound_cpu_kernel(layer), "tiles", None)  # the module path's interleaved copy, shared
     return module.make_linear(layer.packed_format, layer.in_features, qweight=packed.qweight.data,
                               scales=packed.scales.data, mins=None if packed.mins is None else packed.mins.data,
-                              group=layer.packed_group_size, bias=bias)
+                              group=layer.packed_group_size, bias=bias, tiles=tiles)
 
