@@ -1,0 +1,94 @@
+"""The tile-interleaved layout of packed int4/int8 weights (``interleave_tiles`` /
+``interleaved_linear`` in kernels/cpu/quant_kernels.cpp, bound by ``kernels.quant_native``): each
+tile of 4 rows stored as one run of bytes. It must give the very bits of the row layout's integer
+path (same arithmetic per row, in the same order), which the torch reference bounds; and the
+layout itself must put every byte where the kernel reads it (a hand-built tile)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.quant_linear import int_path_reference
+from kernels.quant_native import (InterleavedKernel, bind_native, interleaves, load_quant_native,
+                                  native_unavailable_reason, quant_linear_native)
+from llmctl.layers.quantization.formats import PackedInt4, PackedInt8
+from llmctl.layers.quantization.quantize import quantize_int4, quantize_int8
+
+pytestmark = pytest.mark.no_device
+
+if native_unavailable_reason() is not None:
+    pytest.skip(f"quantized CPU kernels: {native_unavailable_reason()}", allow_module_level=True)
+
+INT_PATH = False
+
+
+def _packed(kind: str, n: int, k: int, seed: int, half: bool):
+    """The packed weight the kernels read, and its float32 twin for the torch reference."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
+    if kind.startswith("int4"):
+        packed = quantize_int4(w, int(kind[5:]))
+    else:
+        sym = quantize_int8(w, 32)
+        mins = torch.randn(n, k // 32, generator=gen) * 0.1 if kind == "int8-mins" else None
+        packed = PackedInt8(sym.qweight, sym.scales, mins, 32)
+    if not half:
+        return packed, packed
+    # GGUF-like: float16 scales and mins, as kernel_packed makes them (the twin: the same values in float32)
+    cls = PackedInt4 if kind.startswith("int4") else PackedInt8
+    halves = [None if t is None else t.half() for t in (packed.scales, packed.mins)]
+    twin = cls(packed.qweight, *[None if t is None else t.float() for t in halves], packed.group_size)
+    return cls(packed.qweight, *halves, packed.group_size), twin
+
+
+@pytest.mark.parametrize("kind", ["int4g32", "int4g64", "int4g128", "int8g32", "int8-mins"])
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("m", [1, 3, 33])
+@pytest.mark.parametrize(("n", "k"), [(24, 256), (30, 384), (9, 1536)])  # 30, 9: a partial last tile
+def test_interleaved_gives_the_row_layout_bits(kind, half, m, n, k):
+    packed, twin = _packed(kind, n, k, seed=n + k + m, half=half)
+    assert interleaves(packed)
+    kernel = bind_native(packed)
+    assert isinstance(kernel, InterleavedKernel)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    rows = quant_linear_native(x, packed, INT_PATH)  # the row layout
+    out = kernel(x)
+    assert torch.equal(out, rows)
+    reference = int_path_reference(x, twin)
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
+
+
+def test_tile_bytes_are_where_the_kernel_reads_them():
+    """One int4 tile of 4 rows, 2 groups of 32, float16 scales: [scales g0][blocks g0][scales g1]
+    [blocks g1][mins g0][mins g1]."""
+    n, k = 4, 64
+    q = torch.arange(n * k // 2, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(n, k // 2)
+    scales = torch.arange(n * 2, dtype=torch.float16).reshape(n, 2) + 1
+    mins = -scales
+    tiles = load_quant_native().interleave_tiles(q, scales, mins, 32)
+    halves = lambda t: t.contiguous().view(torch.uint8).flatten()  # noqa: E731
+    expected = torch.cat([halves(scales[:, 0]), q[:, :16].flatten(), halves(scales[:, 1]), q[:, 16:].flatten(),
+                          halves(mins.t())])
+    assert torch.equal(tiles, expected)
+
+
+def test_per_channel_int8_and_the_switch_keep_the_row_layout(monkeypatch):
+    w = torch.randn(8, 128, generator=torch.Generator().manual_seed(2))
+    assert not interleaves(quantize_int8(w))  # group == K: int8_linear's own per-channel path
+    packed = quantize_int4(w, 32)
+    monkeypatch.setenv("LLMCTL_QUANT_INTERLEAVE", "0")
+    assert not interleaves(packed) and not isinstance(bind_native(packed), InterleavedKernel)
+    monkeypatch.setenv("LLMCTL_QUANT_EXACT_ACTIVATIONS", "1")
+    monkeypatch.delenv("LLMCTL_QUANT_INTERLEAVE")
+    assert not isinstance(bind_native(packed), InterleavedKernel)  # the slab path reads the rows
+
+
+def test_mismatched_tiles_are_refused():
+    packed, _ = _packed("int4g32", 8, 64, seed=1, half=False)
+    module = load_quant_native()
+    tiles = module.interleave_tiles(packed.qweight, packed.scales, packed.mins, 32)
+    with pytest.raises(RuntimeError, match="tiles do not match"):
+        module.interleaved_linear(torch.randn(1, 64), tiles, True, 12, 32, False, True)
+    with pytest.raises(RuntimeError, match="mins: like the scales"):
+        module.interleave_tiles(packed.qweight, packed.scales, packed.mins.half(), 32)
