@@ -57,26 +57,54 @@ struct QuantizedX {
 // int4_tile_avx2 reads a block's 16 weight bytes as 8 16-bit words of 4 nibbles, word i = inputs
 // 4i .. 4i+3; its lanes want x as (4i+0 for each i, 4i+1 ..., 4i+2 ..., 4i+3 ...): position j of the
 // permuted block holds input 4 * (j % 8) + j / 8.
+//
+// One block in AVX2 (at m = 1 this runs on one thread before every GEMV: K = 1,536 took 6 us in
+// scalar code, a tenth of the down projection): max|x| (maxps keeps the running max when x is
+// NaN, as fmax does), x * (32767 / max) rounded to nearest even (what nearbyint does in the default
+// rounding mode), packed to int16; the sums stay scalar, in input order (the mins' float sums).
+__attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float* xb, bool nibble_order, int16_t* qb,
+                                                                     float* scale, float* sums) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 v[4], amax8 = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    amax8 = _mm256_max_ps(_mm256_and_ps(v[i], abs_mask), amax8);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  float s0 = 0.f, s1 = 0.f;
+  for (int j = 0; j < 16; ++j) s0 += xb[j];
+  for (int j = 16; j < QB; ++j) s1 += xb[j];
+  *scale = amax / X_LEVELS;
+  sums[0] = s0;
+  sums[1] = s1;
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? X_LEVELS / amax : 0.f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i)
+    q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  if (nibble_order) {  // q[c] <- inputs c, 4 + c, ..., 28 + c: a 4 x 4 transpose of (4a + c, 4a + 4 + c) pairs
+    const __m256i pairs = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_permutevar8x32_epi32(q[i], pairs);
+    const __m256i lo01 = _mm256_unpacklo_epi64(q[0], q[1]), hi01 = _mm256_unpackhi_epi64(q[0], q[1]);
+    const __m256i lo23 = _mm256_unpacklo_epi64(q[2], q[3]), hi23 = _mm256_unpackhi_epi64(q[2], q[3]);
+    q[0] = _mm256_permute2x128_si256(lo01, lo23, 0x20);
+    q[1] = _mm256_permute2x128_si256(hi01, hi23, 0x20);
+    q[2] = _mm256_permute2x128_si256(lo01, lo23, 0x31);
+    q[3] = _mm256_permute2x128_si256(hi01, hi23, 0x31);
+  }
+  for (int i = 0; i < 2; ++i)  // packs interleaves the 128-bit lanes; the permute puts them back in order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16 * i),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * i], q[2 * i + 1]), 0xD8));
+}
+
 QuantizedX quantize_x(const float* x, int64_t m, int64_t k, bool nibble_order) {
   QuantizedX r{m, k, std::vector<int16_t>(m * k), std::vector<float>(m * k / QB), std::vector<float>(m * k / 16)};
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      for (int64_t b = 0; b < k / QB; ++b) {
-        const float* xb = x + i * k + b * QB;
-        float amax = 0.f, s0 = 0.f, s1 = 0.f;
-        for (int j = 0; j < QB; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
-        for (int j = 0; j < 16; ++j) s0 += xb[j];
-        for (int j = 16; j < QB; ++j) s1 += xb[j];
-        const float d = amax / X_LEVELS, inv = amax > 0.f ? X_LEVELS / amax : 0.f;
-        r.scale[i * (k / QB) + b] = d;
-        r.sum16[i * (k / 16) + 2 * b] = s0;
-        r.sum16[i * (k / 16) + 2 * b + 1] = s1;
-        int16_t* qb = r.q.data() + i * k + b * QB;
-        for (int j = 0; j < QB; ++j) {
-          const int src = nibble_order ? 4 * (j % 8) + j / 8 : j;
-          qb[j] = static_cast<int16_t>(std::nearbyint(xb[src] * inv));
-        }
-      }
+      for (int64_t b = 0; b < k / QB; ++b)
+        quantize_block_avx2(x + i * k + b * QB, nibble_order, r.q.data() + i * k + b * QB,
+                            &r.scale[i * (k / QB) + b], &r.sum16[i * (k / 16) + 2 * b]);
     }
   });
   return r;
