@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -327,55 +328,68 @@ struct TileLayout {
 template <typename S>
 using InterleavedTileFn = void (*)(const uint8_t*, const TileLayout&, XRow, float*);
 
+// A group's RT scales (in both 128-bit lanes); times a block's x scale, lane r (and r + 4) holds
+// row r's scale * xd, the very product the row layout's tiles compute one row at a time.
 template <typename S>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 group_scales(const uint8_t* p) {
+  __m128 s4;
+  if constexpr (std::is_same_v<S, uint16_t>) s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  else s4 = _mm_loadu_ps(reinterpret_cast<const float*>(p));
+  return _mm256_set_m128(s4, s4);
+}
+
+__attribute__((target("avx2"))) inline __m256 lane(__m256 v, int r) {
+  return _mm256_permutevar_ps(v, _mm256_set1_epi32(r));
+}
+
+// ONE_BLOCK: groups of 32 (GGUF's Q4_1, Q4_0, Q8_0), the inner loop known to run once.
+template <typename S, bool ONE_BLOCK>
 __attribute__((target("avx2,fma,f16c"))) void int4_tile_interleaved(const uint8_t* p, const TileLayout& l, XRow x,
                                                                     float* out) {
   const __m256i nibble = _mm256_setr_epi16(15, 15, 15, 15, 15, 15, 15, 15, 240, 240, 240, 240, 240, 240, 240, 240);
   const __m256i unscale = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+  const int64_t bpg = ONE_BLOCK ? 1 : l.bpg;
   __m256 acc[RT];
   for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
   int64_t b = 0;
   for (int64_t g = 0; g < l.groups; ++g) {
-    const S* s = reinterpret_cast<const S*>(p);
-    float scale[RT];
-    for (int r = 0; r < RT; ++r) scale[r] = to_float(s[r]);
+    const __m256 scales = group_scales<S>(p);
     p += RT * sizeof(S);
-    for (int64_t e = 0; e < l.bpg; ++e, ++b, p += RT * 16) {
+    for (int64_t e = 0; e < bpg; ++e, ++b, p += RT * 16) {
       const __m256i x01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB));
       const __m256i x23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB + 16));
-      const float xd = x.scale[b];
+      const __m256 sx = _mm256_mul_ps(scales, _mm256_set1_ps(x.scale[b]));
       for (int r = 0; r < RT; ++r) {
         const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + r * 16)));
         const __m256i n01 = _mm256_and_si256(raw, nibble), n23 = _mm256_and_si256(_mm256_srli_epi16(raw, 8), nibble);
         const __m256i dot = _mm256_srav_epi32(
             _mm256_add_epi32(_mm256_madd_epi16(n01, x01), _mm256_madd_epi16(n23, x23)), unscale);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale[r] * xd), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), lane(sx, r), acc[r]);
       }
     }
   }
   add_mins<RT, S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x.group_sums, acc, out, 1, RT);
 }
 
-template <typename S>
+template <typename S, bool ONE_BLOCK>
 __attribute__((target("avx2,fma,f16c"))) void int8_tile_interleaved(const uint8_t* p, const TileLayout& l, XRow x,
                                                                     float* out) {
+  const int64_t bpg = ONE_BLOCK ? 1 : l.bpg;
   __m256 acc[RT];
   for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
   int64_t b = 0;
   for (int64_t g = 0; g < l.groups; ++g) {
-    const S* s = reinterpret_cast<const S*>(p);
-    float scale[RT];
-    for (int r = 0; r < RT; ++r) scale[r] = to_float(s[r]);
+    const __m256 scales = group_scales<S>(p);
     p += RT * sizeof(S);
-    for (int64_t e = 0; e < l.bpg; ++e, ++b, p += RT * QB) {
+    for (int64_t e = 0; e < bpg; ++e, ++b, p += RT * QB) {
       const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB));
       const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB + 16));
-      const float xd = x.scale[b];
+      const __m256 sx = _mm256_mul_ps(scales, _mm256_set1_ps(x.scale[b]));
       for (int r = 0; r < RT; ++r) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + r * QB));
-        const __m256i lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(wv)), xlo);
-        const __m256i hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(wv, 1)), xhi);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_set1_ps(scale[r] * xd), acc[r]);
+        const __m128i* w = reinterpret_cast<const __m128i*>(p + r * QB);
+        const __m256i lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(w)), xlo);
+        const __m256i hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(w + 1)), xhi);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), lane(sx, r), acc[r]);
       }
     }
   }
@@ -390,7 +404,8 @@ template <typename S>
 void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, int64_t group, bool mins, int64_t n,
                          float* out) {
   const TileLayout l = tile_layout(xq.k, group, int4, sizeof(S), mins);
-  const InterleavedTileFn<S> tile = int4 ? int4_tile_interleaved<S> : int8_tile_interleaved<S>;
+  const InterleavedTileFn<S> tile = int4 ? (l.bpg == 1 ? int4_tile_interleaved<S, true> : int4_tile_interleaved<S, false>)
+                                          : (l.bpg == 1 ? int8_tile_interleaved<S, true> : int8_tile_interleaved<S, false>);
   const int64_t m = xq.m, nb = xq.k / QB, tile_bytes = l.tile_bytes();
   std::vector<float> xsums(m * l.groups);
   if (mins) {
