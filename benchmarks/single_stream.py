@@ -57,9 +57,13 @@ def timed(run: Callable[[], tuple[list[int], float, float]], reps: int) -> dict:
 
 
 def run_llmctl(model: str, tokens: int, reps: int, args: argparse.Namespace) -> dict:
+    import torch
+
     from llmctl.engine.llm_engine import LLMEngine
     from llmctl.sampling_params import SamplingParams
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engine = LLMEngine(model=model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=4,
                        kv_cache_memory=256 << 20, max_model_len=1024)
     prompt = engine.tokenizer.encode(PROMPT, add_special_tokens=False)

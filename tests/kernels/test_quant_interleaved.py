@@ -92,3 +92,20 @@ def test_mismatched_tiles_are_refused():
         module.interleaved_linear(torch.randn(1, 64), tiles, True, 12, 32, False, True)
     with pytest.raises(RuntimeError, match="mins: like the scales"):
         module.interleave_tiles(packed.qweight, packed.scales, packed.mins.half(), 32)
+
+
+def test_the_bound_copy_is_counted_in_weight_bytes():
+    from torch import nn
+
+    from llmctl.layers.quantization.matmul import bound_cpu_kernel
+    from llmctl.layers.quantization.params import attach_packed, weight_bytes
+
+    layer = nn.Module()
+    packed, _ = _packed("int4g32", 30, 128, seed=4, half=False)
+    attach_packed(layer, packed, torch.device("cpu"))
+    before = weight_bytes(layer)
+    kernel = bound_cpu_kernel(layer)
+    assert isinstance(kernel, InterleavedKernel)
+    # 8 tiles of 4 rows (2 rows of zeros), 4 groups: 4 x 4 scales + 4 x 64 nibble bytes + 4 x 4 mins, float32
+    assert kernel.tiles.numel() == 8 * (4 * (16 + 64) + 4 * 16)
+    assert weight_bytes(layer) == before + kernel.tiles.numel()

@@ -98,6 +98,8 @@ def weight_bytes(model: nn.Module) -> int:
         tensors = [t for t in module._parameters.values() if t is not None]
         tensors.append(getattr(module, "packed_weight", None))  # a prepacked copy kept beside the plain weight
         tensors += module.__dict__.get("_kernel_scales", ())[1:]  # float16 scales for the kernels (kernel_packed)
+        bound = module.__dict__.get("_bound_cpu_kernel")  # matmul.bound_cpu_kernel: its interleaved copy, if any
+        tensors.append(getattr(bound[1], "tiles", None) if bound else None)
         for tensor in tensors:
             if not isinstance(tensor, torch.Tensor):
                 continue
