@@ -2,7 +2,7 @@
 
 Each function works in float32 whatever the input dtype, so a bf16 checkpoint and its fp32 copy
 quantize to the same packed weight. No calibration data: int4 and fp8 choose their scales (and int4
-its mins) by searching for the least weighted squared error of the weights themselves; each search
+its mins) by searching for the least squared error of the weights themselves; each search
 starts from plain round-to-nearest and keeps it wherever it is not beaten, so a weight's error is
 never larger than before (docs/benchmarks.md, "fifth session", has the perplexities).
 """
@@ -21,7 +21,7 @@ _FP8_SCALES_PER_OCTAVE = 32  # e4m3's grid repeats when the scale doubles: one o
 _FP8_PHASE_BINS = 256  # resolution of a row's log2-position histogram (its error is exact to ~0.3 %)
 _INT4_SEARCH_STEPS = 21  # llama.cpp's make_qkx2_quants: 15 levels +- 1 in steps of 0.1
 _INT4_REFINE_STEPS = 3
-_INT4_CHUNK_GROUPS = 1024  # groups per pass of the int4 search: its buffers stay in cache
+_INT4_CHUNK_GROUPS = 4096  # groups per pass of the int4 search: few calls, buffers still in cache
 
 
 def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -46,96 +46,76 @@ def _int4_levels(x: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> t
     return torch.round((x - mins[:, None]) / scales[:, None]).clamp_(0, 15)
 
 
-def _int4_error(x: torch.Tensor, importance: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """Per group: sum of importance * (dequantized - x)^2, with each weight rounded to its nearest level."""
+def _int4_error(x: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Per group: sum of (dequantized - x)^2, each weight rounded to its nearest level."""
     rounded = _int4_levels(x, scales, mins).mul_(scales[:, None]).add_(mins[:, None]).sub_(x)
-    return rounded.square_().mul_(importance).sum(-1)
+    return rounded.square_().sum(-1)
 
 
-def _level_sums(levels: torch.Tensor, x: torch.Tensor, importance: torch.Tensor,
-                scratch: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
-    """``out[0..2]`` = per group sum(importance * levels), sum(importance * levels * x) and
-    sum(importance * levels^2). In ``scratch`` buffers: a fresh tensor per step costs more than the
-    arithmetic (every allocation of this size is a new memory map)."""
-    weighted = torch.mul(importance, levels, out=scratch[0])
-    torch.sum(weighted, -1, out=out[0])
-    torch.sum(torch.mul(weighted, x, out=scratch[1]), -1, out=out[1])
-    torch.sum(weighted.mul_(levels), -1, out=out[2])
+def _level_sums(levels: torch.Tensor, x: torch.Tensor, scratch: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[0..2]`` = per group sum(levels), sum(levels * x) and sum(levels^2). In a ``scratch``
+    buffer: a fresh tensor per step costs more than the arithmetic (each is a new memory map)."""
+    torch.sum(levels, -1, out=out[0])
+    torch.sum(torch.mul(levels, x, out=scratch), -1, out=out[1])
+    torch.sum(torch.mul(levels, levels, out=scratch), -1, out=out[2])
 
 
 def _int4_fit(moments: tuple[torch.Tensor, ...], sums: torch.Tensor):
-    """Weighted least squares of ``x ~ scale * levels + min`` for each candidate's levels (``sums``:
-    ``[3, candidates, groups]`` from ``_level_sums``), and its weighted squared error, in float64
-    (the error is a small difference of large sums). A fit without a positive scale gets an
-    infinite error."""
-    sum_w, sum_wx, sum_wxx = moments
-    sum_wl, sum_wxl, sum_wll = sums.double()
-    det = sum_w * sum_wll - sum_wl * sum_wl
+    """Least squares of ``x ~ scale * levels + min`` for each candidate's levels (``sums``:
+    ``[3, candidates, groups]`` from ``_level_sums``), and its squared error, in float64 (the error
+    is a small difference of large sums). A fit without a positive scale gets an infinite error."""
+    count, sum_x, sum_xx = moments
+    sum_l, sum_xl, sum_ll = sums.double()
+    det = count * sum_ll - sum_l * sum_l
     solvable = det > 0
     det = torch.where(solvable, det, torch.ones_like(det))
-    scale = (sum_w * sum_wxl - sum_wx * sum_wl) / det
-    low = (sum_wll * sum_wx - sum_wl * sum_wxl) / det
-    error = (scale * scale * sum_wll + 2 * scale * low * sum_wl + low * low * sum_w
-             - 2 * scale * sum_wxl - 2 * low * sum_wx + sum_wxx)
+    scale = (count * sum_xl - sum_x * sum_l) / det
+    low = (sum_ll * sum_x - sum_l * sum_xl) / det
+    error = (scale * scale * sum_ll + 2 * scale * low * sum_l + low * low * count
+             - 2 * scale * sum_xl - 2 * low * sum_x + sum_xx)
     return scale, low, torch.where(solvable & (scale > 0), error, torch.full_like(error, math.inf))
 
 
-_INT4_NO_CLIP = False
-
-
-def _covers(scales, mins, low, high):
-    """Whether the grid reaches the group's extremes to within half a step (nothing clipped)."""
-    low, high = low.double(), high.double()
-    return (mins <= low + 0.5 * scales) & (mins + 15 * scales >= high - 0.5 * scales)
-
-
-def _int4_importance(x: torch.Tensor) -> torch.Tensor:
-    return x.square().mean(-1, keepdim=True).sqrt_() + x.abs()
-
-
 def _int4_search(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and min of each row of ``x`` (one group each), as llama.cpp's ``make_qkx2_quants``
-    chooses them for Q4_K without an importance matrix: each weight's error counts
-    ``rms(group) + |w|`` times (large weights matter more); the levels of 21 scales between
-    ``range / 16`` and ``range / 14`` (from the group's min) are each fitted by weighted least
-    squares, the best kept, then refitted to its own rounding a few times. Starts from plain
-    round-to-nearest (integer zero point and float min): a group's weighted error never grows."""
-    importance = _int4_importance(x)
+    """Scale and min of each row of ``x`` (one group each) with the least squared error, searched
+    as llama.cpp's ``make_qkx2_quants`` (its Q4_K quantizer) searches: the levels of 21 scales
+    between ``range / 16`` and ``range / 14`` (from the group's min) are each fitted by least
+    squares, the best kept, then refitted to its own rounding a few times. Unweighted: llama.cpp's
+    no-imatrix weighting (``rms + |w|``) did worse on the text it was chosen on (docs/benchmarks.md,
+    fifth session). Starts from plain round-to-nearest (integer zero point, or float min where
+    better): no group's error grows."""
     low, high = x.amin(-1), x.amax(-1)
     span = (high - low).clamp(min=_TINY)
     scale = span / 15.0
     zero_point_min = -scale * torch.round(-low / scale).clamp(0, 15)  # the integer zero point of AWQ/GPTQ
-    start_error = _int4_error(x, importance, scale, zero_point_min)
-    minmax_error = _int4_error(x, importance, scale, low)
+    start_error = _int4_error(x, scale, zero_point_min)
+    minmax_error = _int4_error(x, scale, low)
     start_min = torch.where(minmax_error < start_error, low, zero_point_min)
     start_error = torch.minimum(minmax_error, start_error)
 
-    moments = (importance.sum(-1).double(), (importance * x).sum(-1).double(), (importance * x * x).sum(-1).double())
-    offset, levels, scratch = x - low[:, None], torch.empty_like(x), (torch.empty_like(x), torch.empty_like(x))
+    moments = (torch.full_like(low, x.shape[1], dtype=torch.float64), x.sum(-1).double(), x.square().sum(-1).double())
+    offset, levels, scratch = x - low[:, None], torch.empty_like(x), torch.empty_like(x)
     sums = torch.empty(3, _INT4_SEARCH_STEPS, x.shape[0])
     for step in range(_INT4_SEARCH_STEPS):
-        torch.mul(offset, ((14.0 + 0.1 * step) / span)[:, None], out=levels).round_().clamp_(0, 15)
-        _level_sums(levels, x, importance, scratch, sums[:, step])
+        levels_per_span = 14.0 + 2.0 * step / (_INT4_SEARCH_STEPS - 1)  # 14 .. 16
+        torch.mul(offset, (levels_per_span / span)[:, None], out=levels).round_().clamp_(0, 15)
+        _level_sums(levels, x, scratch, sums[:, step])
     scales, mins, errors = _int4_fit(moments, sums)
-    if _INT4_NO_CLIP:
-        errors = torch.where(_covers(scales, mins, low, high), errors, torch.full_like(errors, math.inf))
     pick = errors.argmin(0, keepdim=True)
     best_scale, best_min, best_error = (t.gather(0, pick)[0] for t in (scales, mins, errors))
     better = best_error < start_error
     best_scale, best_min = torch.where(better, best_scale, scale.double()), torch.where(better, best_min, start_min.double())
     best_error = torch.where(better, best_error, start_error.double())
     for _ in range(_INT4_REFINE_STEPS):  # refit the levels the best fit rounds to
-        _level_sums(_int4_levels(x, best_scale.float(), best_min.float()), x, importance, scratch, sums[:, 0])
+        _level_sums(_int4_levels(x, best_scale.float(), best_min.float()), x, scratch, sums[:, 0])
         scales, mins, errors = (t[0] for t in _int4_fit(moments, sums[:, :1]))
-        if _INT4_NO_CLIP:
-            errors = torch.where(_covers(scales, mins, low, high), errors, torch.full_like(errors, math.inf))
         better = errors < best_error
         best_scale, best_min = torch.where(better, scales, best_scale), torch.where(better, mins, best_min)
         best_error = torch.where(better, errors, best_error)
     # The fits' errors assume the levels they were fitted to; rounding each weight to its nearest
     # level can only lower them, but float32 rounding could not: check, keep the start otherwise.
     found_scale, found_min = best_scale.float(), best_min.float()
-    improved = _int4_error(x, importance, found_scale, found_min) <= start_error
+    improved = _int4_error(x, found_scale, found_min) <= start_error
     return torch.where(improved, found_scale, scale), torch.where(improved, found_min, start_min)
 
 
