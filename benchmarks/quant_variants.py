@@ -8,7 +8,7 @@ divergence from the float32 model (see quant_quality.py) on TEXT.
 
 Calibration-free variants (int4 at group 64, fp8 per output channel):
 - int4-rtn: min/max with an integer zero point, round to nearest (llmctl before the search);
-- int4: llmctl's quantize_int4 (weighted scale/min search, llama.cpp's make_qkx2_quants style);
+- int4: llmctl's quantize_int4 (least-squares scale/min search, as llama.cpp's make_qkx2_quants searches);
 - int4-float-min: min/max with a float min (Q4_1-style);
 - int4-hqq: HQQ (half-quadratic, lp-norm p=0.7) optimisation of the zero point, scale fixed;
 - fp8-rtn: the row's max mapped to 448 (llmctl before the search);
