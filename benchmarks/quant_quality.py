@@ -69,7 +69,7 @@ def prefill_logits(model, ids: list[int]) -> torch.Tensor:
     for attn in model.attention_layers():  # a one-slot cache: nothing is stored, fresh prefill reads K/V directly
         attn.key_cache = torch.zeros(1, 16, attn.num_kv_heads, attn.head_dim)
         attn.value_cache = torch.zeros_like(attn.key_cache)
-    i32 = dict(dtype=torch.int32)
+    i32 = {"dtype": torch.int32}
     meta = AttentionMetadata(
         slot_mapping=torch.full((n,), -1, dtype=torch.int64), num_prefills=1, num_prefill_tokens=n, num_decodes=0,
         prefill_query_start_loc=torch.tensor([0, n], **i32), prefill_seq_lens=torch.tensor([n], **i32),

@@ -32,10 +32,15 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_quality import load_quantized, load_tokenizer, prefill_logits, score  # noqa: E402
+from quant_quality import load_quantized, load_tokenizer, prefill_logits, score
 
-from llmctl.layers.linear import LinearBase  # noqa: E402
-from llmctl.layers.quantization import dequantize, quantize_fp8, quantize_int4, quantize_int8  # noqa: E402
+from llmctl.layers.linear import LinearBase
+from llmctl.layers.quantization import (
+    dequantize,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+)
 
 GROUP = 64
 DATA = Path(__file__).parent / "data"

@@ -12,10 +12,23 @@ from llmctl.config import EngineConfig
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.errors import ConfigError
 from llmctl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from llmctl.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                  RowParallelLinear)
-from llmctl.layers.quantization import (PackedInt8, dequantize, install_packed_embedding, install_packed_weight,
-                                        linear_method_for, quantize_fp8, quantize_int4, quantize_int8, weight_bytes)
+from llmctl.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from llmctl.layers.quantization import (
+    PackedInt8,
+    dequantize,
+    install_packed_embedding,
+    install_packed_weight,
+    linear_method_for,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+    weight_bytes,
+)
 from llmctl.layers.quantization.formats import unpack_int4
 from llmctl.sampling_params import SamplingParams
 
