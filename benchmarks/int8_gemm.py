@@ -23,7 +23,7 @@ SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
 
 def cpu_line() -> str:
     try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
         model = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "")
         flags = next((line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags")), [])
         isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
@@ -61,8 +61,8 @@ def main() -> None:
                 raise SystemExit("the native quantized kernels are not available here")
             fp32_times, int8_times = [], []
             for _ in range(2):  # A B A B
-                fp32_times.append(best_time(lambda: torch.mm(x, w.t()), args.reps))
-                int8_times.append(best_time(lambda: kernel(x), args.reps))
+                fp32_times.append(best_time(lambda x=x, w=w: torch.mm(x, w.t()), args.reps))
+                int8_times.append(best_time(lambda x=x, kernel=kernel: kernel(x), args.reps))
             flop = 2 * m * n * k
             fp32, int8 = flop / min(fp32_times) / 1e9, flop / min(int8_times) / 1e9
             print(f"{m:>4} {k:>5} {n:>5} {fp32:>13.1f} {int8:>10.1f} {int8 / fp32:>8.2f}x")
