@@ -1,6 +1,7 @@
 """Per-channel int8 GEMM (kernels/cpu/int8_gemm.h: per-token int16 activations, exact integer sums)
-against torch's fp32 matmul on SmolLM2-135M's linear shapes, in GFLOP/s (2 * M * N * K / time,
-the min over reps). Both run interleaved, A B A B, so that a busy shared machine hurts both alike.
+against torch's fp32 matmul and llmctl's own fp32 panel GEMM (gemm_kernels.h, what
+``--quantization none`` runs) on SmolLM2-135M's linear shapes, in GFLOP/s (2 * M * N * K / time,
+the min over reps). They run interleaved, A B C A B C, so that a busy shared machine hurts all alike.
 
     PYTHONPATH=. .venv/bin/python benchmarks/int8_gemm.py [--threads 2] [--reps 7] [--m 1,64,512]
 """
@@ -14,6 +15,8 @@ import time
 
 import torch
 
+from kernels.fp32_linear import pack_panels
+from kernels.gemm_native import load_gemm_native
 from kernels.quant_native import bind_native
 from llmctl.layers.quantization.quantize import quantize_int8
 
@@ -50,7 +53,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_line()}; threads {args.threads}; min of {args.reps} reps, interleaved")
-    print(f"{'M':>4} {'K':>5} {'N':>5} {'fp32 mm GF/s':>13} {'int8 GF/s':>10} {'speed-up':>9}")
+    gemm = load_gemm_native()
+    print(f"{'M':>4} {'K':>5} {'N':>5} {'torch fp32':>10} {'fp32 panels':>11} {'int8':>6} {'int8/torch':>10} "
+          f"{'int8/panels':>11}   (GFLOP/s)")
     for m in (int(v) for v in args.m.split(",")):
         for k, n in SHAPES:
             gen = torch.Generator().manual_seed(k * n)
@@ -59,13 +64,17 @@ def main() -> None:
             kernel = bind_native(quantize_int8(w))
             if kernel is None:
                 raise SystemExit("the native quantized kernels are not available here")
-            fp32_times, int8_times = [], []
-            for _ in range(2):  # A B A B
-                fp32_times.append(best_time(lambda x=x, w=w: torch.mm(x, w.t()), args.reps))
-                int8_times.append(best_time(lambda x=x, kernel=kernel: kernel(x), args.reps))
-            flop = 2 * m * n * k
-            fp32, int8 = flop / min(fp32_times) / 1e9, flop / min(int8_times) / 1e9
-            print(f"{m:>4} {k:>5} {n:>5} {fp32:>13.1f} {int8:>10.1f} {int8 / fp32:>8.2f}x")
+            panels = pack_panels(w)
+            runs = {"torch": lambda x=x, w=w: torch.mm(x, w.t()),
+                    "panels": lambda x=x, p=panels, n=n: gemm.linear(x, p, n, None),
+                    "int8": lambda x=x, kernel=kernel: kernel(x)}
+            best = dict.fromkeys(runs, float("inf"))
+            for _ in range(2):  # A B C A B C
+                for name, fn in runs.items():
+                    best[name] = min(best[name], best_time(fn, args.reps))
+            rate = {name: 2 * m * n * k / t / 1e9 for name, t in best.items()}
+            print(f"{m:>4} {k:>5} {n:>5} {rate['torch']:>10.1f} {rate['panels']:>11.1f} {rate['int8']:>6.1f} "
+                  f"{rate['int8'] / rate['torch']:>9.2f}x {rate['int8'] / rate['panels']:>10.2f}x")
 
 
 if __name__ == "__main__":

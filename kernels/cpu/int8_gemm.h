@@ -8,9 +8,10 @@
 // row's result depends neither on M nor on the tile, the thread or the code path (AVX2 or the
 // scalar variant): batched == unbatched by construction.
 //
-// Overflow: each int32 lane of an accumulator sums K / 8 products of |w| <= 128 and |x| <= 32767,
-// under 2^31 for K <= KC = 4096; longer rows flush the lanes into int64 every KC inputs. Lanes are
-// summed in int64, S converts to float through double (exact below 2^53, then one rounding).
+// Overflow: each int32 lane of an accumulator sums K / 8 products of |w| <= 128 and |x| <= 32767;
+// two lanes together stay under 2^31 for K <= KC = 2048, so the flush adds lane pairs in int32,
+// then goes on in int64; longer rows flush every KC inputs. S converts to float through double
+// (exact below 2^53, then one rounding).
 //
 // Included by quant_kernels.cpp inside its namespace (and so also compiled into decode_loop.cpp);
 // relies on the headers that file includes. kernels/quant_linear.py ``int_path_reference`` is the
@@ -18,7 +19,7 @@
 
 namespace int8g {
 
-constexpr int64_t KC = 4096;        // inputs per int32 accumulation before a flush into int64
+constexpr int64_t KC = 2048;        // inputs per int32 accumulation before a flush into int64
 // Register tile: MR rows of x x NR rows of w = 12 int32 accumulators, 2 widened weight vectors, one
 // product: 15 of the 16 ymm registers. Each k step widens 2 weight vectors for 12 madd/add pairs.
 constexpr int64_t MR = 6, NR = 2;
@@ -191,10 +192,14 @@ __attribute__((target("avx2"))) inline void tile_sums_6x2_asm(const int16_t* x, 
         : [ws] "r"(k), [xs] "r"(x_stride), [out] "r"(&lanes[0][0])
         : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
           "xmm12", "xmm13", "xmm14", "xmm15", "memory", "cc");
-    for (int t = 0; t < MR * NR; ++t) {
-      int64_t s = 0;
-      for (int l = 0; l < 8; ++l) s += lanes[t][l];
-      sums[t / NR][t % NR] += s;
+    for (int i = 0; i < MR; ++i) {  // both rows' 8 lanes at once: one hadd in int32 (exact, KC <= 2048), then int64
+      const __m256i h = _mm256_hadd_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(lanes[2 * i])),
+                                          _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes[2 * i + 1])));
+      const __m256i q = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(h)),
+                                         _mm256_cvtepi32_epi64(_mm256_extracti128_si256(h, 1)));
+      const __m256i t = _mm256_add_epi64(q, _mm256_shuffle_epi32(q, 0x4E));  // lane 0: row 2i's sum, lane 2: 2i+1's
+      sums[i][0] += _mm256_extract_epi64(t, 0);
+      sums[i][1] += _mm256_extract_epi64(t, 2);
     }
   }
 }

@@ -73,9 +73,10 @@ def test_float16_scales_read_as_the_same_float32():
 
 @needs_native
 def test_extremes_do_not_overflow():
-    """|w| = 128 and |x| = 32767 everywhere: each int32 lane stays below 2^31 up to 4096 inputs and
-    longer rows are flushed to int64; the result is the exact -128 * 32767 * K, rounded once."""
-    for k in (4096, 8192 + 64):
+    """|w| = 128 and |x| = 32767 everywhere (8 rows x 3: the 6 x 2 tile and edge tiles): two int32
+    lanes together stay below 2^31 up to 2048 inputs, longer rows are flushed to int64 every 2048;
+    the result is the exact -128 * 32767 * K, rounded once."""
+    for k in (2048, 4096 + 32, 8192 + 64):
         packed = PackedInt8(torch.full((3, k), -128, dtype=torch.int8), torch.ones(3, 1), None, k)
         x = torch.ones(8, k)
         x[1] = 0.0  # an all-zero row: scale 0, output 0
