@@ -10,6 +10,8 @@
 //   exact), scaled in float by weight-scale x activation-scale. An asymmetric weight's min adds min * sum(x over the group), with the exact
 //   float sum of x. (int8 activations, llama.cpp's Q8_1, cost SmolLM2-135M Q4_1 +1.4 % perplexity
 //   and flipped greedy answers at close margins; int16 costs about one instruction more a block.)
+//   Per-output-channel int8 (group == K, no mins) rounds activations per token instead and sums
+//   each dot product exactly in integers (int8_gemm.h), at every M.
 // - fp8 (e4m3fn) weights: bytes become fp16 by moving the bit fields ((b & 0x80) << 8 | (b & 0x7f) << 7
 //   is the same number times 2^-8, subnormals included), F16C converts to fp32, fp32 FMAs with x.
 // Prefill (many rows) is compute-bound. fp8 then dequantizes a slab of weight rows to fp32 and

@@ -182,7 +182,7 @@ def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchO
     tensors packed in memory (computed by the packed kernels); ``"none"`` dequantizes every weight
     to ``dtype`` (float32 unless asked), the path that matches transformers exactly; ``"int8"``
     (per channel) dequantizes, then quantizes the linear layers on the fly as for a float
-    checkpoint (the file's 4-bit grid re-rounded to int8: the batched-throughput format)."""
+    checkpoint (the file's 4-bit grid re-rounded to int8 per output channel)."""
     if quantization not in ("auto", "none", "int8"):
         raise ModelLoadError(f"{path}: a GGUF file is already quantized; --quantization {quantization} applies to "
                              "float checkpoints (use none to dequantize it, or int8)")
