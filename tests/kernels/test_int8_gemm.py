@@ -111,3 +111,17 @@ def test_generic_variant_computes_the_same_integers(tmp_path):
     x, packed = _case(13, 30, 1536, seed=11)
     assert torch.equal(generic, per_channel_int8_reference(x, packed))
     assert torch.equal(generic, quant_linear_native(x, packed))
+
+
+def test_cpu_fallback_without_native_kernels_computes_the_same_integers(monkeypatch):
+    """A CPU where the native kernels are not available (no AVX2, no compiler, switched off) runs
+    the torch statement of the same arithmetic: the same bits as the kernel."""
+    import llmctl.layers.quantization.matmul as matmul
+    from llmctl.layers.quantization.matmul import quant_linear
+
+    x, packed = _case(5, 24, 192, seed=12)
+    monkeypatch.setattr(matmul, "_native_takes", lambda packed: False)
+    fallback = quant_linear(x, packed)
+    assert torch.equal(fallback, per_channel_int8_reference(x, packed))
+    if native_unavailable_reason() is None:
+        assert torch.equal(fallback, quant_linear_native(x, packed))
