@@ -21,7 +21,8 @@ namespace int8g {
 
 constexpr int64_t KC = 2048;        // inputs per int32 accumulation before a flush into int64
 // Register tile: MR rows of x x NR rows of w = 12 int32 accumulators, 2 widened weight vectors, one
-// product: 15 of the 16 ymm registers. Each k step widens 2 weight vectors for 12 madd/add pairs.
+// x vector, one product: all 16 ymm registers. Each k step widens 2 weight vectors for 12 madd/add
+// pairs. Smaller edge tiles (rows or columns left over) use the intrinsics version.
 constexpr int64_t MR = 6, NR = 2;
 constexpr int64_t PANEL_BYTES = 128 << 10;  // weight rows per pass over x: they stay in L2 while x streams
 
