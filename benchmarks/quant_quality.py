@@ -27,6 +27,7 @@ from unittest import mock
 
 import torch
 
+from kernels.fp32_linear import unpack_panels
 from llmctl.layers.linear import LinearBase
 from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl.layers.quantization import linear_method_for
@@ -54,6 +55,8 @@ def load_quantized(model: str, kind: str, group_size: int):
         with torch.no_grad():
             for layer in loaded.modules():
                 if isinstance(layer, LinearBase):
+                    if layer.weight.dim() == 3:  # fp32 packed in panels for the native GEMM: back to [N, K]
+                        layer.weight.data = unpack_panels(layer.weight.data, layer.out_features)
                     method.process_weights_after_loading(layer)
     return loaded
 
