@@ -7,7 +7,11 @@ then quantized on the fly by the same ``OnTheFlyQuantMethod``.
 
 Runs the model directly (one fresh prefill per window, no KV cache kept): the engine's prompt-
 logprobs path is not used, so this measures the weights alone. Each window of WINDOW tokens is
-scored independently; perplexity = exp(mean negative log-likelihood of tokens 2..WINDOW).
+scored independently; perplexity = exp(mean negative log-likelihood of tokens 2..WINDOW). KLD is
+the mean KL divergence of each kind's next-token distributions from the first kind's (as llama.cpp's
+``llama-perplexity --kl-divergence`` reports): less noisy than a perplexity difference on a few
+thousand tokens, where a rounding error can lower perplexity by luck. ``load s`` is the wall time of
+loading the model with that quantization (the first kind's row is the load without it).
 
     python benchmarks/quant_quality.py ../shared/models/stories260k --text benchmarks/data/fables.txt
     python benchmarks/quant_quality.py smollm2-135m --text benchmarks/data/fables.txt
@@ -17,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
+from kernels.fp32_linear import unpack_panels
 from llmctl.layers.linear import LinearBase
 from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl.layers.quantization import linear_method_for
@@ -38,13 +45,18 @@ def load_quantized(model: str, kind: str, group_size: int):
     if gguf_file is None:
         return load_model(Path(model), dtype="float32", device=CPU, ops=TorchOps(), quantization=kind,
                           quantization_group_size=group_size)
-    loaded, _ = load_gguf(gguf_file, dtype="float32", device=CPU, ops=TorchOps(), with_tokenizer=False,
-                          quantization="none")
+    # Keep the float layers' plain [N, K] weights (no CPU prepacking), so that they can be quantized
+    # after loading, as the checkpoint loader quantizes them before any prepacking.
+    with mock.patch("llmctl.layers.linear.prepack_for_cpu", return_value=None):
+        loaded, _ = load_gguf(gguf_file, dtype="float32", device=CPU, ops=TorchOps(), with_tokenizer=False,
+                              quantization="none")
     method = linear_method_for(kind, group_size)
     if method is not None:
         with torch.no_grad():
             for layer in loaded.modules():
                 if isinstance(layer, LinearBase):
+                    if layer.weight.dim() == 3:  # fp32 packed in panels for the native GEMM: back to [N, K]
+                        layer.weight.data = unpack_panels(layer.weight.data, layer.out_features)
                     method.process_weights_after_loading(layer)
     return loaded
 
@@ -60,7 +72,7 @@ def prefill_logits(model, ids: list[int]) -> torch.Tensor:
     for attn in model.attention_layers():  # a one-slot cache: nothing is stored, fresh prefill reads K/V directly
         attn.key_cache = torch.zeros(1, 16, attn.num_kv_heads, attn.head_dim)
         attn.value_cache = torch.zeros_like(attn.key_cache)
-    i32 = dict(dtype=torch.int32)
+    i32 = {"dtype": torch.int32}
     meta = AttentionMetadata(
         slot_mapping=torch.full((n,), -1, dtype=torch.int64), num_prefills=1, num_prefill_tokens=n, num_decodes=0,
         prefill_query_start_loc=torch.tensor([0, n], **i32), prefill_seq_lens=torch.tensor([n], **i32),
@@ -70,18 +82,24 @@ def prefill_logits(model, ids: list[int]) -> torch.Tensor:
     return model.compute_logits(hidden).float()
 
 
-def perplexity(model, tokens: list[int], window: int) -> tuple[float, int]:
-    nll, count = 0.0, 0
+def score(model, tokens: list[int], window: int, reference: list[torch.Tensor] | None):
+    """Perplexity, the number of predicted tokens, the mean KL divergence from ``reference`` (None:
+    0) and this model's log-probabilities per window (a reference for the next kinds)."""
+    nll, kld, count, logprobs = 0.0, 0.0, 0, []
     with torch.inference_mode():
         for start in range(0, len(tokens) - 1, window):
             chunk = tokens[start : start + window]
             if len(chunk) < 2:
                 break
-            logp = torch.log_softmax(prefill_logits(model, chunk), dim=-1)
+            logp = torch.log_softmax(prefill_logits(model, chunk), dim=-1)[:-1]
             target = torch.tensor(chunk[1:])
-            nll -= logp[:-1].gather(1, target[:, None]).sum().item()
+            nll -= logp.gather(1, target[:, None]).sum().item()
+            if reference is not None:
+                ref = reference[len(logprobs)]
+                kld += (ref.exp() * (ref - logp)).sum().item()
+            logprobs.append(logp)
             count += len(chunk) - 1
-    return math.exp(nll / count), count
+    return math.exp(nll / count), count, kld / count, logprobs
 
 
 def main() -> None:
@@ -92,16 +110,18 @@ def main() -> None:
     parser.add_argument("--kinds", default="none,int8,fp8,int4:32,int4:64,int4:128")
     args = parser.parse_args()
     tokens = load_tokenizer(args.model).encode(args.text.read_text())
-    base = None
+    kinds = args.kinds.split(",")
+    base, reference = None, None
     print(f"{Path(args.model).name}: {len(tokens)} tokens of {args.text.name}, windows of {args.window}")
-    for spec in args.kinds.split(","):
+    for spec in kinds:
         kind, _, group = spec.partition(":")
+        started = time.perf_counter()
         model = load_quantized(args.model, kind, int(group or 64))
-        ppl, count = perplexity(model, tokens, args.window)
-        base = base or ppl
-        print(f"{spec:10s} perplexity {ppl:8.4f}  ({100 * (ppl / base - 1):+6.2f} % vs {args.kinds.split(',')[0]}, "
-              f"{count} predicted tokens)", flush=True)
-
+        load_s = time.perf_counter() - started
+        ppl, count, kld, logprobs = score(model, tokens, args.window, reference)
+        base, reference = base or ppl, reference or logprobs
+        print(f"{spec:10s} perplexity {ppl:8.4f}  ({100 * (ppl / base - 1):+6.2f} % vs {kinds[0]}, "
+              f"{count} predicted tokens)  KLD {kld:.5f}  load {load_s:5.1f} s", flush=True)
 
 if __name__ == "__main__":
     main()

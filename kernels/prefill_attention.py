@@ -27,7 +27,6 @@ def paged_prefill_attention_torch(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     out = torch.empty_like(query)
-    block_size = key_cache.shape[1]
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for i, seq_len in enumerate(lens):
@@ -35,7 +34,6 @@ def paged_prefill_attention_torch(
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        num_blocks = (seq_len + block_size - 1) // block_size
         keys = gather_kv(key_cache, block_tables[i : i + 1], seq_len)[0].to(query.dtype)  # [L, Hkv, D]
         values = gather_kv(value_cache, block_tables[i : i + 1], seq_len)[0].to(query.dtype)
         out[q_start:q_end] = attend_causal(query[q_start:q_end], keys, values, scale)

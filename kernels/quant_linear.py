@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from llmctl.layers.quantization.formats import PackedWeight, dequantize
+from llmctl.layers.quantization.formats import PackedInt8, PackedWeight, dequantize
 
 ACTIVATION_BLOCK = 32  # inputs per dynamic int8 activation scale (the native integer path)
 
@@ -35,9 +35,37 @@ def quantize_activations_torch(x: torch.Tensor, levels: int = ACTIVATION_LEVELS)
     return (q * scale).reshape(m, k)
 
 
+def is_per_channel_int8(packed: PackedWeight) -> bool:
+    """Per-output-channel symmetric int8 (group == K, no mins): the native path rounds activations
+    per token, not per 32-input block (kernels/cpu/int8_gemm.h)."""
+    return isinstance(packed, PackedInt8) and packed.mins is None and packed.group_size == packed.shape[1]
+
+
+def quantize_tokens_torch(x: torch.Tensor, levels: int = ACTIVATION_LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] rounded per row to int16 steps: (integer-valued q [M, K], scale [M]), with
+    ``x ~= q * scale``; scale = max|x row| / levels, q = round_half_even(x * (levels / max|x row|))."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    steps = torch.full_like(amax, float(levels))  # tensor / tensor divides exactly (a scalar may become a reciprocal)
+    inv = torch.where(amax > 0, steps / amax, torch.zeros_like(amax))
+    return torch.round(x * inv[:, None]), amax / steps
+
+
+def per_channel_int8_reference(x: torch.Tensor, packed: PackedInt8) -> torch.Tensor:
+    """Bit for bit what kernels/cpu/int8_gemm.h computes: the exact integer dot products S of the
+    per-token int16 activations and the int8 weights (float64 holds them exactly: |S| < 2^53), then
+    ``float32(S) * (x_scale[m] * w_scale[n])``, returned in float32."""
+    q, x_scale = quantize_tokens_torch(x)
+    sums = q.double() @ packed.qweight.double().t()
+    return sums.float() * (x_scale[:, None] * packed.scales.float().reshape(1, -1))
+
+
 def int_path_reference(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    """The native integer path's arithmetic in torch: int16-rounded activations times the weight's ``scale * q`` part, plus each group's ``min`` times the exact float sum of x
-    over the group."""
+    """The native integer path's arithmetic in torch: int16-rounded activations times the weight's
+    ``scale * q`` part, plus each group's ``min`` times the exact float sum of x over the group.
+    Per-channel int8 rounds per token and is bitwise the kernel's (``per_channel_int8_reference``)."""
+    if is_per_channel_int8(packed):
+        return per_channel_int8_reference(x, packed).to(x.dtype)
     q_only = dataclasses.replace(packed, mins=torch.zeros_like(packed.mins)) if packed.mins is not None else packed
     out = quantize_activations_torch(x) @ dequantize(q_only).t()
     if packed.mins is not None:

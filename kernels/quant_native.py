@@ -40,7 +40,8 @@ def _precondition() -> str | None:
     return None
 
 
-EXTENSION = LazyExtension(NAME, [SOURCE], CFLAGS, LDFLAGS, precondition=_precondition)
+HEADERS = [Path(__file__).parent / "cpu" / "int8_gemm.h"]  # included by the source: part of the cache key
+EXTENSION = LazyExtension(NAME, [SOURCE], CFLAGS, LDFLAGS, headers=HEADERS, precondition=_precondition)
 native_unavailable_reason = EXTENSION.unavailable_reason
 load_quant_native = EXTENSION.load  # the module, or None (the builder says why once on stderr)
 _module_or_raise = EXTENSION.require

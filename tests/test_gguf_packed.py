@@ -58,11 +58,30 @@ def test_every_quantized_tensor_is_installed_packed_and_exact(tiny_llama):
     assert weight_bytes(packed) < weight_bytes(dense) / 2
 
 
-def test_quantization_option_other_than_none_is_refused_for_gguf(tiny_llama):
+def test_quantization_option_other_than_none_or_int8_is_refused_for_gguf(tiny_llama):
     from llmctl.errors import ModelLoadError
 
-    with pytest.raises(ModelLoadError, match="already quantized"):
-        load(tiny_llama, "int8")
+    for kind in ("int4", "fp8"):
+        with pytest.raises(ModelLoadError, match="already quantized"):
+            load(tiny_llama, kind)
+
+
+def test_int8_requantizes_the_dequantized_linear_layers_per_channel(tiny_llama):
+    """``--quantization int8`` on a GGUF file: what int8 does to the float32 (``none``) model."""
+    from llmctl.layers.linear import LinearBase
+    from llmctl.layers.quantization import quantize_int8
+
+    dense, int8 = load(tiny_llama, "none"), load(tiny_llama, "int8")
+    linear = [name for name, module in int8.named_modules() if isinstance(module, LinearBase)]
+    assert linear
+    for name in linear:
+        module, float_weight = int8.get_submodule(name), dense.get_submodule(name).weight
+        if float_weight.dim() == 3:  # fp32 weights packed in panels for the native GEMM
+            float_weight = unpack_panels(float_weight, module.qweight.shape[0])
+        assert (module.packed_format, module.packed_group_size) == ("int8", module.qweight.shape[1])
+        expected = quantize_int8(torch.nn.functional.pad(float_weight, (0, -float_weight.shape[1] % 32)))
+        assert torch.equal(module.qweight, expected.qweight) and torch.equal(module.scales, expected.scales)
+    assert getattr(int8.get_submodule("lm_head"), "qweight", None) is None  # embedding / LM head stay float
 
 
 def test_smollm2_packed_first_tokens_match_fp32():

@@ -12,10 +12,23 @@ from llmctl.config import EngineConfig
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.errors import ConfigError
 from llmctl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from llmctl.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                  RowParallelLinear)
-from llmctl.layers.quantization import (PackedInt8, dequantize, install_packed_embedding, install_packed_weight,
-                                        linear_method_for, quantize_fp8, quantize_int4, quantize_int8, weight_bytes)
+from llmctl.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from llmctl.layers.quantization import (
+    PackedInt8,
+    dequantize,
+    install_packed_embedding,
+    install_packed_weight,
+    linear_method_for,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+    weight_bytes,
+)
 from llmctl.layers.quantization.formats import unpack_int4
 from llmctl.sampling_params import SamplingParams
 
@@ -39,17 +52,16 @@ def test_int8_rounds_to_half_a_step(group):
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_int4_is_asymmetric_with_an_integer_zero(group):
+def test_int4_is_asymmetric_with_a_float_min(group):
     w = _w(8, 256) + 0.5  # not centred on zero
     packed = quantize_int4(w, group)
-    assert packed.qweight.shape == (8, 128) and packed.scales.shape == (8, 256 // group)
-    zeros = -packed.mins / packed.scales
-    torch.testing.assert_close(zeros, zeros.round(), atol=1e-4, rtol=0)
-    step = packed.scales.repeat_interleave(group, 1)
-    assert ((dequantize(packed) - w).abs() <= step / 2 + 1e-5).all()
+    assert packed.qweight.shape == (8, 128) and packed.scales.shape == packed.mins.shape == (8, 256 // group)
+    step, mins = packed.scales.repeat_interleave(group, 1), packed.mins.repeat_interleave(group, 1)
     q = unpack_int4(packed.qweight)  # both nibbles used: low = even k, high = odd k
-    expected_q = torch.round((w - packed.mins.repeat_interleave(group, 1)) / step).clamp(0, 15)
-    assert torch.equal(q.float(), expected_q)
+    assert torch.equal(q.float(), torch.round((w - mins) / step).clamp(0, 15))  # each weight's nearest level
+    inside = (w >= mins) & (w <= mins + 15 * step)
+    assert ((dequantize(packed) - w).abs()[inside] <= step[inside] / 2 + 1e-5).all()
+    assert inside.float().mean() > 0.95  # the searched range may clip a few extremes, not more
 
 
 def test_int4_rejects_other_groups():
@@ -62,7 +74,7 @@ def test_fp8_keeps_three_mantissa_bits():
     packed = quantize_fp8(w)
     assert packed.qweight.dtype == torch.uint8 and packed.scales.shape == (8,)
     scaled = w / packed.scales[:, None]
-    assert scaled.abs().amax(1).sub(448).abs().max() < 1e-3
+    assert ((scaled.abs().amax(1) > 224) & (scaled.abs().amax(1) <= 448)).all()  # a searched scale, no saturation
     err = (dequantize(packed) - w).abs()
     assert (err <= w.abs() / 16 + packed.scales[:, None] * 2.0**-10).all()  # half an ulp, or subnormal step
 

@@ -140,8 +140,13 @@ at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
   // Zero inputs meet the zero-padded weight columns (F.pad in the module path).
   const at::Tensor xp = l.k_packed == l.k ? x : at::constant_pad_nd(x, {0, l.k_packed - l.k});
   const bool int4 = l.kind == Linear::kInt4;
-  const quantk::QuantizedX xq = quantk::quantize_x(xp.data_ptr<float>(), m, l.k_packed, /*nibble_order=*/int4);
   auto out = at::empty({m, l.n}, x.options());
+  if (!int4 && quantk::int8g::per_channel(l.group, l.k_packed, l.mins.defined())) {  // per-token int16 (int8_gemm.h)
+    quantk::int8g::linear(xp.data_ptr<float>(), m, l.k_packed, l.qweight.data_ptr<int8_t>(), l.scales, l.n,
+                          out.data_ptr<float>());
+    return l.bias.defined() ? out.add_(l.bias) : out;
+  }
+  const quantk::QuantizedX xq = quantk::quantize_x(xp.data_ptr<float>(), m, l.k_packed, /*nibble_order=*/int4);
   if (l.tiles.defined())  // the layout the module path's bound kernel reads (kernels/quant_native.py): same bits
     quantk::interleaved_gemm(xq, l.tiles.data_ptr<uint8_t>(), int4, l.scales.scalar_type() == at::kHalf, l.group,
                              l.mins.defined(), l.n, out.data_ptr<float>());

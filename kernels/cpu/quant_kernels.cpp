@@ -10,6 +10,8 @@
 //   exact), scaled in float by weight-scale x activation-scale. An asymmetric weight's min adds min * sum(x over the group), with the exact
 //   float sum of x. (int8 activations, llama.cpp's Q8_1, cost SmolLM2-135M Q4_1 +1.4 % perplexity
 //   and flipped greedy answers at close margins; int16 costs about one instruction more a block.)
+//   Per-output-channel int8 (group == K, no mins) rounds activations per token instead and sums
+//   each dot product exactly in integers (int8_gemm.h), at every M.
 // - fp8 (e4m3fn) weights: bytes become fp16 by moving the bit fields ((b & 0x80) << 8 | (b & 0x7f) << 7
 //   is the same number times 2^-8, subnormals included), F16C converts to fp32, fp32 FMAs with x.
 // Prefill (many rows) is compute-bound. fp8 then dequantizes a slab of weight rows to fp32 and
@@ -34,11 +36,14 @@
 #endif
 #include <immintrin.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -489,6 +494,7 @@ torch::Tensor interleaved_linear(const torch::Tensor& x_in, const torch::Tensor&
   interleaved_gemm(xq, tiles.data_ptr<uint8_t>(), int4, half, group, mins, n, out.data_ptr<float>());
   return out.to(x_in.scalar_type());
 }
+#include "int8_gemm.h"  // per-channel int8: per-token int16 activations, exact int32/int64 sums
 
 // ---- dequantized slabs for prefill --------------------------------------------------------------
 void dequant_int4_rows(const uint8_t* q, const float* s, const float* mn, int64_t group, int64_t k, float* dst) {
@@ -578,7 +584,10 @@ torch::Tensor int8_linear(const torch::Tensor& x_in, const torch::Tensor& qweigh
   const int8_t* q = qweight.data_ptr<int8_t>();
   const int64_t groups = k / group;
   torch::Tensor out;
-  if (int_path) {
+  if (int_path && int8g::per_channel(group, k, mins.has_value())) {
+    out = torch::empty({x.size(0), n}, x.options());
+    int8g::linear(x.data_ptr<float>(), x.size(0), k, q, scales, n, out.data_ptr<float>());
+  } else if (int_path) {
     const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*nibble_order=*/false);
     out = torch::empty({x.size(0), n}, x.options());
     packed_gemm(xq, reinterpret_cast<const uint8_t*>(q), /*int4=*/false, scales, mins.value_or(torch::Tensor()), group,

@@ -22,6 +22,7 @@ from gguf import GGUFReader
 
 from llmctl.errors import ModelLoadError, UnsupportedModelError
 from llmctl.layers.ops import TorchOps
+from llmctl.layers.quantization import linear_method_for
 from llmctl.layers.quantization.formats import PackedWeight
 from llmctl.models import gguf_quants
 from llmctl.models.config import ModelConfig
@@ -179,10 +180,12 @@ def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchO
               quantization: str = "auto") -> tuple[LlamaForCausalLM, Tokenizer | None]:
     """Model and tokenizer from one GGUF file. ``quantization="auto"`` keeps the file's quantized
     tensors packed in memory (computed by the packed kernels); ``"none"`` dequantizes every weight
-    to ``dtype`` (float32 unless asked), the path that matches transformers exactly."""
-    if quantization not in ("auto", "none"):
+    to ``dtype`` (float32 unless asked), the path that matches transformers exactly; ``"int8"``
+    (per channel) dequantizes, then quantizes the linear layers on the fly as for a float
+    checkpoint (the file's 4-bit grid re-rounded to int8 per output channel)."""
+    if quantization not in ("auto", "none", "int8"):
         raise ModelLoadError(f"{path}: a GGUF file is already quantized; --quantization {quantization} applies to "
-                             "float checkpoints (use none to dequantize it)")
+                             "float checkpoints (use none to dequantize it, or int8)")
     path = Path(path)
     reader = open_gguf(path)
     meta = read_metadata(reader, path)
@@ -190,10 +193,11 @@ def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchO
     names = {t.name for t in reader.tensors}
     cfg = ModelConfig.from_dict(gguf_config_dict(meta, names, path), source=str(path))
     tokenizer = gguf_tokenizer(path, meta) if with_tokenizer else None
-    model = build_model(cfg, dtype=cfg.resolve_dtype(dtype, device), device=device, ops=ops)
+    model = build_model(cfg, dtype=cfg.resolve_dtype(dtype, device), device=device, ops=ops,
+                        linear_method=linear_method_for(quantization) if quantization == "int8" else None)
     tensors = iterate_gguf_tensors(reader, cfg, path, ARCHITECTURES[arch][1])
     with torch.no_grad():
-        if quantization == "none":
+        if quantization != "auto":
             rest = ((path, name, gguf_quants.to_float(value)) for name, value in tensors)
         else:
             from llmctl.models.gguf_packed import install_packed

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
 from router_helpers import start_replicas  # noqa: E402

@@ -5,7 +5,6 @@ without the extension and says so."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap

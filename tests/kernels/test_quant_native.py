@@ -2,7 +2,7 @@
 
 Tolerances: the slab (prefill) path and the fp8 kernel compute exactly the reference's products in
 float32, so they differ only by summation order (~1e-5 of the output scale). The integer path
-rounds the activations to int16 per 32-input block;
+rounds the activations to int16 per 32-input block (per token for per-channel int8);
 against ``int_path_reference`` (the same rounding in torch) it again differs only by summation order, and against the plain reference by at most the
 rounding bound sum_k |w[n, k]| * scale_x(block of k) / 2, which the test computes and checks.
 """
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kernels.quant_linear import ACTIVATION_BLOCK, ACTIVATION_LEVELS, int_path_reference, quant_linear_torch
+from kernels.quant_linear import is_per_channel_int8
 from kernels.quant_native import bind_native, native_unavailable_reason, quant_linear_native
 from llmctl.layers.quantization.formats import PackedInt4, PackedInt8, dequantize
 from llmctl.layers.quantization.quantize import quantize_fp8, quantize_int4, quantize_int8
@@ -49,8 +50,9 @@ KINDS = ["int4g32", "int4g64", "int4g128", "int8", "int8g32", "int8g16", "int8-m
 
 def _rounding_bound(x: torch.Tensor, packed) -> torch.Tensor:
     m, k = x.shape
-    scale = x.abs().reshape(m, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK).amax(-1) / ACTIVATION_LEVELS
-    per_input = scale.repeat_interleave(ACTIVATION_BLOCK, dim=1) / 2  # max |x - x_rounded|
+    block = k if is_per_channel_int8(packed) else ACTIVATION_BLOCK  # per-channel int8 rounds per token
+    scale = x.abs().reshape(m, k // block, block).amax(-1) / ACTIVATION_LEVELS
+    per_input = scale.repeat_interleave(block, dim=1) / 2  # max |x - x_rounded|
     q_part = dequantize(packed) - (0 if packed.mins is None else packed.mins.repeat_interleave(packed.group_size, 1))
     return per_input @ q_part.abs().t()
 

@@ -1,7 +1,9 @@
 """``x @ W^T`` for a packed weight: picks the kernel for the device and format.
 
 CUDA runs the Triton kernels, a CPU the native kernels (``kernels/quant_native.py``) where they
-build and take the format; everything else the torch reference (dequantize, then matmul).
+build and take the format; everything else the torch reference (dequantize, then matmul), except
+per-channel int8 on a CPU without the native kernels: its torch statement of the kernel's exact
+integer arithmetic, so that results are the same with or without them.
 """
 
 from __future__ import annotations
@@ -27,9 +29,16 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | Non
 
         out = quant_linear_native(flat, packed)
     else:
-        from kernels.quant_linear import quant_linear_torch  # kernels/ imports this package: import late
+        from kernels.quant_linear import (  # kernels/ imports this package: import late
+            is_per_channel_int8,
+            per_channel_int8_reference,
+            quant_linear_torch,
+        )
 
-        out = quant_linear_torch(flat, packed)
+        if x.device.type == "cpu" and is_per_channel_int8(packed):  # the native kernel's integers, on any CPU
+            out = per_channel_int8_reference(flat, packed).to(x.dtype)
+        else:
+            out = quant_linear_torch(flat, packed)
     out = out.view(*x.shape[:-1], out.shape[-1])
     return out if bias is None else out + bias
 

@@ -1,0 +1,81 @@
+"""Per-channel int8 GEMM (kernels/cpu/int8_gemm.h: per-token int16 activations, exact integer sums)
+against torch's fp32 matmul and llmctl's own fp32 panel GEMM (gemm_kernels.h, what
+``--quantization none`` runs) on SmolLM2-135M's linear shapes, in GFLOP/s (2 * M * N * K / time,
+the min over reps). They run interleaved, A B C A B C, so that a busy shared machine hurts all alike.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/int8_gemm.py [--threads 2] [--reps 7] [--m 1,64,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+import time
+
+import torch
+
+from kernels.fp32_linear import pack_panels
+from kernels.gemm_native import load_gemm_native
+from kernels.quant_native import bind_native
+from llmctl.layers.quantization.quantize import quantize_int8
+
+# (K, N): qkv 576 -> 960, o 576 -> 576, gate-up 576 -> 3072, down 1536 -> 576
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
+
+
+def cpu_line() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
+        model = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "")
+        flags = next((line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags")), [])
+        isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
+        return f"{model or platform.processor()} ({', '.join(isa)})"
+    except (OSError, subprocess.SubprocessError):
+        return platform.processor()
+
+
+def best_time(fn, reps: int) -> float:
+    fn()  # warm caches and the thread pool
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--m", default="1,64,512", help="comma-separated rows of x")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"CPU: {cpu_line()}; threads {args.threads}; min of {args.reps} reps, interleaved")
+    gemm = load_gemm_native()
+    print(f"{'M':>4} {'K':>5} {'N':>5} {'torch fp32':>10} {'fp32 panels':>11} {'int8':>6} {'int8/torch':>10} "
+          f"{'int8/panels':>11}   (GFLOP/s)")
+    for m in (int(v) for v in args.m.split(",")):
+        for k, n in SHAPES:
+            gen = torch.Generator().manual_seed(k * n)
+            w = torch.randn(n, k, generator=gen)
+            x = torch.randn(m, k, generator=gen)
+            kernel = bind_native(quantize_int8(w))
+            if kernel is None:
+                raise SystemExit("the native quantized kernels are not available here")
+            panels = pack_panels(w)
+            runs = {"torch": lambda x=x, w=w: torch.mm(x, w.t()),
+                    "panels": lambda x=x, p=panels, n=n: gemm.linear(x, p, n, None),
+                    "int8": lambda x=x, kernel=kernel: kernel(x)}
+            best = dict.fromkeys(runs, float("inf"))
+            for _ in range(2):  # A B C A B C
+                for name, fn in runs.items():
+                    best[name] = min(best[name], best_time(fn, args.reps))
+            rate = {name: 2 * m * n * k / t / 1e9 for name, t in best.items()}
+            print(f"{m:>4} {k:>5} {n:>5} {rate['torch']:>10.1f} {rate['panels']:>11.1f} {rate['int8']:>6.1f} "
+                  f"{rate['int8'] / rate['torch']:>9.2f}x {rate['int8'] / rate['panels']:>10.2f}x")
+
+
+if __name__ == "__main__":
+    main()
