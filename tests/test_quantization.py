@@ -29,8 +29,8 @@ from llmctl.layers.quantization import (
     quantize_int8,
     weight_bytes,
 )
-from llmctl.layers.quantization.matmul import bound_cpu_kernel
 from llmctl.layers.quantization.formats import unpack_int4
+from llmctl.layers.quantization.matmul import bound_cpu_kernel
 from llmctl.sampling_params import SamplingParams
 
 VOCAB = 320

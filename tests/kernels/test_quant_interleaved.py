@@ -10,8 +10,14 @@ import pytest
 import torch
 
 from kernels.quant_linear import int_path_reference
-from kernels.quant_native import (InterleavedKernel, bind_native, interleaves, load_quant_native,
-                                  native_unavailable_reason, quant_linear_native)
+from kernels.quant_native import (
+    InterleavedKernel,
+    bind_native,
+    interleaves,
+    load_quant_native,
+    native_unavailable_reason,
+    quant_linear_native,
+)
 from llmctl.layers.quantization.formats import PackedInt4, PackedInt8
 from llmctl.layers.quantization.quantize import quantize_int4, quantize_int8
 
@@ -67,7 +73,7 @@ def test_tile_bytes_are_where_the_kernel_reads_them():
     scales = torch.arange(n * 2, dtype=torch.float16).reshape(n, 2) + 1
     mins = -scales
     tiles = load_quant_native().interleave_tiles(q, scales, mins, 32)
-    halves = lambda t: t.contiguous().view(torch.uint8).flatten()  # noqa: E731
+    halves = lambda t: t.contiguous().view(torch.uint8).flatten()
     expected = torch.cat([halves(scales[:, 0]), q[:, :16].flatten(), halves(scales[:, 1]), q[:, 16:].flatten(),
                           halves(mins.t())])
     assert torch.equal(tiles, expected)
