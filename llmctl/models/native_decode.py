@@ -123,8 +123,8 @@ def _bind_linear(module: object, layer: LinearBase) -> object:
     from llmctl.layers.quantization.matmul import bound_cpu_kernel
     from llmctl.layers.quantization.params import kernel_packed
 
-    packed = kernel_packed(layer)  # float16 scales and mins where exact: fewer bytes a step, same bits
-    tiles = getattr(bound_cpu_kernel(layer), "tiles", None)  # the module path's interleaved copy, shared
+    tiles = getattr(bound_cpu_kernel(layer, release_rows=True), "tiles", None)  # the module path's copy, shared
+    packed = kernel_packed(layer)  # after binding: a released qweight passes as its meta shape only
     return module.make_linear(layer.packed_format, layer.in_features, qweight=packed.qweight.data,
                               scales=packed.scales.data, mins=None if packed.mins is None else packed.mins.data,
                               group=layer.packed_group_size, bias=bias, tiles=tiles)

@@ -43,16 +43,26 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | Non
     return out if bias is None else out + bias
 
 
-def bound_cpu_kernel(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def bound_cpu_kernel(module: nn.Module, *, release_rows: bool = False) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The native CPU kernel bound to this module's packed weight (``x [M, K] -> [M, N]``; float16
     scales where exact, ``kernel_packed``), or None where only the torch reference applies. Bound
     once and kept on the module while it holds the same ``qweight``: decode then pays no per-call
-    dispatch (format checks, imports, the environment), ~120 calls a step."""
+    dispatch (format checks, imports, the environment), ~120 calls a step.
+
+    ``release_rows`` (linear layers): once the kernel reads its own tile-interleaved copy, the
+    row-layout ``qweight`` is replaced by a meta tensor of the same shape, so the packed bytes are
+    held once, not twice. Nothing on a CPU reads them after binding; a read of their values would
+    fail loudly. A tied LM head keeps its rows: the embedding looks tokens up in them."""
     cached = module.__dict__.get("_bound_cpu_kernel")
     if cached is None or cached[0] is not module.qweight:
         from kernels.quant_native import bind_native
 
         cached = (module.qweight, bind_native(kernel_packed(module)))
+        module.__dict__["_bound_cpu_kernel"] = cached
+    if release_rows and getattr(cached[1], "tiles", None) is not None and not module.qweight.is_meta:
+        shape, dtype = module.qweight.shape, module.qweight.dtype
+        module.qweight = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+        cached = (module.qweight, cached[1])
         module.__dict__["_bound_cpu_kernel"] = cached
     return cached[1]
 

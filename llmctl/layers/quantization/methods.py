@@ -37,7 +37,7 @@ class PackedLinearMethod:
         padding = layer.qweight.shape[1] * (2 if layer.packed_format == "int4" else 1) - x.shape[-1]
         if padding:  # zero inputs meet the zero-padded weight columns
             x = F.pad(x, (0, padding))
-        kernel = bound_cpu_kernel(layer) if x.device.type == "cpu" else None
+        kernel = bound_cpu_kernel(layer, release_rows=True) if x.device.type == "cpu" else None
         if kernel is None:
             return quant_linear(x, read_packed(layer), bias)
         if x.dim() == 2:  # the models' case: the reshape/view round trip costs ~6 µs, ~120 calls a step

@@ -101,7 +101,7 @@ def weight_bytes(model: nn.Module) -> int:
         bound = module.__dict__.get("_bound_cpu_kernel")  # matmul.bound_cpu_kernel: its interleaved copy, if any
         tensors.append(getattr(bound[1], "tiles", None) if bound else None)
         for tensor in tensors:
-            if not isinstance(tensor, torch.Tensor):
+            if not isinstance(tensor, torch.Tensor) or tensor.is_meta:  # meta: released (bound_cpu_kernel)
                 continue
             nbytes = tensor.numel() * tensor.element_size()
             key = id(tensor) if tensor.is_mkldnn else (tensor.device, tensor.data_ptr(), nbytes)
