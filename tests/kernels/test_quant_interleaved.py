@@ -115,3 +115,36 @@ def test_the_bound_copy_is_counted_in_weight_bytes():
     # 8 tiles of 4 rows (2 rows of zeros), 4 groups: 4 x 4 scales + 4 x 64 nibble bytes + 4 x 4 mins, float32
     assert kernel.tiles.numel() == 8 * (4 * (16 + 64) + 4 * 16)
     assert weight_bytes(layer) == before + kernel.tiles.numel()
+
+
+def test_a_released_linear_layer_holds_its_bytes_once_and_computes_the_same():
+    from torch import nn
+
+    from llmctl.layers.quantization.matmul import bound_cpu_kernel
+    from llmctl.layers.quantization.params import attach_packed, weight_bytes
+
+    layer = nn.Module()
+    packed, _ = _packed("int4g32", 30, 128, seed=5, half=False)
+    attach_packed(layer, packed, torch.device("cpu"))
+    before, qweight_bytes = weight_bytes(layer), packed.qweight.numel()
+    x = torch.randn(3, 128)
+    expected = bound_cpu_kernel(layer)(x)
+    kernel = bound_cpu_kernel(layer, release_rows=True)
+    assert layer.qweight.is_meta and layer.qweight.shape == packed.qweight.shape
+    assert weight_bytes(layer) == before - qweight_bytes + kernel.tiles.numel()
+    assert bound_cpu_kernel(layer) is kernel  # still bound: no rebinding from the meta tensor
+    assert torch.equal(kernel(x), expected)
+
+
+def test_a_layer_without_tiles_keeps_its_rows(monkeypatch):
+    from torch import nn
+
+    from llmctl.layers.quantization.matmul import bound_cpu_kernel
+    from llmctl.layers.quantization.params import attach_packed
+
+    monkeypatch.setenv("LLMCTL_QUANT_INTERLEAVE", "0")
+    layer = nn.Module()
+    packed, _ = _packed("int4g32", 8, 64, seed=6, half=False)
+    attach_packed(layer, packed, torch.device("cpu"))
+    bound_cpu_kernel(layer, release_rows=True)
+    assert not layer.qweight.is_meta and torch.equal(layer.qweight, packed.qweight)
