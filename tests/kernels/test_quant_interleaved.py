@@ -117,22 +117,30 @@ def test_the_bound_copy_is_counted_in_weight_bytes():
     assert weight_bytes(layer) == before + kernel.tiles.numel()
 
 
-def test_a_released_linear_layer_holds_its_bytes_once_and_computes_the_same():
+@pytest.mark.parametrize("kind", ["int4g32", "int8g32"])
+@pytest.mark.parametrize("exact_half", [False, True])
+def test_a_released_linear_layer_holds_its_bytes_once_and_computes_the_same(kind, exact_half):
     from torch import nn
 
     from llmctl.layers.quantization.matmul import bound_cpu_kernel
-    from llmctl.layers.quantization.params import attach_packed, weight_bytes
+    from llmctl.layers.quantization.params import attach_packed, kernel_packed, weight_bytes
 
     layer = nn.Module()
-    packed, _ = _packed("int4g32", 30, 128, seed=5, half=False)
+    packed, _ = _packed(kind, 30, 128, seed=5, half=False)
+    if exact_half:  # float32 scales that are exact float16 values (GGUF's): kernel_packed keeps float16 copies
+        packed = type(packed)(packed.qweight, packed.scales.half().float(),
+                              None if packed.mins is None else packed.mins.half().float(), packed.group_size)
     attach_packed(layer, packed, torch.device("cpu"))
-    before, qweight_bytes = weight_bytes(layer), packed.qweight.numel()
     x = torch.randn(3, 128)
     expected = bound_cpu_kernel(layer)(x)
     kernel = bound_cpu_kernel(layer, release_rows=True)
-    assert layer.qweight.is_meta and layer.qweight.shape == packed.qweight.shape
-    assert weight_bytes(layer) == before - qweight_bytes + kernel.tiles.numel()
-    assert bound_cpu_kernel(layer) is kernel  # still bound: no rebinding from the meta tensor
+    for name, tensor in layer.named_parameters():
+        assert tensor.is_meta and tensor.shape == getattr(packed, name).shape, name
+    copies = kernel_packed(layer)  # the float16 copies the decode loop binds (real), or metas
+    kept = sum(t.numel() * t.element_size() for t in (copies.scales, copies.mins) if t is not None and not t.is_meta)
+    assert (kept > 0) == exact_half
+    assert weight_bytes(layer) == kernel.tiles.numel() + kept
+    assert bound_cpu_kernel(layer) is kernel  # still bound: no rebinding from the meta tensors
     assert torch.equal(kernel(x), expected)
 
 

@@ -49,10 +49,11 @@ def bound_cpu_kernel(module: nn.Module, *, release_rows: bool = False) -> Callab
     once and kept on the module while it holds the same ``qweight``: decode then pays no per-call
     dispatch (format checks, imports, the environment), ~120 calls a step.
 
-    ``release_rows`` (linear layers): once the kernel reads its own tile-interleaved copy, the
-    row-layout ``qweight`` is replaced by a meta tensor of the same shape, so the packed bytes are
-    held once, not twice. Nothing on a CPU reads them after binding; a read of their values would
-    fail loudly. A tied LM head keeps its rows: the embedding looks tokens up in them."""
+    ``release_rows`` (linear layers): once the kernel reads its own tile-interleaved copy (which
+    carries the scales and mins too), the row-layout ``qweight``, ``scales`` and ``mins`` are
+    replaced by meta tensors of the same shapes, so the weight is held once, not twice. Nothing on a
+    CPU reads them after binding; a read of their values would fail loudly. A tied LM head keeps its
+    rows: the embedding looks tokens up in them."""
     cached = module.__dict__.get("_bound_cpu_kernel")
     if cached is None or cached[0] is not module.qweight:
         from kernels.quant_native import bind_native
@@ -60,11 +61,27 @@ def bound_cpu_kernel(module: nn.Module, *, release_rows: bool = False) -> Callab
         cached = (module.qweight, bind_native(kernel_packed(module)))
         module.__dict__["_bound_cpu_kernel"] = cached
     if release_rows and getattr(cached[1], "tiles", None) is not None and not module.qweight.is_meta:
-        shape, dtype = module.qweight.shape, module.qweight.dtype
-        module.qweight = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+        _release_rows(module)
         cached = (module.qweight, cached[1])
         module.__dict__["_bound_cpu_kernel"] = cached
     return cached[1]
+
+
+def _release_rows(module: nn.Module) -> None:
+    """Meta tensors in place of the row-layout parameters. ``kernel_packed``'s float16 copies stay
+    (the native decode loop takes the scales' dtype from what it hands over) and are re-keyed to
+    the new ``scales`` so that they are not rebuilt from a meta tensor; where it handed over the
+    parameters themselves, it now hands over their metas."""
+    released = {}
+    for name in ("qweight", "scales", "mins"):
+        tensor = module._parameters.get(name)
+        if tensor is not None:
+            meta = nn.Parameter(torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"), requires_grad=False)
+            released[id(tensor)] = module._parameters[name] = meta
+    kernel_scales = module.__dict__.get("_kernel_scales")
+    if kernel_scales is not None:
+        copies = (None if t is None else released.get(id(t), t) for t in kernel_scales[1:])
+        module.__dict__["_kernel_scales"] = (module.scales, *copies)
 
 
 def _native_takes(packed: PackedWeight) -> bool:

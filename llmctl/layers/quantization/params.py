@@ -72,7 +72,7 @@ def kernel_packed(module: nn.Module) -> PackedWeight:
     results bit for bit. Kept on the module (``weight_bytes`` counts it): the layer's bound kernel
     and the native decode loop share one copy."""
     packed = read_packed(module)
-    if (not isinstance(packed, (PackedInt4, PackedInt8)) or packed.scales.device.type != "cpu"
+    if (not isinstance(packed, (PackedInt4, PackedInt8)) or packed.scales.device.type not in ("cpu", "meta")
             or os.environ.get("LLMCTL_QUANT_HALF_SCALES") == "0"):  # the A/B switch: float32 scales
         return packed
     cached = module.__dict__.get("_kernel_scales")
