@@ -67,20 +67,21 @@ def bound_cpu_kernel(module: nn.Module, *, release_rows: bool = False) -> Callab
     return cached[1]
 
 
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
 def _release_rows(module: nn.Module) -> None:
-    """Meta tensors in place of the row-layout parameters. ``kernel_packed``'s float16 copies stay
-    (the native decode loop takes the scales' dtype from what it hands over) and are re-keyed to
-    the new ``scales`` so that they are not rebuilt from a meta tensor; where it handed over the
-    parameters themselves, it now hands over their metas."""
-    released = {}
+    """Meta tensors in place of the row-layout parameters, and of ``kernel_packed``'s float16
+    copies of the scales and mins, re-keyed to the new ``scales`` so that they are not rebuilt:
+    the native decode loop, which binds the same tiles, still learns the scales' dtype from them."""
     for name in ("qweight", "scales", "mins"):
         tensor = module._parameters.get(name)
         if tensor is not None:
-            meta = nn.Parameter(torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"), requires_grad=False)
-            released[id(tensor)] = module._parameters[name] = meta
+            module._parameters[name] = nn.Parameter(_meta_like(tensor), requires_grad=False)
     kernel_scales = module.__dict__.get("_kernel_scales")
     if kernel_scales is not None:
-        copies = (None if t is None else released.get(id(t), t) for t in kernel_scales[1:])
+        copies = (None if t is None else _meta_like(t) for t in kernel_scales[1:])
         module.__dict__["_kernel_scales"] = (module.scales, *copies)
 
 
