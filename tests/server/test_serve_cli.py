@@ -88,13 +88,26 @@ def _refused(url: str) -> bool:
     return False
 
 
-def _start_cancellable_load(server) -> tuple[list[threading.Thread], dict[str, object], threading.Event]:
+class _EveryStream:
+    """Waits until every stream has generated a few events: both must be running when the test
+    interrupts the server (one Event for both let a loaded machine interrupt it before the second
+    stream was admitted, which then got a 503 instead of a stream)."""
+
+    def __init__(self, count: int) -> None:
+        self.events = [threading.Event() for _ in range(count)]
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(event.wait(max(0.0, deadline - time.monotonic())) for event in self.events)
+
+
+def _start_cancellable_load(server) -> tuple[list[threading.Thread], dict[str, object], _EveryStream]:
     """Two streams that are generating and one plain request, all far from done."""
     results: dict[str, object] = {}
-    streaming = threading.Event()
+    streaming = _EveryStream(2)
     body = {"prompt": "Hello there", "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
 
-    def stream(name: str) -> None:
+    def stream(index: int) -> None:
         events: list = []
         with httpx.stream("POST", f"{server.base_url}/completions", json={**body, "stream": True},
                           timeout=120) as response:
@@ -102,13 +115,13 @@ def _start_cancellable_load(server) -> tuple[list[threading.Thread], dict[str, o
                 if line.startswith("data: "):
                     events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
                     if len(events) >= 3:
-                        streaming.set()
-        results[name] = events
+                        streaming.events[index].set()
+        results[f"stream{index}"] = events
 
     def plain() -> None:
         results["plain"] = httpx.post(f"{server.base_url}/completions", json=body, timeout=120)
 
-    threads = [threading.Thread(target=stream, args=(f"stream{i}",)) for i in range(2)]
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
     threads.append(threading.Thread(target=plain))
     for thread in threads:
         thread.start()
