@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from llmctl.engine.llm_engine import LLMEngine
+from llmctl.engine.openmp import release_thread_pool
 from llmctl.engine.outputs import RequestOutput
 from llmctl.engine.stats import EngineCounters, StepStats
 from llmctl.errors import EngineBusyError
@@ -37,7 +38,11 @@ class AsyncEngine:
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> AsyncEngine:
+        """Start the loop thread. Call it from the thread that loaded the model: that thread's
+        OpenMP workers are released here, so the loop thread's are the only ones (two pools on
+        a small machine cost ~25 % of throughput; llmctl/engine/openmp.py)."""
         if self._thread is None:
+            release_thread_pool()
             self._thread = threading.Thread(target=self._loop, name="llmctl-engine", daemon=True)
             self._thread.start()
         return self
