@@ -112,3 +112,19 @@ def _engine_with(path, mode: str) -> LLMEngine:
     from llmctl.config import EngineConfig
 
     return LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_cache_memory=16 << 20, quantization=mode))
+
+
+def test_packed_kernels_are_bound_at_load_so_the_startup_bytes_are_final(tiny_llama):
+    """The start-up line prints weight_bytes right after loading: every packed layer, the LM head
+    included, has its CPU kernel bound by then, so a request changes nothing it counted."""
+    from kernels.quant_native import native_unavailable_reason
+
+    if native_unavailable_reason() is not None:
+        pytest.skip(f"native quantized kernels: {native_unavailable_reason()}")
+    engine = _engine_with(tiny_llama, "auto")
+    packed = [m for m in engine.model.modules() if m._parameters.get("qweight") is not None]
+    assert packed and all("_bound_cpu_kernel" in m.__dict__ for m in packed if m is not engine.model.model.embed_tokens)
+    assert "_bound_cpu_kernel" in engine.model.lm_head.__dict__
+    at_load = weight_bytes(engine.model)
+    engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert weight_bytes(engine.model) == at_load

@@ -16,6 +16,7 @@ from llmctl.engine.kv_cache import KVFormat, QuantizedKVCache
 from llmctl.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmctl.engine.sequence import Sequence
 from llmctl.layers.ops import AttentionMetadata
+from llmctl.layers.quantization.matmul import bind_cpu_kernels
 from llmctl.models.llama import LlamaForCausalLM
 from llmctl.models.native_decode import build_native_decode
 
@@ -74,6 +75,8 @@ class ModelRunner:
         self.num_blocks_zeroed = 0
         for i, layer in enumerate(layers):
             layer.key_cache, layer.value_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        if device.type == "cpu":
+            bind_cpu_kernels(model)
         # Decode-only steps in one native call where the model allows (else None); decode_path says which.
         self.native_decode, self.decode_path = build_native_decode(model, self.kv_cache)
 

@@ -67,6 +67,23 @@ def bound_cpu_kernel(module: nn.Module, *, release_rows: bool = False) -> Callab
     return cached[1]
 
 
+def bind_cpu_kernels(model: nn.Module) -> None:
+    """Bind every packed CPU layer's kernel at load instead of at its first call: the weight bytes
+    a start-up line reports are then those a request runs with (the tile-interleaved copies made,
+    the row layouts they replace released), and the first request does not pay for the binding."""
+    from llmctl.layers.embedding import ParallelLMHead  # both import this module: import late
+    from llmctl.layers.quantization.methods import PackedLinearMethod
+
+    for module in model.modules():
+        qweight = module._parameters.get("qweight")
+        if qweight is None or qweight.device.type != "cpu":
+            continue
+        if isinstance(getattr(module, "method", None), PackedLinearMethod):
+            bound_cpu_kernel(module, release_rows=True)
+        elif isinstance(module, ParallelLMHead):  # keeps its rows: a tied embedding reads them
+            bound_cpu_kernel(module)
+
+
 def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
