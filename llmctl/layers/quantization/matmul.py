@@ -71,7 +71,8 @@ def bind_cpu_kernels(model: nn.Module) -> None:
     """Bind every packed CPU layer's kernel at load instead of at its first call: the weight bytes
     a start-up line reports are then those a request runs with (the tile-interleaved copies made,
     the row layouts they replace released), and the first request does not pay for the binding."""
-    from llmctl.layers.embedding import ParallelLMHead  # both import this module: import late
+    # both modules import this one: import them late
+    from llmctl.layers.embedding import ParallelLMHead
     from llmctl.layers.quantization.methods import PackedLinearMethod
 
     for module in model.modules():
