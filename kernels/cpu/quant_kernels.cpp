@@ -352,39 +352,35 @@ __attribute__((target("avx2"))) inline __m256 lane(__m256 v, int r) {
   return _mm256_permutevar_ps(v, _mm256_set1_epi32(r));
 }
 
-// ONE_BLOCK: groups of 32 (GGUF's Q4_1, Q4_0, Q8_0), the inner loop known to run once.
-template <typename S, bool ONE_BLOCK>
-__attribute__((target("avx2,fma,f16c"))) void int4_tile_interleaved(const uint8_t* p, const TileLayout& l, XRow x,
-                                                                    float* out) {
-  const __m256i nibble = _mm256_setr_epi16(15, 15, 15, 15, 15, 15, 15, 15, 240, 240, 240, 240, 240, 240, 240, 240);
-  const __m256i unscale = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
-  const int64_t bpg = ONE_BLOCK ? 1 : l.bpg;
-  __m256 acc[RT];
-  for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (int64_t g = 0; g < l.groups; ++g) {
-    const __m256 scales = group_scales<S>(p);
-    p += RT * sizeof(S);
-    for (int64_t e = 0; e < bpg; ++e, ++b, p += RT * 16) {
-      _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PREFETCH), _MM_HINT_T0);
-      const __m256i x01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB));
-      const __m256i x23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB + 16));
-      const __m256 sx = _mm256_mul_ps(scales, _mm256_set1_ps(x.scale[b]));
-      for (int r = 0; r < RT; ++r) {
-        const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + r * 16)));
-        const __m256i n01 = _mm256_and_si256(raw, nibble), n23 = _mm256_and_si256(_mm256_srli_epi16(raw, 8), nibble);
-        const __m256i dot = _mm256_srav_epi32(
-            _mm256_add_epi32(_mm256_madd_epi16(n01, x01), _mm256_madd_epi16(n23, x23)), unscale);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), lane(sx, r), acc[r]);
-      }
-    }
+// What differs between the formats in an interleaved tile: one row's block against one x block,
+// as int32 lanes (exact, as in int4_tile_avx2 / int8_tile_avx2), and a block's bytes per row.
+struct Int4Block {
+  static constexpr int64_t BYTES = QB / 2;
+  __attribute__((target("avx2"))) static __m256i dot(const uint8_t* w, __m256i x01, __m256i x23) {
+    const __m256i nibble = _mm256_setr_epi16(15, 15, 15, 15, 15, 15, 15, 15, 240, 240, 240, 240, 240, 240, 240, 240);
+    const __m256i unscale = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m256i n01 = _mm256_and_si256(raw, nibble), n23 = _mm256_and_si256(_mm256_srli_epi16(raw, 8), nibble);
+    return _mm256_srav_epi32(_mm256_add_epi32(_mm256_madd_epi16(n01, x01), _mm256_madd_epi16(n23, x23)), unscale);
   }
-  add_mins<RT, S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x.group_sums, acc, out, 1, RT);
-}
+};
 
-template <typename S, bool ONE_BLOCK>
-__attribute__((target("avx2,fma,f16c"))) void int8_tile_interleaved(const uint8_t* p, const TileLayout& l, XRow x,
-                                                                    float* out) {
+struct Int8Block {
+  static constexpr int64_t BYTES = QB;
+  __attribute__((target("avx2"))) static __m256i dot(const uint8_t* w, __m256i xlo, __m256i xhi) {
+    const __m128i* v = reinterpret_cast<const __m128i*>(w);
+    const __m256i lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(v)), xlo);
+    const __m256i hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(v + 1)), xhi);
+    return _mm256_add_epi32(lo, hi);
+  }
+};
+
+// One tile of the interleaved layout against one quantized x row: walks the stream group by group
+// (the RT scales, then each block's RT rows), then adds the mins. ONE_BLOCK: groups of 32 (GGUF's
+// Q4_1, Q4_0, Q8_0), the inner loop known to run once.
+template <typename S, bool ONE_BLOCK, typename Block>
+__attribute__((target("avx2,fma,f16c"))) void tile_interleaved(const uint8_t* p, const TileLayout& l, XRow x,
+                                                               float* out) {
   const int64_t bpg = ONE_BLOCK ? 1 : l.bpg;
   __m256 acc[RT];
   for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
@@ -392,18 +388,14 @@ __attribute__((target("avx2,fma,f16c"))) void int8_tile_interleaved(const uint8_
   for (int64_t g = 0; g < l.groups; ++g) {
     const __m256 scales = group_scales<S>(p);
     p += RT * sizeof(S);
-    for (int64_t e = 0; e < bpg; ++e, ++b, p += RT * QB) {
-      _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PREFETCH), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PREFETCH + 64), _MM_HINT_T0);
-      const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB));
-      const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB + 16));
+    for (int64_t e = 0; e < bpg; ++e, ++b, p += RT * Block::BYTES) {
+      for (int64_t line = 0; line < RT * Block::BYTES / 64; ++line)  // the lines 2 KiB ahead: 1 (int4), 2 (int8)
+        _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PREFETCH + 64 * line), _MM_HINT_T0);
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB + 16));
       const __m256 sx = _mm256_mul_ps(scales, _mm256_set1_ps(x.scale[b]));
-      for (int r = 0; r < RT; ++r) {
-        const __m128i* w = reinterpret_cast<const __m128i*>(p + r * QB);
-        const __m256i lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(w)), xlo);
-        const __m256i hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(w + 1)), xhi);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), lane(sx, r), acc[r]);
-      }
+      for (int r = 0; r < RT; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Block::dot(p + r * Block::BYTES, x0, x1)), lane(sx, r), acc[r]);
     }
   }
   add_mins<RT, S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x.group_sums, acc, out, 1, RT);
@@ -417,8 +409,9 @@ template <typename S>
 void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, int64_t group, bool mins, int64_t n,
                          float* out) {
   const TileLayout l = tile_layout(xq.k, group, int4, sizeof(S), mins);
-  const InterleavedTileFn<S> tile = int4 ? (l.bpg == 1 ? int4_tile_interleaved<S, true> : int4_tile_interleaved<S, false>)
-                                          : (l.bpg == 1 ? int8_tile_interleaved<S, true> : int8_tile_interleaved<S, false>);
+  const InterleavedTileFn<S> tile =
+      int4 ? (l.bpg == 1 ? tile_interleaved<S, true, Int4Block> : tile_interleaved<S, false, Int4Block>)
+           : (l.bpg == 1 ? tile_interleaved<S, true, Int8Block> : tile_interleaved<S, false, Int8Block>);
   const int64_t m = xq.m, nb = xq.k / QB, tile_bytes = l.tile_bytes();
   std::vector<float> xsums(m * l.groups);
   if (mins) {
