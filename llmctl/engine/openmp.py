@@ -5,8 +5,9 @@ each host thread that starts a parallel region owns a pool of its own. A server 
 the model in the main thread, then steps the engine in a background thread, so two pools exist;
 libgomp then counts more threads than CPUs and cuts the time its idle workers spin from ~3 ms to
 100 spins, so the engine thread's workers fall asleep between two kernels and are woken late for
-the next. Measured on a 2-core Zen 3 with SmolLM2-135M, 64 × 128 → 128: the loop in the main thread
-ran at 180 output tok/s, the same loop in a second thread at 122-140, with the same CPU time.
+the next. Measured on a 2-core Zen 3 with SmolLM2-135M, 64 × 128 → 128 (benchmarks/engine_thread.py):
+the loop in the main thread ran at 180-197 output tok/s, the same loop in a second thread at
+122-169, with the same CPU time.
 
 Releasing the calling thread's pool (OpenMP 5.0 ``omp_pause_resource_all``) before the engine
 thread starts leaves one pool, the engine thread's. A later parallel region in the releasing thread
