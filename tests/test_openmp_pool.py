@@ -3,11 +3,13 @@ pool in the process, not two (llmctl/engine/openmp.py says why that matters for 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,16 +22,36 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or loaded_o
                                 reason="finds the OpenMP runtime and counts threads through /proc (Linux)")
 
 
-def os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def threads_named(name: str) -> set[int]:
+    """Thread ids of this process whose name is ``name`` (threads inherit their creator's name)."""
+    found = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            if Path(f"/proc/self/task/{tid}/comm").read_text().strip() == name:
+                found.add(int(tid))
+        except OSError:  # the thread ended meanwhile
+            continue
+    return found
 
 
-def settled_threads(expected: int, timeout_s: float = 5.0) -> int:
-    """The thread count once it equals ``expected`` (a released worker exits asynchronously)."""
+def set_own_name(name: str) -> None:
+    libc = ctypes.CDLL(None)
+    assert libc.prctl(15, name.encode(), 0, 0, 0) == 0  # PR_SET_NAME: threads made from now on inherit it
+
+
+def workers_of_this_thread(name: str) -> set[int]:
+    """The OpenMP workers this thread made (after ``set_own_name(name)``): its namesakes but itself."""
+    return threads_named(name) - {threading.get_native_id()}
+
+
+def gone(tids: set[int], name: str, timeout_s: float = 5.0) -> bool:
+    """True once none of ``tids`` is alive (released workers exit asynchronously)."""
     deadline = time.monotonic() + timeout_s
-    while os_threads() != expected and time.monotonic() < deadline:
+    while tids & threads_named(name):
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.01)
-    return os_threads()
+    return True
 
 
 def parallel_region() -> None:
@@ -68,30 +90,28 @@ def test_the_runtime_is_torchs_openmp():
 
 
 def test_release_frees_the_calling_threads_workers(two_threads):
-    def body() -> tuple[int, int, int, bool]:
-        alone = os_threads()
-        parallel_region()  # this thread's pool: one worker beside it
-        with_pool = os_threads()
+    def body() -> tuple[set[int], bool, bool]:
+        set_own_name("llmctl-omp-t1")
+        parallel_region()  # this thread's pool: one worker beside it, named after it
+        workers = workers_of_this_thread("llmctl-omp-t1")
         released = release_thread_pool()
-        return alone, with_pool, settled_threads(alone), released
+        return workers, released, gone(workers, "llmctl-omp-t1")
 
-    alone, with_pool, after, released = in_fresh_thread(body)
-    assert released
-    assert with_pool == alone + 1
-    assert after == alone
+    workers, released, all_gone = in_fresh_thread(body)
+    assert len(workers) == 1 and released and all_gone
 
 
-def test_async_engine_start_leaves_only_the_loop_threads_pool(two_threads, stories_dir):
-    def body() -> tuple[int, int]:
+def test_async_engine_start_releases_the_loading_threads_workers(two_threads, stories_dir):
+    def body() -> tuple[set[int], bool]:
+        set_own_name("llmctl-omp-t2")
         engine = LLMEngine(model=str(stories_dir), kv_cache_memory=4 << 20)
         parallel_region()  # the loading thread's pool exists (loading may already have made it)
-        with_pool = os_threads()
+        workers = workers_of_this_thread("llmctl-omp-t2")
         async_engine = AsyncEngine(engine).start()  # the idle loop thread computes nothing yet
         try:
-            # +1 for the loop thread, -1 for the loading thread's released worker
-            return with_pool, settled_threads(with_pool)
+            return workers, gone(workers, "llmctl-omp-t2")
         finally:
             async_engine.shutdown()
 
-    with_pool, after_start = in_fresh_thread(body)
-    assert after_start == with_pool
+    workers, all_gone = in_fresh_thread(body)
+    assert workers and all_gone
