@@ -19,7 +19,7 @@ from kernels.native_build import LazyExtension, disabled_by
 log = logging.getLogger(__name__)
 NAME = "llmctl_cpu"
 SOURCE = Path(__file__).parent / "cpu" / "cpu_kernels.cpp"
-HEADERS = [Path(__file__).parent / "cpu" / "cpu_kernels_isa.h"]
+HEADERS = [Path(__file__).parent / "cpu" / name for name in ("cpu_kernels_isa.h", "attention_f32.h")]
 # -ffp-contract=off: a product and a sum round separately, as in torch's elementwise ops (rotary is
 # then bit-identical). -fopenmp: at::parallel_for is inline OpenMP; the module then needs
 # libgomp.so.1, which resolves to the copy torch already loaded (same soname): one thread pool.
@@ -48,6 +48,26 @@ def paged_decode_attention_native(
 ) -> torch.Tensor:
     """Same signature and result as ``paged_decode_attention_torch`` (up to rounding)."""
     return _module_or_raise().paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+
+
+def prefill_attention_native_supported(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether ``paged_prefill_attention_native`` takes these (fp32, head_dim 64/128, AVX2 or better)."""
+    module = load_native()
+    return module is not None and module.prefill_attention_supported(query, key_cache)
+
+
+def paged_prefill_attention_native(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Same signature and result as ``paged_prefill_attention_torch`` (up to rounding)."""
+    return _module_or_raise().paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
+                                                      seq_lens, scale)
 
 
 def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float,

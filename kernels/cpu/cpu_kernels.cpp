@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -48,6 +49,7 @@ namespace generic {
 #define LLMCTL_X86_VARIANTS 1
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#define LLMCTL_ISA_HAS_AVX2 1  // the variants below may use AVX2+FMA intrinsics (attention_f32.h)
 namespace avx2 {
 #include "cpu_kernels_isa.h"
 }  // namespace avx2
@@ -58,6 +60,7 @@ namespace avx2 {
 namespace avx512 {
 #include "cpu_kernels_isa.h"
 }  // namespace avx512
+#undef LLMCTL_ISA_HAS_AVX2
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -222,6 +225,60 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   return out;
 }
 
+// fp32 caches, head_dim 64 or 128, an AVX2 machine: the intrinsics kernel of attention_f32.h. Other
+// shapes and dtypes keep torch's SDPA (kernels/prefill_attention.py); the caller checks with
+// prefill_attention_supported first.
+bool prefill_attention_supported(torch::Tensor query, torch::Tensor key_cache) {
+#ifdef LLMCTL_X86_VARIANTS
+  return g_isa != Isa::kGeneric && query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
+         (query.size(-1) == 64 || query.size(-1) == 128);
+#else
+  return false;
+#endif
+}
+
+torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                      torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
+                                      double scale) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, Hq, D], cache [NB, BS, Hkv, D]");
+  TORCH_CHECK(prefill_attention_supported(query, key_cache), "native prefill attention: fp32, head_dim 64 or 128, "
+              "and an AVX2 CPU expected");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+              seq_lens.scalar_type() == at::kInt, "int32 tables");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  auto q = query.contiguous();
+  auto bt = block_tables.contiguous();
+  auto starts = query_start_loc.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = torch::empty_like(q);
+  const int64_t num_seqs = lens.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim && num_q_heads % num_kv_heads == 0, "head shapes disagree");
+  TORCH_CHECK(starts.size(0) == num_seqs + 1 && bt.size(0) == num_seqs, "one table row and one chunk per sequence");
+#ifdef LLMCTL_X86_VARIANTS
+  const avx2::f32attn::PrefillArgs args{q.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+                                        bt.data_ptr<int32_t>(), starts.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                                        out.data_ptr<float>(), num_q_heads, num_kv_heads, key_cache.size(1),
+                                        bt.size(1), static_cast<float>(scale)};
+  // Tasks (sequence, KV head), largest first (cost ~ q_len x seq_len), handed out one at a time:
+  // chunks of very different lengths still split evenly over the threads.
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (cost, task)
+  const int32_t* s = starts.data_ptr<int32_t>();
+  const int32_t* l = lens.data_ptr<int32_t>();
+  for (int64_t i = 0; i < num_seqs; ++i)
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      tasks.emplace_back(-static_cast<int64_t>(s[i + 1] - s[i]) * l[i], i * num_kv_heads + h);
+  std::stable_sort(tasks.begin(), tasks.end());
+  auto kernel = head_dim == 64 ? avx2::f32attn::prefill_task<64> : avx2::f32attn::prefill_task<128>;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks.size()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(tasks.size()); i = next.fetch_add(1))
+      kernel(args, tasks[i].second / num_kv_heads, tasks[i].second % num_kv_heads);
+  });
+#endif
+  return out;
+}
+
 // ---- RMSNorm (+ residual) ------------------------------------------------------------------------
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                   c10::optional<torch::Tensor> residual) {
@@ -303,6 +360,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_isas", &compiled_isas, "The kernel variants compiled into this module");
   m.def("reshape_and_cache", &reshape_and_cache, "Write K/V into the paged cache through the slot mapping (CPU)");
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("prefill_attention_supported", &prefill_attention_supported, "Whether paged_prefill_attention takes these");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "Causal paged prefill attention, fp32 (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with optional fused residual add (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
   m.def("rotate", &rotate, "Rotary embedding, rotate-half layout (CPU)");

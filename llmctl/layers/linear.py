@@ -39,11 +39,13 @@ class LinearMethod(Protocol):
 FP32_PREPACK_MIN_ELEMENTS = 1 << 22
 
 # CPUs (kernels.cpu_features ISA levels) on which fp32 weights take the native panel GEMM
-# (kernels/cpu/gemm_kernels.cpp) by default. Measured on a 2-core Zen 3 (docs/benchmarks.md, "A
-# native fp32 GEMM"): faster than torch's (MKL / oneDNN) at every linear shape of the 246M Llama and
-# SmolLM2-135M at 1-64 rows, on par at 512. The AVX-512 variant has not been measured (nor run) on an
-# AVX-512 CPU: there ``LLMCTL_NATIVE_GEMM=1`` turns it on, ``0`` turns it off everywhere.
-NATIVE_GEMM_ISAS = frozenset({"avx2"})
+# (kernels/cpu/gemm_kernels.cpp) by default. Measured (docs/benchmarks.md): on a 2-core Zen 3
+# (AVX2+FMA) faster than torch's (MKL / oneDNN) at every linear shape of the 246M Llama and
+# SmolLM2-135M at 1-64 rows, on par at 512; on a 2-core Zen 5 (AVX-512, AVX512-BF16) the AVX-512
+# variant runs at 0.85-0.95x oneDNN with the weight prepacked but 3-5x torch's F.linear, which the
+# smaller matrices took there, and the 246M peer workload went from 210-225 to 311-328 tok/s.
+# ``LLMCTL_NATIVE_GEMM=0`` turns it off everywhere, ``1`` on everywhere.
+NATIVE_GEMM_ISAS = frozenset({"avx2", "avx512", "avx512bf16"})
 
 
 def native_gemm_wanted() -> bool:

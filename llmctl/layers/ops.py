@@ -123,6 +123,12 @@ class TorchOps:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if (self.native and query.device.type == "cpu"
+                and self._native.prefill_attention_supported(query, key_cache)):  # fp32, AVX2: one native call
+            return self._native.paged_prefill_attention(
+                query, key_cache, value_cache, meta.prefill_block_tables,
+                meta.prefill_query_start_loc, meta.prefill_seq_lens, scale,
+            )
         if not meta.prefill_is_fresh:
             return paged_prefill_attention_torch(
                 query, key_cache, value_cache, meta.prefill_block_tables,

@@ -1,0 +1,192 @@
+// Paged attention for fp32 caches, AVX2+FMA intrinsics, head_dim D = 64 or 128: decode (one query
+// token per sequence) and prefill (a causal chunk of query tokens per sequence, its context already
+// in the cache). Included by cpu_kernels_isa.h in its AVX2 and AVX-512 namespaces only.
+//
+// Why not the generic loops of decode_tasks: with -ffp-contract=off they multiply and add
+// separately, each score is one serial chain of D/8 vector ops followed by a horizontal sum, and
+// the V pass loads and stores its accumulator for every token. Here:
+// - scores: 8 tokens at a time per query head, 8 independent FMA chains, one 8-way transpose-sum
+//   that yields the 8 scores as one vector;
+// - V pass: one query head's accumulator (8 vectors) stays in registers over a chunk of tokens
+//   whose V rows all heads of the task share, so the chunk is read from L1 by the heads after the
+//   first.
+// Tokens are visited in cache order (a token's row holds every KV head), so a block streams front
+// to back. The arithmetic per (sequence, head) does not depend on the batch, the task split or the
+// thread: batched == unbatched. Results differ from the generic variant in summation order only.
+
+namespace f32attn {
+
+constexpr int64_t kScoreTile = 8;   // tokens per score tile (one ymm of scores)
+constexpr int64_t kValueChunk = 16;  // tokens per V chunk
+constexpr int64_t kPrefetchAhead = 16;  // tokens between a row's prefetch and its use
+
+// Software prefetch of the task's part of a token's cache row: blocks sit anywhere in the pool, so
+// the hardware prefetcher loses the stream at every block boundary.
+inline void prefetch_row(const float* p, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
+
+// v[j] = sum of the 8 lanes of a[j].
+inline __m256 transpose_sum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Scores of one query head (q, D floats, already scaled) against 8 key rows.
+template <int64_t D>
+inline __m256 score_tile(const float* q, const float* const* k) {
+  __m256 acc[kScoreTile];
+  for (int j = 0; j < kScoreTile; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + c);
+    for (int j = 0; j < kScoreTile; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + c), acc[j]);
+  }
+  return transpose_sum8(acc);
+}
+
+// acc[0..63] += sum over the chunk's tokens t of p[t] * v_t[0..63]; acc in registers throughout.
+inline void accumulate_v64(float* acc, const float* p, const float* const* v, int64_t n, int64_t offset) {
+  __m256 a0 = _mm256_loadu_ps(acc), a1 = _mm256_loadu_ps(acc + 8), a2 = _mm256_loadu_ps(acc + 16),
+         a3 = _mm256_loadu_ps(acc + 24), a4 = _mm256_loadu_ps(acc + 32), a5 = _mm256_loadu_ps(acc + 40),
+         a6 = _mm256_loadu_ps(acc + 48), a7 = _mm256_loadu_ps(acc + 56);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 w = _mm256_broadcast_ss(p + t);
+    const float* r = v[t] + offset;
+    a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r), a0);
+    a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8), a1);
+    a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 16), a2);
+    a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 24), a3);
+    a4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 32), a4);
+    a5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 40), a5);
+    a6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 48), a6);
+    a7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 56), a7);
+  }
+  _mm256_storeu_ps(acc, a0), _mm256_storeu_ps(acc + 8, a1), _mm256_storeu_ps(acc + 16, a2);
+  _mm256_storeu_ps(acc + 24, a3), _mm256_storeu_ps(acc + 32, a4), _mm256_storeu_ps(acc + 40, a5);
+  _mm256_storeu_ps(acc + 48, a6), _mm256_storeu_ps(acc + 56, a7);
+}
+
+template <int64_t D>
+void decode_tasks(const DecodeArgs<float>& a, int64_t begin, int64_t end) {
+  static_assert(D % 64 == 0, "head_dim must be a multiple of 64");
+  const int64_t group = a.num_q_heads / a.num_kv_heads;
+  const int64_t row = a.num_kv_heads * D;  // floats per token in the cache
+  const int64_t tasks_per_seq = a.num_kv_heads / a.heads_per_task;
+  const int64_t rows = a.heads_per_task * group;  // query heads of one task
+  std::vector<float> qf(rows * D), acc(rows * D), inv_sum(rows), scores;
+  std::vector<int64_t> token_offset;  // t -> the token's row in the cache (floats), plus the task's first head
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t seq = task / tasks_per_seq, first_head = (task % tasks_per_seq) * a.heads_per_task;
+    const int64_t len = a.seq_lens[seq];
+    const int64_t padded = (len + kScoreTile - 1) / kScoreTile * kScoreTile;
+    const int32_t* table = a.block_tables + seq * a.max_blocks;
+    const int64_t q_offset = (seq * a.num_q_heads + first_head * group) * D;
+    for (int64_t i = 0; i < rows * D; ++i) qf[i] = a.q[q_offset + i] * a.scale;
+    token_offset.resize(padded);
+    for (int64_t t = 0; t < len; ++t)
+      token_offset[t] = (static_cast<int64_t>(table[t / a.block_size]) * a.block_size + t % a.block_size) * row +
+                        first_head * D;
+    for (int64_t t = len; t < padded; ++t) token_offset[t] = token_offset[0];  // scored, then ignored
+    scores.resize(rows * padded);
+
+    const float* rows_of_tile[kScoreTile];
+    const int64_t task_floats = a.heads_per_task * D;
+    for (int64_t t0 = 0; t0 < padded; t0 += kScoreTile) {  // pass 1: scores
+      for (int64_t t = t0 + kPrefetchAhead; t < std::min(t0 + kPrefetchAhead + kScoreTile, len); ++t)
+        prefetch_row(a.k_cache + token_offset[t], task_floats);
+      for (int64_t h = 0; h < a.heads_per_task; ++h) {
+        for (int j = 0; j < kScoreTile; ++j) rows_of_tile[j] = a.k_cache + token_offset[t0 + j] + h * D;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = h * group + g;
+          _mm256_storeu_ps(scores.data() + r * padded + t0, score_tile<D>(qf.data() + r * D, rows_of_tile));
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) softmax_rows(scores.data() + r * padded, 1, len, inv_sum.data() + r);
+
+    std::fill(acc.begin(), acc.end(), 0.f);
+    const float* chunk_rows[kValueChunk];
+    for (int64_t t0 = 0; t0 < len; t0 += kValueChunk) {  // pass 2: weighted sum of V
+      const int64_t n = std::min(kValueChunk, len - t0);
+      for (int64_t j = 0; j < n; ++j) chunk_rows[j] = a.v_cache + token_offset[t0 + j];
+      for (int64_t t = t0 + kPrefetchAhead; t < std::min(t0 + kPrefetchAhead + kValueChunk, len); ++t)
+        prefetch_row(a.v_cache + token_offset[t], task_floats);
+      for (int64_t h = 0; h < a.heads_per_task; ++h)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = h * group + g;
+          for (int64_t half = 0; half < D; half += 64)
+            accumulate_v64(acc.data() + r * D + half, scores.data() + r * padded + t0, chunk_rows, n, h * D + half);
+        }
+    }
+    float* o = a.out + q_offset;
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256 inv = _mm256_set1_ps(inv_sum[r]);
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(o + r * D + d, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + r * D + d), inv));
+    }
+  }
+}
+
+// Causal prefill / extend over the paged cache, the counterpart of paged_prefill_attention_torch:
+// chunk i is query rows [query_start[i], query_start[i + 1]) of a sequence whose seq_lens[i] tokens
+// are all in the cache (this chunk's K/V stored already); query j sits at position
+// seq_len - q_len + j and sees cache tokens 0..position. One task = one sequence and one KV head:
+// for each query token, the same score tiles and V pass as decode, over its causal prefix.
+struct PrefillArgs {
+  const float* q;  // [num_tokens, num_q_heads, D]
+  const float* k_cache;
+  const float* v_cache;
+  const int32_t* block_tables;
+  const int32_t* query_start;
+  const int32_t* seq_lens;
+  float* out;  // [num_tokens, num_q_heads, D]
+  int64_t num_q_heads, num_kv_heads, block_size, max_blocks;
+  float scale;
+};
+
+template <int64_t D>
+void prefill_task(const PrefillArgs& a, int64_t seq, int64_t h) {
+  const int64_t group = a.num_q_heads / a.num_kv_heads;
+  const int64_t row = a.num_kv_heads * D;
+  const int64_t q_start = a.query_start[seq], q_len = a.query_start[seq + 1] - q_start, len = a.seq_lens[seq];
+  if (q_len <= 0) return;
+  const int64_t padded = (len + kScoreTile - 1) / kScoreTile * kScoreTile;
+  const int32_t* table = a.block_tables + seq * a.max_blocks;
+  std::vector<int64_t> token_offset(padded);
+  for (int64_t t = 0; t < len; ++t)
+    token_offset[t] = (static_cast<int64_t>(table[t / a.block_size]) * a.block_size + t % a.block_size) * row + h * D;
+  for (int64_t t = len; t < padded; ++t) token_offset[t] = token_offset[0];
+  std::vector<float> qf(group * D), acc(group * D), inv_sum(group), scores(group * padded);
+  const float* rows_of_tile[kScoreTile];
+  const float* chunk_rows[kValueChunk];
+  for (int64_t j = 0; j < q_len; ++j) {
+    const int64_t n = len - q_len + j + 1;  // tokens this query sees
+    const int64_t n_padded = (n + kScoreTile - 1) / kScoreTile * kScoreTile;
+    const float* qrow = a.q + ((q_start + j) * a.num_q_heads + h * group) * D;
+    for (int64_t i = 0; i < group * D; ++i) qf[i] = qrow[i] * a.scale;
+    for (int64_t t0 = 0; t0 < n_padded; t0 += kScoreTile) {
+      for (int jj = 0; jj < kScoreTile; ++jj) rows_of_tile[jj] = a.k_cache + token_offset[t0 + jj];
+      for (int64_t g = 0; g < group; ++g)
+        _mm256_storeu_ps(scores.data() + g * padded + t0, score_tile<D>(qf.data() + g * D, rows_of_tile));
+    }
+    for (int64_t g = 0; g < group; ++g) softmax_rows(scores.data() + g * padded, 1, n, inv_sum.data() + g);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t t0 = 0; t0 < n; t0 += kValueChunk) {
+      const int64_t c = std::min(kValueChunk, n - t0);
+      for (int64_t jj = 0; jj < c; ++jj) chunk_rows[jj] = a.v_cache + token_offset[t0 + jj];
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t half = 0; half < D; half += 64)
+          accumulate_v64(acc.data() + g * D + half, scores.data() + g * padded + t0, chunk_rows, c, half);
+    }
+    float* o = a.out + ((q_start + j) * a.num_q_heads + h * group) * D;
+    for (int64_t g = 0; g < group; ++g) {
+      const __m256 inv = _mm256_set1_ps(inv_sum[g]);
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(o + g * D + d, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + g * D + d), inv));
+    }
+  }
+}
+
+}  // namespace f32attn
