@@ -15,8 +15,9 @@
 //
 // Run-time ISA dispatch as in cpu_kernels.cpp: one build, no -march flag, the variants compiled in
 // `#pragma GCC target` regions, `set_isa` (from kernels/cpu_features.py) picks one. The AVX-512
-// variant (one zmm per panel, 8 x 3-panel tiles) was compiled but never run where it was written
-// (an AVX2-only machine); the tests compare it bitwise with the generic one where the CPU has it.
+// variant: one zmm per panel, 6 rows x 4 panels = 24 accumulators (measured on a Zen 5 against
+// 8 x 3 and 7 x 4: 8 x 3 reached 164-167 GFLOP/s a core, 6 x 4 185-193, as oneDNN's prepacked
+// kernel; docs/benchmarks.md); the tests compare it bitwise with the generic one.
 //
 // Header-only so that another native module (a C++ layer loop) can include it and call
 // llmctl_gemm::linear (tensors) or llmctl_gemm::gemm (pointers, into its own buffers) directly; gemm_kernels.cpp binds it for Python.
@@ -89,7 +90,7 @@ inline void prefetch(const float* p) { _mm_prefetch(reinterpret_cast<const char*
 #pragma GCC target("avx512f,avx2,fma")
 namespace avx512 {
 using V = __m512;
-constexpr int VW = 16, CHAINS = 24, ROWS = 8, GROUP = 12;
+constexpr int VW = 16, CHAINS = 24, ROWS = 6, GROUP = 12;
 inline V vzero() { return _mm512_setzero_ps(); }
 inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 inline V vbcast(const float* p) { return _mm512_set1_ps(*p); }
