@@ -1,6 +1,7 @@
-// Paged attention for fp32 caches, AVX2+FMA intrinsics, head_dim D = 64 or 128: decode (one query
-// token per sequence) and prefill (a causal chunk of query tokens per sequence, its context already
-// in the cache). Included by cpu_kernels_isa.h in its AVX2 and AVX-512 namespaces only.
+// Paged attention in fp32 arithmetic, AVX2+FMA intrinsics, head_dim D = 64 or 128: decode over fp32
+// or bf16 caches (bf16 rows widened to fp32 a tile at a time) and prefill over fp32 caches (a causal
+// chunk of query tokens per sequence, its context already in the cache). Included by
+// cpu_kernels_isa.h in its AVX2 and AVX-512 namespaces only.
 //
 // Why not the generic loops of decode_tasks: with -ffp-contract=off they multiply and add
 // separately, each score is one serial chain of D/8 vector ops followed by a horizontal sum, and
@@ -22,8 +23,8 @@ constexpr int64_t kPrefetchAhead = 32;  // tokens between a row's prefetch and i
 
 // Software prefetch of the task's part of a token's cache row: blocks sit anywhere in the pool, so
 // the hardware prefetcher loses the stream at every block boundary.
-inline void prefetch_row(const float* p, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
 }
 
 // fast_exp (cpu_kernels_isa.h) on 8 lanes. GCC leaves the scalar one unvectorized in the softmax
@@ -122,22 +123,41 @@ inline void accumulate_v64(float* acc, const float* p, const float* const* v, in
   _mm256_storeu_ps(acc + 48, a6), _mm256_storeu_ps(acc + 56, a7);
 }
 
-template <int64_t D>
-void decode_tasks(const DecodeArgs<float>& a, int64_t begin, int64_t end) {
+// A cache row of n elements (a multiple of 8) as fp32: fp32 rows are read in place, bf16 rows are
+// widened into ``buffer`` (exact: a bf16 value is the top half of its fp32).
+template <typename T>
+inline const float* widen_row(const T* src, float* buffer, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    static_assert(std::is_same_v<T, at::BFloat16>, "fp32 or bf16 caches");
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      _mm256_storeu_ps(buffer + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+    return buffer;
+  }
+}
+
+// T = float or at::BFloat16 (cache, query and output); the arithmetic is fp32 either way.
+template <typename T, int64_t D>
+void decode_tasks(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
   static_assert(D % 64 == 0, "head_dim must be a multiple of 64");
   const int64_t group = a.num_q_heads / a.num_kv_heads;
-  const int64_t row = a.num_kv_heads * D;  // floats per token in the cache
+  const int64_t row = a.num_kv_heads * D;  // elements per token in the cache
   const int64_t tasks_per_seq = a.num_kv_heads / a.heads_per_task;
   const int64_t rows = a.heads_per_task * group;  // query heads of one task
+  const int64_t kv_len = a.heads_per_task * D;    // elements of a token's row this task reads
   std::vector<float> qf(rows * D), acc(rows * D), inv_sum(rows), scores;
-  std::vector<int64_t> token_offset;  // t -> the token's row in the cache (floats), plus the task's first head
+  std::vector<float> widened(std::is_same_v<T, float> ? 0 : std::max(kScoreTile, kValueChunk) * kv_len);
+  std::vector<int64_t> token_offset;  // t -> the token's row in the cache (elements), plus the task's first head
   for (int64_t task = begin; task < end; ++task) {
     const int64_t seq = task / tasks_per_seq, first_head = (task % tasks_per_seq) * a.heads_per_task;
     const int64_t len = a.seq_lens[seq];
     const int64_t padded = (len + kScoreTile - 1) / kScoreTile * kScoreTile;
     const int32_t* table = a.block_tables + seq * a.max_blocks;
     const int64_t q_offset = (seq * a.num_q_heads + first_head * group) * D;
-    for (int64_t i = 0; i < rows * D; ++i) qf[i] = a.q[q_offset + i] * a.scale;
+    for (int64_t i = 0; i < rows * D; ++i) qf[i] = load(a.q + q_offset + i) * a.scale;
     token_offset.resize(padded);
     for (int64_t t = 0; t < len; ++t)
       token_offset[t] = (static_cast<int64_t>(table[t / a.block_size]) * a.block_size + t % a.block_size) * row +
@@ -145,13 +165,15 @@ void decode_tasks(const DecodeArgs<float>& a, int64_t begin, int64_t end) {
     for (int64_t t = len; t < padded; ++t) token_offset[t] = token_offset[0];  // scored, then ignored
     scores.resize(rows * padded);
 
+    const float* tile_rows[kScoreTile];  // the tile's K rows (all the task's heads) as fp32
     const float* rows_of_tile[kScoreTile];
-    const int64_t task_floats = a.heads_per_task * D;
     for (int64_t t0 = 0; t0 < padded; t0 += kScoreTile) {  // pass 1: scores
       for (int64_t t = t0 + kPrefetchAhead; t < std::min(t0 + kPrefetchAhead + kScoreTile, len); ++t)
-        prefetch_row(a.k_cache + token_offset[t], task_floats);
+        prefetch_row(a.k_cache + token_offset[t], kv_len * sizeof(T));
+      for (int j = 0; j < kScoreTile; ++j)
+        tile_rows[j] = widen_row(a.k_cache + token_offset[t0 + j], widened.data() + j * kv_len, kv_len);
       for (int64_t h = 0; h < a.heads_per_task; ++h) {
-        for (int j = 0; j < kScoreTile; ++j) rows_of_tile[j] = a.k_cache + token_offset[t0 + j] + h * D;
+        for (int j = 0; j < kScoreTile; ++j) rows_of_tile[j] = tile_rows[j] + h * D;
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = h * group + g;
           _mm256_storeu_ps(scores.data() + r * padded + t0, score_tile<D>(qf.data() + r * D, rows_of_tile));
@@ -164,9 +186,10 @@ void decode_tasks(const DecodeArgs<float>& a, int64_t begin, int64_t end) {
     const float* chunk_rows[kValueChunk];
     for (int64_t t0 = 0; t0 < len; t0 += kValueChunk) {  // pass 2: weighted sum of V
       const int64_t n = std::min(kValueChunk, len - t0);
-      for (int64_t j = 0; j < n; ++j) chunk_rows[j] = a.v_cache + token_offset[t0 + j];
+      for (int64_t j = 0; j < n; ++j)
+        chunk_rows[j] = widen_row(a.v_cache + token_offset[t0 + j], widened.data() + j * kv_len, kv_len);
       for (int64_t t = t0 + kPrefetchAhead; t < std::min(t0 + kPrefetchAhead + kValueChunk, len); ++t)
-        prefetch_row(a.v_cache + token_offset[t], task_floats);
+        prefetch_row(a.v_cache + token_offset[t], kv_len * sizeof(T));
       for (int64_t h = 0; h < a.heads_per_task; ++h)
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = h * group + g;
@@ -174,11 +197,19 @@ void decode_tasks(const DecodeArgs<float>& a, int64_t begin, int64_t end) {
             accumulate_v64(acc.data() + r * D + half, scores.data() + r * padded + t0, chunk_rows, n, h * D + half);
         }
     }
-    float* o = a.out + q_offset;
+    T* o = a.out + q_offset;
     for (int64_t r = 0; r < rows; ++r) {
       const __m256 inv = _mm256_set1_ps(inv_sum[r]);
-      for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(o + r * D + d, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + r * D + d), inv));
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(acc.data() + r * D + d), inv);
+        if constexpr (std::is_same_v<T, float>) {
+          _mm256_storeu_ps(o + r * D + d, v);
+        } else {
+          alignas(32) float tmp[8];
+          _mm256_store_ps(tmp, v);
+          for (int i = 0; i < 8; ++i) store(o + r * D + d + i, tmp[i]);
+        }
+      }
     }
   }
 }

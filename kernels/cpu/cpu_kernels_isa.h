@@ -152,9 +152,9 @@ void decode_tasks(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
 template <typename T>
 void decode_range(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
 #ifdef LLMCTL_ISA_HAS_AVX2
-  if constexpr (std::is_same_v<T, float>) {  // fp32 caches: the intrinsics kernel
-    if (a.head_dim == 64) return f32attn::decode_tasks<64>(a, begin, end);
-    if (a.head_dim == 128) return f32attn::decode_tasks<128>(a, begin, end);
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {  // the intrinsics kernel
+    if (a.head_dim == 64) return f32attn::decode_tasks<T, 64>(a, begin, end);
+    if (a.head_dim == 128) return f32attn::decode_tasks<T, 128>(a, begin, end);
   }
 #endif
   if (a.head_dim == 64) decode_tasks<T, 64>(a, begin, end);
