@@ -1,0 +1,88 @@
+"""The native CPU attention kernels alone, on the 246M Llama's shapes (16 query / 4 KV heads of 64):
+decode (``paged_decode_attention``: SEQS sequences of CONTEXT tokens in scattered blocks, fp32 or
+bf16, best of 30 calls, with GB/s of KV read) and fp32 prefill (16 prompts of PROMPT tokens: the
+native ``paged_prefill_attention`` against SDPA per sequence, as the engine ran it before).
+
+    PYTHONPATH=. python benchmarks/attention_micro.py [--seqs 64] [--context 192] [--prompt 128] [--dtype float32]
+
+``LLMCTL_CPU_ISA`` picks the variant (e.g. avx512 against avx512bf16 for bf16 decode). Compare
+versions by running this script from two checkouts alternately; on a shared machine the figures move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kernels.cpu_native import paged_decode_attention_native, paged_prefill_attention_native
+from kernels.prefill_attention import attend_causal
+
+HQ, HKV, D, BS = 16, 4, 64, 16
+
+
+def best_of(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def scattered_cache(seqs: int, tokens: int, dtype: torch.dtype):
+    per_seq = (tokens + BS - 1) // BS
+    blocks = seqs * per_seq + 8
+    k, v = (torch.randn(blocks, BS, HKV, D).to(dtype) for _ in range(2))
+    tables = torch.randperm(blocks)[: seqs * per_seq].view(seqs, per_seq).to(torch.int32)
+    return k, v, tables
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--context", type=int, default=192)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+
+    k, v, tables = scattered_cache(args.seqs, args.context, dtype)
+    lens = torch.full((args.seqs,), args.context, dtype=torch.int32)
+    q = torch.randn(args.seqs, HQ, D).to(dtype)
+    took = best_of(lambda: paged_decode_attention_native(q, k, v, tables, lens, D**-0.5), 30)
+    kv_bytes = args.seqs * args.context * HKV * D * 2 * k.element_size()
+    print(f"decode {args.dtype}, {args.seqs} x {args.context} tokens, {torch.get_num_threads()} threads: "
+          f"{took * 1e3:.2f} ms, {kv_bytes / took / 1e9:.1f} GB/s of KV")
+
+    seqs, length = 16, args.prompt
+    q = torch.randn(seqs * length, HQ, D)
+    keys, values = torch.randn(seqs * length, HKV, D), torch.randn(seqs * length, HKV, D)
+    k, v, tables = scattered_cache(seqs, length, torch.float32)
+    for i in range(seqs):  # the prompt's K/V in the cache, as the engine stores them before attention
+        for t in range(length):
+            k[tables[i, t // BS], t % BS] = keys[i * length + t]
+            v[tables[i, t // BS], t % BS] = values[i * length + t]
+    starts = (torch.arange(seqs + 1) * length).to(torch.int32)
+    lens = torch.full((seqs,), length, dtype=torch.int32)
+
+    def sdpa_per_sequence() -> torch.Tensor:
+        out = torch.empty_like(q)
+        for i in range(seqs):
+            s, e = i * length, (i + 1) * length
+            out[s:e] = attend_causal(q[s:e], keys[s:e], values[s:e], D**-0.5)
+        return out
+
+    native = best_of(lambda: paged_prefill_attention_native(q, k, v, tables, starts, lens, D**-0.5), 10)
+    sdpa = best_of(sdpa_per_sequence, 10)
+    diff = (sdpa_per_sequence() - paged_prefill_attention_native(q, k, v, tables, starts, lens, D**-0.5)).abs().max()
+    print(f"prefill fp32, {seqs} prompts x {length}: native {native * 1e3:.2f} ms, SDPA per sequence "
+          f"{sdpa * 1e3:.2f} ms (max difference {diff:.2g})")
+
+
+if __name__ == "__main__":
+    main()
