@@ -1,7 +1,7 @@
-// Paged attention in fp32 arithmetic, AVX2+FMA intrinsics, head_dim D = 64 or 128: decode over fp32
-// or bf16 caches (bf16 rows widened to fp32 a tile at a time) and prefill over fp32 caches (a causal
-// chunk of query tokens per sequence, its context already in the cache). Included by
-// cpu_kernels_isa.h in its AVX2 and AVX-512 namespaces only.
+// Paged attention in fp32 arithmetic, AVX2+FMA intrinsics, head_dim D = 64 or 128, fp32 or bf16
+// caches (bf16 rows widened to fp32, exactly): decode, and prefill (a causal chunk of query tokens
+// per sequence, its context already in the cache). Included by cpu_kernels_isa.h in its AVX2 and
+// AVX-512 namespaces only.
 //
 // Why not the generic loops of decode_tasks: with -ffp-contract=off they multiply and add
 // separately, each score is one serial chain of D/8 vector ops followed by a horizontal sum, and
@@ -139,6 +139,24 @@ inline const float* widen_row(const T* src, float* buffer, int64_t n) {
   }
 }
 
+// out[r] = acc[r] * inv_sum[r] for `rows` head rows of D, rounded to T.
+template <typename T, int64_t D>
+inline void store_rows(const float* acc, const float* inv_sum, int64_t rows, T* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256 inv = _mm256_set1_ps(inv_sum[r]);
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d), inv);
+      if constexpr (std::is_same_v<T, float>) {
+        _mm256_storeu_ps(out + r * D + d, v);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, v);
+        for (int i = 0; i < 8; ++i) store(out + r * D + d + i, tmp[i]);
+      }
+    }
+  }
+}
+
 // T = float or at::BFloat16 (cache, query and output); the arithmetic is fp32 either way.
 template <typename T, int64_t D>
 void decode_tasks(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
@@ -197,20 +215,7 @@ void decode_tasks(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
             accumulate_v64(acc.data() + r * D + half, scores.data() + r * padded + t0, chunk_rows, n, h * D + half);
         }
     }
-    T* o = a.out + q_offset;
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m256 inv = _mm256_set1_ps(inv_sum[r]);
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(acc.data() + r * D + d), inv);
-        if constexpr (std::is_same_v<T, float>) {
-          _mm256_storeu_ps(o + r * D + d, v);
-        } else {
-          alignas(32) float tmp[8];
-          _mm256_store_ps(tmp, v);
-          for (int i = 0; i < 8; ++i) store(o + r * D + d + i, tmp[i]);
-        }
-      }
-    }
+    store_rows<T, D>(acc.data(), inv_sum.data(), rows, a.out + q_offset);
   }
 }
 
@@ -218,41 +223,57 @@ void decode_tasks(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
 // chunk i is query rows [query_start[i], query_start[i + 1]) of a sequence whose seq_lens[i] tokens
 // are all in the cache (this chunk's K/V stored already); query j sits at position
 // seq_len - q_len + j and sees cache tokens 0..position. One task = one sequence and one KV head:
-// for each query token, the same score tiles and V pass as decode, over its causal prefix.
+// for each query token, the same score tiles and V pass as decode, over its causal prefix. bf16
+// caches: the head's K and V are widened to fp32 once per task (each query re-reads them).
+template <typename T>
 struct PrefillArgs {
-  const float* q;  // [num_tokens, num_q_heads, D]
-  const float* k_cache;
-  const float* v_cache;
+  const T* q;  // [num_tokens, num_q_heads, D]
+  const T* k_cache;
+  const T* v_cache;
   const int32_t* block_tables;
   const int32_t* query_start;
   const int32_t* seq_lens;
-  float* out;  // [num_tokens, num_q_heads, D]
+  T* out;  // [num_tokens, num_q_heads, D]
   int64_t num_q_heads, num_kv_heads, block_size, max_blocks;
   float scale;
 };
 
-template <int64_t D>
-void prefill_task(const PrefillArgs& a, int64_t seq, int64_t h) {
+template <typename T, int64_t D>
+void prefill_task(const PrefillArgs<T>& a, int64_t seq, int64_t h) {
   const int64_t group = a.num_q_heads / a.num_kv_heads;
   const int64_t row = a.num_kv_heads * D;
   const int64_t q_start = a.query_start[seq], q_len = a.query_start[seq + 1] - q_start, len = a.seq_lens[seq];
   if (q_len <= 0) return;
   const int64_t padded = (len + kScoreTile - 1) / kScoreTile * kScoreTile;
   const int32_t* table = a.block_tables + seq * a.max_blocks;
-  std::vector<int64_t> token_offset(padded);
+  std::vector<int64_t> token_offset(padded);  // t -> the token's K/V row of head h in k_base / v_base
   for (int64_t t = 0; t < len; ++t)
     token_offset[t] = (static_cast<int64_t>(table[t / a.block_size]) * a.block_size + t % a.block_size) * row + h * D;
-  for (int64_t t = len; t < padded; ++t) token_offset[t] = token_offset[0];
+  const float* k_base;
+  const float* v_base;
+  std::vector<float> k_wide, v_wide;
+  if constexpr (std::is_same_v<T, float>) {
+    k_base = a.k_cache, v_base = a.v_cache;
+  } else {
+    k_wide.resize(len * D), v_wide.resize(len * D);
+    for (int64_t t = 0; t < len; ++t) {
+      widen_row(a.k_cache + token_offset[t], k_wide.data() + t * D, D);
+      widen_row(a.v_cache + token_offset[t], v_wide.data() + t * D, D);
+      token_offset[t] = t * D;
+    }
+    k_base = k_wide.data(), v_base = v_wide.data();
+  }
+  for (int64_t t = len; t < padded; ++t) token_offset[t] = token_offset[0];  // scored, then ignored
   std::vector<float> qf(group * D), acc(group * D), inv_sum(group), scores(group * padded);
   const float* rows_of_tile[kScoreTile];
   const float* chunk_rows[kValueChunk];
   for (int64_t j = 0; j < q_len; ++j) {
     const int64_t n = len - q_len + j + 1;  // tokens this query sees
     const int64_t n_padded = (n + kScoreTile - 1) / kScoreTile * kScoreTile;
-    const float* qrow = a.q + ((q_start + j) * a.num_q_heads + h * group) * D;
-    for (int64_t i = 0; i < group * D; ++i) qf[i] = qrow[i] * a.scale;
+    const T* qrow = a.q + ((q_start + j) * a.num_q_heads + h * group) * D;
+    for (int64_t i = 0; i < group * D; ++i) qf[i] = load(qrow + i) * a.scale;
     for (int64_t t0 = 0; t0 < n_padded; t0 += kScoreTile) {
-      for (int jj = 0; jj < kScoreTile; ++jj) rows_of_tile[jj] = a.k_cache + token_offset[t0 + jj];
+      for (int jj = 0; jj < kScoreTile; ++jj) rows_of_tile[jj] = k_base + token_offset[t0 + jj];
       for (int64_t g = 0; g < group; ++g)
         _mm256_storeu_ps(scores.data() + g * padded + t0, score_tile<D>(qf.data() + g * D, rows_of_tile));
     }
@@ -260,17 +281,12 @@ void prefill_task(const PrefillArgs& a, int64_t seq, int64_t h) {
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t t0 = 0; t0 < n; t0 += kValueChunk) {
       const int64_t c = std::min(kValueChunk, n - t0);
-      for (int64_t jj = 0; jj < c; ++jj) chunk_rows[jj] = a.v_cache + token_offset[t0 + jj];
+      for (int64_t jj = 0; jj < c; ++jj) chunk_rows[jj] = v_base + token_offset[t0 + jj];
       for (int64_t g = 0; g < group; ++g)
         for (int64_t half = 0; half < D; half += 64)
           accumulate_v64(acc.data() + g * D + half, scores.data() + g * padded + t0, chunk_rows, c, half);
     }
-    float* o = a.out + ((q_start + j) * a.num_q_heads + h * group) * D;
-    for (int64_t g = 0; g < group; ++g) {
-      const __m256 inv = _mm256_set1_ps(inv_sum[g]);
-      for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(o + g * D + d, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + g * D + d), inv));
-    }
+    store_rows<T, D>(acc.data(), inv_sum.data(), group, a.out + ((q_start + j) * a.num_q_heads + h * group) * D);
   }
 }
 

@@ -239,24 +239,54 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   return out;
 }
 
-// fp32 caches, head_dim 64 or 128, an AVX2 machine: the intrinsics kernel of attention_f32.h. Other
-// shapes and dtypes keep torch's SDPA (kernels/prefill_attention.py); the caller checks with
-// prefill_attention_supported first.
+// fp32 or bf16 caches, head_dim 64 or 128, an AVX2 machine: the intrinsics kernel of
+// attention_f32.h. Other shapes and dtypes keep torch's SDPA (kernels/prefill_attention.py); the
+// caller checks with prefill_attention_supported first.
 bool prefill_attention_supported(torch::Tensor query, torch::Tensor key_cache) {
 #ifdef LLMCTL_X86_VARIANTS
-  return g_isa != Isa::kGeneric && query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
-         (query.size(-1) == 64 || query.size(-1) == 128);
+  const auto dtype = query.scalar_type();
+  return g_isa != Isa::kGeneric && (dtype == at::kFloat || dtype == at::kBFloat16) &&
+         key_cache.scalar_type() == dtype && (query.size(-1) == 64 || query.size(-1) == 128);
 #else
   return false;
 #endif
 }
 
+#ifdef LLMCTL_X86_VARIANTS
+template <typename T>
+void prefill_on_threads(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                        const torch::Tensor& bt, const torch::Tensor& starts, const torch::Tensor& lens,
+                        torch::Tensor& out, double scale) {
+  const int64_t num_seqs = lens.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const avx2::f32attn::PrefillArgs<T> args{q.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
+                                           bt.data_ptr<int32_t>(), starts.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                                           out.data_ptr<T>(), num_q_heads, num_kv_heads, key_cache.size(1),
+                                           bt.size(1), static_cast<float>(scale)};
+  // Tasks (sequence, KV head), largest first (cost ~ q_len x seq_len), handed out one at a time:
+  // chunks of very different lengths still split evenly over the threads.
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (-cost, task)
+  const int32_t* s = starts.data_ptr<int32_t>();
+  const int32_t* l = lens.data_ptr<int32_t>();
+  for (int64_t i = 0; i < num_seqs; ++i)
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      tasks.emplace_back(-static_cast<int64_t>(s[i + 1] - s[i]) * l[i], i * num_kv_heads + h);
+  std::stable_sort(tasks.begin(), tasks.end());
+  auto kernel = head_dim == 64 ? avx2::f32attn::prefill_task<T, 64> : avx2::f32attn::prefill_task<T, 128>;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks.size()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(tasks.size()); i = next.fetch_add(1))
+      kernel(args, tasks[i].second / num_kv_heads, tasks[i].second % num_kv_heads);
+  });
+}
+#endif
+
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                       torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
                                       double scale) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, Hq, D], cache [NB, BS, Hkv, D]");
-  TORCH_CHECK(prefill_attention_supported(query, key_cache), "native prefill attention: fp32, head_dim 64 or 128, "
-              "and an AVX2 CPU expected");
+  TORCH_CHECK(prefill_attention_supported(query, key_cache), "native prefill attention: fp32 or bf16, head_dim "
+              "64 or 128, and an AVX2 CPU expected");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
               seq_lens.scalar_type() == at::kInt, "int32 tables");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
@@ -265,30 +295,12 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
   auto starts = query_start_loc.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = torch::empty_like(q);
-  const int64_t num_seqs = lens.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_dim && num_q_heads % num_kv_heads == 0, "head shapes disagree");
-  TORCH_CHECK(starts.size(0) == num_seqs + 1 && bt.size(0) == num_seqs, "one table row and one chunk per sequence");
+  TORCH_CHECK(key_cache.size(3) == q.size(2) && q.size(1) % key_cache.size(2) == 0, "head shapes disagree");
+  TORCH_CHECK(starts.size(0) == lens.size(0) + 1 && bt.size(0) == lens.size(0),
+              "one table row and one chunk per sequence");
 #ifdef LLMCTL_X86_VARIANTS
-  const avx2::f32attn::PrefillArgs args{q.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
-                                        bt.data_ptr<int32_t>(), starts.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
-                                        out.data_ptr<float>(), num_q_heads, num_kv_heads, key_cache.size(1),
-                                        bt.size(1), static_cast<float>(scale)};
-  // Tasks (sequence, KV head), largest first (cost ~ q_len x seq_len), handed out one at a time:
-  // chunks of very different lengths still split evenly over the threads.
-  std::vector<std::pair<int64_t, int64_t>> tasks;  // (cost, task)
-  const int32_t* s = starts.data_ptr<int32_t>();
-  const int32_t* l = lens.data_ptr<int32_t>();
-  for (int64_t i = 0; i < num_seqs; ++i)
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      tasks.emplace_back(-static_cast<int64_t>(s[i + 1] - s[i]) * l[i], i * num_kv_heads + h);
-  std::stable_sort(tasks.begin(), tasks.end());
-  auto kernel = head_dim == 64 ? avx2::f32attn::prefill_task<64> : avx2::f32attn::prefill_task<128>;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks.size()), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(tasks.size()); i = next.fetch_add(1))
-      kernel(args, tasks[i].second / num_kv_heads, tasks[i].second % num_kv_heads);
-  });
+  if (q.scalar_type() == at::kFloat) prefill_on_threads<float>(q, key_cache, value_cache, bt, starts, lens, out, scale);
+  else prefill_on_threads<at::BFloat16>(q, key_cache, value_cache, bt, starts, lens, out, scale);
 #endif
   return out;
 }
@@ -375,7 +387,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache", &reshape_and_cache, "Write K/V into the paged cache through the slot mapping (CPU)");
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
   m.def("prefill_attention_supported", &prefill_attention_supported, "Whether paged_prefill_attention takes these");
-  m.def("paged_prefill_attention", &paged_prefill_attention, "Causal paged prefill attention, fp32 (CPU)");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "Causal paged prefill attention, fp32 or bf16 (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with optional fused residual add (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
   m.def("rotate", &rotate, "Rotary embedding, rotate-half layout (CPU)");

@@ -124,7 +124,7 @@ class TorchOps:
         scale: float,
     ) -> torch.Tensor:
         if (self.native and query.device.type == "cpu"
-                and self._native.prefill_attention_supported(query, key_cache)):  # fp32, AVX2: one native call
+                and self._native.prefill_attention_supported(query, key_cache)):  # fp32/bf16, AVX2: one call
             return self._native.paged_prefill_attention(
                 query, key_cache, value_cache, meta.prefill_block_tables,
                 meta.prefill_query_start_loc, meta.prefill_seq_lens, scale,

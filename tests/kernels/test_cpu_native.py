@@ -157,25 +157,26 @@ def test_float64_is_refused_with_a_clear_error():
         silu_and_mul_native(torch.randn(2, 8, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (8, 2), (9, 3)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_prefill_matches_reference(isa, num_q_heads, num_kv_heads, head_dim, block_size):
+def test_prefill_matches_reference(isa, dtype, num_q_heads, num_kv_heads, head_dim, block_size):
     """Fresh prompts and extends (a cached prefix before the chunk) of lengths around the 8-token
     score tiles and 16-token V chunks, in scattered blocks, against torch's SDPA reference."""
     from kernels.cpu_native import paged_prefill_attention_native, prefill_attention_native_supported
     from kernels.prefill_attention import paged_prefill_attention_torch
 
     gen = torch.Generator().manual_seed(head_dim + block_size + num_q_heads)
-    key_cache = torch.randn(60, block_size, num_kv_heads, head_dim, generator=gen)
-    value_cache = torch.randn(60, block_size, num_kv_heads, head_dim, generator=gen)
+    key_cache = torch.randn(60, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    value_cache = torch.randn(60, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     # (query tokens, sequence length): fresh chunks (equal) and extends (a prefix already cached)
     chunks = [(1, 1), (7, 7), (8, 8), (9, 9), (70, 70), (1, 40), (5, 33), (17, 3 * block_size)]
     max_blocks = 6
     tables = torch.randperm(60, generator=gen)[: len(chunks) * max_blocks].view(len(chunks), max_blocks).to(torch.int32)
     starts = torch.tensor([0] + [q for q, _ in chunks], dtype=torch.int32).cumsum(0).to(torch.int32)
     lens = torch.tensor([n for _, n in chunks], dtype=torch.int32)
-    query = torch.randn(int(starts[-1]), num_q_heads, head_dim, generator=gen)
+    query = torch.randn(int(starts[-1]), num_q_heads, head_dim, generator=gen).to(dtype)
     args = (query, key_cache, value_cache, tables, starts, lens, head_dim**-0.5)
     if isa == "generic":  # the intrinsics kernel is not compiled for it: the engine keeps SDPA
         assert not prefill_attention_native_supported(query, key_cache)
@@ -183,7 +184,8 @@ def test_prefill_matches_reference(isa, num_q_heads, num_kv_heads, head_dim, blo
     assert prefill_attention_native_supported(query, key_cache)
     expected = paged_prefill_attention_torch(*args)
     got = paged_prefill_attention_native(*args)
-    torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-6)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     # a chunk's result does not depend on the other chunks of the batch
     alone = paged_prefill_attention_native(query[int(starts[6]):int(starts[7])], key_cache, value_cache,
                                            tables[6:7], torch.tensor([0, chunks[6][0]], dtype=torch.int32),
@@ -194,6 +196,7 @@ def test_prefill_matches_reference(isa, num_q_heads, num_kv_heads, head_dim, blo
 def test_prefill_declines_other_dtypes_and_head_sizes():
     from kernels.cpu_native import prefill_attention_native_supported
 
-    assert not prefill_attention_native_supported(torch.zeros(2, 4, 64, dtype=torch.bfloat16),
-                                                  torch.zeros(1, 16, 4, 64, dtype=torch.bfloat16))
+    assert not prefill_attention_native_supported(torch.zeros(2, 4, 64, dtype=torch.float16),
+                                                  torch.zeros(1, 16, 4, 64, dtype=torch.float16))
+    assert not prefill_attention_native_supported(torch.zeros(2, 4, 64), torch.zeros(1, 16, 4, 64, dtype=torch.bfloat16))
     assert not prefill_attention_native_supported(torch.zeros(2, 4, 8), torch.zeros(1, 16, 4, 8))
