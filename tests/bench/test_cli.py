@@ -195,7 +195,13 @@ def test_default_model_is_smollm2_when_installed(monkeypatch, tmp_path: Path):
     assert data["config"]["model_label"] == "smollm2-135m" and data["result"]["output_tokens"] == 2 * 4
     # 64 streams a step: the default model's packed weights run dequantized (faster batched on a CPU)
     assert data["config"]["engine_options"]["quantization"] == "none"
-    assert "dequantized to float" in output
+    # ... in bf16 where the CPU computes it natively, else in the checkpoint's float dtype
+    from kernels.cpu_features import native_bf16_units
+
+    if native_bf16_units():
+        assert data["config"]["engine_options"]["dtype"] == "bfloat16" and "dequantized to bfloat16" in output
+    else:
+        assert data["config"]["engine_options"]["dtype"] == "auto" and "dequantized to float" in output
     code, output = bench("--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--threads", "1",
                          "--kv-cache-memory", "64MiB", "--concurrency", "1", "--json", str(out))
     assert code == 0, output
