@@ -42,8 +42,9 @@ FP32_PREPACK_MIN_ELEMENTS = 1 << 22
 # (kernels/cpu/gemm_kernels.cpp) by default. Measured (docs/benchmarks.md): on a 2-core Zen 3
 # (AVX2+FMA) faster than torch's (MKL / oneDNN) at every linear shape of the 246M Llama and
 # SmolLM2-135M at 1-64 rows, on par at 512; on a 2-core Zen 5 (AVX-512, AVX512-BF16) the AVX-512
-# variant runs at 0.85-0.95x oneDNN with the weight prepacked but 3-5x torch's F.linear, which the
-# smaller matrices took there, and the 246M peer workload went from 210-225 to 311-328 tok/s.
+# variant (6 x 4-panel tiles) runs on par with oneDNN with the weight prepacked and 3-5x torch's
+# F.linear, which the smaller matrices took there; the 246M peer workload went from 210-225 to
+# 311-328 tok/s with it on (before the tile change).
 # ``LLMCTL_NATIVE_GEMM=0`` turns it off everywhere, ``1`` on everywhere.
 NATIVE_GEMM_ISAS = frozenset({"avx2", "avx512", "avx512bf16"})
 
