@@ -51,7 +51,7 @@ def paged_decode_attention_native(
 
 
 def prefill_attention_native_supported(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether ``paged_prefill_attention_native`` takes these (fp32, head_dim 64/128, AVX2 or better)."""
+    """Whether ``paged_prefill_attention_native`` takes these (fp32 or bf16, head_dim 64/128, AVX2 or better)."""
     module = load_native()
     return module is not None and module.prefill_attention_supported(query, key_cache)
 

@@ -27,6 +27,16 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
 }
 
+// offset[t] = the cache row of token t of a sequence (elements), plus `extra`, for t < len; entries
+// [len, padded) repeat token 0's (tiles past the end read a real row, whose score is then ignored).
+inline void token_offsets(std::vector<int64_t>& offset, const int32_t* table, int64_t block_size, int64_t len,
+                          int64_t padded, int64_t row, int64_t extra) {
+  offset.resize(padded);
+  for (int64_t t = 0; t < len; ++t)
+    offset[t] = (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row + extra;
+  for (int64_t t = len; t < padded; ++t) offset[t] = offset[0];
+}
+
 // fast_exp (cpu_kernels_isa.h) on 8 lanes. GCC leaves the scalar one unvectorized in the softmax
 // loop, where it then took about half of a decode call.
 inline __m256 exp8(__m256 x) {
@@ -176,11 +186,7 @@ void decode_tasks(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
     const int32_t* table = a.block_tables + seq * a.max_blocks;
     const int64_t q_offset = (seq * a.num_q_heads + first_head * group) * D;
     for (int64_t i = 0; i < rows * D; ++i) qf[i] = load(a.q + q_offset + i) * a.scale;
-    token_offset.resize(padded);
-    for (int64_t t = 0; t < len; ++t)
-      token_offset[t] = (static_cast<int64_t>(table[t / a.block_size]) * a.block_size + t % a.block_size) * row +
-                        first_head * D;
-    for (int64_t t = len; t < padded; ++t) token_offset[t] = token_offset[0];  // scored, then ignored
+    token_offsets(token_offset, table, a.block_size, len, padded, row, first_head * D);
     scores.resize(rows * padded);
 
     const float* tile_rows[kScoreTile];  // the tile's K rows (all the task's heads) as fp32
@@ -246,9 +252,8 @@ void prefill_task(const PrefillArgs<T>& a, int64_t seq, int64_t h) {
   if (q_len <= 0) return;
   const int64_t padded = (len + kScoreTile - 1) / kScoreTile * kScoreTile;
   const int32_t* table = a.block_tables + seq * a.max_blocks;
-  std::vector<int64_t> token_offset(padded);  // t -> the token's K/V row of head h in k_base / v_base
-  for (int64_t t = 0; t < len; ++t)
-    token_offset[t] = (static_cast<int64_t>(table[t / a.block_size]) * a.block_size + t % a.block_size) * row + h * D;
+  std::vector<int64_t> token_offset;  // t -> the token's K/V row of head h in k_base / v_base
+  token_offsets(token_offset, table, a.block_size, len, padded, row, h * D);
   const float* k_base;
   const float* v_base;
   std::vector<float> k_wide, v_wide;
@@ -261,9 +266,9 @@ void prefill_task(const PrefillArgs<T>& a, int64_t seq, int64_t h) {
       widen_row(a.v_cache + token_offset[t], v_wide.data() + t * D, D);
       token_offset[t] = t * D;
     }
+    for (int64_t t = len; t < padded; ++t) token_offset[t] = 0;
     k_base = k_wide.data(), v_base = v_wide.data();
   }
-  for (int64_t t = len; t < padded; ++t) token_offset[t] = token_offset[0];  // scored, then ignored
   std::vector<float> qf(group * D), acc(group * D), inv_sum(group), scores(group * padded);
   const float* rows_of_tile[kScoreTile];
   const float* chunk_rows[kValueChunk];

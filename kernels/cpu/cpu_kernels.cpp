@@ -85,9 +85,7 @@ void decode_range(const DecodeArgs<at::BFloat16>& a, int64_t begin, int64_t end)
     const int64_t len = a.seq_lens[seq];
     const int32_t* table = a.block_tables + seq * a.max_blocks;
     scores.resize(group * len);
-    token_offset.resize(len);
-    for (int64_t t = 0; t < len; ++t)
-      token_offset[t] = (static_cast<int64_t>(table[t / a.block_size]) * a.block_size + t % a.block_size) * row;
+    avx512::f32attn::token_offsets(token_offset, table, a.block_size, len, len, row, 0);
     for (int64_t h = 0; h < a.num_kv_heads; ++h) {
       const at::BFloat16* qh = a.q + (seq * a.num_q_heads + h * group) * D;
       auto slot_row = [&](const at::BFloat16* cache, int64_t t) {
@@ -298,6 +296,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
   TORCH_CHECK(key_cache.size(3) == q.size(2) && q.size(1) % key_cache.size(2) == 0, "head shapes disagree");
   TORCH_CHECK(starts.size(0) == lens.size(0) + 1 && bt.size(0) == lens.size(0),
               "one table row and one chunk per sequence");
+  TORCH_CHECK(starts.data_ptr<int32_t>()[starts.size(0) - 1] == q.size(0),
+              "query_start_loc must end at the number of query tokens");
 #ifdef LLMCTL_X86_VARIANTS
   if (q.scalar_type() == at::kFloat) prefill_on_threads<float>(q, key_cache, value_cache, bt, starts, lens, out, scale);
   else prefill_on_threads<at::BFloat16>(q, key_cache, value_cache, bt, starts, lens, out, scale);

@@ -193,6 +193,17 @@ def test_prefill_matches_reference(isa, dtype, num_q_heads, num_kv_heads, head_d
     assert torch.equal(alone, got[int(starts[6]):int(starts[7])])
 
 
+def test_prefill_refuses_chunks_that_overrun_the_queries():
+    from kernels.cpu_native import paged_prefill_attention_native, prefill_attention_native_supported
+
+    query, cache = torch.randn(5, 4, 64), torch.randn(4, 16, 4, 64)
+    if not prefill_attention_native_supported(query, cache):
+        pytest.skip("no AVX2: the native prefill is not compiled for this CPU")
+    starts, lens = torch.tensor([0, 9], dtype=torch.int32), torch.tensor([9], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="query_start_loc must end"):
+        paged_prefill_attention_native(query, cache, cache, torch.zeros(1, 4, dtype=torch.int32), starts, lens, 0.125)
+
+
 def test_prefill_declines_other_dtypes_and_head_sizes():
     from kernels.cpu_native import prefill_attention_native_supported
 
