@@ -22,8 +22,14 @@ namespace int8g {
 constexpr int64_t KC = 2048;        // inputs per int32 accumulation before a flush into int64
 // Register tile: MR rows of x x NR rows of w = 12 int32 accumulators, 2 widened weight vectors, one
 // x vector, one product: all 16 ymm registers. Each k step widens 2 weight vectors for 12 madd/add
-// pairs. Smaller edge tiles (rows or columns left over) use the intrinsics version.
+// pairs. Fewer than MR rows or NR columns in all use the intrinsics version; a larger x's last
+// rows or a weight's last columns take the full tile, overlapping the tile before (gemm below).
 constexpr int64_t MR = 6, NR = 2;
+// With AVX512-VNNI the tile is MR x NR512: 24 zmm accumulators of 16 int32 lanes, 4 widened weight
+// vectors, one x vector (29 of 32 registers); vpdpwssd fuses the multiply-add and the add, so each
+// instruction does 32 int16 multiply-adds where the AVX2 pair does 16 in two.
+constexpr int64_t NR512 = 4;
+constexpr int64_t NR_MAX = NR512;  // the sums array fits either tile
 constexpr int64_t PANEL_BYTES = 128 << 10;  // weight rows per pass over x: they stay in L2 while x streams
 
 // x [m, k] rounded per row to int16, with the row's scale.
@@ -54,6 +60,23 @@ __attribute__((target("avx2"))) inline void round_row_avx2(const float* x, int64
   for (; j < k; ++j) q[j] = static_cast<int16_t>(std::nearbyint(x[j] * inv));
 }
 
+// max |x[j]| over a row, k a multiple of 16 (max is exact: the same float as the scalar loop's; a
+// NaN row gives garbage either way). std::fmax is a libm call per element that GCC does not
+// vectorize: 4-5 % of an int8 batched step.
+__attribute__((target("avx2"))) inline float amax_row_avx2(const float* x, int64_t k) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+  for (int64_t j = 0; j < k; j += 16) {
+    a = _mm256_max_ps(a, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+    b = _mm256_max_ps(b, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j + 8)));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(a, b));
+  float amax = 0.f;
+  for (float v : lanes) amax = std::fmax(amax, v);
+  return amax;
+}
+
 inline TokenX quantize_tokens(const float* x, int64_t m, int64_t k) {
   TokenX r{m, k, std::vector<int16_t>(m * k), std::vector<float>(m)};
   const bool generic = use_generic();
@@ -61,7 +84,11 @@ inline TokenX quantize_tokens(const float* x, int64_t m, int64_t k) {
     for (int64_t i = begin; i < end; ++i) {
       const float* xr = x + i * k;
       float amax = 0.f;
-      for (int64_t j = 0; j < k; ++j) amax = std::fmax(amax, std::fabs(xr[j]));
+      if (generic) {
+        for (int64_t j = 0; j < k; ++j) amax = std::fmax(amax, std::fabs(xr[j]));
+      } else {
+        amax = amax_row_avx2(xr, k);
+      }
       const float inv = amax > 0.f ? 32767.f / amax : 0.f;
       r.scale[i] = amax / 32767.f;
       int16_t* q = r.q.data() + i * k;
@@ -79,7 +106,7 @@ inline TokenX quantize_tokens(const float* x, int64_t m, int64_t k) {
 // multiple of 16. Each k step widens C weight vectors once and uses them for all R rows of x.
 template <int R, int C>
 __attribute__((target("avx2"))) void tile_sums_avx2(const int16_t* x, const int8_t* w, int64_t k,
-                                                    int64_t sums[MR][NR]) {
+                                                    int64_t sums[MR][NR_MAX]) {
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < C; ++j) sums[i][j] = 0;
   for (int64_t k0 = 0; k0 < k; k0 += KC) {
@@ -113,7 +140,7 @@ __attribute__((target("avx2"))) void tile_sums_avx2(const int16_t* x, const int8
 // ymm0-11 accumulate, ymm12/13 hold the two widened weight vectors, ymm14 one x vector, ymm15 the
 // product; per 16 inputs 2 weight loads, 6 x loads, 12 vpmaddwd and 12 vpaddd.
 __attribute__((target("avx2"))) inline void tile_sums_6x2_asm(const int16_t* x, const int8_t* w, int64_t k,
-                                                              int64_t sums[MR][NR]) {
+                                                              int64_t sums[MR][NR_MAX]) {
   static_assert(MR == 6 && NR == 2, "the assembly tile is 6 x 2");
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) sums[i][j] = 0;
@@ -205,8 +232,169 @@ __attribute__((target("avx2"))) inline void tile_sums_6x2_asm(const int16_t* x, 
   }
 }
 
+// The AVX512-VNNI tile (R <= MR rows of x, C <= NR512 rows of w), k a multiple of 32: the same
+// exact integers as the AVX2 tile. Each int32 lane sums 2 products per 32 inputs, so up to KC
+// inputs it stays below 128 * 32767 * KC / 16 < 2^30 before the flush into int64.
+template <int R, int C>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_sums_vnni(const int16_t* x, const int8_t* w,
+                                                                          int64_t k, int64_t sums[MR][NR_MAX]) {
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < C; ++j) sums[i][j] = 0;
+  for (int64_t k0 = 0; k0 < k; k0 += KC) {
+    const int64_t k1 = std::min(k, k0 + KC);
+    __m512i acc[R][C];
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < C; ++j) acc[i][j] = _mm512_setzero_si512();
+    for (int64_t kk = k0; kk < k1; kk += 32) {
+      __m512i wv[C];
+      for (int j = 0; j < C; ++j)
+        wv[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * k + kk)));
+      for (int i = 0; i < R; ++i) {
+        const __m512i xv = _mm512_loadu_si512(x + i * k + kk);
+        for (int j = 0; j < C; ++j) acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], xv, wv[j]);
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < C; ++j) {
+        const __m512i lanes64 = _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc[i][j])),
+                                                 _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc[i][j], 1)));
+        sums[i][j] += _mm512_reduce_add_epi64(lanes64);
+      }
+  }
+}
+
+// The full 6 x 4 VNNI tile in assembly, for the reason the AVX2 tile has one: GCC keeps the
+// intrinsics version's accumulators in memory. zmm0-23 accumulate (row r, weight c in 4r + c),
+// zmm24-27 hold the 4 widened weight vectors, zmm28 one x vector; per 32 inputs 4 weight loads,
+// 6 x loads and 24 vpdpwssd.
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile_sums_6x4_vnni_asm(
+    const int16_t* x, const int8_t* w, int64_t k, int64_t sums[MR][NR_MAX]) {
+  static_assert(MR == 6 && NR512 == 4, "the assembly tile is 6 x 4");
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR512; ++j) sums[i][j] = 0;
+  alignas(64) int32_t lanes[MR * NR512][16];
+  for (int64_t k0 = 0; k0 < k; k0 += KC) {
+    int64_t n = (std::min(k, k0 + KC) - k0) / 32;
+    const int16_t* p0 = x + k0;
+    const int16_t* p3 = x + 3 * k + k0;
+    const int8_t* wp = w + k0;
+    const int8_t* w3 = w + 3 * k + k0;
+    const int64_t x_stride = k * 2;
+    asm volatile(
+        "vpxord %%zmm0, %%zmm0, %%zmm0\n\t"
+        "vpxord %%zmm1, %%zmm1, %%zmm1\n\t"
+        "vpxord %%zmm2, %%zmm2, %%zmm2\n\t"
+        "vpxord %%zmm3, %%zmm3, %%zmm3\n\t"
+        "vpxord %%zmm4, %%zmm4, %%zmm4\n\t"
+        "vpxord %%zmm5, %%zmm5, %%zmm5\n\t"
+        "vpxord %%zmm6, %%zmm6, %%zmm6\n\t"
+        "vpxord %%zmm7, %%zmm7, %%zmm7\n\t"
+        "vpxord %%zmm8, %%zmm8, %%zmm8\n\t"
+        "vpxord %%zmm9, %%zmm9, %%zmm9\n\t"
+        "vpxord %%zmm10, %%zmm10, %%zmm10\n\t"
+        "vpxord %%zmm11, %%zmm11, %%zmm11\n\t"
+        "vpxord %%zmm12, %%zmm12, %%zmm12\n\t"
+        "vpxord %%zmm13, %%zmm13, %%zmm13\n\t"
+        "vpxord %%zmm14, %%zmm14, %%zmm14\n\t"
+        "vpxord %%zmm15, %%zmm15, %%zmm15\n\t"
+        "vpxord %%zmm16, %%zmm16, %%zmm16\n\t"
+        "vpxord %%zmm17, %%zmm17, %%zmm17\n\t"
+        "vpxord %%zmm18, %%zmm18, %%zmm18\n\t"
+        "vpxord %%zmm19, %%zmm19, %%zmm19\n\t"
+        "vpxord %%zmm20, %%zmm20, %%zmm20\n\t"
+        "vpxord %%zmm21, %%zmm21, %%zmm21\n\t"
+        "vpxord %%zmm22, %%zmm22, %%zmm22\n\t"
+        "vpxord %%zmm23, %%zmm23, %%zmm23\n\t"
+        "1:\n\t"
+        "vpmovsxbw (%[w]), %%zmm24\n\t"
+        "vpmovsxbw (%[w],%[ws]), %%zmm25\n\t"
+        "vpmovsxbw (%[w],%[ws],2), %%zmm26\n\t"
+        "vpmovsxbw (%[w3]), %%zmm27\n\t"
+        "vmovdqu64 (%[p0]), %%zmm28\n\t"
+        "vpdpwssd %%zmm24, %%zmm28, %%zmm0\n\t"
+        "vpdpwssd %%zmm25, %%zmm28, %%zmm1\n\t"
+        "vpdpwssd %%zmm26, %%zmm28, %%zmm2\n\t"
+        "vpdpwssd %%zmm27, %%zmm28, %%zmm3\n\t"
+        "vmovdqu64 (%[p0],%[xs]), %%zmm28\n\t"
+        "vpdpwssd %%zmm24, %%zmm28, %%zmm4\n\t"
+        "vpdpwssd %%zmm25, %%zmm28, %%zmm5\n\t"
+        "vpdpwssd %%zmm26, %%zmm28, %%zmm6\n\t"
+        "vpdpwssd %%zmm27, %%zmm28, %%zmm7\n\t"
+        "vmovdqu64 (%[p0],%[xs],2), %%zmm28\n\t"
+        "vpdpwssd %%zmm24, %%zmm28, %%zmm8\n\t"
+        "vpdpwssd %%zmm25, %%zmm28, %%zmm9\n\t"
+        "vpdpwssd %%zmm26, %%zmm28, %%zmm10\n\t"
+        "vpdpwssd %%zmm27, %%zmm28, %%zmm11\n\t"
+        "vmovdqu64 (%[p3]), %%zmm28\n\t"
+        "vpdpwssd %%zmm24, %%zmm28, %%zmm12\n\t"
+        "vpdpwssd %%zmm25, %%zmm28, %%zmm13\n\t"
+        "vpdpwssd %%zmm26, %%zmm28, %%zmm14\n\t"
+        "vpdpwssd %%zmm27, %%zmm28, %%zmm15\n\t"
+        "vmovdqu64 (%[p3],%[xs]), %%zmm28\n\t"
+        "vpdpwssd %%zmm24, %%zmm28, %%zmm16\n\t"
+        "vpdpwssd %%zmm25, %%zmm28, %%zmm17\n\t"
+        "vpdpwssd %%zmm26, %%zmm28, %%zmm18\n\t"
+        "vpdpwssd %%zmm27, %%zmm28, %%zmm19\n\t"
+        "vmovdqu64 (%[p3],%[xs],2), %%zmm28\n\t"
+        "vpdpwssd %%zmm24, %%zmm28, %%zmm20\n\t"
+        "vpdpwssd %%zmm25, %%zmm28, %%zmm21\n\t"
+        "vpdpwssd %%zmm26, %%zmm28, %%zmm22\n\t"
+        "vpdpwssd %%zmm27, %%zmm28, %%zmm23\n\t"
+        "add $32, %[w]\n\t"
+        "add $32, %[w3]\n\t"
+        "add $64, %[p0]\n\t"
+        "add $64, %[p3]\n\t"
+        "dec %[n]\n\t"
+        "jnz 1b\n\t"
+        "vmovdqa64 %%zmm0, 0(%[out])\n\t"
+        "vmovdqa64 %%zmm1, 64(%[out])\n\t"
+        "vmovdqa64 %%zmm2, 128(%[out])\n\t"
+        "vmovdqa64 %%zmm3, 192(%[out])\n\t"
+        "vmovdqa64 %%zmm4, 256(%[out])\n\t"
+        "vmovdqa64 %%zmm5, 320(%[out])\n\t"
+        "vmovdqa64 %%zmm6, 384(%[out])\n\t"
+        "vmovdqa64 %%zmm7, 448(%[out])\n\t"
+        "vmovdqa64 %%zmm8, 512(%[out])\n\t"
+        "vmovdqa64 %%zmm9, 576(%[out])\n\t"
+        "vmovdqa64 %%zmm10, 640(%[out])\n\t"
+        "vmovdqa64 %%zmm11, 704(%[out])\n\t"
+        "vmovdqa64 %%zmm12, 768(%[out])\n\t"
+        "vmovdqa64 %%zmm13, 832(%[out])\n\t"
+        "vmovdqa64 %%zmm14, 896(%[out])\n\t"
+        "vmovdqa64 %%zmm15, 960(%[out])\n\t"
+        "vmovdqa64 %%zmm16, 1024(%[out])\n\t"
+        "vmovdqa64 %%zmm17, 1088(%[out])\n\t"
+        "vmovdqa64 %%zmm18, 1152(%[out])\n\t"
+        "vmovdqa64 %%zmm19, 1216(%[out])\n\t"
+        "vmovdqa64 %%zmm20, 1280(%[out])\n\t"
+        "vmovdqa64 %%zmm21, 1344(%[out])\n\t"
+        "vmovdqa64 %%zmm22, 1408(%[out])\n\t"
+        "vmovdqa64 %%zmm23, 1472(%[out])\n\t"
+        "vzeroupper\n\t"
+        : [w] "+r"(wp), [w3] "+r"(w3), [p0] "+r"(p0), [p3] "+r"(p3), [n] "+r"(n)
+        : [ws] "r"(k), [xs] "r"(x_stride), [out] "r"(&lanes[0][0])
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "xmm24", "xmm25", "xmm26", "xmm27", "xmm28", "memory", "cc");
+    // The flush, one row's 4 accumulators together: a lane holds at most 2 * KC / 32 products, each
+    // |p| <= 128 * 32767, so < 2^29 and any 4 lanes sum exactly in int32. Transposing adds (within
+    // 128-bit lanes) leave [col 0, 1, 2, 3] sums of 4 lanes in each 128-bit lane; those 4 x 4 go
+    // to int64 for the last adds.
+    for (int i = 0; i < MR; ++i) {
+      const __m512i a0 = _mm512_load_si512(lanes[i * NR512]), a1 = _mm512_load_si512(lanes[i * NR512 + 1]);
+      const __m512i a2 = _mm512_load_si512(lanes[i * NR512 + 2]), a3 = _mm512_load_si512(lanes[i * NR512 + 3]);
+      const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+      const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+      const __m512i c = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+      const __m512i wide = _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(c)),
+                                            _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(c, 1)));
+      const __m256i four = _mm256_add_epi64(_mm512_castsi512_si256(wide), _mm512_extracti64x4_epi64(wide, 1));
+      __m256i* row = reinterpret_cast<__m256i*>(sums[i]);
+      _mm256_storeu_si256(row, _mm256_add_epi64(_mm256_loadu_si256(row), four));
+    }
+  }
+}
+
 inline void tile_sums_generic(const int16_t* x, const int8_t* w, int64_t k, int64_t rows, int64_t cols,
-                              int64_t sums[MR][NR]) {
+                              int64_t sums[MR][NR_MAX]) {
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols; ++j) {
       int64_t s = 0;
@@ -215,46 +403,88 @@ inline void tile_sums_generic(const int16_t* x, const int8_t* w, int64_t k, int6
     }
 }
 
-using TileSumsFn = void (*)(const int16_t*, const int8_t*, int64_t, int64_t[MR][NR]);
+using TileSumsFn = void (*)(const int16_t*, const int8_t*, int64_t, int64_t[MR][NR_MAX]);
 
-template <int R, int... C>
-constexpr std::array<TileSumsFn, NR + 1> tile_row(std::integer_sequence<int, C...>) {
-  return {nullptr, tile_sums_avx2<R, C + 1>...};
+template <template <int, int> class Tile, int R, int... C>
+constexpr std::array<TileSumsFn, NR_MAX + 1> tile_row(std::integer_sequence<int, C...>) {
+  return {nullptr, Tile<R, C + 1>::fn...};
 }
 
-inline const TileSumsFn* tile_table(int64_t rows) {
-  static const std::array<std::array<TileSumsFn, NR + 1>, MR + 1> table = {
-      std::array<TileSumsFn, NR + 1>{}, tile_row<1>(std::make_integer_sequence<int, NR>{}),
-      tile_row<2>(std::make_integer_sequence<int, NR>{}), tile_row<3>(std::make_integer_sequence<int, NR>{}),
-      tile_row<4>(std::make_integer_sequence<int, NR>{}), tile_row<5>(std::make_integer_sequence<int, NR>{}),
-      tile_row<6>(std::make_integer_sequence<int, NR>{})};
+template <template <int, int> class Tile, int64_t COLS>
+const TileSumsFn* tile_table(int64_t rows) {
+  using Cols = std::make_integer_sequence<int, COLS>;
+  static const std::array<std::array<TileSumsFn, NR_MAX + 1>, MR + 1> table = {
+      std::array<TileSumsFn, NR_MAX + 1>{}, tile_row<Tile, 1>(Cols{}), tile_row<Tile, 2>(Cols{}),
+      tile_row<Tile, 3>(Cols{}), tile_row<Tile, 4>(Cols{}), tile_row<Tile, 5>(Cols{}), tile_row<Tile, 6>(Cols{})};
   return table[rows].data();
 }
 
-// out [m, n] = x_q [m, k] @ w [n, k]^T, scaled. Threads split the weight rows (in tiles of NR); a
+template <int R, int C>
+struct Avx2Tile {
+  static constexpr TileSumsFn fn = tile_sums_avx2<R, C>;
+};
+template <int R, int C>
+struct VnniTile {
+  static constexpr TileSumsFn fn = tile_sums_vnni<R, C>;
+};
+
+// The zmm tile where the CPU has AVX512-VNNI (and AVX512-BW for the widening), unless
+// LLMCTL_CPU_ISA lowers the level to avx2 or generic (tests, A/B runs).
+inline bool use_vnni() {
+  static const bool vnni = [] {
+    const char* isa = std::getenv("LLMCTL_CPU_ISA");
+    const bool lowered = isa != nullptr && (std::string(isa) == "avx2" || std::string(isa) == "generic");
+    return !lowered && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+  }();
+  return vnni;
+}
+
+// One tile of sums: the variant's full tile or an edge tile from its table.
+struct TileKernel {
+  int64_t cols;  // weight rows per tile
+  bool generic, vnni;
+  void operator()(const int16_t* x, const int8_t* w, int64_t k, int64_t rows, int64_t n_cols,
+                  int64_t sums[MR][NR_MAX]) const {
+    if (generic) tile_sums_generic(x, w, k, rows, n_cols, sums);
+    else if (vnni && rows == MR && n_cols == NR512) tile_sums_6x4_vnni_asm(x, w, k, sums);
+    else if (vnni) tile_table<VnniTile, NR512>(rows)[n_cols](x, w, k, sums);
+    else if (rows == MR && n_cols == NR) tile_sums_6x2_asm(x, w, k, sums);
+    else tile_table<Avx2Tile, NR>(rows)[n_cols](x, w, k, sums);
+  }
+};
+
+inline TileKernel tile_kernel(int64_t k) {
+  const bool generic = use_generic(), vnni = !generic && k % 32 == 0 && use_vnni();
+  return {vnni ? NR512 : NR, generic, vnni};
+}
+
+// out [m, n] = x_q [m, k] @ w [n, k]^T, scaled. Threads split the weight rows (in tiles of the variant's width); a
 // thread walks its rows in panels of about PANEL_BYTES, and each panel meets every row of x, MR
 // rows at a time (their int16 rows in L1 while the panel's tiles stream from L2).
 template <typename S>
 void gemm(const TokenX& xq, const int8_t* w, const S* w_scales, int64_t n, float* out) {
-  const int64_t m = xq.m, k = xq.k, tiles = (n + NR - 1) / NR;
-  const int64_t panel_tiles = std::max<int64_t>(1, PANEL_BYTES / (NR * k));
-  const bool generic = use_generic();
+  const int64_t m = xq.m, k = xq.k;
+  const TileKernel tile = tile_kernel(k);
+  const int64_t tiles = (n + tile.cols - 1) / tile.cols;
+  const int64_t panel_tiles = std::max<int64_t>(1, PANEL_BYTES / (tile.cols * k));
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    int64_t sums[MR][NR];
+    int64_t sums[MR][NR_MAX];
     for (int64_t p0 = begin; p0 < end; p0 += panel_tiles) {
       const int64_t p1 = std::min(end, p0 + panel_tiles);
-      for (int64_t i = 0; i < m; i += MR) {
-        const int64_t rows = std::min(MR, m - i);
+      for (int64_t i0 = 0; i0 < m; i0 += MR) {
+        // A last block of fewer than MR rows (or tile.cols columns) moves back to overlap the one
+        // before it, so that it takes the full tile, and writes only its own rows and columns
+        // (the overlap's sums are exact integers: the same whichever tile computes them).
+        const int64_t i = (i0 + MR > m && m >= MR) ? m - MR : i0, rows = std::min(MR, m - i);
         const int16_t* xt = xq.q.data() + i * k;
         for (int64_t t = p0; t < p1; ++t) {
-          const int64_t j0 = t * NR, cols = std::min(NR, n - j0);
-          const int8_t* wt = w + j0 * k;
-          if (generic) tile_sums_generic(xt, wt, k, rows, cols, sums);
-          else if (rows == MR && cols == NR) tile_sums_6x2_asm(xt, wt, k, sums);
-          else tile_table(rows)[cols](xt, wt, k, sums);
-          for (int64_t r = 0; r < rows; ++r) {
+          const int64_t j0 = (t + 1 == tiles && n >= tile.cols) ? n - tile.cols : t * tile.cols;
+          const int64_t cols = std::min(tile.cols, n - j0);
+          tile(xt, w + j0 * k, k, rows, cols, sums);
+          for (int64_t r = i0 - i; r < rows; ++r) {
             const float xs = xq.scale[i + r];
-            for (int64_t c = 0; c < cols; ++c)
+            for (int64_t c = t * tile.cols - j0; c < cols; ++c)
               out[(i + r) * n + j0 + c] =
                   static_cast<float>(static_cast<double>(sums[r][c])) * (xs * to_float(w_scales[j0 + c]));
           }

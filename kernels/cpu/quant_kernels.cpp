@@ -26,8 +26,8 @@
 // are bitwise those of the float32 scales.
 //
 // ISA: AVX2+FMA+F16C, what every x86-64 machine here has; the build checks for it (quant_native.py).
-// (The AVX-512 VNNI variants multiplied int8 activations; VNNI's int16 dot product, vpdpwssd, is
-// the candidate for an AVX-512 path, not written: no such CPU to test it on in that session.)
+// Per-channel int8 (int8_gemm.h) also has an AVX512-VNNI tile (vpdpwssd: VNNI's int16 dot product,
+// the same exact integers), chosen at run time; the group-wise int4/int8 tiles below are AVX2 only.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 

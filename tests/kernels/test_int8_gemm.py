@@ -1,8 +1,9 @@
 """Per-channel int8 weights with per-token int16 activations (kernels/cpu/int8_gemm.h) against the
 torch statement of the same arithmetic (``per_channel_int8_reference``): bit for bit, because every
 dot product is an exact integer and the float steps are the same. So a row's result depends on
-neither the batch (M), the tile it lands in (6 x 2 assembly tile or an edge tile), the threads,
-nor the variant (AVX2 or the scalar one chosen by LLMCTL_CPU_ISA=generic)."""
+neither the batch (M), the tile it lands in (a full assembly tile, 6 x 4 with AVX512-VNNI or 6 x 2
+with AVX2, an overlapping last tile, or an edge tile), the threads, nor the variant (VNNI, AVX2 or
+the scalar one, chosen by the CPU and lowered by LLMCTL_CPU_ISA)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def test_kernel_equals_reference_bitwise(m, n, k):
 def test_rows_do_not_depend_on_the_batch():
     x, packed = _case(64, 96, 576, seed=3)
     together = quant_linear_native(x, packed)
-    for i in (0, 5, 6, 59, 63):  # full 6-row tiles and the 4-row edge tile
+    for i in (0, 5, 6, 59, 63):  # full 6-row tiles and the last 4 rows (an overlapping tile)
         assert torch.equal(quant_linear_native(x[i : i + 1], packed)[0], together[i])
         assert torch.equal(quant_linear_native(x[i : i + 7], packed)[0], together[i])
 
@@ -73,11 +74,11 @@ def test_float16_scales_read_as_the_same_float32():
 
 @needs_native
 def test_extremes_do_not_overflow():
-    """|w| = 128 and |x| = 32767 everywhere (8 rows x 3: the 6 x 2 tile and edge tiles): two int32
-    lanes together stay below 2^31 up to 2048 inputs, longer rows are flushed to int64 every 2048;
-    the result is the exact -128 * 32767 * K, rounded once."""
-    for k in (2048, 4096 + 32, 8192 + 64):
-        packed = PackedInt8(torch.full((3, k), -128, dtype=torch.int8), torch.ones(3, 1), None, k)
+    """|w| = 128 and |x| = 32767 everywhere (8 rows x 3 and x 5: full, overlapping and edge tiles of
+    both variants): two int32 lanes together stay below 2^31 up to 2048 inputs, longer rows are
+    flushed to int64 every 2048; the result is the exact -128 * 32767 * K, rounded once."""
+    for k, n in ((2048, 3), (4096 + 32, 5), (8192 + 64, 3)):
+        packed = PackedInt8(torch.full((n, k), -128, dtype=torch.int8), torch.ones(n, 1), None, k)
         x = torch.ones(8, k)
         x[1] = 0.0  # an all-zero row: scale 0, output 0
         got = quant_linear_native(x, packed)
@@ -97,20 +98,22 @@ def test_half_precision_activations_round_once():
 
 
 @needs_native
-def test_generic_variant_computes_the_same_integers(tmp_path):
-    """LLMCTL_CPU_ISA=generic: the scalar variant (read once per process, so in a child process)."""
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_lower_variants_compute_the_same_integers(tmp_path, isa):
+    """LLMCTL_CPU_ISA=generic: the scalar variant; =avx2: the AVX2 tile where this CPU would take
+    the AVX512-VNNI one (the choice is read once per process, so in a child process)."""
     script = (
         "import torch, sys; sys.path.insert(0, 'tests/kernels');"
         "from test_int8_gemm import _case; from kernels.quant_native import quant_linear_native;"
         "x, p = _case(13, 30, 1536, seed=11); torch.save(quant_linear_native(x, p), sys.argv[1])"
     )
-    out = tmp_path / "generic.pt"
-    env = {**os.environ, "LLMCTL_CPU_ISA": "generic", "PYTHONPATH": str(ROOT)}
+    out = tmp_path / f"{isa}.pt"
+    env = {**os.environ, "LLMCTL_CPU_ISA": isa, "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, "-c", script, str(out)], cwd=ROOT, env=env, check=True, timeout=600)
-    generic = torch.load(out)
+    lower = torch.load(out)
     x, packed = _case(13, 30, 1536, seed=11)
-    assert torch.equal(generic, per_channel_int8_reference(x, packed))
-    assert torch.equal(generic, quant_linear_native(x, packed))
+    assert torch.equal(lower, per_channel_int8_reference(x, packed))
+    assert torch.equal(lower, quant_linear_native(x, packed))
 
 
 def test_cpu_fallback_without_native_kernels_computes_the_same_integers(monkeypatch):
