@@ -58,6 +58,10 @@ def load_quantized(model: str, kind: str, group_size: int):
                     if layer.weight.dim() == 3:  # fp32 packed in panels for the native GEMM: back to [N, K]
                         layer.weight.data = unpack_panels(layer.weight.data, layer.out_features)
                     method.process_weights_after_loading(layer)
+            head = loaded.lm_head  # the LM head as the loader sets it up for this method
+            head.logits_quantization = getattr(method, "logits_quantization", None)
+            if head.logits_quantization and head.packed_format is None:
+                head.process_weights_after_loading()
     return loaded
 
 

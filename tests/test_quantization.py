@@ -211,7 +211,36 @@ def test_on_the_fly_layers_are_packed_and_smaller(llama_dir):
     layer = int4.model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert linear.packed_format == "int4" and "weight" not in linear._parameters
-    assert int4.model.embed_tokens.packed_format is None  # embedding and LM head stay in float
+    assert int4.model.embed_tokens.packed_format is None  # the embedding stays in float
+    head = int4.lm_head  # the LM head's logits come from a per-channel int8 copy instead of a float one
+    assert head.packed_format is None and head.packed_weight is None and head.logits_packed.group_size == head.hidden_size
+    rows, hidden = head.logits_packed.shape
+    float_copy = 4 * rows * hidden if fp32.lm_head.packed_weight is not None else 0  # fp32's prepacked logits copy
     linear_params = sum(p.numel() for n, p in fp32.named_parameters() if "proj" in n)
     saved = weight_bytes(fp32) - weight_bytes(int4)
-    assert saved == pytest.approx(linear_params * (4 - 0.75), rel=0.02)  # fp32 -> ~0.75 B/param at g32
+    expected = linear_params * (4 - 0.75) + float_copy - (rows * hidden + 4 * rows)  # int8 head: 1 B/param + scales
+    assert saved == pytest.approx(expected, rel=0.02)  # linear layers fp32 -> ~0.75 B/param at g32
+
+
+@pytest.mark.parametrize(("kind", "int8_logits"), [("int8", True), ("int4", True), ("fp8", False)])
+def test_lm_head_logits_from_an_int8_copy(llama_dir, kind, int8_logits):
+    """int8 and int4 compute the logits from a per-channel int8 copy of the (tied or not) table, the
+    arithmetic of the int8 linear layers bit for bit, a row's logits independent of the batch; the
+    embedding keeps looking up the float rows. fp8 keeps float logits."""
+    from kernels.quant_linear import per_channel_int8_reference
+    from llmctl.layers.ops import TorchOps
+    from llmctl.models.loader import load_model
+
+    model = load_model(llama_dir, dtype="float32", device=torch.device("cpu"), ops=TorchOps(), quantization=kind)
+    head = model.lm_head
+    assert (head.logits_packed is not None) == int8_logits
+    hidden = torch.randn(9, head.hidden_size, generator=torch.Generator().manual_seed(0))
+    logits = head(hidden)
+    if not int8_logits:
+        torch.testing.assert_close(logits, hidden @ head.weight.t())
+        return
+    assert torch.equal(logits, per_channel_int8_reference(hidden, quantize_int8(head.weight.data)))
+    assert torch.equal(head(hidden[4:5]), logits[4:5])
+    torch.testing.assert_close(logits, hidden @ head.weight.t(), atol=0.02 * logits.abs().max().item(), rtol=0)
+    ids = torch.tensor([1, 2, 3])
+    assert torch.equal(model.model.embed_tokens(ids), F.embedding(ids, model.model.embed_tokens.weight))

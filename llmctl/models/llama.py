@@ -125,6 +125,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg, dtype, tp, ops, linear_method, stage)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, tp=tp)
+        self.lm_head.logits_quantization = getattr(linear_method, "logits_quantization", None)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -122,7 +122,8 @@ def load_model(model_dir: Path, *, dtype: str, device: torch.device, ops: TorchO
                tp: TensorParallel = TensorParallel(), quantization: str = "none",
                quantization_group_size: int = 64, stage: PipelineStage | None = None) -> LlamaForCausalLM:
     """``quantization`` (int8 | int4 | fp8) quantizes every linear layer once its float weights are
-    loaded; the embedding and the LM head stay in ``dtype``."""
+    loaded; the embedding stays in ``dtype``, the LM head too except with int8 and int4, where its
+    logits come from a per-channel int8 copy (``ParallelLMHead.logits_quantization``)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: no such model directory")

@@ -73,6 +73,9 @@ class OnTheFlyQuantMethod(UnquantizedLinearMethod):
 
     def __init__(self, kind: str, group_size: int | None) -> None:
         self.kind, self.group_size = kind, group_size
+        # The LM head's logits format (ParallelLMHead): int8 per channel for the integer kinds; fp8's
+        # kernel dequantizes slabs at batch sizes, where float32 logits are as fast.
+        self.logits_quantization = "int8" if kind in ("int8", "int4") else None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight.data

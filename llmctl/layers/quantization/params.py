@@ -97,6 +97,8 @@ def weight_bytes(model: nn.Module) -> int:
     for module in model.modules():
         tensors = [t for t in module._parameters.values() if t is not None]
         tensors.append(getattr(module, "packed_weight", None))  # a prepacked copy kept beside the plain weight
+        logits_packed = getattr(module, "logits_packed", None)  # an LM head's int8 copy (ParallelLMHead)
+        tensors += [logits_packed.qweight, logits_packed.scales] if logits_packed is not None else []
         tensors += module.__dict__.get("_kernel_scales", ())[1:]  # float16 scales for the kernels (kernel_packed)
         bound = module.__dict__.get("_bound_cpu_kernel")  # matmul.bound_cpu_kernel: its interleaved copy, if any
         tensors.append(getattr(bound[1], "tiles", None) if bound else None)
