@@ -336,7 +336,7 @@ struct TileLayout {
 constexpr int64_t TILE_PREFETCH = 2048;
 
 template <typename S>
-using InterleavedTileFn = void (*)(const uint8_t*, const TileLayout&, XRow, float*);
+using InterleavedTileFn = void (*)(const uint8_t*, const TileLayout&, const XRow*, float*);
 
 // A group's RT scales (in both 128-bit lanes); times a block's x scale, lane r (and r + 4) holds
 // row r's scale * xd, the very product the row layout's tiles compute one row at a time.
@@ -352,38 +352,91 @@ __attribute__((target("avx2"))) inline __m256 lane(__m256 v, int r) {
   return _mm256_permutevar_ps(v, _mm256_set1_epi32(r));
 }
 
-// What differs between the formats in an interleaved tile: one row's block against one x block,
-// as int32 lanes (exact, as in int4_tile_avx2 / int8_tile_avx2), and a block's bytes per row.
+// What differs between the formats in an interleaved tile: one row's block unpacked to 16-bit
+// words (once, for every x row of a pass), its product with one x block as int32 lanes (exact, as
+// in int4_tile_avx2 / int8_tile_avx2), and a block's bytes per row. Both target avx2 only, and are
+// inlined into each tile variant (the AVX-512VL build of the tile gets the same instructions, with
+// 32 registers to keep more x rows' accumulators in).
 struct Int4Block {
   static constexpr int64_t BYTES = QB / 2;
-  __attribute__((target("avx2"))) static __m256i dot(const uint8_t* w, __m256i x01, __m256i x23) {
+  struct Words { __m256i n01, n23; };
+  __attribute__((target("avx2"), always_inline)) static inline Words unpack(const uint8_t* w) {
     const __m256i nibble = _mm256_setr_epi16(15, 15, 15, 15, 15, 15, 15, 15, 240, 240, 240, 240, 240, 240, 240, 240);
-    const __m256i unscale = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
     const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    const __m256i n01 = _mm256_and_si256(raw, nibble), n23 = _mm256_and_si256(_mm256_srli_epi16(raw, 8), nibble);
-    return _mm256_srav_epi32(_mm256_add_epi32(_mm256_madd_epi16(n01, x01), _mm256_madd_epi16(n23, x23)), unscale);
+    return {_mm256_and_si256(raw, nibble), _mm256_and_si256(_mm256_srli_epi16(raw, 8), nibble)};
+  }
+  __attribute__((target("avx2"), always_inline)) static inline __m256i dot(const Words& w, __m256i x01, __m256i x23) {
+    const __m256i unscale = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    return _mm256_srav_epi32(_mm256_add_epi32(_mm256_madd_epi16(w.n01, x01), _mm256_madd_epi16(w.n23, x23)), unscale);
+  }
+  // The zmm forms (tile_interleaved_pairs): the words in both 256-bit halves, dot on each half.
+  struct Words512 { __m512i n01, n23; };
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 widen(const Words& w) {
+    return {_mm512_broadcast_i64x4(w.n01), _mm512_broadcast_i64x4(w.n23)};
+  }
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i dot512(const Words512& w, __m512i x01,
+                                                                                          __m512i x23) {
+    const __m512i unscale = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
+    return _mm512_srav_epi32(_mm512_add_epi32(_mm512_madd_epi16(w.n01, x01), _mm512_madd_epi16(w.n23, x23)), unscale);
   }
 };
 
 struct Int8Block {
   static constexpr int64_t BYTES = QB;
-  __attribute__((target("avx2"))) static __m256i dot(const uint8_t* w, __m256i xlo, __m256i xhi) {
+  struct Words { __m256i lo, hi; };
+  __attribute__((target("avx2"), always_inline)) static inline Words unpack(const uint8_t* w) {
     const __m128i* v = reinterpret_cast<const __m128i*>(w);
-    const __m256i lo = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(v)), xlo);
-    const __m256i hi = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(v + 1)), xhi);
-    return _mm256_add_epi32(lo, hi);
+    return {_mm256_cvtepi8_epi16(_mm_loadu_si128(v)), _mm256_cvtepi8_epi16(_mm_loadu_si128(v + 1))};
+  }
+  __attribute__((target("avx2"), always_inline)) static inline __m256i dot(const Words& w, __m256i xlo, __m256i xhi) {
+    return _mm256_add_epi32(_mm256_madd_epi16(w.lo, xlo), _mm256_madd_epi16(w.hi, xhi));
+  }
+  struct Words512 { __m512i lo, hi; };
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 widen(const Words& w) {
+    return {_mm512_broadcast_i64x4(w.lo), _mm512_broadcast_i64x4(w.hi)};
+  }
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i dot512(const Words512& w, __m512i xlo,
+                                                                                          __m512i xhi) {
+    return _mm512_add_epi32(_mm512_madd_epi16(w.lo, xlo), _mm512_madd_epi16(w.hi, xhi));
   }
 };
 
-// One tile of the interleaved layout against one quantized x row: walks the stream group by group
-// (the RT scales, then each block's RT rows), then adds the mins. ONE_BLOCK: groups of 32 (GGUF's
-// Q4_1, Q4_0, Q8_0), the inner loop known to run once.
-template <typename S, bool ONE_BLOCK, typename Block>
-__attribute__((target("avx2,fma,f16c"))) void tile_interleaved(const uint8_t* p, const TileLayout& l, XRow x,
-                                                               float* out) {
+// The RT rows' results of a tile against one x row: each row's hsum256 (the same adds in the same
+// order, four rows at once by a transpose: (a0 + a2) + (a1 + a3) per row), then its mins in group
+// order, four rows per vector (the interleaved layout stores a group's RT mins together). Product
+// and sum round separately, as in add_mins; the same bits as RT calls of the scalar code.
+template <typename S>
+__attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off"))) inline void finish_rows(
+    const S* mins, int64_t groups, const float* xs, const __m256* acc, float* out) {
+  static_assert(RT == 4, "one 4-lane vector per tile");
+  __m128 s0 = _mm_add_ps(_mm256_castps256_ps128(acc[0]), _mm256_extractf128_ps(acc[0], 1));
+  __m128 s1 = _mm_add_ps(_mm256_castps256_ps128(acc[1]), _mm256_extractf128_ps(acc[1], 1));
+  __m128 s2 = _mm_add_ps(_mm256_castps256_ps128(acc[2]), _mm256_extractf128_ps(acc[2], 1));
+  __m128 s3 = _mm_add_ps(_mm256_castps256_ps128(acc[3]), _mm256_extractf128_ps(acc[3], 1));
+  _MM_TRANSPOSE4_PS(s0, s1, s2, s3);
+  __m128 y = _mm_add_ps(_mm_add_ps(s0, s2), _mm_add_ps(s1, s3));
+  if (mins != nullptr) {
+    for (int64_t g = 0; g < groups; ++g) {
+      __m128 m4;
+      if constexpr (std::is_same_v<S, uint16_t>) m4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins + g * RT)));
+      else m4 = _mm_loadu_ps(reinterpret_cast<const float*>(mins + g * RT));
+      y = _mm_add_ps(y, _mm_mul_ps(m4, _mm_set1_ps(xs[g])));
+    }
+  }
+  _mm_storeu_ps(out, y);
+}
+
+// One tile of the interleaved layout against MX quantized x rows: walks the stream group by group
+// (the RT scales, then each block's RT rows, each unpacked once for the MX rows), then adds the
+// mins. ONE_BLOCK: groups of 32 (GGUF's Q4_1, Q4_0, Q8_0), the inner loop known to run once. Each
+// x row's accumulators see the same products in the same order whatever MX: the same bits.
+template <typename S, bool ONE_BLOCK, typename Block, int MX>
+__attribute__((always_inline)) inline void tile_interleaved_body(const uint8_t* p, const TileLayout& l, const XRow* x,
+                                                                 float* out) {
   const int64_t bpg = ONE_BLOCK ? 1 : l.bpg;
-  __m256 acc[RT];
-  for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[MX][RT];
+  for (int i = 0; i < MX; ++i)
+    for (int r = 0; r < RT; ++r) acc[i][r] = _mm256_setzero_ps();
   int64_t b = 0;
   for (int64_t g = 0; g < l.groups; ++g) {
     const __m256 scales = group_scales<S>(p);
@@ -391,40 +444,135 @@ __attribute__((target("avx2,fma,f16c"))) void tile_interleaved(const uint8_t* p,
     for (int64_t e = 0; e < bpg; ++e, ++b, p += RT * Block::BYTES) {
       for (int64_t line = 0; line < RT * Block::BYTES / 64; ++line)  // the lines 2 KiB ahead: 1 (int4), 2 (int8)
         _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PREFETCH + 64 * line), _MM_HINT_T0);
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QB + 16));
-      const __m256 sx = _mm256_mul_ps(scales, _mm256_set1_ps(x.scale[b]));
-      for (int r = 0; r < RT; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Block::dot(p + r * Block::BYTES, x0, x1)), lane(sx, r), acc[r]);
+      __m256i x0[MX], x1[MX];
+      __m256 sx[MX];
+      for (int i = 0; i < MX; ++i) {
+        x0[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].q + b * QB));
+        x1[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].q + b * QB + 16));
+        sx[i] = _mm256_mul_ps(scales, _mm256_set1_ps(x[i].scale[b]));
+      }
+      for (int r = 0; r < RT; ++r) {
+        const typename Block::Words w = Block::unpack(p + r * Block::BYTES);
+        for (int i = 0; i < MX; ++i)
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Block::dot(w, x0[i], x1[i])), lane(sx[i], r), acc[i][r]);
+      }
     }
   }
-  add_mins<RT, S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x.group_sums, acc, out, 1, RT);
+  for (int i = 0; i < MX; ++i)
+    finish_rows<S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x[i].group_sums, acc[i], out + i * RT);
+}
+
+template <typename S, bool ONE_BLOCK, typename Block, int MX>
+__attribute__((target("avx2,fma,f16c"))) void tile_interleaved(const uint8_t* p, const TileLayout& l, const XRow* x,
+                                                               float* out) {
+  tile_interleaved_body<S, ONE_BLOCK, Block, MX>(p, l, x, out);
 }
 
 TileLayout tile_layout(int64_t k, int64_t group, bool int4, int64_t scale_bytes, bool mins) {
   return {k / group, group / QB, int4 ? QB / 2 : QB, scale_bytes, mins};
 }
 
+// Pairs of x rows in zmm registers: each 256-bit half of every vector holds one row's ymm
+// operands (its x blocks, its scale products, its accumulators) and the weight words fill both
+// halves, so one AVX-512 instruction does the two rows' ymm instructions, lane for lane: the same
+// bits as tile_interleaved for each row. PAIRS x 2 rows per pass over the tile.
+template <typename S, bool ONE_BLOCK, typename Block, int PAIRS>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void tile_interleaved_pairs(
+    const uint8_t* p, const TileLayout& l, const XRow* x, float* out) {
+  const int64_t bpg = ONE_BLOCK ? 1 : l.bpg;
+  __m512 acc[PAIRS][RT];
+  for (int i = 0; i < PAIRS; ++i)
+    for (int r = 0; r < RT; ++r) acc[i][r] = _mm512_setzero_ps();
+  // vpermilps permutes within 128-bit lanes, as lane() does: index r gives row r's scale product of
+  // each half's own x row.
+  const __m512i lane_of[RT] = {_mm512_set1_epi32(0), _mm512_set1_epi32(1), _mm512_set1_epi32(2), _mm512_set1_epi32(3)};
+  int64_t b = 0;
+  for (int64_t g = 0; g < l.groups; ++g) {
+    const __m512 scales = _mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_castps_si256(group_scales<S>(p))));
+    p += RT * sizeof(S);
+    for (int64_t e = 0; e < bpg; ++e, ++b, p += RT * Block::BYTES) {
+      for (int64_t line = 0; line < RT * Block::BYTES / 64; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PREFETCH + 64 * line), _MM_HINT_T0);
+      __m512i x0[PAIRS], x1[PAIRS];
+      __m512 sx[PAIRS];
+      for (int i = 0; i < PAIRS; ++i) {
+        const XRow& a = x[2 * i];
+        const XRow& c = x[2 * i + 1];
+        x0[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + b * QB))),
+                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.q + b * QB)), 1);
+        x1[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + b * QB + 16))),
+                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.q + b * QB + 16)), 1);
+        const __m512 xd = _mm512_insertf32x8(_mm512_set1_ps(a.scale[b]), _mm256_set1_ps(c.scale[b]), 1);
+        sx[i] = _mm512_mul_ps(scales, xd);
+      }
+      for (int r = 0; r < RT; ++r) {
+        const typename Block::Words w = Block::unpack(p + r * Block::BYTES);
+        const typename Block::Words512 w2 = Block::widen(w);
+        for (int i = 0; i < PAIRS; ++i)
+          acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Block::dot512(w2, x0[i], x1[i])),
+                                      _mm512_permutevar_ps(sx[i], lane_of[r]), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < PAIRS; ++i) {
+    __m256 lo[RT], hi[RT];
+    for (int r = 0; r < RT; ++r) {
+      lo[r] = _mm512_castps512_ps256(acc[i][r]);
+      hi[r] = _mm512_extractf32x8_ps(acc[i][r], 1);
+    }
+    const S* mins = l.mins ? reinterpret_cast<const S*>(p) : nullptr;
+    finish_rows<S>(mins, l.groups, x[2 * i].group_sums, lo, out + (2 * i) * RT);
+    finish_rows<S>(mins, l.groups, x[2 * i + 1].group_sums, hi, out + (2 * i + 1) * RT);
+  }
+}
+
+// x rows per pass over a tile: 8 in zmm pairs with AVX-512 (F, VL, BW, DQ), 2 with AVX2's 16
+// registers; LLMCTL_CPU_ISA=avx2 or generic keeps AVX2 (tests, A/B runs).
+inline bool use_avx512() {
+  static const bool avx512 = [] {
+    const char* isa = std::getenv("LLMCTL_CPU_ISA");
+    const bool lowered = isa != nullptr && (std::string(isa) == "avx2" || std::string(isa) == "generic");
+    return !lowered && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+  }();
+  return avx512;
+}
+
+template <typename S, bool ONE_BLOCK, typename Block>
+struct InterleavedTiles {
+  // [0]: one x row (decode), [1]: a pass of several, with how many.
+  static std::pair<std::array<InterleavedTileFn<S>, 2>, int64_t> pick() {
+    if (use_avx512())
+      return {{tile_interleaved<S, ONE_BLOCK, Block, 1>, tile_interleaved_pairs<S, ONE_BLOCK, Block, 4>}, 8};
+    return {{tile_interleaved<S, ONE_BLOCK, Block, 1>, tile_interleaved<S, ONE_BLOCK, Block, 2>}, 2};
+  }
+};
+
 template <typename S>
 void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, int64_t group, bool mins, int64_t n,
                          float* out) {
   const TileLayout l = tile_layout(xq.k, group, int4, sizeof(S), mins);
-  const InterleavedTileFn<S> tile =
-      int4 ? (l.bpg == 1 ? tile_interleaved<S, true, Int4Block> : tile_interleaved<S, false, Int4Block>)
-           : (l.bpg == 1 ? tile_interleaved<S, true, Int8Block> : tile_interleaved<S, false, Int8Block>);
+  const auto [fns, mx] =
+      int4 ? (l.bpg == 1 ? InterleavedTiles<S, true, Int4Block>::pick() : InterleavedTiles<S, false, Int4Block>::pick())
+           : (l.bpg == 1 ? InterleavedTiles<S, true, Int8Block>::pick() : InterleavedTiles<S, false, Int8Block>::pick());
   const int64_t m = xq.m, nb = xq.k / QB, tile_bytes = l.tile_bytes();
   std::vector<float> xsums(m * l.groups);
   if (mins) {
     for (int64_t r = 0; r < m; ++r) group_sums(xq, r, group, xsums.data() + r * l.groups);
   }
   at::parallel_for(0, (n + RT - 1) / RT, 4, [&](int64_t begin, int64_t end) {
-    float y[RT];
+    std::vector<XRow> rows_x(mx);
+    std::vector<float> y(mx * RT);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t j0 = t * RT, rows = std::min(RT, n - j0);
-      for (int64_t i = 0; i < m; ++i) {
-        tile(tiles + t * tile_bytes, l, XRow{xq.q.data() + i * xq.k, xq.scale.data() + i * nb, xsums.data() + i * l.groups},
-             y);
-        for (int64_t r = 0; r < rows; ++r) out[i * n + j0 + r] = y[r];
+      for (int64_t i = 0; i < m;) {
+        const int64_t pass = m - i >= mx ? mx : 1;  // whole passes of mx rows, then one row at a time
+        for (int64_t u = 0; u < pass; ++u)
+          rows_x[u] = XRow{xq.q.data() + (i + u) * xq.k, xq.scale.data() + (i + u) * nb, xsums.data() + (i + u) * l.groups};
+        fns[pass == 1 ? 0 : 1](tiles + t * tile_bytes, l, rows_x.data(), y.data());
+        for (int64_t u = 0; u < pass; ++u)
+          for (int64_t r = 0; r < rows; ++r) out[(i + u) * n + j0 + r] = y[u * RT + r];
+        i += pass;
       }
     }
   });

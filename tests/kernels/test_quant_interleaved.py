@@ -6,6 +6,11 @@ layout itself must put every byte where the kernel reads it (a hand-built tile).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -50,7 +55,7 @@ def _packed(kind: str, n: int, k: int, seed: int, half: bool):
 
 @pytest.mark.parametrize("kind", ["int4g32", "int4g64", "int4g128", "int8g32", "int8-mins"])
 @pytest.mark.parametrize("half", [False, True])
-@pytest.mark.parametrize("m", [1, 3, 33])
+@pytest.mark.parametrize("m", [1, 3, 8, 33])  # passes of 8 (AVX-512 pairs) or 2 (AVX2) x rows, then single rows
 @pytest.mark.parametrize(("n", "k"), [(24, 256), (30, 384), (9, 1536)])  # 30, 9: a partial last tile
 def test_interleaved_gives_the_row_layout_bits(kind, half, m, n, k):
     packed, twin = _packed(kind, n, k, seed=n + k + m, half=half)
@@ -63,6 +68,25 @@ def test_interleaved_gives_the_row_layout_bits(kind, half, m, n, k):
     assert torch.equal(out, rows)
     reference = int_path_reference(x, twin)
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
+
+
+def test_the_avx2_passes_give_the_same_bits(tmp_path):
+    """LLMCTL_CPU_ISA=avx2 (read once per process, so in a child): the AVX2 passes of 2 x rows where
+    this CPU would take the AVX-512 pairs; both must give the row layout's bits."""
+    root = Path(__file__).resolve().parents[2]
+    script = (
+        "import sys, torch; sys.path.insert(0, 'tests/kernels');"
+        "from test_quant_interleaved import _packed; from kernels.quant_native import bind_native;"
+        "p, _ = _packed('int4g32', 30, 384, seed=7, half=True);"
+        "torch.save(bind_native(p)(torch.randn(19, 384, generator=torch.Generator().manual_seed(1))), sys.argv[1])"
+    )
+    out = tmp_path / "avx2.pt"
+    env = {**os.environ, "LLMCTL_CPU_ISA": "avx2", "PYTHONPATH": str(root)}
+    subprocess.run([sys.executable, "-c", script, str(out)], cwd=root, env=env, check=True, timeout=600)
+    packed, _ = _packed("int4g32", 30, 384, seed=7, half=True)
+    x = torch.randn(19, 384, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(torch.load(out), quant_linear_native(x, packed, INT_PATH))
+    assert torch.equal(torch.load(out), bind_native(packed)(x))
 
 
 def test_tile_bytes_are_where_the_kernel_reads_them():
