@@ -166,6 +166,10 @@ struct XRow {
   const int16_t* q;
   const float* scale;
   const float* group_sums;
+  // The same sums by group (sums_by_group[g * stride + u] for the u-th row of a pass): set on the
+  // first row of a pass of several rows (tile_interleaved_pairs reads 8 rows' sums of a group at once).
+  const float* sums_by_group = nullptr;
+  int64_t stride = 0;
 };
 
 // A scale or min as float32: stored so, or as float16 bits (converted exactly).
@@ -405,16 +409,20 @@ struct Int8Block {
 // order, four rows at once by a transpose: (a0 + a2) + (a1 + a3) per row), then its mins in group
 // order, four rows per vector (the interleaved layout stores a group's RT mins together). Product
 // and sum round separately, as in add_mins; the same bits as RT calls of the scalar code.
-template <typename S>
-__attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off"))) inline void finish_rows(
-    const S* mins, int64_t groups, const float* xs, const __m256* acc, float* out) {
+__attribute__((target("avx2,fma"))) inline __m128 hsum_rows(const __m256* acc) {
   static_assert(RT == 4, "one 4-lane vector per tile");
   __m128 s0 = _mm_add_ps(_mm256_castps256_ps128(acc[0]), _mm256_extractf128_ps(acc[0], 1));
   __m128 s1 = _mm_add_ps(_mm256_castps256_ps128(acc[1]), _mm256_extractf128_ps(acc[1], 1));
   __m128 s2 = _mm_add_ps(_mm256_castps256_ps128(acc[2]), _mm256_extractf128_ps(acc[2], 1));
   __m128 s3 = _mm_add_ps(_mm256_castps256_ps128(acc[3]), _mm256_extractf128_ps(acc[3], 1));
   _MM_TRANSPOSE4_PS(s0, s1, s2, s3);
-  __m128 y = _mm_add_ps(_mm_add_ps(s0, s2), _mm_add_ps(s1, s3));
+  return _mm_add_ps(_mm_add_ps(s0, s2), _mm_add_ps(s1, s3));
+}
+
+template <typename S>
+__attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off"))) inline void finish_rows(
+    const S* mins, int64_t groups, const float* xs, const __m256* acc, float* out) {
+  __m128 y = hsum_rows(acc);
   if (mins != nullptr) {
     for (int64_t g = 0; g < groups; ++g) {
       __m128 m4;
@@ -472,6 +480,31 @@ TileLayout tile_layout(int64_t k, int64_t group, bool int4, int64_t scale_bytes,
   return {k / group, group / QB, int4 ? QB / 2 : QB, scale_bytes, mins};
 }
 
+// The mins of a pass of 2 * PAIRS x rows (see tile_interleaved_pairs' end), 16 lanes a vector:
+// a group's 4 mins repeated 4 times, times each row's group sum spread over its 4 lanes.
+template <typename S, int PAIRS>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"), optimize("fp-contract=off"))) inline void
+add_pass_mins(const S* mins, int64_t groups, const XRow& first, float* out) {
+  static_assert(PAIRS % 2 == 0, "4 x rows per vector");
+  constexpr int V = PAIRS / 2;  // vectors of 4 x rows x RT weight rows
+  const __m512i spread[2] = {_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                             _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7)};
+  __m512 y[V];
+  for (int v = 0; v < V; ++v) y[v] = _mm512_loadu_ps(out + 16 * v);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m128 m4;
+    if constexpr (std::is_same_v<S, uint16_t>) m4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins + g * RT)));
+    else m4 = _mm_loadu_ps(reinterpret_cast<const float*>(mins + g * RT));
+    const __m512 m16 = _mm512_broadcast_f32x4(m4);
+    const float* xs = first.sums_by_group + g * first.stride;
+    for (int v = 0; v < V; ++v) {
+      const __m512 x16 = _mm512_permutexvar_ps(spread[v % 2], _mm512_castps256_ps512(_mm256_loadu_ps(xs + 8 * (v / 2))));
+      y[v] = _mm512_add_ps(y[v], _mm512_mul_ps(m16, x16));
+    }
+  }
+  for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + 16 * v, y[v]);
+}
+
 // Pairs of x rows in zmm registers: each 256-bit half of every vector holds one row's ymm
 // operands (its x blocks, its scale products, its accumulators) and the weight words fill both
 // halves, so one AVX-512 instruction does the two rows' ymm instructions, lane for lane: the same
@@ -514,16 +547,20 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
       }
     }
   }
+  // The 2 * PAIRS rows' hsums (row u of the pass in out[u * RT .. + RT]), then their mins: lane
+  // 4u + r of the vectors holds row u's result for weight row r, and each group adds
+  // min[r, g] * sum(x row u over g) to it, the product and the sum rounded separately, in group
+  // order: what finish_rows does for one row, 16 (x row, weight row) pairs a vector.
   for (int i = 0; i < PAIRS; ++i) {
     __m256 lo[RT], hi[RT];
     for (int r = 0; r < RT; ++r) {
       lo[r] = _mm512_castps512_ps256(acc[i][r]);
       hi[r] = _mm512_extractf32x8_ps(acc[i][r], 1);
     }
-    const S* mins = l.mins ? reinterpret_cast<const S*>(p) : nullptr;
-    finish_rows<S>(mins, l.groups, x[2 * i].group_sums, lo, out + (2 * i) * RT);
-    finish_rows<S>(mins, l.groups, x[2 * i + 1].group_sums, hi, out + (2 * i + 1) * RT);
+    _mm_storeu_ps(out + (2 * i) * RT, hsum_rows(lo));
+    _mm_storeu_ps(out + (2 * i + 1) * RT, hsum_rows(hi));
   }
+  if (l.mins) add_pass_mins<S, PAIRS>(reinterpret_cast<const S*>(p), l.groups, x[0], out);
 }
 
 // x rows per pass over a tile: 8 in zmm pairs with AVX-512 (F, VL, BW, DQ), 2 with AVX2's 16
@@ -538,13 +575,19 @@ inline bool use_avx512() {
   return avx512;
 }
 
+template <typename S>
+struct TilePick {
+  std::array<InterleavedTileFn<S>, 2> fns;  // [0]: one x row (decode), [1]: a pass of several
+  int64_t rows_per_pass;
+  bool sums_by_group;  // the pass reads the x rows' group sums by group (add_pass_mins)
+};
+
 template <typename S, bool ONE_BLOCK, typename Block>
 struct InterleavedTiles {
-  // [0]: one x row (decode), [1]: a pass of several, with how many.
-  static std::pair<std::array<InterleavedTileFn<S>, 2>, int64_t> pick() {
+  static TilePick<S> pick() {
     if (use_avx512())
-      return {{tile_interleaved<S, ONE_BLOCK, Block, 1>, tile_interleaved_pairs<S, ONE_BLOCK, Block, 4>}, 8};
-    return {{tile_interleaved<S, ONE_BLOCK, Block, 1>, tile_interleaved<S, ONE_BLOCK, Block, 2>}, 2};
+      return {{tile_interleaved<S, ONE_BLOCK, Block, 1>, tile_interleaved_pairs<S, ONE_BLOCK, Block, 4>}, 8, true};
+    return {{tile_interleaved<S, ONE_BLOCK, Block, 1>, tile_interleaved<S, ONE_BLOCK, Block, 2>}, 2, false};
   }
 };
 
@@ -552,13 +595,18 @@ template <typename S>
 void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, int64_t group, bool mins, int64_t n,
                          float* out) {
   const TileLayout l = tile_layout(xq.k, group, int4, sizeof(S), mins);
-  const auto [fns, mx] =
+  const auto [fns, mx, by_group_sums] =
       int4 ? (l.bpg == 1 ? InterleavedTiles<S, true, Int4Block>::pick() : InterleavedTiles<S, false, Int4Block>::pick())
            : (l.bpg == 1 ? InterleavedTiles<S, true, Int8Block>::pick() : InterleavedTiles<S, false, Int8Block>::pick());
   const int64_t m = xq.m, nb = xq.k / QB, tile_bytes = l.tile_bytes();
-  std::vector<float> xsums(m * l.groups);
+  std::vector<float> xsums(m * l.groups), by_group;
   if (mins) {
     for (int64_t r = 0; r < m; ++r) group_sums(xq, r, group, xsums.data() + r * l.groups);
+    if (by_group_sums && m >= mx) {  // the passes read a group's sums of several rows together
+      by_group.resize(l.groups * m);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t g = 0; g < l.groups; ++g) by_group[g * m + r] = xsums[r * l.groups + g];
+    }
   }
   at::parallel_for(0, (n + RT - 1) / RT, 4, [&](int64_t begin, int64_t end) {
     std::vector<XRow> rows_x(mx);
@@ -569,6 +617,7 @@ void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, 
         const int64_t pass = m - i >= mx ? mx : 1;  // whole passes of mx rows, then one row at a time
         for (int64_t u = 0; u < pass; ++u)
           rows_x[u] = XRow{xq.q.data() + (i + u) * xq.k, xq.scale.data() + (i + u) * nb, xsums.data() + (i + u) * l.groups};
+        if (pass > 1 && !by_group.empty()) rows_x[0].sums_by_group = by_group.data() + i, rows_x[0].stride = m;
         fns[pass == 1 ? 0 : 1](tiles + t * tile_bytes, l, rows_x.data(), y.data());
         for (int64_t u = 0; u < pass; ++u)
           for (int64_t r = 0; r < rows; ++r) out[(i + u) * n + j0 + r] = y[u * RT + r];
