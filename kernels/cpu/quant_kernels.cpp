@@ -373,15 +373,21 @@ struct Int4Block {
     const __m256i unscale = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
     return _mm256_srav_epi32(_mm256_add_epi32(_mm256_madd_epi16(w.n01, x01), _mm256_madd_epi16(w.n23, x23)), unscale);
   }
-  // The zmm forms (tile_interleaved_pairs): the words in both 256-bit halves, dot on each half.
+  // The zmm forms (tile_interleaved_pairs): the same words in both 256-bit halves, but each nibble
+  // shifted down to the bottom by its own count (AVX512-BW's per-word shift), so the high lanes
+  // need no shift after the madd: the same int32 sums as dot's, one instruction less per x row.
   struct Words512 { __m512i n01, n23; };
-  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 widen(const Words& w) {
-    return {_mm512_broadcast_i64x4(w.n01), _mm512_broadcast_i64x4(w.n23)};
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 unpack512(const uint8_t* w) {
+    const __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m512i low4 = _mm512_set1_epi16(15);
+    const __m512i shift01 = _mm512_setr4_epi64(0, 0, 0x0004000400040004LL, 0x0004000400040004LL);
+    const __m512i shift23 = _mm512_setr4_epi64(0x0008000800080008LL, 0x0008000800080008LL, 0x000C000C000C000CLL,
+                                               0x000C000C000C000CLL);
+    return {_mm512_and_si512(_mm512_srlv_epi16(raw, shift01), low4), _mm512_and_si512(_mm512_srlv_epi16(raw, shift23), low4)};
   }
   __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i dot512(const Words512& w, __m512i x01,
                                                                                           __m512i x23) {
-    const __m512i unscale = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
-    return _mm512_srav_epi32(_mm512_add_epi32(_mm512_madd_epi16(w.n01, x01), _mm512_madd_epi16(w.n23, x23)), unscale);
+    return _mm512_add_epi32(_mm512_madd_epi16(w.n01, x01), _mm512_madd_epi16(w.n23, x23));
   }
 };
 
@@ -396,8 +402,9 @@ struct Int8Block {
     return _mm256_add_epi32(_mm256_madd_epi16(w.lo, xlo), _mm256_madd_epi16(w.hi, xhi));
   }
   struct Words512 { __m512i lo, hi; };
-  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 widen(const Words& w) {
-    return {_mm512_broadcast_i64x4(w.lo), _mm512_broadcast_i64x4(w.hi)};
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 unpack512(const uint8_t* w) {
+    const Words ymm = unpack(w);
+    return {_mm512_broadcast_i64x4(ymm.lo), _mm512_broadcast_i64x4(ymm.hi)};
   }
   __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i dot512(const Words512& w, __m512i xlo,
                                                                                           __m512i xhi) {
@@ -539,8 +546,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
         sx[i] = _mm512_mul_ps(scales, xd);
       }
       for (int r = 0; r < RT; ++r) {
-        const typename Block::Words w = Block::unpack(p + r * Block::BYTES);
-        const typename Block::Words512 w2 = Block::widen(w);
+        const typename Block::Words512 w2 = Block::unpack512(p + r * Block::BYTES);
         for (int i = 0; i < PAIRS; ++i)
           acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Block::dot512(w2, x0[i], x1[i])),
                                       _mm512_permutevar_ps(sx[i], lane_of[r]), acc[i][r]);
