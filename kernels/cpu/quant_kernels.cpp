@@ -389,6 +389,16 @@ struct Int4Block {
                                                                                           __m512i x23) {
     return _mm512_add_epi32(_mm512_madd_epi16(w.n01, x01), _mm512_madd_epi16(w.n23, x23));
   }
+  // Rows r and r + 1 of a block (16 bytes each, consecutive in the interleaved stream), one per half.
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 unpack512_rows(const uint8_t* w) {
+    const __m256i two = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m512i raw = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(two));
+    const __m512i low4 = _mm512_set1_epi16(15);
+    const __m512i shift01 = _mm512_setr4_epi64(0, 0, 0x0004000400040004LL, 0x0004000400040004LL);
+    const __m512i shift23 = _mm512_setr4_epi64(0x0008000800080008LL, 0x0008000800080008LL, 0x000C000C000C000CLL,
+                                               0x000C000C000C000CLL);
+    return {_mm512_and_si512(_mm512_srlv_epi16(raw, shift01), low4), _mm512_and_si512(_mm512_srlv_epi16(raw, shift23), low4)};
+  }
 };
 
 struct Int8Block {
@@ -405,6 +415,11 @@ struct Int8Block {
   __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 unpack512(const uint8_t* w) {
     const Words ymm = unpack(w);
     return {_mm512_broadcast_i64x4(ymm.lo), _mm512_broadcast_i64x4(ymm.hi)};
+  }
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 unpack512_rows(const uint8_t* w) {
+    const __m128i* v = reinterpret_cast<const __m128i*>(w);  // row r: v[0], v[1]; row r + 1: v[2], v[3]
+    return {_mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_loadu_si128(v + 2), _mm_loadu_si128(v))),
+            _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_loadu_si128(v + 3), _mm_loadu_si128(v + 1)))};
   }
   __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i dot512(const Words512& w, __m512i xlo,
                                                                                           __m512i xhi) {
@@ -569,6 +584,37 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
   if (l.mins) add_pass_mins<S, PAIRS>(reinterpret_cast<const S*>(p), l.groups, x[0], out);
 }
 
+// One x row against a tile with AVX-512 (decode): weight rows r and r + 1 in the two halves of
+// each vector, the x block in both, so one instruction does the two rows' ymm arithmetic of
+// tile_interleaved<..., 1>, lane for lane (the scale products picked per half): the same bits.
+template <typename S, bool ONE_BLOCK, typename Block>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void tile_interleaved_row512(
+    const uint8_t* p, const TileLayout& l, const XRow* x, float* out) {
+  const int64_t bpg = ONE_BLOCK ? 1 : l.bpg;
+  __m512 acc[RT / 2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  const __m512i pick[RT / 2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)};
+  int64_t b = 0;
+  for (int64_t g = 0; g < l.groups; ++g) {
+    const __m512 scales = _mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_castps_si256(group_scales<S>(p))));
+    p += RT * sizeof(S);
+    for (int64_t e = 0; e < bpg; ++e, ++b, p += RT * Block::BYTES) {
+      for (int64_t line = 0; line < RT * Block::BYTES / 64; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PREFETCH + 64 * line), _MM_HINT_T0);
+      const __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q + b * QB)));
+      const __m512i x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q + b * QB + 16)));
+      const __m512 sx = _mm512_mul_ps(scales, _mm512_set1_ps(x->scale[b]));
+      for (int h = 0; h < RT / 2; ++h) {
+        const typename Block::Words512 w = Block::unpack512_rows(p + 2 * h * Block::BYTES);
+        acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Block::dot512(w, x0, x1)), _mm512_permutevar_ps(sx, pick[h]), acc[h]);
+      }
+    }
+  }
+  const __m256 rows[RT] = {_mm512_castps512_ps256(acc[0]), _mm512_extractf32x8_ps(acc[0], 1),
+                           _mm512_castps512_ps256(acc[1]), _mm512_extractf32x8_ps(acc[1], 1)};
+  finish_rows<S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x->group_sums, rows, out);
+}
+
 // x rows per pass over a tile: 8 in zmm pairs with AVX-512 (F, VL, BW, DQ), 2 with AVX2's 16
 // registers; LLMCTL_CPU_ISA=avx2 or generic keeps AVX2 (tests, A/B runs).
 inline bool use_avx512() {
@@ -592,7 +638,7 @@ template <typename S, bool ONE_BLOCK, typename Block>
 struct InterleavedTiles {
   static TilePick<S> pick() {
     if (use_avx512())
-      return {{tile_interleaved<S, ONE_BLOCK, Block, 1>, tile_interleaved_pairs<S, ONE_BLOCK, Block, 4>}, 8, true};
+      return {{tile_interleaved_row512<S, ONE_BLOCK, Block>, tile_interleaved_pairs<S, ONE_BLOCK, Block, 4>}, 8, true};
     return {{tile_interleaved<S, ONE_BLOCK, Block, 1>, tile_interleaved<S, ONE_BLOCK, Block, 2>}, 2, false};
   }
 };
