@@ -456,6 +456,13 @@ __attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off"))) inline voi
   _mm_storeu_ps(out, y);
 }
 
+// A block's RT rows of bytes ask for the stream TILE_PREFETCH ahead: 1 line (int4), 2 (int8).
+template <typename Block>
+inline void prefetch_ahead(const uint8_t* p) {
+  for (int64_t line = 0; line < RT * Block::BYTES / 64; ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PREFETCH + 64 * line), _MM_HINT_T0);
+}
+
 // One tile of the interleaved layout against MX quantized x rows: walks the stream group by group
 // (the RT scales, then each block's RT rows, each unpacked once for the MX rows), then adds the
 // mins. ONE_BLOCK: groups of 32 (GGUF's Q4_1, Q4_0, Q8_0), the inner loop known to run once. Each
@@ -472,8 +479,7 @@ __attribute__((always_inline)) inline void tile_interleaved_body(const uint8_t* 
     const __m256 scales = group_scales<S>(p);
     p += RT * sizeof(S);
     for (int64_t e = 0; e < bpg; ++e, ++b, p += RT * Block::BYTES) {
-      for (int64_t line = 0; line < RT * Block::BYTES / 64; ++line)  // the lines 2 KiB ahead: 1 (int4), 2 (int8)
-        _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PREFETCH + 64 * line), _MM_HINT_T0);
+      prefetch_ahead<Block>(p);
       __m256i x0[MX], x1[MX];
       __m256 sx[MX];
       for (int i = 0; i < MX; ++i) {
@@ -546,8 +552,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
     const __m512 scales = _mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_castps_si256(group_scales<S>(p))));
     p += RT * sizeof(S);
     for (int64_t e = 0; e < bpg; ++e, ++b, p += RT * Block::BYTES) {
-      for (int64_t line = 0; line < RT * Block::BYTES / 64; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PREFETCH + 64 * line), _MM_HINT_T0);
+      prefetch_ahead<Block>(p);
       __m512i x0[PAIRS], x1[PAIRS];
       __m512 sx[PAIRS];
       for (int i = 0; i < PAIRS; ++i) {
@@ -599,8 +604,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
     const __m512 scales = _mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_castps_si256(group_scales<S>(p))));
     p += RT * sizeof(S);
     for (int64_t e = 0; e < bpg; ++e, ++b, p += RT * Block::BYTES) {
-      for (int64_t line = 0; line < RT * Block::BYTES / 64; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(p + TILE_PREFETCH + 64 * line), _MM_HINT_T0);
+      prefetch_ahead<Block>(p);
       const __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q + b * QB)));
       const __m512i x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q + b * QB + 16)));
       const __m512 sx = _mm512_mul_ps(scales, _mm512_set1_ps(x->scale[b]));
