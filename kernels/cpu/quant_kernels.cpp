@@ -526,7 +526,10 @@ add_pass_mins(const S* mins, int64_t groups, const XRow& first, float* out) {
     const __m512 m16 = _mm512_broadcast_f32x4(m4);
     const float* xs = first.sums_by_group + g * first.stride;
     for (int v = 0; v < V; ++v) {
-      const __m512 x16 = _mm512_permutexvar_ps(spread[v % 2], _mm512_castps256_ps512(_mm256_loadu_ps(xs + 8 * (v / 2))));
+      // The pass's rows only: 4 sums for a pass of 4 (the next row's may be past the array's end).
+      const __m512 sums = V == 1 ? _mm512_castps128_ps512(_mm_loadu_ps(xs))
+                                 : _mm512_castps256_ps512(_mm256_loadu_ps(xs + 8 * (v / 2)));
+      const __m512 x16 = _mm512_permutexvar_ps(spread[v % 2], sums);
       y[v] = _mm512_add_ps(y[v], _mm512_mul_ps(m16, x16));
     }
   }
@@ -633,17 +636,21 @@ inline bool use_avx512() {
 
 template <typename S>
 struct TilePick {
-  std::array<InterleavedTileFn<S>, 2> fns;  // [0]: one x row (decode), [1]: a pass of several
-  int64_t rows_per_pass;
-  bool sums_by_group;  // the pass reads the x rows' group sums by group (add_pass_mins)
+  // Passes by x rows, most first: a pass of passes[p].first rows is taken while that many are left.
+  std::array<std::pair<int64_t, InterleavedTileFn<S>>, 3> passes;
+  bool sums_by_group;  // the multi-row passes read the rows' group sums by group (add_pass_mins)
 };
 
 template <typename S, bool ONE_BLOCK, typename Block>
 struct InterleavedTiles {
   static TilePick<S> pick() {
     if (use_avx512())
-      return {{tile_interleaved_row512<S, ONE_BLOCK, Block>, tile_interleaved_pairs<S, ONE_BLOCK, Block, 4>}, 8, true};
-    return {{tile_interleaved<S, ONE_BLOCK, Block, 1>, tile_interleaved<S, ONE_BLOCK, Block, 2>}, 2, false};
+      return {{{{8, tile_interleaved_pairs<S, ONE_BLOCK, Block, 4>}, {4, tile_interleaved_pairs<S, ONE_BLOCK, Block, 2>},
+                {1, tile_interleaved_row512<S, ONE_BLOCK, Block>}}},
+              true};
+    return {{{{2, tile_interleaved<S, ONE_BLOCK, Block, 2>}, {1, tile_interleaved<S, ONE_BLOCK, Block, 1>},
+              {1, tile_interleaved<S, ONE_BLOCK, Block, 1>}}},
+            false};
   }
 };
 
@@ -651,30 +658,30 @@ template <typename S>
 void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, int64_t group, bool mins, int64_t n,
                          float* out) {
   const TileLayout l = tile_layout(xq.k, group, int4, sizeof(S), mins);
-  const auto [fns, mx, by_group_sums] =
+  const auto [passes, by_group_sums] =
       int4 ? (l.bpg == 1 ? InterleavedTiles<S, true, Int4Block>::pick() : InterleavedTiles<S, false, Int4Block>::pick())
            : (l.bpg == 1 ? InterleavedTiles<S, true, Int8Block>::pick() : InterleavedTiles<S, false, Int8Block>::pick());
   const int64_t m = xq.m, nb = xq.k / QB, tile_bytes = l.tile_bytes();
   std::vector<float> xsums(m * l.groups), by_group;
   if (mins) {
     for (int64_t r = 0; r < m; ++r) group_sums(xq, r, group, xsums.data() + r * l.groups);
-    if (by_group_sums && m >= mx) {  // the passes read a group's sums of several rows together
+    if (by_group_sums && m >= passes[1].first) {  // the passes read a group's sums of several rows together
       by_group.resize(l.groups * m);
       for (int64_t r = 0; r < m; ++r)
         for (int64_t g = 0; g < l.groups; ++g) by_group[g * m + r] = xsums[r * l.groups + g];
     }
   }
   at::parallel_for(0, (n + RT - 1) / RT, 4, [&](int64_t begin, int64_t end) {
-    std::vector<XRow> rows_x(mx);
-    std::vector<float> y(mx * RT);
+    std::vector<XRow> rows_x(passes[0].first);
+    std::vector<float> y(passes[0].first * RT);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t j0 = t * RT, rows = std::min(RT, n - j0);
       for (int64_t i = 0; i < m;) {
-        const int64_t pass = m - i >= mx ? mx : 1;  // whole passes of mx rows, then one row at a time
+        const auto& [pass, tile] = m - i >= passes[0].first ? passes[0] : m - i >= passes[1].first ? passes[1] : passes[2];
         for (int64_t u = 0; u < pass; ++u)
           rows_x[u] = XRow{xq.q.data() + (i + u) * xq.k, xq.scale.data() + (i + u) * nb, xsums.data() + (i + u) * l.groups};
         if (pass > 1 && !by_group.empty()) rows_x[0].sums_by_group = by_group.data() + i, rows_x[0].stride = m;
-        fns[pass == 1 ? 0 : 1](tiles + t * tile_bytes, l, rows_x.data(), y.data());
+        tile(tiles + t * tile_bytes, l, rows_x.data(), y.data());
         for (int64_t u = 0; u < pass; ++u)
           for (int64_t r = 0; r < rows; ++r) out[(i + u) * n + j0 + r] = y[u * RT + r];
         i += pass;

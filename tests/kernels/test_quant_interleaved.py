@@ -55,7 +55,7 @@ def _packed(kind: str, n: int, k: int, seed: int, half: bool):
 
 @pytest.mark.parametrize("kind", ["int4g32", "int4g64", "int4g128", "int8g32", "int8-mins"])
 @pytest.mark.parametrize("half", [False, True])
-@pytest.mark.parametrize("m", [1, 3, 8, 33])  # passes of 8 (AVX-512 pairs) or 2 (AVX2) x rows, then single rows
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 14, 33])  # passes of 8 and 4 (AVX-512 pairs) or 2 (AVX2) x rows, then single rows
 @pytest.mark.parametrize(("n", "k"), [(24, 256), (30, 384), (9, 1536)])  # 30, 9: a partial last tile
 def test_interleaved_gives_the_row_layout_bits(kind, half, m, n, k):
     packed, twin = _packed(kind, n, k, seed=n + k + m, half=half)
