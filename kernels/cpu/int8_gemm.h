@@ -14,8 +14,8 @@
 // (exact below 2^53, then one rounding).
 //
 // Included by quant_kernels.cpp inside its namespace (and so also compiled into decode_loop.cpp);
-// relies on the headers that file includes. kernels/quant_linear.py ``int_path_reference`` is the
-// torch statement of the same arithmetic, bit for bit.
+// relies on the headers that file includes and on its avx512_allowed(). kernels/quant_linear.py
+// ``int_path_reference`` is the torch statement of the same arithmetic, bit for bit.
 
 namespace int8g {
 
@@ -445,14 +445,10 @@ struct VnniTile {
 };
 
 // The zmm tile where the CPU has AVX512-VNNI (and AVX512-BW for the widening), unless
-// LLMCTL_CPU_ISA lowers the level to avx2 or generic (tests, A/B runs).
+// LLMCTL_CPU_ISA lowers the level (avx512_allowed, quant_kernels.cpp).
 inline bool use_vnni() {
-  static const bool vnni = [] {
-    const char* isa = std::getenv("LLMCTL_CPU_ISA");
-    const bool lowered = isa != nullptr && (std::string(isa) == "avx2" || std::string(isa) == "generic");
-    return !lowered && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vnni");
-  }();
+  static const bool vnni = avx512_allowed() && __builtin_cpu_supports("avx512f") &&
+                           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
   return vnni;
 }
 

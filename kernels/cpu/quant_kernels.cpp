@@ -26,8 +26,9 @@
 // are bitwise those of the float32 scales.
 //
 // ISA: AVX2+FMA+F16C, what every x86-64 machine here has; the build checks for it (quant_native.py).
-// Per-channel int8 (int8_gemm.h) also has an AVX512-VNNI tile (vpdpwssd: VNNI's int16 dot product,
-// the same exact integers), chosen at run time; the group-wise int4/int8 tiles below are AVX2 only.
+// Functions for AVX-512 carry their own target attributes and are chosen at run time, with the same
+// bits as the AVX2 ones: per-channel int8's VNNI tile (int8_gemm.h, vpdpwssd) and the interleaved
+// int4/int8 tiles' zmm passes below.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -180,25 +181,18 @@ template <typename S>
 using TileFn = void (*)(const uint8_t*, int64_t, const S*, const S*, int64_t, int64_t, XRow, float*);
 
 // The product and the sum round separately (no FMA contraction, whichever S: the compiler contracted
-// the two instantiations differently).
-// Row r's min of group g is mins[r * row_stride + g * group_stride].
+// the two instantiations differently). Row r's min of group g is mins[r * groups + g].
 template <int R, typename S>
 __attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off"))) inline void add_mins(
-    const S* mins, int64_t groups, const float* xs, const __m256* acc, float* out, int64_t row_stride,
-    int64_t group_stride) {
+    const S* mins, int64_t groups, const float* xs, const __m256* acc, float* out) {
   float y[R];
   for (int r = 0; r < R; ++r) y[r] = hsum256(acc[r]);
   if (mins != nullptr) {
     for (int64_t g = 0; g < groups; ++g) {
-      for (int r = 0; r < R; ++r) y[r] += to_float(mins[r * row_stride + g * group_stride]) * xs[g];
+      for (int r = 0; r < R; ++r) y[r] += to_float(mins[r * groups + g]) * xs[g];
     }
   }
   for (int r = 0; r < R; ++r) out[r] = y[r];
-}
-
-template <int R, typename S>
-inline void add_mins(const S* mins, int64_t groups, const float* xs, const __m256* acc, float* out) {
-  add_mins<R, S>(mins, groups, xs, acc, out, groups, 1);
 }
 
 // int4 weights against int16 activations, without widening bytes: the block's 16 bytes go to both
@@ -358,9 +352,8 @@ __attribute__((target("avx2"))) inline __m256 lane(__m256 v, int r) {
 
 // What differs between the formats in an interleaved tile: one row's block unpacked to 16-bit
 // words (once, for every x row of a pass), its product with one x block as int32 lanes (exact, as
-// in int4_tile_avx2 / int8_tile_avx2), and a block's bytes per row. Both target avx2 only, and are
-// inlined into each tile variant (the AVX-512VL build of the tile gets the same instructions, with
-// 32 registers to keep more x rows' accumulators in).
+// in int4_tile_avx2 / int8_tile_avx2), and a block's bytes per row; the *512 forms are the same for
+// the AVX-512 tiles, two 256-bit halves at a time.
 struct Int4Block {
   static constexpr int64_t BYTES = QB / 2;
   struct Words { __m256i n01, n23; };
@@ -377,13 +370,17 @@ struct Int4Block {
   // shifted down to the bottom by its own count (AVX512-BW's per-word shift), so the high lanes
   // need no shift after the madd: the same int32 sums as dot's, one instruction less per x row.
   struct Words512 { __m512i n01, n23; };
-  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 unpack512(const uint8_t* w) {
-    const __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  // Each 128-bit lane of raw holds a row's 16 bytes; the low lanes of a 256-bit half keep nibbles
+  // 0 and 2 of each word, the high lanes nibbles 1 and 3.
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 nibbles512(__m512i raw) {
     const __m512i low4 = _mm512_set1_epi16(15);
     const __m512i shift01 = _mm512_setr4_epi64(0, 0, 0x0004000400040004LL, 0x0004000400040004LL);
     const __m512i shift23 = _mm512_setr4_epi64(0x0008000800080008LL, 0x0008000800080008LL, 0x000C000C000C000CLL,
                                                0x000C000C000C000CLL);
     return {_mm512_and_si512(_mm512_srlv_epi16(raw, shift01), low4), _mm512_and_si512(_mm512_srlv_epi16(raw, shift23), low4)};
+  }
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 unpack512(const uint8_t* w) {
+    return nibbles512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
   }
   __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i dot512(const Words512& w, __m512i x01,
                                                                                           __m512i x23) {
@@ -392,12 +389,7 @@ struct Int4Block {
   // Rows r and r + 1 of a block (16 bytes each, consecutive in the interleaved stream), one per half.
   __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 unpack512_rows(const uint8_t* w) {
     const __m256i two = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    const __m512i raw = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(two));
-    const __m512i low4 = _mm512_set1_epi16(15);
-    const __m512i shift01 = _mm512_setr4_epi64(0, 0, 0x0004000400040004LL, 0x0004000400040004LL);
-    const __m512i shift23 = _mm512_setr4_epi64(0x0008000800080008LL, 0x0008000800080008LL, 0x000C000C000C000CLL,
-                                               0x000C000C000C000CLL);
-    return {_mm512_and_si512(_mm512_srlv_epi16(raw, shift01), low4), _mm512_and_si512(_mm512_srlv_epi16(raw, shift23), low4)};
+    return nibbles512(_mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(two)));
   }
 };
 
@@ -468,8 +460,8 @@ inline void prefetch_ahead(const uint8_t* p) {
 // mins. ONE_BLOCK: groups of 32 (GGUF's Q4_1, Q4_0, Q8_0), the inner loop known to run once. Each
 // x row's accumulators see the same products in the same order whatever MX: the same bits.
 template <typename S, bool ONE_BLOCK, typename Block, int MX>
-__attribute__((always_inline)) inline void tile_interleaved_body(const uint8_t* p, const TileLayout& l, const XRow* x,
-                                                                 float* out) {
+__attribute__((target("avx2,fma,f16c"))) void tile_interleaved(const uint8_t* p, const TileLayout& l, const XRow* x,
+                                                               float* out) {
   const int64_t bpg = ONE_BLOCK ? 1 : l.bpg;
   __m256 acc[MX][RT];
   for (int i = 0; i < MX; ++i)
@@ -496,12 +488,6 @@ __attribute__((always_inline)) inline void tile_interleaved_body(const uint8_t* 
   }
   for (int i = 0; i < MX; ++i)
     finish_rows<S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x[i].group_sums, acc[i], out + i * RT);
-}
-
-template <typename S, bool ONE_BLOCK, typename Block, int MX>
-__attribute__((target("avx2,fma,f16c"))) void tile_interleaved(const uint8_t* p, const TileLayout& l, const XRow* x,
-                                                               float* out) {
-  tile_interleaved_body<S, ONE_BLOCK, Block, MX>(p, l, x, out);
 }
 
 TileLayout tile_layout(int64_t k, int64_t group, bool int4, int64_t scale_bytes, bool mins) {
@@ -622,17 +608,26 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
   finish_rows<S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x->group_sums, rows, out);
 }
 
-// x rows per pass over a tile: 8 in zmm pairs with AVX-512 (F, VL, BW, DQ), 2 with AVX2's 16
-// registers; LLMCTL_CPU_ISA=avx2 or generic keeps AVX2 (tests, A/B runs).
-inline bool use_avx512() {
-  static const bool avx512 = [] {
+// Whether LLMCTL_CPU_ISA lets AVX-512 code run (it may only lower the level: avx2 or generic keep
+// AVX2 or the scalar code, for tests and A/B runs); read once per process.
+inline bool avx512_allowed() {
+  static const bool allowed = [] {
     const char* isa = std::getenv("LLMCTL_CPU_ISA");
-    const bool lowered = isa != nullptr && (std::string(isa) == "avx2" || std::string(isa) == "generic");
-    return !lowered && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+    return isa == nullptr || (std::string(isa) != "avx2" && std::string(isa) != "generic");
   }();
+  return allowed;
+}
+
+// x rows per pass over a tile: 8, then 4, in zmm pairs with AVX-512 (F, VL, BW, DQ), 2 with AVX2's 16
+// registers.
+inline bool use_avx512() {
+  static const bool avx512 = avx512_allowed() && __builtin_cpu_supports("avx512f") &&
+                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512dq");
   return avx512;
 }
+
+constexpr int64_t MAX_PASS_ROWS = 8;  // the most x rows a tile variant takes in one pass
 
 template <typename S>
 struct TilePick {
@@ -661,6 +656,7 @@ void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, 
   const auto [passes, by_group_sums] =
       int4 ? (l.bpg == 1 ? InterleavedTiles<S, true, Int4Block>::pick() : InterleavedTiles<S, false, Int4Block>::pick())
            : (l.bpg == 1 ? InterleavedTiles<S, true, Int8Block>::pick() : InterleavedTiles<S, false, Int8Block>::pick());
+  TORCH_INTERNAL_ASSERT(passes[0].first <= MAX_PASS_ROWS);
   const int64_t m = xq.m, nb = xq.k / QB, tile_bytes = l.tile_bytes();
   std::vector<float> xsums(m * l.groups), by_group;
   if (mins) {
@@ -672,8 +668,8 @@ void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, 
     }
   }
   at::parallel_for(0, (n + RT - 1) / RT, 4, [&](int64_t begin, int64_t end) {
-    std::vector<XRow> rows_x(passes[0].first);
-    std::vector<float> y(passes[0].first * RT);
+    std::array<XRow, MAX_PASS_ROWS> rows_x;
+    std::array<float, MAX_PASS_ROWS * RT> y;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t j0 = t * RT, rows = std::min(RT, n - j0);
       for (int64_t i = 0; i < m;) {
