@@ -85,7 +85,8 @@ class EngineConfig:
     quantization: str = field(default="auto", metadata=cli(
         "--quantization", "auto | none | int8 | int4 | fp8. auto: a GGUF file keeps its quantized weights "
         "packed, a float checkpoint stays float; none: GGUF weights are dequantized; int8/int4/fp8: "
-        "quantize a float checkpoint's linear layers while loading (embedding and LM head stay float)."))
+        "quantize a float checkpoint's linear layers while loading (the embedding stays float; with "
+        "int8/int4 the LM head computes logits from an int8 copy on a CPU)."))
     quantization_group_size: int = field(default=64, metadata=cli(
         "--quantization-group-size", "Inputs per int4 scale/zero group: 32, 64 or 128."))
     kv_cache_dtype: str = field(default="auto", metadata=cli(

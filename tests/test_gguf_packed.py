@@ -81,7 +81,10 @@ def test_int8_requantizes_the_dequantized_linear_layers_per_channel(tiny_llama):
         assert (module.packed_format, module.packed_group_size) == ("int8", module.qweight.shape[1])
         expected = quantize_int8(torch.nn.functional.pad(float_weight, (0, -float_weight.shape[1] % 32)))
         assert torch.equal(module.qweight, expected.qweight) and torch.equal(module.scales, expected.scales)
-    assert getattr(int8.get_submodule("lm_head"), "qweight", None) is None  # embedding / LM head stay float
+    head = int8.get_submodule("lm_head")  # the table stays float (the embedding looks rows up in it),
+    assert head.packed_format is None and getattr(head, "qweight", None) is None
+    # and the logits come from its per-channel int8 copy (hidden 256: a multiple of 32)
+    assert torch.equal(head.logits_packed.qweight, quantize_int8(dense.get_submodule("lm_head").weight.data).qweight)
 
 
 def test_smollm2_packed_first_tokens_match_fp32():
