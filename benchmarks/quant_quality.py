@@ -31,6 +31,7 @@ from kernels.fp32_linear import unpack_panels
 from llmctl.layers.linear import LinearBase
 from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl.layers.quantization import linear_method_for
+from llmctl.models.calibration import SCRATCH_BLOCK_SIZE, bind_scratch_kv, calibrate_quantization
 from llmctl.models.gguf import gguf_tokenizer, load_gguf
 from llmctl.models.gguf_files import resolve_gguf_spec
 from llmctl.models.loader import load_model
@@ -39,12 +40,13 @@ from llmctl.tokenizer import Tokenizer
 CPU = torch.device("cpu")
 
 
-def load_quantized(model: str, kind: str, group_size: int):
-    """``model`` with every linear layer quantized as ``--quantization kind`` does."""
+def load_quantized(model: str, kind: str, group_size: int, calibration: str | None = None):
+    """``model`` with every linear layer quantized as ``--quantization kind`` (and ``--calibration``)
+    does."""
     gguf_file = resolve_gguf_spec(model)
     if gguf_file is None:
         return load_model(Path(model), dtype="float32", device=CPU, ops=TorchOps(), quantization=kind,
-                          quantization_group_size=group_size)
+                          quantization_group_size=group_size, calibration=calibration)
     # Keep the float layers' plain [N, K] weights (no CPU prepacking), so that they can be quantized
     # after loading, as the checkpoint loader quantizes them before any prepacking.
     with mock.patch("llmctl.layers.linear.prepack_for_cpu", return_value=None):
@@ -57,6 +59,11 @@ def load_quantized(model: str, kind: str, group_size: int):
                 if isinstance(layer, LinearBase):
                     if layer.weight.dim() == 3:  # fp32 packed in panels for the native GEMM: back to [N, K]
                         layer.weight.data = unpack_panels(layer.weight.data, layer.out_features)
+                    layer.method = method
+            if calibration is not None:
+                calibrate_quantization(loaded, gguf_tokenizer(gguf_file), calibration)
+            for layer in loaded.modules():
+                if isinstance(layer, LinearBase) and layer.method is method:
                     method.process_weights_after_loading(layer)
             head = loaded.lm_head  # the LM head as the loader sets it up for this method
             head.logits_quantization = getattr(method, "logits_quantization", None)
@@ -71,18 +78,10 @@ def load_tokenizer(model: str) -> Tokenizer:
 
 
 def prefill_logits(model, ids: list[int]) -> torch.Tensor:
-    """Logits of every position of one fresh sequence (KV written nowhere: slot -1)."""
+    """Logits of every position of one fresh sequence (its K/V in a scratch cache)."""
     n = len(ids)
-    for attn in model.attention_layers():  # a one-slot cache: nothing is stored, fresh prefill reads K/V directly
-        attn.key_cache = torch.zeros(1, 16, attn.num_kv_heads, attn.head_dim)
-        attn.value_cache = torch.zeros_like(attn.key_cache)
-    i32 = {"dtype": torch.int32}
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((n,), -1, dtype=torch.int64), num_prefills=1, num_prefill_tokens=n, num_decodes=0,
-        prefill_query_start_loc=torch.tensor([0, n], **i32), prefill_seq_lens=torch.tensor([n], **i32),
-        prefill_block_tables=torch.zeros(1, 1, **i32), prefill_is_fresh=True,
-        decode_seq_lens=torch.zeros(0, **i32), decode_block_tables=torch.zeros(0, 1, **i32), max_decode_seq_len=0)
-    hidden = model(torch.tensor(ids), torch.arange(n), meta)
+    bind_scratch_kv(model, n, torch.float32)
+    hidden = model(torch.tensor(ids), torch.arange(n), AttentionMetadata.single_prefill(n, SCRATCH_BLOCK_SIZE))
     return model.compute_logits(hidden).float()
 
 
@@ -118,9 +117,10 @@ def main() -> None:
     base, reference = None, None
     print(f"{Path(args.model).name}: {len(tokens)} tokens of {args.text.name}, windows of {args.window}")
     for spec in kinds:
-        kind, _, group = spec.partition(":")
+        name, _, calibration = spec.partition("+")  # int4:64+builtin = --calibration builtin
+        kind, _, group = name.partition(":")
         started = time.perf_counter()
-        model = load_quantized(args.model, kind, int(group or 64))
+        model = load_quantized(args.model, kind, int(group or 64), calibration or None)
         load_s = time.perf_counter() - started
         ppl, count, kld, logprobs = score(model, tokens, args.window, reference)
         base, reference = base or ppl, reference or logprobs

@@ -14,11 +14,8 @@ Calibration-free variants (int4 at group 64, fp8 per output channel):
 - fp8-rtn: the row's max mapped to 448 (llmctl before the search);
 - fp8: llmctl's quantize_fp8 (per-row least-squared-error scale);
 - fp8-pow2: the scale rounded up to a power of two.
-Data-aware variants (GPTQ, Frantar et al. 2022), calibrated on CALIBRATION only (default
-benchmarks/data/calibration_stories.txt, written for this purpose; never the evaluation text):
-- int4-gptq: GPTQ's column-by-column rounding with error feedback through the inverse Hessian of
-  each layer's calibration inputs, group parameters from quantize_int4 on the updated weights;
-- fp8-gptq: the same with quantize_fp8's per-row scales and e4m3 rounding.
+Data-aware rounding (GPTQ) is llmctl's own ``--calibration``: measure it with
+``quant_quality.py MODEL --kinds none,int4:64,int4:64+builtin``.
 """
 
 from __future__ import annotations
@@ -98,41 +95,6 @@ def fp8_pow2(w: torch.Tensor) -> torch.Tensor:
     return _fp8(w, torch.exp2(torch.ceil(torch.log2(amax / 448))))
 
 
-def gptq(w: torch.Tensor, hessian: torch.Tensor, kind: str, block: int = 128, damp: float = 0.01) -> torch.Tensor:
-    """GPTQ (the reference algorithm's structure: lazy block updates, Cholesky of the inverse
-    Hessian, 1 % damping). Each weight is rounded in turn and its error spread over the columns not
-    yet rounded, weighted by how the calibration inputs correlate."""
-    w, h = w.float().clone(), hessian.double().clone()
-    k = w.shape[1]
-    dead = h.diagonal() == 0
-    h[dead, dead] = 1
-    w[:, dead] = 0
-    h += damp * h.diagonal().mean() * torch.eye(k, dtype=h.dtype)
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
-    out = torch.zeros_like(w)
-    fp8_scales = quantize_fp8(w).scales[:, None] if kind == "fp8" else None
-    scales = mins = None
-    for start in range(0, k, block):
-        end = min(start + block, k)
-        part, errors = w[:, start:end].clone(), torch.zeros(w.shape[0], end - start)
-        for i in range(end - start):
-            column = part[:, i]
-            if kind == "int4":
-                if (start + i) % GROUP == 0:  # this group's scale/min, from its current (updated) weights
-                    group = part[:, i : i + GROUP] if i + GROUP <= end - start else w[:, start + i : start + i + GROUP]
-                    packed = quantize_int4(group.contiguous(), GROUP)
-                    scales, mins = packed.scales[:, 0], packed.mins[:, 0]
-                rounded = torch.round((column - mins) / scales).clamp(0, 15) * scales + mins
-            else:
-                rounded = _fp8(column[:, None], fp8_scales)[:, 0]
-            out[:, start + i] = rounded
-            error = (column - rounded) / hinv[start + i, start + i]
-            part[:, i:] -= error[:, None] * hinv[start + i, start + i : end][None, :]
-            errors[:, i] = error
-        w[:, end:] -= errors @ hinv[start:end, end:]
-    return out
-
-
 VARIANTS = {
     "none": lambda w: w,
     "int8": lambda w: dequantize(quantize_int8(w)),
@@ -144,41 +106,15 @@ VARIANTS = {
     "int4-float-min": int4_float_min,
     "int4-hqq": int4_hqq,
 }
-DATA_AWARE = {"int4-gptq": "int4", "fp8-gptq": "fp8"}
-
-
-def input_hessians(model, layers: list[LinearBase], tokens: list[int], window: int) -> list[torch.Tensor]:
-    """Per layer, sum of x x^T over the calibration tokens' inputs to it (padded to its weight's width)."""
-    hessians = [None] * len(layers)
-
-    def hook(index: int):
-        def accumulate(module, inputs):
-            x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
-            update = x.t() @ x
-            hessians[index] = update if hessians[index] is None else hessians[index] + update
-        return accumulate
-
-    handles = [layer.register_forward_pre_hook(hook(i)) for i, layer in enumerate(layers)]
-    with torch.inference_mode():
-        for start in range(0, len(tokens) - 1, window):
-            chunk = tokens[start : start + window]
-            if len(chunk) >= 2:
-                prefill_logits(model, chunk)
-    for handle in handles:
-        handle.remove()
-    return hessians
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="a float checkpoint directory, a .gguf file or a packaged model name")
     parser.add_argument("--text", type=Path, default=DATA / "fables.txt")
-    parser.add_argument("--calibration", type=Path, default=DATA / "calibration_stories.txt")
     parser.add_argument("--window", type=int, default=256)
-    parser.add_argument("--variants", default=",".join([*VARIANTS, *DATA_AWARE]))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args()
-    if args.calibration.resolve() == args.text.resolve():
-        parser.error("calibrating on the evaluation text would measure nothing")
     tokenizer = load_tokenizer(args.model)
     tokens = tokenizer.encode(args.text.read_text())
     with mock.patch("llmctl.layers.linear.prepack_for_cpu", return_value=None):  # plain [N, K] float32 weights
@@ -186,20 +122,13 @@ def main() -> None:
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
     originals = [layer.weight.data.clone() for layer in layers]
     names = args.variants.split(",")
-    hessians = None
-    if any(name in DATA_AWARE for name in names):
-        hessians = input_hessians(model, layers, tokenizer.encode(args.calibration.read_text()), args.window)
     base = reference = None
     for name in names:
         with torch.no_grad():
-            for index, (layer, weight) in enumerate(zip(layers, originals)):
+            for layer, weight in zip(layers, originals):
                 padding = -weight.shape[1] % 128  # whole groups: zero columns, as the loader pads
                 padded = F.pad(weight, (0, padding)) if padding else weight
-                if name in DATA_AWARE:
-                    h = F.pad(hessians[index], (0, padding, 0, padding))
-                    rounded = gptq(padded, h, DATA_AWARE[name])
-                else:
-                    rounded = VARIANTS[name](padded)
+                rounded = VARIANTS[name](padded)
                 layer.weight.data.copy_(rounded[:, : weight.shape[1]])
         ppl, _, kld, logprobs = score(model, tokens, args.window, reference)
         base, reference = base or ppl, reference or logprobs

@@ -65,11 +65,9 @@ def generate(
         config = config_for_model(engine_config, model)
         loaded = time.perf_counter()
         engine = LLMEngine(config)
-        from llmctl.layers.quantization import weight_bytes
-
         err.print(f"[dim]model: {engine.model_label} · {engine.dtype_description} · {engine.kv_description} · {engine.device} · "
                   f"{engine.runner.decode_path} · "
-                  f"weights {weight_bytes(engine.model) / 2**20:.1f} MiB · "
+                  f"{engine.weights_description} · "
                   f"{engine.block_manager.num_blocks} KV blocks · load {time.perf_counter() - loaded:.2f}s[/]")
         start = time.perf_counter()
         engine.add_request(text, params)

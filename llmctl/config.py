@@ -89,6 +89,10 @@ class EngineConfig:
         "int8/int4 the LM head computes logits from an int8 copy on a CPU)."))
     quantization_group_size: int = field(default=64, metadata=cli(
         "--quantization-group-size", "Inputs per int4 scale/zero group: 32, 64 or 128."))
+    calibration: str | None = field(default=None, metadata=cli(
+        "--calibration", "GPTQ for --quantization int8 | int4 | fp8: round each layer's weights so that its outputs "
+        "on this text stay closest to the float layer's (a UTF-8 text file, or 'builtin': six short English "
+        "stories shipped with llmctl). Loads slower; default: each weight rounded on its own."))
     kv_cache_dtype: str = field(default="auto", metadata=cli(
         "--kv-cache-dtype", "auto | fp8_e4m3 | fp8_e5m2 | int8 | kivi2 | kivi4. auto: the model dtype; fp8/int8: "
         "a scale per token and KV head; kivi2/kivi4: KIVI 2/4-bit codes, keys per channel over each block, values "
@@ -143,6 +147,10 @@ class EngineConfig:
         if self.kv_cache_dtype.startswith("kivi") and self.speculative_model is not None:
             raise ConfigError("--kv-cache-dtype kivi2/kivi4 cannot be combined with --speculative-model yet "
                               "(a rejected draft may have completed, and so quantized, a block)")
+        if self.calibration is not None and self.quantization not in ("int8", "int4", "fp8"):
+            raise ConfigError(f"--calibration applies to --quantization int8 | int4 | fp8, not {self.quantization!r}")
+        if self.calibration is not None and self.world_size > 1:
+            raise ConfigError("--calibration runs on one rank: quantized weights are not sharded")
         if self.quantization_group_size not in (32, 64, 128):
             raise ConfigError(f"quantization group size must be 32, 64 or 128, got {self.quantization_group_size}")
         if self.speculative_model is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:

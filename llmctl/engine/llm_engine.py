@@ -111,6 +111,19 @@ class LLMEngine:
         return f"{name} ({choice.reason})" if choice is not None and choice.reason else name
 
     @property
+    def weights_description(self) -> str:
+        """Weight bytes and, when they were quantized while loading, how (for start-up lines)."""
+        from llmctl.layers.quantization import weight_bytes
+
+        text = f"weights {weight_bytes(self.model) / 2**20:.1f} MiB"
+        kind = self.config.quantization
+        if kind in ("int8", "int4", "fp8") and self.model_label != EMBEDDED_LABEL:
+            text += f" {kind}" + (f" g{self.config.quantization_group_size}" if kind == "int4" else "")
+            if self.config.calibration is not None:
+                text += f" (GPTQ on {self.config.calibration})"
+        return text
+
+    @property
     def kv_description(self) -> str:
         """The KV cache dtype and its bytes per token (for start-up lines)."""
         name = self.config.kv_cache_dtype
@@ -153,7 +166,7 @@ class LLMEngine:
 
             model, tokenizer = load_gguf(gguf_file, dtype=config.dtype, device=device, ops=ops,
                                          with_tokenizer=not config.skip_tokenizer,
-                                         quantization=config.quantization)
+                                         quantization=config.quantization, calibration=config.calibration)
             return model, tokenizer, config.model_name or str(config.model)
         model_dir = Path(config.model)
         if not model_dir.is_dir():
@@ -163,7 +176,8 @@ class LLMEngine:
             )
         quantization = "none" if config.quantization == "auto" else config.quantization  # a float checkpoint
         model = load_model(model_dir, dtype=config.dtype, device=device, ops=ops, quantization=quantization,
-                           quantization_group_size=config.quantization_group_size, **shard)
+                           quantization_group_size=config.quantization_group_size, calibration=config.calibration,
+                           tokenizer_dir=config.tokenizer and Path(config.tokenizer), **shard)
         tokenizer = None if config.skip_tokenizer else Tokenizer.from_dir(Path(config.tokenizer or model_dir))
         return model, tokenizer, config.model_name or str(config.model)
 

@@ -48,6 +48,20 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
     max_decode_seq_len: int
 
+    @classmethod
+    def single_prefill(cls, num_tokens: int, block_size: int) -> AttentionMetadata:
+        """One sequence prefilled from position 0 into blocks 0, 1, ... of a scratch cache of
+        ``block_size``-token blocks (calibration and scoring tools, outside the engine)."""
+        i32 = {"dtype": torch.int32}
+        num_blocks = -(-num_tokens // block_size)
+        return cls(
+            slot_mapping=torch.arange(num_tokens, dtype=torch.int64), num_prefills=1,
+            num_prefill_tokens=num_tokens, num_decodes=0,
+            prefill_query_start_loc=torch.tensor([0, num_tokens], **i32),
+            prefill_seq_lens=torch.tensor([num_tokens], **i32),
+            prefill_block_tables=torch.arange(num_blocks, **i32)[None], prefill_is_fresh=True,
+            decode_seq_lens=torch.zeros(0, **i32), decode_block_tables=torch.zeros(0, 1, **i32), max_decode_seq_len=0)
+
 
 class TorchOps:
     """The CPU path: plain-torch references (the oracle of the Triton kernels), with the fused

@@ -177,12 +177,13 @@ def gguf_tokenizer(path: Path, meta: dict[str, Any] | None = None) -> Tokenizer:
 
 
 def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchOps, with_tokenizer: bool = True,
-              quantization: str = "auto") -> tuple[LlamaForCausalLM, Tokenizer | None]:
+              quantization: str = "auto", calibration: str | None = None) -> tuple[LlamaForCausalLM, Tokenizer | None]:
     """Model and tokenizer from one GGUF file. ``quantization="auto"`` keeps the file's quantized
     tensors packed in memory (computed by the packed kernels); ``"none"`` dequantizes every weight
     to ``dtype`` (float32 unless asked), the path that matches transformers exactly; ``"int8"``
     (per channel) dequantizes, then quantizes the linear layers on the fly as for a float
-    checkpoint (the file's 4-bit grid re-rounded to int8 per output channel)."""
+    checkpoint (the file's 4-bit grid re-rounded to int8 per output channel), by GPTQ on the
+    ``calibration`` text if one is given (``llmctl.models.calibration``)."""
     if quantization not in ("auto", "none", "int8"):
         raise ModelLoadError(f"{path}: a GGUF file is already quantized; --quantization {quantization} applies to "
                              "float checkpoints (use none to dequantize it, or int8)")
@@ -204,5 +205,10 @@ def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchO
 
             rest = install_packed(model, tensors, path)
         load_weights(model, path, rest)
+    if calibration is not None:
+        from llmctl.models.calibration import calibrate_quantization, check_calibration
+
+        check_calibration(quantization)
+        calibrate_quantization(model, tokenizer or gguf_tokenizer(path, meta), calibration)
     model.process_weights_after_loading()
     return model, tokenizer

@@ -120,10 +120,13 @@ def build_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, o
 
 def load_model(model_dir: Path, *, dtype: str, device: torch.device, ops: TorchOps,
                tp: TensorParallel = TensorParallel(), quantization: str = "none",
-               quantization_group_size: int = 64, stage: PipelineStage | None = None) -> LlamaForCausalLM:
+               quantization_group_size: int = 64, stage: PipelineStage | None = None,
+               calibration: str | None = None, tokenizer_dir: Path | None = None) -> LlamaForCausalLM:
     """``quantization`` (int8 | int4 | fp8) quantizes every linear layer once its float weights are
     loaded; the embedding stays in ``dtype``, the LM head too except with int8 and int4, where its
-    logits come from a per-channel int8 copy (``ParallelLMHead.logits_quantization``)."""
+    logits come from a per-channel int8 copy (``ParallelLMHead.logits_quantization``).
+    ``calibration`` (a text file or ``builtin``) rounds them by GPTQ on that text, tokenized by the
+    tokenizer in ``tokenizer_dir`` (default: the model's)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: no such model directory")
@@ -132,6 +135,12 @@ def load_model(model_dir: Path, *, dtype: str, device: torch.device, ops: TorchO
                         linear_method=linear_method_for(quantization, quantization_group_size), stage=stage)
     with torch.no_grad():
         load_weights(model, model_dir)
+    if calibration is not None:
+        from llmctl.models.calibration import calibrate_quantization, check_calibration
+        from llmctl.tokenizer import Tokenizer
+
+        check_calibration(quantization, tp.size)
+        calibrate_quantization(model, Tokenizer.from_dir(Path(tokenizer_dir or model_dir)), calibration)
     model.process_weights_after_loading()
     return model
 

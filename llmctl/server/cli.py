@@ -154,11 +154,9 @@ def serve(
     if engine.tokenizer is None:
         err.print("[bold red]error:[/] the server needs the model's tokenizer (tokenizer.json)")
         raise typer.Exit(1)
-    from llmctl.layers.quantization import weight_bytes
-
     err.print(f"[dim]model: {engine.model_label} · {engine.dtype_description} · {engine.kv_description} · {engine.device} · "
               f"{engine.runner.decode_path} · "
-              f"weights {weight_bytes(engine.model) / 2**20:.1f} MiB · "
+              f"{engine.weights_description} · "
               f"{engine.block_manager.num_blocks} KV blocks of {config.block_size} · max_model_len "
               f"{engine.max_model_len} · load {time.perf_counter() - loading:.2f}s[/]", soft_wrap=True)
 

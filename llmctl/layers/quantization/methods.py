@@ -14,6 +14,7 @@ from torch import nn
 
 from llmctl.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
 from llmctl.layers.quantization.formats import PackedWeight
+from llmctl.layers.quantization.gptq import gptq_quantize
 from llmctl.layers.quantization.matmul import bound_cpu_kernel, quant_linear
 from llmctl.layers.quantization.params import attach_packed, read_packed
 from llmctl.layers.quantization.quantize import quantize
@@ -78,12 +79,21 @@ class OnTheFlyQuantMethod(UnquantizedLinearMethod):
         self.logits_quantization = "int8" if kind in ("int8", "int4") else None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.quantize_layer(layer)
+
+    def quantize_layer(self, layer: nn.Module, hessian: torch.Tensor | None = None) -> None:
+        """Each weight rounded on its own, or, given the Hessian of the layer's calibration inputs
+        (``llmctl.models.calibration``), by GPTQ against it."""
         weight = layer.weight.data
         multiple = {"int4": self.group_size, "int8": 32, "fp8": 16}[self.kind]  # what the kernels take
         padding = -weight.shape[1] % multiple
         if padding:  # e.g. 172 intermediate features: pad to whole groups with zero columns
             weight = F.pad(weight, (0, padding))
-        install_packed_weight(layer, quantize(weight, self.kind, self.group_size))
+        if hessian is None:
+            packed = quantize(weight, self.kind, self.group_size)
+        else:  # the padded columns' inputs are zero: dead rows/columns of H
+            packed = gptq_quantize(weight, F.pad(hessian, (0, padding, 0, padding)), self.kind, self.group_size)
+        install_packed_weight(layer, packed)
 
 
 def linear_method_for(kind: str, group_size: int = 64) -> LinearMethod | None:

@@ -1,0 +1,136 @@
+"""``--calibration``: quantize a float checkpoint's linear layers by GPTQ against a text, at load.
+
+Decoder layer by decoder layer, as the GPTQ reference does: the calibration windows' hidden states
+go through one layer with its float weights while hooks sum each linear layer's input outer
+products (its Hessian); the layer's weights are then quantized against them, and the windows go
+through the quantized layer to become the next layer's inputs, so that each layer also corrects
+the rounding of the layers before it. Only one layer's Hessians and the windows' hidden states are
+held at a time.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from llmctl.errors import ConfigError
+from llmctl.layers.linear import LinearBase
+from llmctl.layers.ops import AttentionMetadata
+from llmctl.layers.quantization import OnTheFlyQuantMethod
+
+BUILTIN_CALIBRATION = "builtin"
+CALIBRATION_WINDOW = 256  # tokens per independent window (each a fresh prefill from position 0)
+MIN_CALIBRATION_TOKENS = 64
+CALIBRATED_KINDS = ("int8", "int4", "fp8")
+
+
+def check_calibration(quantization: str, tp_size: int = 1) -> None:
+    """``--calibration`` rounds what ``--quantization`` quantizes at load, on one rank."""
+    if quantization not in CALIBRATED_KINDS:
+        raise ConfigError(f"--calibration applies to --quantization {' | '.join(CALIBRATED_KINDS)} "
+                          f"(weights quantized while loading), not {quantization!r}")
+    if tp_size != 1:
+        raise ConfigError("--calibration needs tensor parallel size 1 (quantized weights are not sharded)")
+
+
+def calibration_text(source: str) -> str:
+    """The text of ``--calibration``: a file, or ``builtin`` (six short English stories written for
+    llmctl, ~1,000 words)."""
+    if source == BUILTIN_CALIBRATION:
+        return resources.files("llmctl.data").joinpath("calibration_stories.txt").read_text(encoding="utf-8")
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"--calibration {source}: no such file (give a text file, or {BUILTIN_CALIBRATION!r})")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--calibration {source}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def calibration_windows(token_ids: list[int], max_len: int, window: int = CALIBRATION_WINDOW) -> list[list[int]]:
+    """The calibration tokens cut into windows of at most ``window`` (and the model's length)."""
+    if len(token_ids) < MIN_CALIBRATION_TOKENS:
+        raise ConfigError(f"--calibration text is {len(token_ids)} tokens; GPTQ needs at least "
+                          f"{MIN_CALIBRATION_TOKENS} (a few thousand is better)")
+    size = min(window, max_len)
+    return [token_ids[start : start + size] for start in range(0, len(token_ids), size)
+            if len(token_ids[start : start + size]) >= 2]
+
+
+SCRATCH_BLOCK_SIZE = 16
+
+
+def bind_scratch_kv(model, num_tokens: int, dtype: torch.dtype) -> None:
+    """A KV cache for one sequence of up to ``num_tokens``, shared by every layer (they run one
+    after the other; each writes its keys and values, then attends over them): what the attention
+    kernels read through ``AttentionMetadata.single_prefill``'s block table."""
+    layers = model.attention_layers()
+    if not layers:
+        return
+    first = layers[0]
+    shape = (-(-num_tokens // SCRATCH_BLOCK_SIZE), SCRATCH_BLOCK_SIZE, first.num_kv_heads, first.head_dim)
+    keys, values = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    for attn in layers:
+        attn.key_cache, attn.value_cache = keys, values
+
+
+def unbind_kv(model) -> None:
+    for attn in model.attention_layers():
+        attn.key_cache = attn.value_cache = None
+
+
+def calibrate_quantization(model, tokenizer, source: str) -> int:
+    """Quantizes every on-the-fly-quantized linear layer of ``model`` (float weights loaded, not yet
+    processed) by GPTQ on the ``--calibration`` text ``source``; returns how many layers it
+    quantized. The caller then runs ``model.process_weights_after_loading()`` for the rest."""
+    token_ids = tokenizer.encode(calibration_text(source))
+    return calibrate_on_windows(model, calibration_windows(token_ids, model.config.max_position_embeddings))
+
+
+def calibrate_on_windows(model, windows: list[list[int]]) -> int:
+    """``calibrate_quantization`` on windows of token ids."""
+    stage = model.model.stage
+    if not (stage.is_first and stage.is_last):
+        raise ConfigError("--calibration needs the whole model in one process (no pipeline stages)")
+    embed = model.model.embed_tokens
+    dtype = embed.weight.dtype
+    bind_scratch_kv(model, max(len(ids) for ids in windows), dtype)
+    quantized = 0
+    try:
+        with torch.inference_mode():
+            states = [(torch.arange(len(ids)), AttentionMetadata.single_prefill(len(ids), SCRATCH_BLOCK_SIZE),
+                       embed(torch.tensor(ids)), None) for ids in windows]
+            for layer in model.model.stage_layers:
+                linears = [m for m in layer.modules()
+                           if isinstance(m, LinearBase) and isinstance(m.method, OnTheFlyQuantMethod)]
+                hessians = _layer_hessians(layer, linears, states)
+                for linear, hessian in zip(linears, hessians):
+                    linear.method.quantize_layer(linear, hessian)
+                quantized += len(linears)
+                states = [(positions, meta, *layer(positions, hidden, residual, meta))
+                          for positions, meta, hidden, residual in states]
+    finally:
+        unbind_kv(model)
+    return quantized
+
+
+def _layer_hessians(layer: torch.nn.Module, linears: list[LinearBase], states: list) -> list[torch.Tensor]:
+    """Per linear layer, the float64 sum of ``x x^T`` over every calibration token's input to it."""
+    hessians = [torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for m in linears]
+
+    def accumulate(index: int):
+        def hook(module, inputs):
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+            hessians[index].addmm_(x.t(), x)
+        return hook
+
+    handles = [m.register_forward_pre_hook(accumulate(i)) for i, m in enumerate(linears)]
+    try:
+        for positions, meta, hidden, residual in states:
+            layer(positions, hidden, residual, meta)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return hessians
