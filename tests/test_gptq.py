@@ -45,12 +45,13 @@ def _output_error(w: torch.Tensor, packed, x: torch.Tensor) -> float:
     return (x @ (dequantize(packed) - w).t()).square().sum().item()
 
 
+@pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize(("kind", "group"), KINDS)
-def test_gptq_lowers_the_output_error_on_its_inputs(kind, group):
+def test_gptq_lowers_the_output_error_on_its_inputs(kind, group, act_order):
     w = torch.randn(48, 256, generator=torch.Generator().manual_seed(1))
     x = _correlated_inputs(256, 512, seed=2)
     hessian = x.double().t() @ x.double()
-    gptq, plain = gptq_quantize(w, hessian, kind, group), quantize(w, kind, group)
+    gptq, plain = gptq_quantize(w, hessian, kind, group, act_order), quantize(w, kind, group)
     assert type(gptq) is type(plain) and gptq.shape == plain.shape
     assert gptq.qweight.dtype == plain.qweight.dtype and gptq.scales.shape == plain.scales.shape
     assert _output_error(w, gptq, x) < 0.8 * _output_error(w, plain, x)
@@ -58,13 +59,14 @@ def test_gptq_lowers_the_output_error_on_its_inputs(kind, group):
     assert _output_error(w, gptq, held_out) < 0.9 * _output_error(w, plain, held_out)
 
 
+@pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize(("kind", "group"), KINDS)
-def test_gptq_with_uncorrelated_inputs_is_plain_rounding(kind, group):
+def test_gptq_with_uncorrelated_inputs_is_plain_rounding(kind, group, act_order):
     """A diagonal Hessian spreads no error to other columns: every weight rounds on its own, with
-    the scales the plain quantizer picks, bit for bit."""
+    the scales the plain quantizer picks, bit for bit, in whatever order the columns are rounded."""
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(4))
     hessian = torch.diag(torch.rand(128, generator=torch.Generator().manual_seed(5)).double() + 0.5)
-    gptq, plain = gptq_quantize(w, hessian, kind, group), quantize(w, kind, group)
+    gptq, plain = gptq_quantize(w, hessian, kind, group, act_order), quantize(w, kind, group)
     assert torch.equal(gptq.qweight, plain.qweight) and torch.equal(gptq.scales, plain.scales)
     if kind == "int4":
         assert torch.equal(gptq.mins, plain.mins)
@@ -146,17 +148,17 @@ def test_calibration_quantizes_every_layer_of_a_random_model(head_dim_64_dir):
     assert calibrate_on_windows(model, calibration_windows(ids, cfg.max_position_embeddings, 128)) == 4 * cfg.num_layers
     model.process_weights_after_loading()
     assert all(m.packed_format == "int4" for m in model.modules() if isinstance(m, LinearBase))
-    held_out = torch.randint(0, cfg.vocab_size, (100,), generator=torch.Generator().manual_seed(9)).tolist()
+    calibration_ids = ids[:128]  # random weights and random ids: only the calibration text says GPTQ worked
 
     def kld(quantization: str = "none", other=None) -> float:
         got = _fresh_logprobs(other or load_model(llama_dir, dtype="float32", device=CPU, ops=TorchOps(native_cpu=True),
-                                                   quantization=quantization, quantization_group_size=32), held_out)
+                                                   quantization=quantization, quantization_group_size=32), calibration_ids)
         return (want.exp() * (want - got)).sum(-1).mean().item()
 
-    want = _fresh_logprobs(load_model(llama_dir, dtype="float32", device=CPU, ops=TorchOps(native_cpu=True)), held_out)
-    # Closer to the float model than plain rounding, if only a little: random weights see nearly
-    # uncorrelated inputs, where GPTQ has little to correct (stories260k's test above has the real gain).
-    assert kld(other=model) < kld("int4")
+    want = _fresh_logprobs(load_model(llama_dir, dtype="float32", device=CPU, ops=TorchOps(native_cpu=True)), calibration_ids)
+    # Closer to the float model than plain rounding on what it was calibrated on (0.166 vs 0.202
+    # here); on other random ids a random model gains nothing (stories260k's test has the real gain).
+    assert kld(other=model) < 0.9 * kld("int4")
     with pytest.raises(ConfigError, match="pipeline stages"):
         calibrate_on_windows(unprocessed(stage=PipelineStage(0, 1, cfg.num_layers)), [ids[:100]])
 

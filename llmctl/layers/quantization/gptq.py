@@ -4,11 +4,13 @@ a calibration text (the Hessian ``H = sum x x^T`` of its inputs). Plain rounding
 weight's own error; GPTQ minimises the layer's output error ``||(W - Q) X||`` on that text, which
 is what the next layer sees.
 
-The formats and kernels are the ones ``quantize.py`` fills: int4 takes each group's scale and min
-from ``_int4_search`` on the group's weights as updated when its first column comes up (GPTQ's
-"static groups" off), int8 and fp8 take their per-channel scales from the weight before any update.
-The structure (lazy 128-column blocks, the upper Cholesky factor of the inverse Hessian, 1 % mean-
-diagonal damping, zeroed dead inputs) is the reference implementation's; act-order is not used.
+The formats and kernels are the ones ``quantize.py`` fills. int4 takes each group's scale and min
+from ``_int4_search``: on the group's weights as updated when its first column comes up, or, with
+act-order (columns with the largest inputs first), on the weight before any update ("static
+groups", so that a group stays a run of consecutive inputs); int8 and fp8 take their per-channel
+scales from the weight before any update. The structure (lazy 128-column blocks, the upper
+Cholesky factor of the inverse Hessian, 1 % mean-diagonal damping, zeroed dead inputs) is the
+reference implementation's.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from llmctl.layers.quantization.quantize import (
     _int4_search,
     quantize,
     quantize_fp8,
+    quantize_int4,
     quantize_int8,
 )
 
@@ -45,10 +48,14 @@ def _inverse_hessian_factor(hessian: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, kind: str, group_size: int | None = None) -> PackedWeight:
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, kind: str, group_size: int | None = None,
+                  act_order: bool = False) -> PackedWeight:
     """``weight`` ``[N, K]`` in ``kind``'s packed format (as ``quantize`` packs it), rounded by GPTQ
     against ``hessian`` ``[K, K]`` (sum of the calibration inputs' outer products). Falls back to
-    ``quantize`` when the Hessian is all zeros or singular beyond damping."""
+    ``quantize`` when the Hessian is all zeros or singular beyond damping. ``act_order`` rounds the
+    columns with the largest inputs first (the reference's ``desc_act``); int4 groups then keep the
+    scale and min searched on the weight before any update ("static groups"), so that a group is
+    still a run of consecutive inputs."""
     w = weight.detach().float().clone()
     n, k = w.shape
     if hessian.shape != (k, k):
@@ -59,14 +66,19 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, kind: str, group_
     dead = h.diagonal() == 0  # inputs that were always zero (padding): their weights never matter
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    factor = _inverse_hessian_factor(h) if not bool(dead.all()) else None
+    order = torch.argsort(h.diagonal(), descending=True, stable=True) if act_order else torch.arange(k)
+    factor = _inverse_hessian_factor(h[order][:, order]) if not bool(dead.all()) else None
     if factor is None:
         return quantize(weight, kind, group_size)
     hinv = factor
 
     if kind == "int4":
         levels = torch.empty(n, k, dtype=torch.uint8)
-        scales, mins = torch.empty(n, k // group_size), torch.empty(n, k // group_size)
+        if act_order:
+            static = quantize_int4(w, group_size)
+            scales, mins = static.scales, static.mins
+        else:
+            scales, mins = torch.empty(n, k // group_size), torch.empty(n, k // group_size)
     elif kind == "int8":
         levels = torch.empty(n, k, dtype=torch.int8)
         channel_scales = quantize_int8(w).scales[:, 0]
@@ -91,16 +103,19 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, kind: str, group_
         levels[:, index] = q.view(torch.uint8)
         return q.float() * channel_scales
 
+    w = w[:, order]  # columns in the order they are rounded
+    columns = order.tolist()
     for start in range(0, k, GPTQ_BLOCK):
         end = min(start + GPTQ_BLOCK, k)
         block = w[:, start:end].clone()
         errors = torch.empty(n, end - start)
         for i in range(end - start):
-            if kind == "int4" and (start + i) % group_size == 0:  # the group's scale/min, from its weights now
+            if kind == "int4" and not act_order and (start + i) % group_size == 0:  # from the group's weights now
                 group = (start + i) // group_size
                 scales[:, group], mins[:, group] = _int4_search(block[:, i : i + group_size].contiguous())
             error = errors[:, i]
-            torch.sub(block[:, i], round_column(block[:, i], start + i), out=error).div_(hinv[start + i, start + i])
+            torch.sub(block[:, i], round_column(block[:, i], columns[start + i]), out=error)
+            error.div_(hinv[start + i, start + i])
             block[:, i:].addr_(error, hinv[start + i, start + i : end], alpha=-1)
         w[:, end:] -= errors @ hinv[start:end, end:]
 

@@ -91,8 +91,10 @@ class OnTheFlyQuantMethod(UnquantizedLinearMethod):
             weight = F.pad(weight, (0, padding))
         if hessian is None:
             packed = quantize(weight, self.kind, self.group_size)
-        else:  # the padded columns' inputs are zero: dead rows/columns of H
-            packed = gptq_quantize(weight, F.pad(hessian, (0, padding, 0, padding)), self.kind, self.group_size)
+        else:  # the padded columns' inputs are zero: dead rows/columns of H. Act-order for int4 only:
+            # SmolLM2's KLD from float -37 % there (docs/benchmarks.md, ninth session), mixed at 8 bits.
+            packed = gptq_quantize(weight, F.pad(hessian, (0, padding, 0, padding)), self.kind, self.group_size,
+                                   act_order=self.kind == "int4")
         install_packed_weight(layer, packed)
 
 
