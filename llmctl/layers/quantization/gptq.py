@@ -27,7 +27,11 @@ from llmctl.layers.quantization.quantize import (
     quantize_int8,
 )
 
-GPTQ_BLOCK = 128  # columns per lazy update: a multiple of every int4 group size
+# Columns per lazy update: inside a block each rounded column updates the block's later columns
+# one at a time (N x B^2 / 2 work a block), the columns after it in one matrix product. 32 is the
+# narrowest that still holds a whole int4 group of 32; groups searched as they come up need their
+# group inside one block.
+GPTQ_BLOCK = 32
 GPTQ_DAMP = 0.01  # share of the mean diagonal added to H (the reference's percdamp)
 _DAMP_RETRIES = 4  # a singular H (few calibration tokens, correlated inputs) gets 10x the damping
 
@@ -62,7 +66,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, kind: str, group_
         raise ValueError(f"hessian has shape {tuple(hessian.shape)}, weight needs {(k, k)}")
     if kind == "int4" and k % group_size:
         raise ValueError(f"group size {group_size} does not divide the input features ({k})")
-    h = hessian.double().clone()
+    h = hessian.float().clone()
     dead = h.diagonal() == 0  # inputs that were always zero (padding): their weights never matter
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
@@ -105,8 +109,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, kind: str, group_
 
     w = w[:, order]  # columns in the order they are rounded
     columns = order.tolist()
-    for start in range(0, k, GPTQ_BLOCK):
-        end = min(start + GPTQ_BLOCK, k)
+    width = max(GPTQ_BLOCK, group_size) if kind == "int4" and not act_order else GPTQ_BLOCK
+    for start in range(0, k, width):
+        end = min(start + width, k)
         block = w[:, start:end].clone()
         errors = torch.empty(n, end - start)
         for i in range(end - start):
