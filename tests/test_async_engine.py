@@ -25,7 +25,10 @@ def async_engine(stories_dir):
 def test_concurrent_streams_and_early_close(async_engine):
     async def consume(n_tokens: int | None):
         text = ""
-        gen = async_engine.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=30))
+        # A client that goes away asks for far more tokens than it reads: a fast engine must not
+        # finish it before the close arrives (30 tokens of stories260k take ~25 ms).
+        params = SamplingParams(temperature=0, max_tokens=30 if n_tokens is None else 400, ignore_eos=n_tokens is not None)
+        gen = async_engine.generate("Once upon a time", params)
         async for out in gen:
             text += out.outputs[0].delta_text
             if n_tokens is not None and len(out.outputs[0].token_ids) >= n_tokens:

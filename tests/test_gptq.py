@@ -117,13 +117,14 @@ def test_calibration_brings_stories260k_int4_closer_to_float(stories_dir):
     assert kld(calibrated_model) < 0.85 * plain
 
 
-@pytest.fixture(scope="module")
-def head_dim_64_dir(tmp_path_factory) -> Path:
-    """A random Llama whose head size (64) the native prefill kernel takes: the calibration windows
-    then go through the paged-cache kernels, not the torch fallback."""
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def head_dim_64_dir(request, tmp_path_factory) -> Path:
+    """A random model of each family shape (Qwen2: q/k/v biases; Qwen3: q/k norms) whose head size
+    (64) the native prefill kernel takes: the calibration windows then go through the paged-cache
+    kernels, not the torch fallback."""
     from model_factory import make_hf_model
 
-    return make_hf_model("llama", tmp_path_factory.mktemp("gptq") / "llama64", seed=3, hidden_size=128,
+    return make_hf_model(request.param, tmp_path_factory.mktemp("gptq") / request.param, seed=3, hidden_size=128,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=64, intermediate_size=172)
 
 

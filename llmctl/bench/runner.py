@@ -228,6 +228,10 @@ async def run_load(target: Target, requests: Sequence[BenchRequest], *, concurre
             on_done(record)
         return record
 
+    step_usages: list[float] = []  # every step's KV usage: a run shorter than the sampling interval has a peak too
+    on_step = (lambda step: step_usages.append(step.record.kv_usage)) if in_process else None
+    if in_process:
+        target.engine.add_step_listener(on_step)
     sampler = asyncio.create_task(_sample_kv(target, samples, stop)) if in_process else None
     started = time.perf_counter()
     tasks = []
@@ -241,12 +245,13 @@ async def run_load(target: Target, requests: Sequence[BenchRequest], *, concurre
     if sampler is not None:
         stop.set()
         await sampler
+        target.engine.remove_step_listener(on_step)
         after = target.counters()
         usages = [c.kv_usage for c in samples]
         fills = [c.kv_token_utilization for c in samples if c.kv_token_utilization is not None]
         stats = EngineRunStats(
             kv_usage_mean=sum(usages) / len(usages) if usages else 0.0,
-            kv_usage_peak=max(usages, default=0.0),
+            kv_usage_peak=max(usages + step_usages, default=0.0),
             token_slot_utilization=sum(fills) / len(fills) if fills else None,
             prefix_query_tokens=after.prefix_cache_queries - before.prefix_cache_queries,
             prefix_hit_tokens=after.prefix_cache_hits - before.prefix_cache_hits,

@@ -160,3 +160,7 @@ class AsyncEngine:
         """Called in the engine's thread after every step, with the lock held: keep it short."""
         with self.lock:
             self.engine.stats.listeners.append(listener)
+
+    def remove_step_listener(self, listener: Callable[[StepStats], None]) -> None:
+        with self.lock:
+            self.engine.stats.listeners.remove(listener)

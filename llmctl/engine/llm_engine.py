@@ -293,6 +293,7 @@ class LLMEngine:
 
     def _book(self, sched: SchedulerOutput, output: ModelOutput, started: float) -> list[RequestOutput]:
         """Sample from the batch's logits, book the tokens, and build the requests' outputs."""
+        kv_usage = self.scheduler.block_manager.usage  # before this step's finished sequences free theirs
         sampled = self.sampler.sample(output, sched.sampling)
         seqs = sched.sampling
         if sched.verifies:
@@ -304,7 +305,7 @@ class LLMEngine:
         processed = self.output_processor.process(seqs, sampled, time.time())
         for seq, reason in processed.to_finish:  # stop strings, and requests whose output failed
             self.scheduler.finish(seq, reason)
-        self.stats.record_step(sched, processed.outputs, started, self.scheduler.num_requests(), len(seqs))
+        self.stats.record_step(sched, processed.outputs, started, self.scheduler.num_requests(), len(seqs), kv_usage)
         return processed.outputs
 
     # ---- offline ------------------------------------------------------------------------------

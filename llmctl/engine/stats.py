@@ -70,6 +70,7 @@ class StepRecord:
     num_running: int  # requests
     num_waiting: int  # requests
     num_preempted: int
+    kv_usage: float = 0.0  # fraction of KV blocks held while the step ran (its finished sequences' too)
 
 
 @dataclass
@@ -126,12 +127,13 @@ class EngineStats:
         self.requests_finished[reason] += 1
 
     def record_step(self, sched: SchedulerOutput, outputs: list[RequestOutput], started: float,
-                    num_requests: tuple[int, int], num_tokens: int | None = None) -> None:
+                    num_requests: tuple[int, int], num_tokens: int | None = None, kv_usage: float = 0.0) -> None:
         """``num_tokens``: tokens generated this step (default: one per sampling sequence)."""
         self.step_count += 1
         self.generation_tokens_total += len(sched.sampling) if num_tokens is None else num_tokens
         record = StepRecord(self.step_count, started, time.time() - started, sched.num_prefill_tokens,
-                            sched.num_decode_tokens, len(sched.scheduled), *num_requests, len(sched.preempted))
+                            sched.num_decode_tokens, len(sched.scheduled), *num_requests, len(sched.preempted),
+                            kv_usage)
         self.steps.append(record)
         step = StepStats(record, outputs, [], [], [])
         for out in outputs:

@@ -49,13 +49,13 @@ class AttentionMetadata:
     max_decode_seq_len: int
 
     @classmethod
-    def single_prefill(cls, num_tokens: int, block_size: int) -> AttentionMetadata:
+    def single_prefill(cls, num_tokens: int, block_size: int, device: torch.device | None = None) -> AttentionMetadata:
         """One sequence prefilled from position 0 into blocks 0, 1, ... of a scratch cache of
         ``block_size``-token blocks (calibration and scoring tools, outside the engine)."""
-        i32 = {"dtype": torch.int32}
+        i32 = {"dtype": torch.int32, "device": device}
         num_blocks = -(-num_tokens // block_size)
         return cls(
-            slot_mapping=torch.arange(num_tokens, dtype=torch.int64), num_prefills=1,
+            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device), num_prefills=1,
             num_prefill_tokens=num_tokens, num_decodes=0,
             prefill_query_start_loc=torch.tensor([0, num_tokens], **i32),
             prefill_seq_lens=torch.tensor([num_tokens], **i32),

@@ -26,6 +26,7 @@ BUILTIN_CALIBRATION = "builtin"
 CALIBRATION_WINDOW = 256  # tokens per independent window (each a fresh prefill from position 0)
 MIN_CALIBRATION_TOKENS = 64
 PROGRESS_EVERY_S = 5.0
+SCRATCH_BLOCK_SIZE = 16  # tokens per block of the scratch KV cache the windows attend through
 CALIBRATED_KINDS = ("int8", "int4", "fp8")
 
 
@@ -62,9 +63,6 @@ def calibration_windows(token_ids: list[int], max_len: int, window: int = CALIBR
             if len(token_ids[start : start + size]) >= 2]
 
 
-SCRATCH_BLOCK_SIZE = 16
-
-
 def bind_scratch_kv(model, num_tokens: int, dtype: torch.dtype) -> None:
     """A KV cache for one sequence of up to ``num_tokens``, shared by every layer (they run one
     after the other; each writes its keys and values, then attends over them): what the attention
@@ -72,9 +70,9 @@ def bind_scratch_kv(model, num_tokens: int, dtype: torch.dtype) -> None:
     layers = model.attention_layers()
     if not layers:
         return
-    first = layers[0]
+    first, device = layers[0], model.model.embed_tokens.weight.device
     shape = (-(-num_tokens // SCRATCH_BLOCK_SIZE), SCRATCH_BLOCK_SIZE, first.num_kv_heads, first.head_dim)
-    keys, values = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    keys, values = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
     for attn in layers:
         attn.key_cache, attn.value_cache = keys, values
 
@@ -98,15 +96,16 @@ def calibrate_on_windows(model, windows: list[list[int]]) -> int:
     if not (stage.is_first and stage.is_last):
         raise ConfigError("--calibration needs the whole model in one process (no pipeline stages)")
     embed = model.model.embed_tokens
-    dtype = embed.weight.dtype
+    dtype, device = embed.weight.dtype, embed.weight.device
     bind_scratch_kv(model, max(len(ids) for ids in windows), dtype)
     quantized, layers = 0, model.model.stage_layers
     started = last_said = time.monotonic()
     _say(f"GPTQ calibration: {sum(map(len, windows))} tokens through {len(layers)} decoder layers")
     try:
         with torch.inference_mode():
-            states = [(torch.arange(len(ids)), AttentionMetadata.single_prefill(len(ids), SCRATCH_BLOCK_SIZE),
-                       embed(torch.tensor(ids)), None) for ids in windows]
+            states = [(torch.arange(len(ids), device=device),
+                       AttentionMetadata.single_prefill(len(ids), SCRATCH_BLOCK_SIZE, device),
+                       embed(torch.tensor(ids, device=device)), None) for ids in windows]
             for index, layer in enumerate(layers):
                 if time.monotonic() - last_said >= PROGRESS_EVERY_S:
                     last_said = time.monotonic()
@@ -133,7 +132,8 @@ def _say(message: str) -> None:
 def _layer_hessians(layer: torch.nn.Module, linears: list[LinearBase], states: list) -> list[torch.Tensor]:
     """Per linear layer, the sum of ``x x^T`` over every calibration token's input to it (float32, as
     the GPTQ reference sums; a few thousand tokens lose nothing that the 1 % damping does not)."""
-    hessians = [torch.zeros(m.in_features, m.in_features) for m in linears]
+    device = next(iter(states))[2].device
+    hessians = [torch.zeros(m.in_features, m.in_features, device=device) for m in linears]
 
     def accumulate(index: int):
         def hook(module, inputs):

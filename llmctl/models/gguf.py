@@ -187,6 +187,10 @@ def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchO
     if quantization not in ("auto", "none", "int8"):
         raise ModelLoadError(f"{path}: a GGUF file is already quantized; --quantization {quantization} applies to "
                              "float checkpoints (use none to dequantize it, or int8)")
+    if calibration is not None:
+        from llmctl.models.calibration import check_calibration
+
+        check_calibration(quantization)
     path = Path(path)
     reader = open_gguf(path)
     meta = read_metadata(reader, path)
@@ -206,9 +210,8 @@ def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchO
             rest = install_packed(model, tensors, path)
         load_weights(model, path, rest)
     if calibration is not None:
-        from llmctl.models.calibration import calibrate_quantization, check_calibration
+        from llmctl.models.calibration import calibrate_quantization
 
-        check_calibration(quantization)
         calibrate_quantization(model, tokenizer or gguf_tokenizer(path, meta), calibration)
     model.process_weights_after_loading()
     return model, tokenizer

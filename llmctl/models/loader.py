@@ -130,16 +130,19 @@ def load_model(model_dir: Path, *, dtype: str, device: torch.device, ops: TorchO
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: no such model directory")
+    if calibration is not None:
+        from llmctl.models.calibration import check_calibration
+
+        check_calibration(quantization, tp.size)
     cfg = ModelConfig.from_dir(model_dir)
     model = build_model(cfg, dtype=cfg.resolve_dtype(dtype, device), device=device, ops=ops, tp=tp,
                         linear_method=linear_method_for(quantization, quantization_group_size), stage=stage)
     with torch.no_grad():
         load_weights(model, model_dir)
     if calibration is not None:
-        from llmctl.models.calibration import calibrate_quantization, check_calibration
+        from llmctl.models.calibration import calibrate_quantization
         from llmctl.tokenizer import Tokenizer
 
-        check_calibration(quantization, tp.size)
         calibrate_quantization(model, Tokenizer.from_dir(Path(tokenizer_dir or model_dir)), calibration)
     model.process_weights_after_loading()
     return model

@@ -8,9 +8,9 @@ The formats and kernels are the ones ``quantize.py`` fills. int4 takes each grou
 from ``_int4_search``: on the group's weights as updated when its first column comes up, or, with
 act-order (columns with the largest inputs first), on the weight before any update ("static
 groups", so that a group stays a run of consecutive inputs); int8 and fp8 take their per-channel
-scales from the weight before any update. The structure (lazy 128-column blocks, the upper
+scales from the weight before any update. The structure (lazy blocks of columns, the upper
 Cholesky factor of the inverse Hessian, 1 % mean-diagonal damping, zeroed dead inputs) is the
-reference implementation's.
+reference implementation's. It runs on the CPU (the packed result then goes where the layer is).
 """
 
 from __future__ import annotations
