@@ -31,7 +31,7 @@ from kernels.fp32_linear import unpack_panels
 from llmctl.layers.linear import LinearBase
 from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl.layers.quantization import linear_method_for
-from llmctl.models.calibration import SCRATCH_BLOCK_SIZE, bind_scratch_kv, calibrate_quantization
+from llmctl.models.calibration import SCRATCH_BLOCK_SIZE, bind_scratch_kv, calibrate_quantization, calibration_tokens
 from llmctl.models.gguf import gguf_tokenizer, load_gguf
 from llmctl.models.gguf_files import resolve_gguf_spec
 from llmctl.models.loader import load_model
@@ -61,7 +61,7 @@ def load_quantized(model: str, kind: str, group_size: int, calibration: str | No
                         layer.weight.data = unpack_panels(layer.weight.data, layer.out_features)
                     layer.method = method
             if calibration is not None:
-                calibrate_quantization(loaded, gguf_tokenizer(gguf_file), calibration)
+                calibrate_quantization(loaded, calibration_tokens(calibration, gguf_tokenizer(gguf_file)))
             for layer in loaded.modules():
                 if isinstance(layer, LinearBase) and layer.method is method:
                     method.process_weights_after_loading(layer)

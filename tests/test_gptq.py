@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from llmctl.cli import app
 from llmctl.config import EngineConfig
-from llmctl.errors import ConfigError
+from llmctl.errors import ConfigError, ModelLoadError
 from llmctl.layers.linear import LinearBase
 from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl.layers.quantization import dequantize, quantize
@@ -21,6 +21,7 @@ from llmctl.models.calibration import (
     bind_scratch_kv,
     calibrate_on_windows,
     calibration_text,
+    calibration_tokens,
     calibration_windows,
     unbind_kv,
 )
@@ -175,13 +176,17 @@ def test_calibration_errors_are_one_line(tmp_path, stories_dir):
     with pytest.raises(ConfigError, match="not UTF-8"):
         calibration_text(str(tmp_path / "latin1.txt"))
     with pytest.raises(ConfigError, match="needs at least 64"):
-        calibration_windows(list(range(10)), max_len=2048)
+        calibration_tokens("builtin", type("Tiny", (), {"encode": lambda self, text: [1, 2, 3]})())
     assert [len(w) for w in calibration_windows(list(range(600)), max_len=200)] == [200, 200, 200]
     assert "Red Kite" in calibration_text("builtin")
     (tmp_path / "short.txt").write_text("too short")
     with pytest.raises(ConfigError, match="needs at least"):
         load_model(stories_dir, dtype="float32", device=CPU, ops=TorchOps(), quantization="int4",
                    calibration=str(tmp_path / "short.txt"))
+    (tmp_path / "no-tokenizer").mkdir()
+    with pytest.raises(ModelLoadError, match="--calibration needs the model's tokenizer"):
+        load_model(stories_dir, dtype="float32", device=CPU, ops=TorchOps(), quantization="int4",
+                   calibration="builtin", tokenizer_dir=tmp_path / "no-tokenizer")
 
 
 def test_cli_generate_with_calibration_says_so(stories_dir):

@@ -229,23 +229,30 @@ async def run_load(target: Target, requests: Sequence[BenchRequest], *, concurre
         return record
 
     step_usages: list[float] = []  # every step's KV usage: a run shorter than the sampling interval has a peak too
-    on_step = (lambda step: step_usages.append(step.record.kv_usage)) if in_process else None
-    if in_process:
-        target.engine.add_step_listener(on_step)
-    sampler = asyncio.create_task(_sample_kv(target, samples, stop)) if in_process else None
+
+    def on_step(step) -> None:  # in the engine's thread, with its lock held
+        step_usages.append(step.record.kv_usage)
+
+    sampler = None
+    if in_process:  # the engine lock may wait for a step: not on the event loop
+        await asyncio.to_thread(target.engine.add_step_listener, on_step)
+        sampler = asyncio.create_task(_sample_kv(target, samples, stop))
     started = time.perf_counter()
-    tasks = []
-    for gap, request in zip(gaps, requests):
-        if gap:
-            await asyncio.sleep(gap)
-        tasks.append(asyncio.create_task(one(request)))
-    records = list(await asyncio.gather(*tasks))
-    duration = time.perf_counter() - started
+    try:
+        tasks = []
+        for gap, request in zip(gaps, requests):
+            if gap:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one(request)))
+        records = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - started
+    finally:  # also on Ctrl-C or a failing on_done: no listener or sampler left behind
+        if sampler is not None:
+            stop.set()
+            await asyncio.gather(sampler, return_exceptions=True)
+            await asyncio.to_thread(target.engine.remove_step_listener, on_step)
     stats = None
     if sampler is not None:
-        stop.set()
-        await sampler
-        target.engine.remove_step_listener(on_step)
         after = target.counters()
         usages = [c.kv_usage for c in samples]
         fills = [c.kv_token_utilization for c in samples if c.kv_token_utilization is not None]

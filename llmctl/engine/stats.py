@@ -29,8 +29,9 @@ Snapshot schema (version 2)::
                     "prompt_tokens", "generated_tokens", "cached_tokens", "blocks": [block ids],
                     "num_preemptions", "age_s", "n"}],   # one per live sequence ("id#i" when n > 1)
       "steps": [{"step", "time", "duration_s", "prefill_tokens", "decode_tokens", "num_seqs",
-                 "num_running", "num_waiting", "num_preempted"}],  # oldest first, last ``max_steps``;
-                 # num_running / num_waiting are requests, num_seqs / num_preempted sequences
+                 "num_running", "num_waiting", "num_preempted", "kv_usage"}],  # oldest first, last
+                 # ``max_steps``; num_running / num_waiting are requests, num_seqs / num_preempted
+                 # sequences, kv_usage the fraction of KV blocks held while the step ran
       "latency": {"window", "count", "ttft_s": {"p50", "p90", "p99"}, "tpot_s": {...}, "e2e_s": {...}},
                  # over the last ``window`` finished, non-aborted requests (llmctl/engine/latency.py);
                  # null where there is no data yet

@@ -53,11 +53,17 @@ def calibration_text(source: str) -> str:
         raise ConfigError(f"--calibration {source}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
-def calibration_windows(token_ids: list[int], max_len: int, window: int = CALIBRATION_WINDOW) -> list[list[int]]:
-    """The calibration tokens cut into windows of at most ``window`` (and the model's length)."""
+def calibration_tokens(source: str, tokenizer) -> list[int]:
+    """The ``--calibration`` text as token ids, checked before any weight is loaded."""
+    token_ids = tokenizer.encode(calibration_text(source))
     if len(token_ids) < MIN_CALIBRATION_TOKENS:
         raise ConfigError(f"--calibration text is {len(token_ids)} tokens; GPTQ needs at least "
                           f"{MIN_CALIBRATION_TOKENS} (a few thousand is better)")
+    return token_ids
+
+
+def calibration_windows(token_ids: list[int], max_len: int, window: int = CALIBRATION_WINDOW) -> list[list[int]]:
+    """The calibration tokens cut into windows of at most ``window`` (and the model's length)."""
     size = min(window, max_len)
     return [token_ids[start : start + size] for start in range(0, len(token_ids), size)
             if len(token_ids[start : start + size]) >= 2]
@@ -82,11 +88,10 @@ def unbind_kv(model) -> None:
         attn.key_cache = attn.value_cache = None
 
 
-def calibrate_quantization(model, tokenizer, source: str) -> int:
+def calibrate_quantization(model, token_ids: list[int]) -> int:
     """Quantizes every on-the-fly-quantized linear layer of ``model`` (float weights loaded, not yet
-    processed) by GPTQ on the ``--calibration`` text ``source``; returns how many layers it
+    processed) by GPTQ on ``token_ids`` (``calibration_tokens``); returns how many layers it
     quantized. The caller then runs ``model.process_weights_after_loading()`` for the rest."""
-    token_ids = tokenizer.encode(calibration_text(source))
     return calibrate_on_windows(model, calibration_windows(token_ids, model.config.max_position_embeddings))
 
 
@@ -101,8 +106,10 @@ def calibrate_on_windows(model, windows: list[list[int]]) -> int:
     quantized, layers = 0, model.model.stage_layers
     started = last_said = time.monotonic()
     _say(f"GPTQ calibration: {sum(map(len, windows))} tokens through {len(layers)} decoder layers")
+    states = hessians = None
     try:
-        with torch.inference_mode():
+        # no_grad, not inference_mode: the packed weights made here must stay ordinary tensors
+        with torch.no_grad():
             states = [(torch.arange(len(ids), device=device),
                        AttentionMetadata.single_prefill(len(ids), SCRATCH_BLOCK_SIZE, device),
                        embed(torch.tensor(ids, device=device)), None) for ids in windows]
@@ -116,10 +123,14 @@ def calibrate_on_windows(model, windows: list[list[int]]) -> int:
                 for linear, hessian in zip(linears, hessians):
                     linear.method.quantize_layer(linear, hessian)
                 quantized += len(linears)
-                states = [(positions, meta, *layer(positions, hidden, residual, meta))
-                          for positions, meta, hidden, residual in states]
+                if index + 1 < len(layers):  # the next layer's inputs, through this quantized one
+                    states = [(positions, meta, *layer(positions, hidden, residual, meta))
+                              for positions, meta, hidden, residual in states]
     finally:
         unbind_kv(model)
+        del states, hessians
+        if device.type == "cuda":  # the engine sizes its KV pool from the free memory next
+            torch.cuda.empty_cache()
     _say(f"GPTQ calibration: {quantized} linear layers in {time.monotonic() - started:.1f} s")
     return quantized
 

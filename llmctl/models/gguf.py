@@ -190,14 +190,20 @@ def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchO
     if calibration is not None:
         from llmctl.models.calibration import check_calibration
 
-        check_calibration(quantization)
+        check_calibration(quantization)  # the text itself is read with the tokenizer, before the weights
     path = Path(path)
     reader = open_gguf(path)
     meta = read_metadata(reader, path)
     arch = meta.get("general.architecture")
     names = {t.name for t in reader.tensors}
     cfg = ModelConfig.from_dict(gguf_config_dict(meta, names, path), source=str(path))
-    tokenizer = gguf_tokenizer(path, meta) if with_tokenizer else None
+    tokenizer = gguf_tokenizer(path, meta) if with_tokenizer or calibration is not None else None
+    calibration_ids = None
+    if calibration is not None:
+        from llmctl.models.calibration import calibration_tokens
+
+        calibration_ids = calibration_tokens(calibration, tokenizer)
+        tokenizer = tokenizer if with_tokenizer else None
     model = build_model(cfg, dtype=cfg.resolve_dtype(dtype, device), device=device, ops=ops,
                         linear_method=linear_method_for(quantization) if quantization == "int8" else None)
     tensors = iterate_gguf_tensors(reader, cfg, path, ARCHITECTURES[arch][1])
@@ -209,9 +215,9 @@ def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchO
 
             rest = install_packed(model, tensors, path)
         load_weights(model, path, rest)
-    if calibration is not None:
+    if calibration_ids is not None:
         from llmctl.models.calibration import calibrate_quantization
 
-        calibrate_quantization(model, tokenizer or gguf_tokenizer(path, meta), calibration)
+        calibrate_quantization(model, calibration_ids)
     model.process_weights_after_loading()
     return model, tokenizer

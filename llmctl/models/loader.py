@@ -130,20 +130,26 @@ def load_model(model_dir: Path, *, dtype: str, device: torch.device, ops: TorchO
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: no such model directory")
-    if calibration is not None:
-        from llmctl.models.calibration import check_calibration
+    calibration_ids = None
+    if calibration is not None:  # the text and the tokenizer checked before any weight is read
+        from llmctl.models.calibration import calibration_tokens, check_calibration
+        from llmctl.tokenizer import Tokenizer
 
         check_calibration(quantization, tp.size)
+        try:
+            tokenizer = Tokenizer.from_dir(Path(tokenizer_dir or model_dir))
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"--calibration needs the model's tokenizer: {exc}") from None
+        calibration_ids = calibration_tokens(calibration, tokenizer)
     cfg = ModelConfig.from_dir(model_dir)
     model = build_model(cfg, dtype=cfg.resolve_dtype(dtype, device), device=device, ops=ops, tp=tp,
                         linear_method=linear_method_for(quantization, quantization_group_size), stage=stage)
     with torch.no_grad():
         load_weights(model, model_dir)
-    if calibration is not None:
+    if calibration_ids is not None:
         from llmctl.models.calibration import calibrate_quantization
-        from llmctl.tokenizer import Tokenizer
 
-        calibrate_quantization(model, Tokenizer.from_dir(Path(tokenizer_dir or model_dir)), calibration)
+        calibrate_quantization(model, calibration_ids)
     model.process_weights_after_loading()
     return model
 

@@ -10,7 +10,7 @@ act-order (columns with the largest inputs first), on the weight before any upda
 groups", so that a group stays a run of consecutive inputs); int8 and fp8 take their per-channel
 scales from the weight before any update. The structure (lazy blocks of columns, the upper
 Cholesky factor of the inverse Hessian, 1 % mean-diagonal damping, zeroed dead inputs) is the
-reference implementation's. It runs on the CPU (the packed result then goes where the layer is).
+reference implementation's. It runs where the weight and the Hessian are.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _inverse_hessian_factor(hessian: torch.Tensor) -> torch.Tensor | None:
     the time of float64; the damping keeps it well conditioned); None if H stays singular."""
     hessian = hessian.float()
     damp = GPTQ_DAMP * hessian.diagonal().mean().clamp(min=1e-12)
-    eye = torch.eye(hessian.shape[0])
+    eye = torch.eye(hessian.shape[0], device=hessian.device)
     for _ in range(_DAMP_RETRIES):
         factor, info = torch.linalg.cholesky_ex(hessian + damp * eye)
         if info == 0:
@@ -70,24 +70,24 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, kind: str, group_
     dead = h.diagonal() == 0  # inputs that were always zero (padding): their weights never matter
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    order = torch.argsort(h.diagonal(), descending=True, stable=True) if act_order else torch.arange(k)
+    order = torch.argsort(h.diagonal(), descending=True, stable=True) if act_order else torch.arange(k, device=h.device)
     factor = _inverse_hessian_factor(h[order][:, order]) if not bool(dead.all()) else None
-    if factor is None:
-        return quantize(weight, kind, group_size)
+    if factor is None:  # per channel for int8, as the GPTQ path below
+        return quantize(weight, kind, group_size if kind == "int4" else None)
     hinv = factor
 
     if kind == "int4":
-        levels = torch.empty(n, k, dtype=torch.uint8)
+        levels = torch.empty(n, k, dtype=torch.uint8, device=w.device)
         if act_order:
             static = quantize_int4(w, group_size)
             scales, mins = static.scales, static.mins
         else:
-            scales, mins = torch.empty(n, k // group_size), torch.empty(n, k // group_size)
+            scales, mins = torch.empty(n, k // group_size, device=w.device), torch.empty(n, k // group_size, device=w.device)
     elif kind == "int8":
-        levels = torch.empty(n, k, dtype=torch.int8)
+        levels = torch.empty(n, k, dtype=torch.int8, device=w.device)
         channel_scales = quantize_int8(w).scales[:, 0]
     elif kind == "fp8":
-        levels = torch.empty(n, k, dtype=torch.uint8)
+        levels = torch.empty(n, k, dtype=torch.uint8, device=w.device)
         channel_scales = quantize_fp8(w).scales
     else:
         raise ValueError(f"unknown quantization {kind!r}; choose int8, int4 or fp8")
@@ -113,7 +113,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, kind: str, group_
     for start in range(0, k, width):
         end = min(start + width, k)
         block = w[:, start:end].clone()
-        errors = torch.empty(n, end - start)
+        errors = torch.empty(n, end - start, device=w.device)
         for i in range(end - start):
             if kind == "int4" and not act_order and (start + i) % group_size == 0:  # from the group's weights now
                 group = (start + i) // group_size

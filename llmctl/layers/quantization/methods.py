@@ -93,7 +93,7 @@ class OnTheFlyQuantMethod(UnquantizedLinearMethod):
             packed = quantize(weight, self.kind, self.group_size)
         else:  # the padded columns' inputs are zero: dead rows/columns of H. Act-order for int4 only:
             # SmolLM2's KLD from float -37 % there (docs/benchmarks.md, ninth session), mixed at 8 bits.
-            packed = gptq_quantize(weight.cpu(), F.pad(hessian.cpu(), (0, padding, 0, padding)), self.kind,
+            packed = gptq_quantize(weight, F.pad(hessian.to(weight.device), (0, padding, 0, padding)), self.kind,
                                    self.group_size, act_order=self.kind == "int4")
         install_packed_weight(layer, packed)
 

@@ -95,7 +95,7 @@ def _int4_search(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     moments = (torch.full_like(low, x.shape[1], dtype=torch.float64), x.sum(-1).double(), x.square().sum(-1).double())
     offset, levels, scratch = x - low[:, None], torch.empty_like(x), torch.empty_like(x)
-    sums = torch.empty(3, _INT4_SEARCH_STEPS, x.shape[0])
+    sums = torch.empty(3, _INT4_SEARCH_STEPS, x.shape[0], device=x.device)
     for step in range(_INT4_SEARCH_STEPS):
         levels_per_span = 14.0 + 2.0 * step / (_INT4_SEARCH_STEPS - 1)  # 14 .. 16
         torch.mul(offset, (levels_per_span / span)[:, None], out=levels).round_().clamp_(0, 15)
@@ -126,7 +126,7 @@ def quantize_int4(w: torch.Tensor, group_size: int = 64) -> PackedInt4:
         raise ValueError(f"int4 group size must be 32, 64 or 128, got {group_size}")
     n, k = w.shape
     groups = _groups(w, group_size).reshape(-1, group_size)
-    scales, mins = torch.empty(groups.shape[0]), torch.empty(groups.shape[0])
+    scales, mins = torch.empty(groups.shape[0], device=w.device), torch.empty(groups.shape[0], device=w.device)
     for start in range(0, groups.shape[0], _INT4_CHUNK_GROUPS):
         part = slice(start, start + _INT4_CHUNK_GROUPS)
         scales[part], mins[part] = _int4_search(groups[part])
@@ -156,9 +156,9 @@ def _fp8_search(w: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     position = torch.log2(w.abs() / base[:, None])
     phase = position - torch.floor(position)
     bins = (phase * _FP8_PHASE_BINS).nan_to_num_(0).long().clamp_(0, _FP8_PHASE_BINS - 1)  # zeros: weight 0
-    energy = torch.zeros(w.shape[0], _FP8_PHASE_BINS).scatter_add_(1, bins, w.square())
-    shifts = (torch.arange(_FP8_PHASE_BINS)[:, None]
-              - torch.arange(_FP8_SCALES_PER_OCTAVE)[None, :] * (_FP8_PHASE_BINS // _FP8_SCALES_PER_OCTAVE))
+    energy = torch.zeros(w.shape[0], _FP8_PHASE_BINS, device=w.device).scatter_add_(1, bins, w.square())
+    shifts = (torch.arange(_FP8_PHASE_BINS, device=w.device)[:, None]
+              - torch.arange(_FP8_SCALES_PER_OCTAVE, device=w.device)[None, :] * (_FP8_PHASE_BINS // _FP8_SCALES_PER_OCTAVE))
     table = _fp8_relative_error_squared(((shifts % _FP8_PHASE_BINS) + 0.5) / _FP8_PHASE_BINS)
     best = (energy.double() @ table.double()).argmin(1)
     return base * torch.exp2(best.float() / _FP8_SCALES_PER_OCTAVE)
