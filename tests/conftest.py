@@ -7,10 +7,14 @@ here, at import time of the test session, for every test module.
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# GPTQ results (--calibration) go to a folder of this session, not the user's cache: every test
+# run computes its own (tests/test_gptq.py checks the cache itself).
+os.environ.setdefault("LLMCTL_GPTQ_CACHE", tempfile.mkdtemp(prefix="llmctl-gptq-"))
 
 from pathlib import Path  # noqa: E402
 

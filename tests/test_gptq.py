@@ -216,3 +216,39 @@ def test_gguf_int8_with_calibration_through_the_engine(tmp_path):
     outs = [e.generate(["the quick brown fox"], params)[0].outputs[0].token_ids for e in (engine, plain)]
     assert len(outs[0]) == 8 and outs[0][0] == outs[1][0]  # int8 either way: the same first token
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_calibrated_load_is_cached(stories_dir, tmp_path, monkeypatch):
+    """The second load with the same files, quantization and text installs the first one's packed
+    weights without GPTQ (the same logits, bit for bit); another text, or a cache file that does not
+    fit, computes again."""
+    import llmctl.layers.quantization.methods as methods
+
+    monkeypatch.setenv("LLMCTL_GPTQ_CACHE", str(tmp_path / "cache"))
+    ids = Tokenizer.from_dir(stories_dir).encode(FABLES.read_text())[:64]
+
+    def logits(calibration: str = "builtin") -> torch.Tensor:
+        model = load_model(stories_dir, dtype="float32", device=CPU, ops=TorchOps(), quantization="int4",
+                           calibration=calibration)
+        assert sum(1 for m in model.modules() if getattr(m, "packed_format", None) == "int4") == 4 * 5
+        return _fresh_logprobs(model, ids)
+
+    first = logits()
+    files = list((tmp_path / "cache").glob("*.safetensors"))
+    assert len(files) == 1 and not list((tmp_path / "cache").glob("*.tmp"))
+
+    def no_gptq(*args, **kwargs):
+        raise AssertionError("GPTQ ran although the cache holds this load")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(methods, "gptq_quantize", no_gptq)
+        assert torch.equal(logits(), first)
+    other = tmp_path / "other.txt"
+    other.write_text(calibration_text("builtin")[::-1])  # the same letters, another text
+    assert not torch.equal(logits(str(other)), first)
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 2
+    files[0].write_bytes(b"not a safetensors file")  # a broken entry is recomputed and rewritten
+    assert torch.equal(logits(), first) and files[0].stat().st_size > 100
+    monkeypatch.setenv("LLMCTL_GPTQ_CACHE", "0")
+    assert torch.equal(logits(), first)
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 2

@@ -88,15 +88,31 @@ def unbind_kv(model) -> None:
         attn.key_cache = attn.value_cache = None
 
 
-def calibrate_quantization(model, token_ids: list[int]) -> int:
+def calibrate_quantization(model, token_ids: list[int], model_files: list[Path] = ()) -> int:
     """Quantizes every on-the-fly-quantized linear layer of ``model`` (float weights loaded, not yet
-    processed) by GPTQ on ``token_ids`` (``calibration_tokens``); returns how many layers it
-    quantized. The caller then runs ``model.process_weights_after_loading()`` for the rest."""
-    return calibrate_on_windows(model, calibration_windows(token_ids, model.config.max_position_embeddings))
+    processed) by GPTQ on ``token_ids`` (``calibration_tokens``), or installs what an earlier load
+    of the same ``model_files`` with the same settings computed (``calibration_cache``); returns how
+    many layers it quantized. The caller then runs ``model.process_weights_after_loading()``."""
+    from llmctl.models import calibration_cache as cache
+
+    layers = cache.calibrated_layers(model)
+    path = cache.cache_file(layers, model.model.embed_tokens.weight.dtype, list(model_files), token_ids)
+    if path is not None and path.is_file():
+        if cache.load_cached(layers, path):
+            _say(f"GPTQ calibration: {len(layers)} linear layers from the cache ({path})")
+            return len(layers)
+        _say(f"GPTQ calibration: ignoring an unreadable or mismatched cache file ({path})")
+    produced: dict[LinearBase, object] = {}  # the packed weights, before a kernel binding frees their rows
+    quantized = calibrate_on_windows(model, calibration_windows(token_ids, model.config.max_position_embeddings),
+                                     produced.__setitem__ if path is not None else None)
+    if path is not None and (reason := cache.save_cached({n: produced[m] for n, m in layers.items()}, path)):
+        _say(f"GPTQ calibration: not cached ({reason})")
+    return quantized
 
 
-def calibrate_on_windows(model, windows: list[list[int]]) -> int:
-    """``calibrate_quantization`` on windows of token ids."""
+def calibrate_on_windows(model, windows: list[list[int]], on_quantized=None) -> int:
+    """``calibrate_quantization`` on windows of token ids; ``on_quantized(layer, packed)`` sees each
+    packed weight as it is made."""
     stage = model.model.stage
     if not (stage.is_first and stage.is_last):
         raise ConfigError("--calibration needs the whole model in one process (no pipeline stages)")
@@ -121,7 +137,9 @@ def calibrate_on_windows(model, windows: list[list[int]]) -> int:
                            if isinstance(m, LinearBase) and isinstance(m.method, OnTheFlyQuantMethod)]
                 hessians = _layer_hessians(layer, linears, states)
                 for linear, hessian in zip(linears, hessians):
-                    linear.method.quantize_layer(linear, hessian)
+                    packed = linear.method.quantize_layer(linear, hessian)
+                    if on_quantized is not None:
+                        on_quantized(linear, packed)
                 quantized += len(linears)
                 if index + 1 < len(layers):  # the next layer's inputs, through this quantized one
                     states = [(positions, meta, *layer(positions, hidden, residual, meta))

@@ -218,6 +218,6 @@ def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchO
     if calibration_ids is not None:
         from llmctl.models.calibration import calibrate_quantization
 
-        calibrate_quantization(model, calibration_ids)
+        calibrate_quantization(model, calibration_ids, [path])
     model.process_weights_after_loading()
     return model, tokenizer

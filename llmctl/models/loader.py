@@ -149,7 +149,7 @@ def load_model(model_dir: Path, *, dtype: str, device: torch.device, ops: TorchO
     if calibration_ids is not None:
         from llmctl.models.calibration import calibrate_quantization
 
-        calibrate_quantization(model, calibration_ids)
+        calibrate_quantization(model, calibration_ids, [model_dir / "config.json", *model_dir.glob("*.safetensors")])
     model.process_weights_after_loading()
     return model
 

@@ -81,9 +81,9 @@ class OnTheFlyQuantMethod(UnquantizedLinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.quantize_layer(layer)
 
-    def quantize_layer(self, layer: nn.Module, hessian: torch.Tensor | None = None) -> None:
+    def quantize_layer(self, layer: nn.Module, hessian: torch.Tensor | None = None) -> PackedWeight:
         """Each weight rounded on its own, or, given the Hessian of the layer's calibration inputs
-        (``llmctl.models.calibration``), by GPTQ against it."""
+        (``llmctl.models.calibration``), by GPTQ against it. Returns the packed weight installed."""
         weight = layer.weight.data
         multiple = {"int4": self.group_size, "int8": 32, "fp8": 16}[self.kind]  # what the kernels take
         padding = -weight.shape[1] % multiple
@@ -96,6 +96,7 @@ class OnTheFlyQuantMethod(UnquantizedLinearMethod):
             packed = gptq_quantize(weight, F.pad(hessian.to(weight.device), (0, padding, 0, padding)), self.kind,
                                    self.group_size, act_order=self.kind == "int4")
         install_packed_weight(layer, packed)
+        return packed
 
 
 def linear_method_for(kind: str, group_size: int = 64) -> LinearMethod | None:
