@@ -27,6 +27,7 @@ from llmctl.layers.quantization import (
     PackedInt8,
     PackedWeight,
     install_packed_weight,
+    validate_packed,
 )
 
 CACHE_VERSION = 1  # bump when GPTQ's rounding changes, so that older entries miss
@@ -68,7 +69,7 @@ def load_cached(layers: dict[str, LinearBase], path: Path) -> bool:
         with safe_open(str(path), framework="pt") as f:
             names = set(f.keys())
             packed = {name: _packed_from(f, name, layer, names) for name, layer in layers.items()}
-    except (OSError, SafetensorError, KeyError, ValueError):
+    except (OSError, SafetensorError, KeyError, ValueError, RuntimeError):
         return False
     if any(p is None for p in packed.values()):
         return False
@@ -96,6 +97,10 @@ def _packed_from(f, name: str, layer: LinearBase, names: set[str]):
     else:
         return None
     rows, cols = candidate.shape
+    try:
+        validate_packed(candidate)
+    except ValueError:
+        return None
     return candidate if rows == n and k <= cols < k + 128 else None
 
 
