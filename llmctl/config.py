@@ -25,6 +25,7 @@ GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * GiB
 DEFAULT_CUDA_MEMORY_FRACTION = 0.90
 CLI_METADATA_KEY = "llmctl.cli"
+QUANTIZED_AT_LOAD = ("int8", "int4", "fp8")  # --quantization kinds that quantize float weights while loading
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "kivi2", "kivi4")  # kernels/kv_quant.py implements them
 
 
@@ -130,7 +131,7 @@ class EngineConfig:
             raise ConfigError(f"threads must be at least 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.quantization not in ("auto", "none", "int8", "int4", "fp8"):
+        if self.quantization not in ("auto", "none", *QUANTIZED_AT_LOAD):
             raise ConfigError(f"unknown quantization {self.quantization!r}; choose auto, none, int8, int4 or fp8")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"unknown KV cache dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
@@ -147,7 +148,7 @@ class EngineConfig:
         if self.kv_cache_dtype.startswith("kivi") and self.speculative_model is not None:
             raise ConfigError("--kv-cache-dtype kivi2/kivi4 cannot be combined with --speculative-model yet "
                               "(a rejected draft may have completed, and so quantized, a block)")
-        if self.calibration is not None and self.quantization not in ("int8", "int4", "fp8"):
+        if self.calibration is not None and self.quantization not in QUANTIZED_AT_LOAD:
             raise ConfigError(f"--calibration applies to --quantization int8 | int4 | fp8, not {self.quantization!r}")
         if self.calibration is not None and self.world_size > 1:
             raise ConfigError("--calibration runs on one rank: quantized weights are not sharded")

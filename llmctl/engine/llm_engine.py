@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from llmctl.config import EngineConfig, kv_pool_too_small, resolve_kv_cache_bytes
+from llmctl.config import QUANTIZED_AT_LOAD, EngineConfig, kv_pool_too_small, resolve_kv_cache_bytes
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.model_runner import ModelOutput, ModelRunner, kv_format
 from llmctl.engine.output_processor import OutputProcessor, RequestState
@@ -117,7 +117,7 @@ class LLMEngine:
 
         text = f"weights {weight_bytes(self.model) / 2**20:.1f} MiB"
         kind = self.config.quantization
-        if kind in ("int8", "int4", "fp8") and self.model_label != EMBEDDED_LABEL:
+        if kind in QUANTIZED_AT_LOAD and self.model_label != EMBEDDED_LABEL:
             text += f" {kind}" + (f" g{self.config.quantization_group_size}" if kind == "int4" else "")
             if self.config.calibration is not None:
                 text += f" (GPTQ on {self.config.calibration})"

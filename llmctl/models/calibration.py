@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from llmctl.config import QUANTIZED_AT_LOAD
 from llmctl.errors import ConfigError
 from llmctl.layers.linear import LinearBase
 from llmctl.layers.ops import AttentionMetadata
@@ -27,13 +28,12 @@ CALIBRATION_WINDOW = 256  # tokens per independent window (each a fresh prefill 
 MIN_CALIBRATION_TOKENS = 64
 PROGRESS_EVERY_S = 5.0
 SCRATCH_BLOCK_SIZE = 16  # tokens per block of the scratch KV cache the windows attend through
-CALIBRATED_KINDS = ("int8", "int4", "fp8")
 
 
 def check_calibration(quantization: str, tp_size: int = 1) -> None:
     """``--calibration`` rounds what ``--quantization`` quantizes at load, on one rank."""
-    if quantization not in CALIBRATED_KINDS:
-        raise ConfigError(f"--calibration applies to --quantization {' | '.join(CALIBRATED_KINDS)} "
+    if quantization not in QUANTIZED_AT_LOAD:
+        raise ConfigError(f"--calibration applies to --quantization {' | '.join(QUANTIZED_AT_LOAD)} "
                           f"(weights quantized while loading), not {quantization!r}")
     if tp_size != 1:
         raise ConfigError("--calibration needs tensor parallel size 1 (quantized weights are not sharded)")
