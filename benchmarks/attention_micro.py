@@ -4,6 +4,12 @@ bf16, best of 30 calls, with GB/s of KV read) and fp32 prefill (16 prompts of PR
 native ``paged_prefill_attention`` against SDPA per sequence, as the engine ran it before).
 
     PYTHONPATH=. python benchmarks/attention_micro.py [--seqs 64] [--context 192] [--prompt 128] [--dtype float32]
+        [--layers 1] [--heads 16,4]
+
+``--layers N`` gives N separate caches and times a sweep over all of them, as a decode step visits
+its layers: with N large enough the KV no longer fits in the last-level cache and the kernel reads
+it from memory, as in the engine (one layer's 64 x 192 tokens, 25 MB, stays in a 32 MB L3). ``--heads``
+sets the query / KV heads (9,3 for SmolLM2-135M).
 
 ``LLMCTL_CPU_ISA`` picks the variant (e.g. avx512 against avx512bf16 for bf16 decode). Compare
 versions by running this script from two checkouts alternately; on a shared machine the figures move.
@@ -33,10 +39,10 @@ def best_of(fn, reps: int) -> float:
     return min(times)
 
 
-def scattered_cache(seqs: int, tokens: int, dtype: torch.dtype):
+def scattered_cache(seqs: int, tokens: int, dtype: torch.dtype, kv_heads: int = HKV):
     per_seq = (tokens + BS - 1) // BS
     blocks = seqs * per_seq + 8
-    k, v = (torch.randn(blocks, BS, HKV, D).to(dtype) for _ in range(2))
+    k, v = (torch.randn(blocks, BS, kv_heads, D).to(dtype) for _ in range(2))
     tables = torch.randperm(blocks)[: seqs * per_seq].view(seqs, per_seq).to(torch.int32)
     return k, v, tables
 
@@ -47,17 +53,25 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=192)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--heads", default=f"{HQ},{HKV}", help="query heads,KV heads")
     args = parser.parse_args()
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
+    q_heads, kv_heads = (int(n) for n in args.heads.split(","))
 
-    k, v, tables = scattered_cache(args.seqs, args.context, dtype)
+    caches = [scattered_cache(args.seqs, args.context, dtype, kv_heads) for _ in range(args.layers)]
     lens = torch.full((args.seqs,), args.context, dtype=torch.int32)
-    q = torch.randn(args.seqs, HQ, D).to(dtype)
-    took = best_of(lambda: paged_decode_attention_native(q, k, v, tables, lens, D**-0.5), 30)
-    kv_bytes = args.seqs * args.context * HKV * D * 2 * k.element_size()
-    print(f"decode {args.dtype}, {args.seqs} x {args.context} tokens, {torch.get_num_threads()} threads: "
-          f"{took * 1e3:.2f} ms, {kv_bytes / took / 1e9:.1f} GB/s of KV")
+    q = torch.randn(args.seqs, q_heads, D).to(dtype)
+
+    def sweep() -> None:
+        for k, v, tables in caches:
+            paged_decode_attention_native(q, k, v, tables, lens, D**-0.5)
+
+    took = best_of(sweep, max(3, 30 // args.layers)) / args.layers
+    kv_bytes = args.seqs * args.context * kv_heads * D * 2 * dtype.itemsize
+    print(f"decode {args.dtype}, {args.seqs} x {args.context} tokens, {q_heads}/{kv_heads} heads, {args.layers} "
+          f"layer(s), {torch.get_num_threads()} threads: {took * 1e3:.3f} ms a layer, {kv_bytes / took / 1e9:.1f} GB/s of KV")
 
     seqs, length = 16, args.prompt
     q = torch.randn(seqs * length, HQ, D)

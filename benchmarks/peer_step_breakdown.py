@@ -9,6 +9,7 @@ One thread by default and CPU time (``time.process_time``): on a machine shared 
 CPU time of one thread is what compares two versions fairly; ``--threads 2`` times wall clock.
 
     python benchmarks/peer_step_breakdown.py MODEL [--steps 0,4,60] [--threads 1] [--dtype float32]
+        [--quantization none|int8|int4|fp8|auto]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch  # noqa: E402
 import llmctl.layers.linear as linear_module  # noqa: E402
 from llmctl.engine.llm_engine import LLMEngine  # noqa: E402
 from llmctl.layers.ops import TorchOps  # noqa: E402
+from llmctl.layers.quantization.methods import PackedLinearMethod  # noqa: E402
 from llmctl.sampling_params import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -59,21 +61,28 @@ def gemm_name(x, weight, bias=None, out_features=None) -> str:
     return f"GEMM {x.shape[-1]} -> {out_features or weight.shape[0]}, {'M > 100' if rows > 100 else f'M = {rows}'}"
 
 
+def packed_gemm_name(method, layer, x, bias=None) -> str:
+    return f"{layer.packed_format} {gemm_name(x, layer.qweight)}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", default="0,4,60", help="steps to break down by op")
+    parser.add_argument("--quantization", default=None, help="none | int8 | int4 | fp8 | auto (the engine's default)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.threads == 1 else time.perf_counter
     ops = OpClock(clock)
     linear_module.linear = ops.wrap(gemm_name, linear_module.linear)
+    PackedLinearMethod.apply = ops.wrap(packed_gemm_name, PackedLinearMethod.apply)
     for name in OPS:
         setattr(TorchOps, name, ops.wrap(lambda *a, _n=name, **k: _n, getattr(TorchOps, name)))
     engine = LLMEngine(model=args.model, dtype=args.dtype, skip_tokenizer=True, max_model_len=512, max_num_seqs=64,
-                       kv_cache_memory=4 << 30)
+                       kv_cache_memory=4 << 30,
+                       **({} if args.quantization is None else {"quantization": args.quantization}))
     prompts = make_prompts()
     engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     from kernels.cpu_features import cpu_model, isa_level

