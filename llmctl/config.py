@@ -148,10 +148,10 @@ class EngineConfig:
         if self.kv_cache_dtype.startswith("kivi") and self.speculative_model is not None:
             raise ConfigError("--kv-cache-dtype kivi2/kivi4 cannot be combined with --speculative-model yet "
                               "(a rejected draft may have completed, and so quantized, a block)")
-        if self.calibration is not None and self.quantization not in QUANTIZED_AT_LOAD:
-            raise ConfigError(f"--calibration applies to --quantization int8 | int4 | fp8, not {self.quantization!r}")
-        if self.calibration is not None and self.world_size > 1:
-            raise ConfigError("--calibration runs on one rank: quantized weights are not sharded")
+        if self.calibration is not None:
+            from llmctl.models.calibration import check_calibration  # the models import this module
+
+            check_calibration(self.quantization, self.world_size)
         if self.quantization_group_size not in (32, 64, 128):
             raise ConfigError(f"quantization group size must be 32, 64 or 128, got {self.quantization_group_size}")
         if self.speculative_model is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:

@@ -252,3 +252,65 @@ def test_a_calibrated_load_is_cached(stories_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("LLMCTL_GPTQ_CACHE", "0")
     assert torch.equal(logits(), first)
     assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 2
+
+
+def test_the_cache_drops_its_least_recently_used_entries(tmp_path):
+    """``prune``: the oldest uses go first until the entries fit the limit, never the entry just
+    written (even alone over the limit), and a dead writer's temporary file once it is old."""
+    import os
+    import time
+
+    from llmctl.models.calibration_cache import STALE_TMP_SECONDS, prune
+
+    now = time.time()
+    entries = [tmp_path / f"{name}.safetensors" for name in "abcd"]
+    for age, path in zip((400, 300, 200, 100), entries):  # a is the least recently used
+        path.write_bytes(b"x" * 100)
+        os.utime(path, (now - age, now - age))
+    stale, fresh = tmp_path / "e.123.tmp", tmp_path / "f.456.tmp"
+    for path, age in ((stale, STALE_TMP_SECONDS + 60), (fresh, 10)):
+        path.write_bytes(b"y" * 1000)
+        os.utime(path, (now - age, now - age))
+    assert prune(tmp_path, keep=entries[0], limit=250) == (2, 200)  # b and c go; a is kept as just written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "d.safetensors", "f.456.tmp"]
+    assert prune(tmp_path, keep=entries[3], limit=1) == (1, 100)
+    assert [p.name for p in tmp_path.glob("*.safetensors")] == ["d.safetensors"]
+    assert prune(tmp_path, keep=entries[3], limit=1) == (0, 0)
+
+
+def test_a_calibrated_load_keeps_the_cache_under_its_size(stories_dir, tmp_path, monkeypatch, capfd):
+    """Through the loader: a hit marks its entry as used, and a new entry that takes the folder over
+    ``LLMCTL_GPTQ_CACHE_SIZE`` evicts the least recently used one, saying so."""
+    import os
+
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("LLMCTL_GPTQ_CACHE", str(folder))
+
+    def load(calibration: str) -> None:
+        load_model(stories_dir, dtype="float32", device=CPU, ops=TorchOps(), quantization="int8",
+                   calibration=calibration)
+
+    texts = []
+    for i in range(2):
+        texts.append(tmp_path / f"text{i}.txt")
+        texts[-1].write_text(calibration_text("builtin")[i * 7:])
+        load(str(texts[-1]))
+    first, second = sorted(folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
+    entry_size = first.stat().st_size
+    os.utime(first, (1, 1))
+    os.utime(second, (2, 2))
+    load(str(texts[0]))  # a hit: first becomes the most recently used
+    assert first.stat().st_mtime > 2 and second.stat().st_mtime == 2
+    capfd.readouterr()
+    monkeypatch.setenv("LLMCTL_GPTQ_CACHE_SIZE", str(2 * entry_size + entry_size // 2))
+    texts.append(tmp_path / "text2.txt")
+    texts[-1].write_text(calibration_text("builtin")[14:])
+    load(str(texts[-1]))
+    assert first.exists() and not second.exists() and len(list(folder.glob("*.safetensors"))) == 2
+    assert "removed 1 least recently used entry" in capfd.readouterr().err
+
+
+def test_an_unreadable_cache_size_fails_before_loading(monkeypatch):
+    monkeypatch.setenv("LLMCTL_GPTQ_CACHE_SIZE", "lots")
+    with pytest.raises(ConfigError, match="LLMCTL_GPTQ_CACHE_SIZE: cannot read memory size 'lots'"):
+        EngineConfig(quantization="int8", calibration="builtin")

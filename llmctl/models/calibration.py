@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from llmctl.config import QUANTIZED_AT_LOAD
+from llmctl.config import QUANTIZED_AT_LOAD, format_size
 from llmctl.errors import ConfigError
 from llmctl.layers.linear import LinearBase
 from llmctl.layers.ops import AttentionMetadata
@@ -30,13 +30,17 @@ PROGRESS_EVERY_S = 5.0
 SCRATCH_BLOCK_SIZE = 16  # tokens per block of the scratch KV cache the windows attend through
 
 
-def check_calibration(quantization: str, tp_size: int = 1) -> None:
-    """``--calibration`` rounds what ``--quantization`` quantizes at load, on one rank."""
+def check_calibration(quantization: str, world_size: int = 1) -> None:
+    """``--calibration`` rounds what ``--quantization`` quantizes at load, on one rank (the engine's
+    config and the loaders both ask: a library caller may load a model without a config)."""
     if quantization not in QUANTIZED_AT_LOAD:
         raise ConfigError(f"--calibration applies to --quantization {' | '.join(QUANTIZED_AT_LOAD)} "
                           f"(weights quantized while loading), not {quantization!r}")
-    if tp_size != 1:
-        raise ConfigError("--calibration needs tensor parallel size 1 (quantized weights are not sharded)")
+    if world_size != 1:
+        raise ConfigError("--calibration runs on one rank: quantized weights are not sharded")
+    from llmctl.models.calibration_cache import cache_size_limit
+
+    cache_size_limit()  # a value it cannot read fails now, not after the calibration
 
 
 def calibration_text(source: str) -> str:
@@ -105,8 +109,16 @@ def calibrate_quantization(model, token_ids: list[int], model_files: list[Path] 
     produced: dict[LinearBase, object] = {}  # the packed weights, before a kernel binding frees their rows
     quantized = calibrate_on_windows(model, calibration_windows(token_ids, model.config.max_position_embeddings),
                                      produced.__setitem__ if path is not None else None)
-    if path is not None and (reason := cache.save_cached({n: produced[m] for n, m in layers.items()}, path)):
-        _say(f"GPTQ calibration: not cached ({reason})")
+    if path is not None:
+        if reason := cache.save_cached({n: produced[m] for n, m in layers.items()}, path):
+            _say(f"GPTQ calibration: not cached ({reason})")
+        else:
+            limit = cache.cache_size_limit()
+            deleted, freed = cache.prune(path.parent, keep=path, limit=limit)
+            if deleted:
+                _say(f"GPTQ calibration cache: removed {deleted} least recently used "
+                     f"entr{'y' if deleted == 1 else 'ies'} ({format_size(freed)}) to stay under "
+                     f"{format_size(limit)} (LLMCTL_GPTQ_CACHE_SIZE)")
     return quantized
 
 

@@ -7,18 +7,26 @@ the quantization (kind, group size, dtype), the calibration token ids, and each 
 size and modification time. A file that does not match the model (names, shapes, dtypes) or cannot
 be read is ignored and recomputed; writes go through a temporary file and a rename, so a reader
 never sees half a file.
+
+The folder holds at most ``LLMCTL_GPTQ_CACHE_SIZE`` (default 8GiB; ``2GiB``, ``500MB``, bytes):
+after each write the least recently used entries go (a hit counts as a use), never the one just
+written. An entry whose model files changed is never hit again, so it ages out the same way, as do
+a killed writer's temporary files.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from llmctl.config import parse_size
+from llmctl.errors import ConfigError
 from llmctl.layers.linear import LinearBase
 from llmctl.layers.quantization import (
     OnTheFlyQuantMethod,
@@ -31,6 +39,8 @@ from llmctl.layers.quantization import (
 )
 
 CACHE_VERSION = 1  # bump when GPTQ's rounding changes, so that older entries miss
+DEFAULT_CACHE_SIZE = "8GiB"
+STALE_TMP_SECONDS = 3600  # a temporary file this old belongs to a writer that is gone
 
 
 def cache_dir() -> Path | None:
@@ -38,6 +48,15 @@ def cache_dir() -> Path | None:
     if setting == "0":
         return None
     return Path(setting) if setting else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmctl" / "gptq"
+
+
+def cache_size_limit() -> int:
+    """``LLMCTL_GPTQ_CACHE_SIZE`` in bytes (a clear error for a value it cannot read)."""
+    setting = os.environ.get("LLMCTL_GPTQ_CACHE_SIZE") or DEFAULT_CACHE_SIZE
+    try:
+        return parse_size(setting)
+    except ConfigError as exc:
+        raise ConfigError(f"LLMCTL_GPTQ_CACHE_SIZE: {exc}") from None
 
 
 def calibrated_layers(model) -> dict[str, LinearBase]:
@@ -75,6 +94,10 @@ def load_cached(layers: dict[str, LinearBase], path: Path) -> bool:
         return False
     for name, layer in layers.items():
         install_packed_weight(layer, packed[name])
+    try:
+        os.utime(path)  # a use: least recently used entries are the first to go (prune)
+    except OSError:
+        pass
     return True
 
 
@@ -120,3 +143,35 @@ def save_cached(packed_by_name: dict[str, PackedWeight], path: Path) -> str | No
         tmp.unlink(missing_ok=True)
         return str(exc)
     return None
+
+
+def prune(folder: Path, keep: Path, limit: int) -> tuple[int, int]:
+    """Deletes the least recently used entries of ``folder`` (never ``keep``) until the entries
+    take at most ``limit`` bytes, and temporary files older than ``STALE_TMP_SECONDS``; returns how
+    many entries it deleted and their bytes. Files it cannot stat or delete (another process got
+    there first) are skipped."""
+    now, entries = time.time(), []
+    for path in folder.iterdir():
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        if path.suffix == ".tmp":
+            if now - stat.st_mtime > STALE_TMP_SECONDS:
+                path.unlink(missing_ok=True)
+        elif path.suffix == ".safetensors":
+            entries.append((stat.st_mtime, stat.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    deleted = freed = 0
+    for _, size, path in sorted(entries, key=lambda entry: entry[0]):  # oldest use first
+        if total <= limit:
+            break
+        if path == keep:
+            continue
+        try:
+            path.unlink()
+        except OSError:
+            continue
+        total -= size
+        deleted, freed = deleted + 1, freed + size
+    return deleted, freed
