@@ -58,8 +58,12 @@ def cpu_model() -> str:
 
 def native_bf16_units(flags: frozenset[str] | None = None) -> list[str]:
     """The bf16 arithmetic units present (AMX tiles, AVX512-BF16 dot products); empty when bf16 is
-    only emulated (converted to fp32 and back), which makes it slower than fp32 on a CPU."""
+    only emulated (converted to fp32 and back), which makes it slower than fp32 on a CPU. Also empty
+    where ``LLMCTL_CPU_ISA`` lowers the kernels below ``avx512bf16``: the dtype choice then follows
+    the CPU the kernels act as, not one they no longer use."""
     flags = cpu_flags() if flags is None else flags
+    if os.environ.get("LLMCTL_CPU_ISA") and isa_level(flags) != "avx512bf16":
+        return []
     return [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
 
 

@@ -32,6 +32,18 @@ def test_half_checkpoints_run_in_bf16_with_native_units(flags, unit, stored):
     assert choice.dtype == torch.bfloat16 and unit in choice.reason
 
 
+def test_a_lowered_kernel_level_lowers_the_dtype_choice_too(monkeypatch):
+    """``LLMCTL_CPU_ISA=avx2`` on a bf16 CPU makes its kernels the AVX2 ones: auto then picks what
+    an AVX2 CPU gets (fp32), not bf16 that those kernels only emulate."""
+    for level in ("avx2", "avx512", "generic"):
+        monkeypatch.setenv("LLMCTL_CPU_ISA", level)
+        assert native_bf16_units(SPR_XEON) == []
+        assert choose_dtype("auto", "bfloat16", CPU, COOPER_LAKE).dtype == torch.float32
+    monkeypatch.setenv("LLMCTL_CPU_ISA", "avx512bf16")
+    assert native_bf16_units(SPR_XEON) == ["AMX-BF16", "AVX512-BF16"]
+    assert choose_dtype("auto", "bfloat16", CPU, COOPER_LAKE).dtype == torch.bfloat16
+
+
 def test_fp32_or_unstated_checkpoints_stay_fp32_everywhere():
     for stored in ("float32", None, "something-odd"):
         assert choose_dtype("auto", stored, CPU, SPR_XEON).dtype == torch.float32

@@ -1,0 +1,129 @@
+"""Issues 12 and 16's speed goals, read from the result files one run of benchmarks/issue_goals.sh
+wrote into one folder: a table of goal, measured value and met or not, with the CPU it ran on.
+
+    python benchmarks/issue_goals.py RESULTS_DIR [--json OUT]
+
+Each goal is stated as its issue states it ("Done when"); a goal whose files are missing is shown
+as not measured, never as met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class Goal:
+    issue: int
+    name: str
+    measured: str
+    goal: str
+    met: bool | None  # None: not measured
+
+
+def _load(folder: Path, name: str) -> dict | None:
+    path = folder / name
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _same_tokens(a: dict | None, b: dict | None) -> str:
+    if not a or not b or "out_ids" not in a or "out_ids" not in b:
+        return "?"
+    pairs = list(zip(a["out_ids"], b["out_ids"]))
+    return f"{sum(x == y for x, y in pairs)}/{len(pairs)}"
+
+
+def goals(folder: Path) -> list[Goal]:
+    out: list[Goal] = []
+    llama, q41 = _load(folder, "smollm2/llamacpp.json"), _load(folder, "smollm2/llmctl_q4_1.json")
+    fp32_one, hf_one = _load(folder, "smollm2/llmctl_fp32.json"), _load(folder, "smollm2/hf_fp32.json")
+    int8_64 = _load(folder, "bench_int8.json")
+    vllm, hf = _load(folder, "peer/vllm_float32.json"), _load(folder, "peer/hf_float32.json")
+    ours = [_load(folder, f"peer/{name}_float32.json") for name in ("llmctl", "llmctl_nopreload")]
+    spec, readme = _load(folder, "spec_ngram.json"), _load(folder, "bench_readme.json")
+
+    if llama and q41:
+        ratio = q41["tok_s"] / llama["tok_s"]
+        out.append(Goal(12, "SmolLM2 one stream: llmctl (same Q4_1 file) vs llama.cpp",
+                        f"{q41['tok_s']:.1f} vs {llama['tok_s']:.1f} tok/s = {ratio:.2f}x", ">= 1x", ratio >= 1))
+    else:
+        out.append(Goal(12, "SmolLM2 one stream vs llama.cpp", "not measured", ">= 1x", None))
+    if llama and int8_64:
+        got = int8_64["result"]["output_throughput"]
+        out.append(Goal(12, "SmolLM2 64 concurrent (int8) vs 3x llama.cpp one stream",
+                        f"{got:.1f} vs {3 * llama['tok_s']:.1f} tok/s = {got / (3 * llama['tok_s']):.2f} of it",
+                        ">= 1 of it", got >= 3 * llama["tok_s"]))
+    else:
+        out.append(Goal(12, "SmolLM2 64 concurrent vs 3x llama.cpp", "not measured", ">= 1 of it", None))
+    if vllm and hf and any(ours):
+        slower = min((o for o in ours if o), key=lambda o: o["out_tok_s"])  # the slower of llmctl's two runs
+        figures = " / ".join(f"{o['out_tok_s']:.1f}" for o in ours if o)
+        out.append(Goal(16, "246M fp32, 64 x 128 -> 128: llmctl vs vLLM",
+                        f"{figures} vs {vllm['out_tok_s']:.1f} tok/s = {slower['out_tok_s'] / vllm['out_tok_s']:.2f}x "
+                        f"(tokens equal {_same_tokens(slower, vllm)})", ">= 1.3x",
+                        slower["out_tok_s"] >= 1.3 * vllm["out_tok_s"]))
+        out.append(Goal(16, "246M fp32: llmctl vs transformers",
+                        f"{slower['out_tok_s']:.1f} vs {hf['out_tok_s']:.1f} tok/s = {slower['out_tok_s'] / hf['out_tok_s']:.2f}x "
+                        f"(tokens equal {_same_tokens(slower, hf)})", ">= 1.5x",
+                        slower["out_tok_s"] >= 1.5 * hf["out_tok_s"]))
+    else:
+        out.append(Goal(16, "246M fp32 vs vLLM and transformers", "not measured", ">= 1.3x, >= 1.5x", None))
+    if fp32_one and hf_one:
+        ratio = fp32_one["tok_s"] / hf_one["tok_s"]
+        out.append(Goal(16, "SmolLM2 one stream, fp32 weights: llmctl vs transformers",
+                        f"{fp32_one['tok_s']:.1f} vs {hf_one['tok_s']:.1f} tok/s = {ratio:.2f}x", ">= 2x", ratio >= 2))
+    else:
+        out.append(Goal(16, "SmolLM2 one stream fp32 vs transformers", "not measured", ">= 2x", None))
+    if spec:
+        out.append(Goal(16, "n-gram speculation on the edit workload (fp32 weights)",
+                        f"{spec['plain_tok_s']} -> {spec['spec_tok_s']} tok/s = {spec['speedup']}x, identical output "
+                        f"{spec['identical_output']}", ">= 1.5x, identical",
+                        spec["speedup"] >= 1.5 and spec["identical_output"]))
+    else:
+        out.append(Goal(16, "n-gram speculation", "not measured", ">= 1.5x", None))
+    if readme:
+        seconds = readme["result"]["duration_s"]
+        out.append(Goal(16, "README main command (llmctl bench --concurrency 64): bench part",
+                        f"{seconds:.1f} s, {readme['result']['output_throughput']:.1f} tok/s", "<= 90 s", seconds <= 90))
+    else:
+        out.append(Goal(16, "README main command", "not measured", "<= 90 s", None))
+    return out
+
+
+def cpu_line() -> str:
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown CPU"
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("Flags")), [])
+    isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile")
+           if f in flags]
+    return f"{model} ({' '.join(isa)})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    table = goals(args.folder)
+    emulated = (args.folder / "EMULATE_ISA").read_text().strip() if (args.folder / "EMULATE_ISA").exists() else ""
+    print(f"CPU: {cpu_line()}" + (f"; every engine on its {emulated} code paths (EMULATE_ISA)" if emulated else ""))
+    for goal in table:
+        mark = {True: "met", False: "NOT met", None: "not measured"}[goal.met]
+        print(f"  issue {goal.issue}: {goal.name}: {goal.measured} (goal {goal.goal}): {mark}")
+    if args.json:
+        args.json.write_text(json.dumps({"cpu": cpu_line(), "emulate_isa": emulated,
+                                         "goals": [asdict(g) for g in table]}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

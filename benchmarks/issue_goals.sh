@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Every speed goal of issues 12 and 16 in one run (about 10 minutes on 2 cores), then the table of
+# goal, measured value and met or not (benchmarks/issue_goals.py), with the CPU model and flags:
+#   - run_peer_comparison.sh (fp32): vLLM, transformers, llmctl on the 246M Llama, 64 x 128 -> 128
+#   - run_smollm2_comparison.sh: SmolLM2-135M one stream, llama.cpp / llmctl / transformers
+#   - llmctl bench smollm2-135m --concurrency 64 --quantization int8
+#   - the README's main command, llmctl bench --concurrency 64
+#   - spec_decode.py: n-gram speculation on the edit workload, fp32 weights
+#
+# usage: PEER_WORK=DIR PEER_PY=PYTHON benchmarks/issue_goals.sh
+#   PEER_WORK: the vLLM peer folder (../shared/peer/README.txt); PEER_PY: a python with
+#   llama-cpp-python. EMULATE_ISA=avx2 LLAMA_AVX2=DIR: every engine on its AVX2 code paths, as in
+#   the two comparison scripts. Results go to OUT (default results/goals-<UTC time>).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RESULTS=${OUT:-results/goals-$(date -u +%Y%m%dT%H%M%S)}
+PY=${PY:-.venv/bin/python}
+mkdir -p "$RESULTS"
+rm -f "$RESULTS/EMULATE_ISA"
+if [ -n "${EMULATE_ISA:-}" ]; then echo "$EMULATE_ISA" > "$RESULTS/EMULATE_ISA"; fi
+OUT=$RESULTS/peer DTYPE=float32 REPS=1 benchmarks/run_peer_comparison.sh
+OUT=$RESULTS/smollm2 REPS=3 benchmarks/run_smollm2_comparison.sh
+if [ "${EMULATE_ISA:-}" = avx2 ]; then  # llmctl's own runs: its kernels and torch's held to AVX2
+  export LLMCTL_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+fi
+.venv/bin/llmctl bench smollm2-135m --concurrency 64 --quantization int8 --json "$RESULTS/bench_int8.json" | tail -4
+.venv/bin/llmctl bench --concurrency 64 --json "$RESULTS/bench_readme.json" | tail -4
+PYTHONPATH=. "$PY" benchmarks/spec_decode.py --rounds 3 --num-speculative-tokens 4 --quantization none \
+  --out "$RESULTS/spec_ngram.json" | grep RESULT
+"$PY" benchmarks/issue_goals.py "$RESULTS" --json "$RESULTS/goals.json"
