@@ -262,19 +262,21 @@ def test_the_cache_drops_its_least_recently_used_entries(tmp_path):
 
     from llmctl.models.calibration_cache import STALE_TMP_SECONDS, prune
 
-    now = time.time()
-    entries = [tmp_path / f"{name}.safetensors" for name in "abcd"]
-    for age, path in zip((400, 300, 200, 100), entries):  # a is the least recently used
+    now, key = time.time(), lambda c: c * 40
+    entries = [tmp_path / f"{key(c)}.safetensors" for c in "abcd"]
+    foreign = [tmp_path / "model.safetensors", tmp_path / "notes.tmp"]  # not the cache's: never touched
+    for age, path in zip((400, 300, 200, 100, 900, 9000), entries + foreign):  # a: the least recently used
         path.write_bytes(b"x" * 100)
         os.utime(path, (now - age, now - age))
-    stale, fresh = tmp_path / "e.123.tmp", tmp_path / "f.456.tmp"
+    stale, fresh = tmp_path / f"{key('e')}.123.tmp", tmp_path / f"{key('f')}.456.tmp"
     for path, age in ((stale, STALE_TMP_SECONDS + 60), (fresh, 10)):
         path.write_bytes(b"y" * 1000)
         os.utime(path, (now - age, now - age))
     assert prune(tmp_path, keep=entries[0], limit=250) == (2, 200)  # b and c go; a is kept as just written
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "d.safetensors", "f.456.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [entries[0].name, entries[3].name, fresh.name, "model.safetensors", "notes.tmp"])
     assert prune(tmp_path, keep=entries[3], limit=1) == (1, 100)
-    assert [p.name for p in tmp_path.glob("*.safetensors")] == ["d.safetensors"]
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [entries[3].name, "model.safetensors"]
     assert prune(tmp_path, keep=entries[3], limit=1) == (0, 0)
 
 

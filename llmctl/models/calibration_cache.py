@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import time
 from pathlib import Path
 
@@ -39,6 +40,8 @@ from llmctl.layers.quantization import (
 )
 
 CACHE_VERSION = 1  # bump when GPTQ's rounding changes, so that older entries miss
+KEY_CHARS = 40  # hex digits of the key in an entry's name
+_ENTRY_NAME = re.compile(rf"[0-9a-f]{{{KEY_CHARS}}}(?:\.safetensors|(\.[0-9]+\.tmp))")  # group 1: a writer's temp file
 DEFAULT_CACHE_SIZE = "8GiB"
 STALE_TMP_SECONDS = 3600  # a temporary file this old belongs to a writer that is gone
 
@@ -78,7 +81,7 @@ def cache_file(layers: dict[str, LinearBase], dtype: torch.dtype, model_files: l
     for path in sorted(Path(p).resolve() for p in model_files):
         stat = path.stat()
         key.update(f"\n{path} {stat.st_size} {stat.st_mtime_ns}".encode())
-    return folder / f"{key.hexdigest()[:40]}.safetensors"
+    return folder / f"{key.hexdigest()[:KEY_CHARS]}.safetensors"
 
 
 def load_cached(layers: dict[str, LinearBase], path: Path) -> bool:
@@ -148,18 +151,25 @@ def save_cached(packed_by_name: dict[str, PackedWeight], path: Path) -> str | No
 def prune(folder: Path, keep: Path, limit: int) -> tuple[int, int]:
     """Deletes the least recently used entries of ``folder`` (never ``keep``) until the entries
     take at most ``limit`` bytes, and temporary files older than ``STALE_TMP_SECONDS``; returns how
-    many entries it deleted and their bytes. Files it cannot stat or delete (another process got
-    there first) are skipped."""
+    many entries it deleted and their bytes. Only files named as this module names them are
+    touched (``LLMCTL_GPTQ_CACHE`` may point at a folder that holds other files); files it cannot
+    stat or delete (another process got there first) are skipped."""
     now, entries = time.time(), []
-    for path in folder.iterdir():
+    try:
+        paths = list(folder.iterdir())
+    except OSError:
+        return 0, 0
+    for path in paths:
+        kind = _ENTRY_NAME.fullmatch(path.name)
+        if kind is None:
+            continue
         try:
             stat = path.stat()
+            if kind.group(1) and now - stat.st_mtime > STALE_TMP_SECONDS:
+                path.unlink()
         except OSError:
             continue
-        if path.suffix == ".tmp":
-            if now - stat.st_mtime > STALE_TMP_SECONDS:
-                path.unlink(missing_ok=True)
-        elif path.suffix == ".safetensors":
+        if not kind.group(1):
             entries.append((stat.st_mtime, stat.st_size, path))
     total = sum(size for _, size, _ in entries)
     deleted = freed = 0
