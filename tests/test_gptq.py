@@ -316,3 +316,5 @@ def test_an_unreadable_cache_size_fails_before_loading(monkeypatch):
     monkeypatch.setenv("LLMCTL_GPTQ_CACHE_SIZE", "lots")
     with pytest.raises(ConfigError, match="LLMCTL_GPTQ_CACHE_SIZE: cannot read memory size 'lots'"):
         EngineConfig(quantization="int8", calibration="builtin")
+    monkeypatch.setenv("LLMCTL_GPTQ_CACHE", "0")  # no cache: its size is not read
+    EngineConfig(quantization="int8", calibration="builtin")

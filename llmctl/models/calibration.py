@@ -38,9 +38,10 @@ def check_calibration(quantization: str, world_size: int = 1) -> None:
                           f"(weights quantized while loading), not {quantization!r}")
     if world_size != 1:
         raise ConfigError("--calibration runs on one rank: quantized weights are not sharded")
-    from llmctl.models.calibration_cache import cache_size_limit
+    from llmctl.models.calibration_cache import cache_dir, cache_size_limit
 
-    cache_size_limit()  # a value it cannot read fails now, not after the calibration
+    if cache_dir() is not None:
+        cache_size_limit()  # a value it cannot read fails now, not after the calibration
 
 
 def calibration_text(source: str) -> str:
