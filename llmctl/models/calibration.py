@@ -21,7 +21,7 @@ from llmctl.config import QUANTIZED_AT_LOAD, format_size
 from llmctl.errors import ConfigError
 from llmctl.layers.linear import LinearBase
 from llmctl.layers.ops import AttentionMetadata
-from llmctl.layers.quantization import OnTheFlyQuantMethod
+from llmctl.models import calibration_cache as cache
 
 BUILTIN_CALIBRATION = "builtin"
 CALIBRATION_WINDOW = 256  # tokens per independent window (each a fresh prefill from position 0)
@@ -38,10 +38,8 @@ def check_calibration(quantization: str, world_size: int = 1) -> None:
                           f"(weights quantized while loading), not {quantization!r}")
     if world_size != 1:
         raise ConfigError("--calibration runs on one rank: quantized weights are not sharded")
-    from llmctl.models.calibration_cache import cache_dir, cache_size_limit
-
-    if cache_dir() is not None:
-        cache_size_limit()  # a value it cannot read fails now, not after the calibration
+    if cache.cache_dir() is not None:
+        cache.cache_size_limit()  # a value it cannot read fails now, not after the calibration
 
 
 def calibration_text(source: str) -> str:
@@ -98,8 +96,6 @@ def calibrate_quantization(model, token_ids: list[int], model_files: list[Path] 
     processed) by GPTQ on ``token_ids`` (``calibration_tokens``), or installs what an earlier load
     of the same ``model_files`` with the same settings computed (``calibration_cache``); returns how
     many layers it quantized. The caller then runs ``model.process_weights_after_loading()``."""
-    from llmctl.models import calibration_cache as cache
-
     layers = cache.calibrated_layers(model)
     path = cache.cache_file(layers, model.model.embed_tokens.weight.dtype, list(model_files), token_ids)
     if path is not None and path.is_file():
@@ -146,8 +142,7 @@ def calibrate_on_windows(model, windows: list[list[int]], on_quantized=None) -> 
                 if time.monotonic() - last_said >= PROGRESS_EVERY_S:
                     last_said = time.monotonic()
                     _say(f"  ... layer {index + 1}/{len(layers)} ({last_said - started:.0f} s)")
-                linears = [m for m in layer.modules()
-                           if isinstance(m, LinearBase) and isinstance(m.method, OnTheFlyQuantMethod)]
+                linears = list(cache.calibrated_layers(layer).values())
                 hessians = _layer_hessians(layer, linears, states)
                 for linear, hessian in zip(linears, hessians):
                     packed = linear.method.quantize_layer(linear, hessian)
