@@ -147,89 +147,95 @@ __attribute__((target("avx2"))) void tile_sums_avx2(const int16_t* x, const int8
 // product; per 16 inputs 2 weight loads, 6 x loads, 12 vpmaddwd and 12 vpaddd, and a prefetch of
 // each weight row PREFETCH_AHEAD ahead: with few rows of x (6-12) the tile otherwise waits
 // on memory (6 rows, 3072 x 576: 149 -> 77-91 us a call); with many it costs nothing measurable.
+// It leaves lanes[2 r + c] = the 8 int32 lanes of row r of x against weight row c over inputs
+// [k0, k0 + kc), kc <= KC a multiple of 16 (x and w rows k long).
+__attribute__((target("avx2"))) inline void tile_lanes_6x2_asm(const int16_t* x, const int8_t* w, int64_t k,
+                                                               int64_t k0, int64_t kc, int32_t (*lanes)[8]) {
+  static_assert(MR == 6 && NR == 2, "the assembly tile is 6 x 2");
+  const int16_t* p0 = x + k0;
+  const int16_t* p3 = x + 3 * k + k0;
+  const int8_t* wp = w + k0;
+  const int64_t x_stride = k * 2;
+  int64_t n = kc / 16;
+  asm volatile(
+      "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
+      "vpxor %%xmm1, %%xmm1, %%xmm1\n\t"
+      "vpxor %%xmm2, %%xmm2, %%xmm2\n\t"
+      "vpxor %%xmm3, %%xmm3, %%xmm3\n\t"
+      "vpxor %%xmm4, %%xmm4, %%xmm4\n\t"
+      "vpxor %%xmm5, %%xmm5, %%xmm5\n\t"
+      "vpxor %%xmm6, %%xmm6, %%xmm6\n\t"
+      "vpxor %%xmm7, %%xmm7, %%xmm7\n\t"
+      "vpxor %%xmm8, %%xmm8, %%xmm8\n\t"
+      "vpxor %%xmm9, %%xmm9, %%xmm9\n\t"
+      "vpxor %%xmm10, %%xmm10, %%xmm10\n\t"
+      "vpxor %%xmm11, %%xmm11, %%xmm11\n\t"
+      "1:\n\t"
+      "prefetcht0 %c[pf](%[w])\n\t"
+      "prefetcht0 %c[pf](%[w],%[ws])\n\t"
+      "vpmovsxbw (%[w]), %%ymm12\n\t"
+      "vpmovsxbw (%[w],%[ws]), %%ymm13\n\t"
+      "vmovdqu (%[p0]), %%ymm14\n\t"
+      "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t"
+      "vpaddd %%ymm15, %%ymm0, %%ymm0\n\t"
+      "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\t"
+      "vpaddd %%ymm15, %%ymm1, %%ymm1\n\t"
+      "vmovdqu (%[p0],%[xs]), %%ymm14\n\t"
+      "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t"
+      "vpaddd %%ymm15, %%ymm2, %%ymm2\n\t"
+      "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\t"
+      "vpaddd %%ymm15, %%ymm3, %%ymm3\n\t"
+      "vmovdqu (%[p0],%[xs],2), %%ymm14\n\t"
+      "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t"
+      "vpaddd %%ymm15, %%ymm4, %%ymm4\n\t"
+      "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\t"
+      "vpaddd %%ymm15, %%ymm5, %%ymm5\n\t"
+      "vmovdqu (%[p3]), %%ymm14\n\t"
+      "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t"
+      "vpaddd %%ymm15, %%ymm6, %%ymm6\n\t"
+      "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\t"
+      "vpaddd %%ymm15, %%ymm7, %%ymm7\n\t"
+      "vmovdqu (%[p3],%[xs]), %%ymm14\n\t"
+      "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t"
+      "vpaddd %%ymm15, %%ymm8, %%ymm8\n\t"
+      "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\t"
+      "vpaddd %%ymm15, %%ymm9, %%ymm9\n\t"
+      "vmovdqu (%[p3],%[xs],2), %%ymm14\n\t"
+      "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t"
+      "vpaddd %%ymm15, %%ymm10, %%ymm10\n\t"
+      "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\t"
+      "vpaddd %%ymm15, %%ymm11, %%ymm11\n\t"
+      "add $16, %[w]\n\t"
+      "add $32, %[p0]\n\t"
+      "add $32, %[p3]\n\t"
+      "dec %[n]\n\t"
+      "jnz 1b\n\t"
+      "vmovdqa %%ymm0, 0(%[out])\n\t"
+      "vmovdqa %%ymm1, 32(%[out])\n\t"
+      "vmovdqa %%ymm2, 64(%[out])\n\t"
+      "vmovdqa %%ymm3, 96(%[out])\n\t"
+      "vmovdqa %%ymm4, 128(%[out])\n\t"
+      "vmovdqa %%ymm5, 160(%[out])\n\t"
+      "vmovdqa %%ymm6, 192(%[out])\n\t"
+      "vmovdqa %%ymm7, 224(%[out])\n\t"
+      "vmovdqa %%ymm8, 256(%[out])\n\t"
+      "vmovdqa %%ymm9, 288(%[out])\n\t"
+      "vmovdqa %%ymm10, 320(%[out])\n\t"
+      "vmovdqa %%ymm11, 352(%[out])\n\t"
+      "vzeroupper\n\t"
+      : [w] "+r"(wp), [p0] "+r"(p0), [p3] "+r"(p3), [n] "+r"(n)
+      : [ws] "r"(k), [xs] "r"(x_stride), [out] "r"(&lanes[0][0]), [pf] "i"(PREFETCH_AHEAD)
+      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
+        "xmm12", "xmm13", "xmm14", "xmm15", "memory", "cc");
+}
+
 __attribute__((target("avx2"))) inline void tile_sums_6x2_asm(const int16_t* x, const int8_t* w, int64_t k,
                                                               int64_t sums[MR][NR_MAX]) {
-  static_assert(MR == 6 && NR == 2, "the assembly tile is 6 x 2");
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) sums[i][j] = 0;
   alignas(32) int32_t lanes[MR * NR][8];
   for (int64_t k0 = 0; k0 < k; k0 += KC) {
-    const int64_t steps = (std::min(k, k0 + KC) - k0) / 16;
-    const int16_t* p0 = x + k0;
-    const int16_t* p3 = x + 3 * k + k0;
-    const int8_t* wp = w + k0;
-    const int64_t x_stride = k * 2;
-    int64_t n = steps;
-    asm volatile(
-        "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
-        "vpxor %%xmm1, %%xmm1, %%xmm1\n\t"
-        "vpxor %%xmm2, %%xmm2, %%xmm2\n\t"
-        "vpxor %%xmm3, %%xmm3, %%xmm3\n\t"
-        "vpxor %%xmm4, %%xmm4, %%xmm4\n\t"
-        "vpxor %%xmm5, %%xmm5, %%xmm5\n\t"
-        "vpxor %%xmm6, %%xmm6, %%xmm6\n\t"
-        "vpxor %%xmm7, %%xmm7, %%xmm7\n\t"
-        "vpxor %%xmm8, %%xmm8, %%xmm8\n\t"
-        "vpxor %%xmm9, %%xmm9, %%xmm9\n\t"
-        "vpxor %%xmm10, %%xmm10, %%xmm10\n\t"
-        "vpxor %%xmm11, %%xmm11, %%xmm11\n\t"
-        "1:\n\t"
-        "prefetcht0 %c[pf](%[w])\n\t"
-        "prefetcht0 %c[pf](%[w],%[ws])\n\t"
-        "vpmovsxbw (%[w]), %%ymm12\n\t"
-        "vpmovsxbw (%[w],%[ws]), %%ymm13\n\t"
-        "vmovdqu (%[p0]), %%ymm14\n\t"
-        "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t"
-        "vpaddd %%ymm15, %%ymm0, %%ymm0\n\t"
-        "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\t"
-        "vpaddd %%ymm15, %%ymm1, %%ymm1\n\t"
-        "vmovdqu (%[p0],%[xs]), %%ymm14\n\t"
-        "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t"
-        "vpaddd %%ymm15, %%ymm2, %%ymm2\n\t"
-        "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\t"
-        "vpaddd %%ymm15, %%ymm3, %%ymm3\n\t"
-        "vmovdqu (%[p0],%[xs],2), %%ymm14\n\t"
-        "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t"
-        "vpaddd %%ymm15, %%ymm4, %%ymm4\n\t"
-        "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\t"
-        "vpaddd %%ymm15, %%ymm5, %%ymm5\n\t"
-        "vmovdqu (%[p3]), %%ymm14\n\t"
-        "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t"
-        "vpaddd %%ymm15, %%ymm6, %%ymm6\n\t"
-        "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\t"
-        "vpaddd %%ymm15, %%ymm7, %%ymm7\n\t"
-        "vmovdqu (%[p3],%[xs]), %%ymm14\n\t"
-        "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t"
-        "vpaddd %%ymm15, %%ymm8, %%ymm8\n\t"
-        "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\t"
-        "vpaddd %%ymm15, %%ymm9, %%ymm9\n\t"
-        "vmovdqu (%[p3],%[xs],2), %%ymm14\n\t"
-        "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t"
-        "vpaddd %%ymm15, %%ymm10, %%ymm10\n\t"
-        "vpmaddwd %%ymm14, %%ymm13, %%ymm15\n\t"
-        "vpaddd %%ymm15, %%ymm11, %%ymm11\n\t"
-        "add $16, %[w]\n\t"
-        "add $32, %[p0]\n\t"
-        "add $32, %[p3]\n\t"
-        "dec %[n]\n\t"
-        "jnz 1b\n\t"
-        "vmovdqa %%ymm0, 0(%[out])\n\t"
-        "vmovdqa %%ymm1, 32(%[out])\n\t"
-        "vmovdqa %%ymm2, 64(%[out])\n\t"
-        "vmovdqa %%ymm3, 96(%[out])\n\t"
-        "vmovdqa %%ymm4, 128(%[out])\n\t"
-        "vmovdqa %%ymm5, 160(%[out])\n\t"
-        "vmovdqa %%ymm6, 192(%[out])\n\t"
-        "vmovdqa %%ymm7, 224(%[out])\n\t"
-        "vmovdqa %%ymm8, 256(%[out])\n\t"
-        "vmovdqa %%ymm9, 288(%[out])\n\t"
-        "vmovdqa %%ymm10, 320(%[out])\n\t"
-        "vmovdqa %%ymm11, 352(%[out])\n\t"
-        "vzeroupper\n\t"
-        : [w] "+r"(wp), [p0] "+r"(p0), [p3] "+r"(p3), [n] "+r"(n)
-        : [ws] "r"(k), [xs] "r"(x_stride), [out] "r"(&lanes[0][0]), [pf] "i"(PREFETCH_AHEAD)
-        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
-          "xmm12", "xmm13", "xmm14", "xmm15", "memory", "cc");
+    tile_lanes_6x2_asm(x, w, k, k0, std::min(KC, k - k0), lanes);
     for (int i = 0; i < MR; ++i) {  // both rows' 8 lanes at once: one hadd in int32 (exact, KC <= 2048), then int64
       const __m256i h = _mm256_hadd_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(lanes[2 * i])),
                                           _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes[2 * i + 1])));
@@ -239,6 +245,35 @@ __attribute__((target("avx2"))) inline void tile_sums_6x2_asm(const int16_t* x, 
       sums[i][0] += _mm256_extract_epi64(t, 0);
       sums[i][1] += _mm256_extract_epi64(t, 2);
     }
+  }
+}
+
+// The full 6 x 2 tile of a row no longer than KC, written straight to out: the sums go from the
+// int32 lanes to double (exact: |S| < 2^53) in vectors, then to float (the one rounding of
+// float(double(S)), as the int64 path) and times xs[r] * ws[c] (rounded to float first, as there).
+// Why: at K = 576 the int64 flush and the scalar stores of the tile above were a quarter of a
+// decode step's int8 GEMM time (perf, 64 x 576 x 3072).
+__attribute__((target("avx2"))) inline void tile_out_6x2_avx2(const int16_t* x, const int8_t* w, int64_t k,
+                                                              const float* xs, float ws0, float ws1, float* out,
+                                                              int64_t ldo) {
+  alignas(32) int32_t lanes[MR * NR][8];
+  tile_lanes_6x2_asm(x, w, k, 0, k, lanes);
+  for (int i = 0; i < MR; i += 2) {
+    __m256d both[2];  // per row: [col 0, col 0, col 1, col 1] partial sums, to be added in pairs
+    for (int h = 0; h < 2; ++h) {
+      // lane pairs in int32 (exact for k <= KC, as in the int64 path): [c0 01, c0 23, c1 01, c1 23 | c0 45, c0 67, c1 45, c1 67]
+      const __m256i pairs = _mm256_hadd_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(lanes[2 * (i + h)])),
+                                              _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes[2 * (i + h) + 1])));
+      both[h] = _mm256_add_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(pairs)),
+                              _mm256_cvtepi32_pd(_mm256_extracti128_si256(pairs, 1)));
+    }
+    // [row i col 0, row i+1 col 0, row i col 1, row i+1 col 1], each the whole exact sum
+    const __m256d total = _mm256_hadd_pd(both[0], both[1]);
+    const __m128 scale = _mm_mul_ps(_mm_setr_ps(xs[i], xs[i + 1], xs[i], xs[i + 1]), _mm_setr_ps(ws0, ws0, ws1, ws1));
+    const __m128 v = _mm_mul_ps(_mm256_cvtpd_ps(total), scale);
+    const __m128 rows = _mm_shuffle_ps(v, v, _MM_SHUFFLE(3, 1, 2, 0));  // [i c0, i c1, i+1 c0, i+1 c1]
+    _mm_storel_pi(reinterpret_cast<__m64*>(out + i * ldo), rows);
+    _mm_storeh_pi(reinterpret_cast<__m64*>(out + (i + 1) * ldo), rows);
   }
 }
 
@@ -279,14 +314,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_sums_vnni(const
 // intrinsics version's accumulators in memory. zmm0-23 accumulate (row r, weight c in 4r + c),
 // zmm24-27 hold the 4 widened weight vectors, zmm28 one x vector; per 32 inputs 4 weight loads,
 // 6 x loads, 24 vpdpwssd and the prefetches of the AVX2 tile (6 rows, 3072 x 576: 92.5 -> 39 us).
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile_sums_6x4_vnni_asm(
-    const int16_t* x, const int8_t* w, int64_t k, int64_t sums[MR][NR_MAX]) {
+// It leaves lanes[4 r + c] = the 16 int32 lanes of row r of x against weight row c over inputs
+// [k0, k0 + kc), kc <= KC a multiple of 32.
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile_lanes_6x4_vnni_asm(
+    const int16_t* x, const int8_t* w, int64_t k, int64_t k0, int64_t kc, int32_t (*lanes)[16]) {
   static_assert(MR == 6 && NR512 == 4, "the assembly tile is 6 x 4");
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR512; ++j) sums[i][j] = 0;
-  alignas(64) int32_t lanes[MR * NR512][16];
-  for (int64_t k0 = 0; k0 < k; k0 += KC) {
-    int64_t n = (std::min(k, k0 + KC) - k0) / 32;
+  {  // (the block keeps the assembly's indentation)
+    int64_t n = kc / 32;
     const int16_t* p0 = x + k0;
     const int16_t* p3 = x + 3 * k + k0;
     const int8_t* wp = w + k0;
@@ -390,22 +424,52 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile_sums_6x4
         : [w] "+r"(wp), [w3] "+r"(w3), [p0] "+r"(p0), [p3] "+r"(p3), [n] "+r"(n)
         : [ws] "r"(k), [xs] "r"(x_stride), [out] "r"(&lanes[0][0]), [pf] "i"(PREFETCH_AHEAD)
         : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "xmm24", "xmm25", "xmm26", "xmm27", "xmm28", "memory", "cc");
-    // The flush, one row's 4 accumulators together: a lane holds at most 2 * KC / 32 products, each
-    // |p| <= 128 * 32767, so < 2^29 and any 4 lanes sum exactly in int32. Transposing adds (within
-    // 128-bit lanes) leave [col 0, 1, 2, 3] sums of 4 lanes in each 128-bit lane; those 4 x 4 go
-    // to int64 for the last adds.
+  }
+}
+
+// The flush, one row's 4 accumulators together: a lane holds at most 2 * KC / 32 products, each
+// |p| <= 128 * 32767, so < 2^29 and any 4 lanes sum exactly in int32. Transposing adds (within
+// 128-bit lanes) leave [col 0, 1, 2, 3] sums of 4 lanes in each 128-bit lane.
+__attribute__((target("avx512f,avx512bw"))) inline __m512i column_sums_6x4(const int32_t (*lanes)[16], int i) {
+  const __m512i a0 = _mm512_load_si512(lanes[i * NR512]), a1 = _mm512_load_si512(lanes[i * NR512 + 1]);
+  const __m512i a2 = _mm512_load_si512(lanes[i * NR512 + 2]), a3 = _mm512_load_si512(lanes[i * NR512 + 3]);
+  const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+  const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile_sums_6x4_vnni_asm(
+    const int16_t* x, const int8_t* w, int64_t k, int64_t sums[MR][NR_MAX]) {
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR512; ++j) sums[i][j] = 0;
+  alignas(64) int32_t lanes[MR * NR512][16];
+  for (int64_t k0 = 0; k0 < k; k0 += KC) {
+    tile_lanes_6x4_vnni_asm(x, w, k, k0, std::min(KC, k - k0), lanes);
+    // The 4 x 4 sums of each row go to int64 for the last adds.
     for (int i = 0; i < MR; ++i) {
-      const __m512i a0 = _mm512_load_si512(lanes[i * NR512]), a1 = _mm512_load_si512(lanes[i * NR512 + 1]);
-      const __m512i a2 = _mm512_load_si512(lanes[i * NR512 + 2]), a3 = _mm512_load_si512(lanes[i * NR512 + 3]);
-      const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
-      const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
-      const __m512i c = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+      const __m512i c = column_sums_6x4(lanes, i);
       const __m512i wide = _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(c)),
                                             _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(c, 1)));
       const __m256i four = _mm256_add_epi64(_mm512_castsi512_si256(wide), _mm512_extracti64x4_epi64(wide, 1));
       __m256i* row = reinterpret_cast<__m256i*>(sums[i]);
       _mm256_storeu_si256(row, _mm256_add_epi64(_mm256_loadu_si256(row), four));
     }
+  }
+}
+
+// The full 6 x 4 VNNI tile of a row no longer than KC, written straight to out, as
+// tile_out_6x2_avx2: the column sums to double (exact), to float once, times xs[r] * ws[c].
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile_out_6x4_vnni(
+    const int16_t* x, const int8_t* w, int64_t k, const float* xs, __m128 ws, float* out, int64_t ldo) {
+  alignas(64) int32_t lanes[MR * NR512][16];
+  tile_lanes_6x4_vnni_asm(x, w, k, 0, k, lanes);
+  for (int i = 0; i < MR; ++i) {
+    const __m512i c = column_sums_6x4(lanes, i);  // [c0 c1 c2 c3] x 4, each < 2^31
+    const __m512d wide = _mm512_add_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(c)),
+                                       _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(c, 1)));
+    const __m256d total = _mm256_add_pd(_mm512_castpd512_pd256(wide), _mm512_extractf64x4_pd(wide, 1));  // c0..c3
+    const __m128 v = _mm_mul_ps(_mm256_cvtpd_ps(total), _mm_mul_ps(_mm_set1_ps(xs[i]), ws));
+    _mm_storeu_ps(out + i * ldo, v);
   }
 }
 
@@ -480,6 +544,8 @@ void gemm(const TokenX& xq, const int8_t* w, const S* w_scales, int64_t n, float
   const TileKernel tile = tile_kernel(k);
   const int64_t tiles = (n + tile.cols - 1) / tile.cols;
   const int64_t panel_tiles = std::max<int64_t>(1, PANEL_BYTES / (tile.cols * k));
+  // Full tiles of rows no longer than KC go straight to out (tile_out_6x2_avx2, tile_out_6x4_vnni).
+  const bool fused_6x2 = !tile.generic && !tile.vnni && k <= KC, fused_6x4 = tile.vnni && k <= KC;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     int64_t sums[MR][NR_MAX];
     for (int64_t p0 = begin; p0 < end; p0 += panel_tiles) {
@@ -493,6 +559,17 @@ void gemm(const TokenX& xq, const int8_t* w, const S* w_scales, int64_t n, float
         for (int64_t t = p0; t < p1; ++t) {
           const int64_t j0 = (t + 1 == tiles && n >= tile.cols) ? n - tile.cols : t * tile.cols;
           const int64_t cols = std::min(tile.cols, n - j0);
+          if (fused_6x4 && rows == MR && cols == NR512 && i == i0 && j0 == t * NR512) {
+            const __m128 ws = _mm_setr_ps(to_float(w_scales[j0]), to_float(w_scales[j0 + 1]),
+                                          to_float(w_scales[j0 + 2]), to_float(w_scales[j0 + 3]));
+            tile_out_6x4_vnni(xt, w + j0 * k, k, xq.scale.data() + i, ws, out + i * n + j0, n);
+            continue;
+          }
+          if (fused_6x2 && rows == MR && cols == NR && i == i0 && j0 == t * NR) {
+            tile_out_6x2_avx2(xt, w + j0 * k, k, xq.scale.data() + i, to_float(w_scales[j0]),
+                              to_float(w_scales[j0 + 1]), out + i * n + j0, n);
+            continue;
+          }
           tile(xt, w + j0 * k, k, rows, cols, sums);
           for (int64_t r = i0 - i; r < rows; ++r) {
             const float xs = xq.scale[i + r];

@@ -97,23 +97,36 @@ def test_half_precision_activations_round_once():
         assert torch.equal(got, per_channel_int8_reference(xh.float(), packed).to(dtype))
 
 
+LOWER_VARIANT_CASES = [(13, 30, 1536, 11), (64, 96, 576, 3), (7, 9, 2048, 8), (5, 4, 4096 + 32, 9)]
+
+
+def _lower_variant_inputs(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, PackedInt8]:
+    """_case, and for seed 8 the extremes at K = KC (the AVX2 tile's direct-to-output path takes
+    rows up to KC long: its int32 lane pairs are exact right up to there)."""
+    if seed != 8:
+        return _case(m, n, k, seed)
+    return torch.ones(m, k), PackedInt8(torch.full((n, k), -128, dtype=torch.int8), torch.ones(n, 1), None, k)
+
+
 @needs_native
 @pytest.mark.parametrize("isa", ["generic", "avx2"])
 def test_lower_variants_compute_the_same_integers(tmp_path, isa):
     """LLMCTL_CPU_ISA=generic: the scalar variant; =avx2: the AVX2 tile where this CPU would take
-    the AVX512-VNNI one (the choice is read once per process, so in a child process)."""
+    the AVX512-VNNI one (the choice is read once per process, so in a child process): full tiles
+    written straight to the output (K <= KC), overlapping and edge tiles, rows longer than KC."""
     script = (
         "import torch, sys; sys.path.insert(0, 'tests/kernels');"
-        "from test_int8_gemm import _case; from kernels.quant_native import quant_linear_native;"
-        "x, p = _case(13, 30, 1536, seed=11); torch.save(quant_linear_native(x, p), sys.argv[1])"
+        "from test_int8_gemm import LOWER_VARIANT_CASES, _lower_variant_inputs;"
+        "from kernels.quant_native import quant_linear_native;"
+        "torch.save([quant_linear_native(*_lower_variant_inputs(*c)) for c in LOWER_VARIANT_CASES], sys.argv[1])"
     )
     out = tmp_path / f"{isa}.pt"
     env = {**os.environ, "LLMCTL_CPU_ISA": isa, "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, "-c", script, str(out)], cwd=ROOT, env=env, check=True, timeout=600)
-    lower = torch.load(out)
-    x, packed = _case(13, 30, 1536, seed=11)
-    assert torch.equal(lower, per_channel_int8_reference(x, packed))
-    assert torch.equal(lower, quant_linear_native(x, packed))
+    for case, lower in zip(LOWER_VARIANT_CASES, torch.load(out), strict=True):
+        x, packed = _lower_variant_inputs(*case)
+        assert torch.equal(lower, per_channel_int8_reference(x, packed)), case
+        assert torch.equal(lower, quant_linear_native(x, packed)), case
 
 
 def test_cpu_fallback_without_native_kernels_computes_the_same_integers(monkeypatch):
