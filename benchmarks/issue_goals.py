@@ -4,13 +4,16 @@ wrote into one folder: a table of goal, measured value and met or not, with the 
     python benchmarks/issue_goals.py RESULTS_DIR [--json OUT]
 
 Each goal is stated as its issue states it ("Done when"); a goal whose files are missing is shown
-as not measured, never as met.
+as not measured, never as met. A folder of rounds (``round-1``, ``round-2``, ... from
+``ROUNDS=N benchmarks/issue_goals.sh``) gives each round's table, then per goal the rounds that met
+it and the median of its figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +26,7 @@ class Goal:
     measured: str
     goal: str
     met: bool | None  # None: not measured
+    value: float | None = None  # the figure the goal compares (a ratio, a fraction of the goal, seconds)
 
 
 def _load(folder: Path, name: str) -> dict | None:
@@ -46,7 +50,7 @@ def _ratio_goal(issue: int, name: str, ours: dict | None, theirs: dict | None, a
         return Goal(issue, name, "not measured", f">= {at_least:g}x", None)
     ratio = ours["tok_s"] / theirs["tok_s"]
     return Goal(issue, name, f"{ours['tok_s']:.1f} vs {theirs['tok_s']:.1f} tok/s = {ratio:.2f}x",
-                f">= {at_least:g}x", ratio >= at_least)
+                f">= {at_least:g}x", ratio >= at_least, ratio)
 
 
 def goals(folder: Path) -> list[Goal]:
@@ -63,7 +67,7 @@ def goals(folder: Path) -> list[Goal]:
         got = int8_64["result"]["output_throughput"]
         out.append(Goal(12, "SmolLM2 64 concurrent (int8) vs 3x llama.cpp one stream",
                         f"{got:.1f} vs {3 * llama['tok_s']:.1f} tok/s = {got / (3 * llama['tok_s']):.2f} of it",
-                        ">= 1 of it", got >= 3 * llama["tok_s"]))
+                        ">= 1 of it", got >= 3 * llama["tok_s"], got / (3 * llama["tok_s"])))
     else:
         out.append(Goal(12, "SmolLM2 64 concurrent vs 3x llama.cpp", "not measured", ">= 1 of it", None))
     if vllm and hf and any(ours):
@@ -72,11 +76,11 @@ def goals(folder: Path) -> list[Goal]:
         out.append(Goal(16, "246M fp32, 64 x 128 -> 128: llmctl vs vLLM",
                         f"{figures} vs {vllm['out_tok_s']:.1f} tok/s = {slower['out_tok_s'] / vllm['out_tok_s']:.2f}x "
                         f"(tokens equal {_same_tokens(slower, vllm)})", ">= 1.3x",
-                        slower["out_tok_s"] >= 1.3 * vllm["out_tok_s"]))
+                        slower["out_tok_s"] >= 1.3 * vllm["out_tok_s"], slower["out_tok_s"] / vllm["out_tok_s"]))
         out.append(Goal(16, "246M fp32: llmctl vs transformers",
                         f"{slower['out_tok_s']:.1f} vs {hf['out_tok_s']:.1f} tok/s = {slower['out_tok_s'] / hf['out_tok_s']:.2f}x "
                         f"(tokens equal {_same_tokens(slower, hf)})", ">= 1.5x",
-                        slower["out_tok_s"] >= 1.5 * hf["out_tok_s"]))
+                        slower["out_tok_s"] >= 1.5 * hf["out_tok_s"], slower["out_tok_s"] / hf["out_tok_s"]))
     else:
         out.append(Goal(16, "246M fp32 vs vLLM and transformers", "not measured", ">= 1.3x, >= 1.5x", None))
     out.append(_ratio_goal(16, "SmolLM2 one stream, fp32 weights: llmctl vs transformers", fp32_one, hf_one, 2))
@@ -84,13 +88,14 @@ def goals(folder: Path) -> list[Goal]:
         out.append(Goal(16, "n-gram speculation on the edit workload (fp32 weights)",
                         f"{spec['plain_tok_s']} -> {spec['spec_tok_s']} tok/s = {spec['speedup']}x, identical output "
                         f"{spec['identical_output']}", ">= 1.5x, identical",
-                        spec["speedup"] >= 1.5 and spec["identical_output"]))
+                        spec["speedup"] >= 1.5 and spec["identical_output"], spec["speedup"]))
     else:
         out.append(Goal(16, "n-gram speculation", "not measured", ">= 1.5x", None))
     if readme:
         seconds = readme["result"]["duration_s"]
         out.append(Goal(16, "README main command (llmctl bench --concurrency 64): bench part",
-                        f"{seconds:.1f} s, {readme['result']['output_throughput']:.1f} tok/s", "<= 90 s", seconds <= 90))
+                        f"{seconds:.1f} s, {readme['result']['output_throughput']:.1f} tok/s", "<= 90 s", seconds <= 90,
+                        seconds))
     else:
         out.append(Goal(16, "README main command", "not measured", "<= 90 s", None))
     return out
@@ -108,20 +113,55 @@ def cpu_line() -> str:
     return f"{model} ({' '.join(isa)})"
 
 
+def rounds_summary(rounds: list[list[Goal]]) -> list[dict]:
+    """Per goal (in the tables' order): the rounds that measured it, those that met it, its figures
+    and their median."""
+    summary = []
+    for first in rounds[0]:
+        same = [g for table in rounds for g in table if g.issue == first.issue and g.name == first.name]
+        measured = [g for g in same if g.met is not None]
+        values = [g.value for g in measured if g.value is not None]
+        summary.append({"issue": first.issue, "name": first.name, "goal": first.goal, "rounds": len(rounds),
+                        "measured": len(measured), "met": sum(bool(g.met) for g in measured),
+                        "values": [round(v, 3) for v in values],
+                        "median": round(statistics.median(values), 3) if values else None})
+    return summary
+
+
+def _print_table(table: list[Goal], indent: str = "  ") -> None:
+    for goal in table:
+        mark = {True: "met", False: "NOT met", None: "not measured"}[goal.met]
+        print(f"{indent}issue {goal.issue}: {goal.name}: {goal.measured} (goal {goal.goal}): {mark}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    table = goals(args.folder)
     emulated = (args.folder / "EMULATE_ISA").read_text().strip() if (args.folder / "EMULATE_ISA").exists() else ""
     print(f"CPU: {cpu_line()}" + (f"; every engine on its {emulated} code paths (EMULATE_ISA)" if emulated else ""))
-    for goal in table:
-        mark = {True: "met", False: "NOT met", None: "not measured"}[goal.met]
-        print(f"  issue {goal.issue}: {goal.name}: {goal.measured} (goal {goal.goal}): {mark}")
+    round_dirs = sorted((d for d in args.folder.glob("round-*") if d.is_dir()), key=lambda d: int(d.name[6:]))
+    report: dict = {"cpu": cpu_line(), "emulate_isa": emulated}
+    if not round_dirs:
+        table = goals(args.folder)
+        _print_table(table)
+        report["goals"] = [asdict(g) for g in table]
+    else:
+        tables = [goals(d) for d in round_dirs]
+        for d, table in zip(round_dirs, tables):
+            print(f"  {d.name}:")
+            _print_table(table, "    ")
+        summary = rounds_summary(tables)
+        print(f"  over {len(round_dirs)} rounds:")
+        for s in summary:
+            figures = ", ".join(f"{v:g}" for v in s["values"]) or "-"
+            print(f"    issue {s['issue']}: {s['name']}: met in {s['met']} of {s['rounds']} rounds "
+                  f"(goal {s['goal']}; figures {figures}; median {s['median']})")
+        report["rounds"] = [[asdict(g) for g in table] for table in tables]
+        report["summary"] = summary
     if args.json:
-        args.json.write_text(json.dumps({"cpu": cpu_line(), "emulate_isa": emulated,
-                                         "goals": [asdict(g) for g in table]}, indent=2) + "\n")
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

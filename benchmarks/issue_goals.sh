@@ -10,21 +10,39 @@
 # usage: PEER_WORK=DIR PEER_PY=PYTHON benchmarks/issue_goals.sh
 #   PEER_WORK: the vLLM peer folder (../shared/peer/README.txt); PEER_PY: a python with
 #   llama-cpp-python. EMULATE_ISA=avx2 LLAMA_AVX2=DIR: every engine on its AVX2 code paths, as in
-#   the two comparison scripts. Results go to OUT (default results/goals-<UTC time>).
+#   the two comparison scripts. Results go to OUT (default results/goals-<UTC time>). ROUNDS=N:
+#   N whole rounds (OUT/round-1 ... round-N), then each goal's verdict per round and its median: on
+#   a shared machine one run's ratio moves by +-15 %.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${OUT:-results/goals-$(date -u +%Y%m%dT%H%M%S)}
 PY=${PY:-.venv/bin/python}
-mkdir -p "$RESULTS"
-rm -f "$RESULTS/EMULATE_ISA"
-if [ -n "${EMULATE_ISA:-}" ]; then echo "$EMULATE_ISA" > "$RESULTS/EMULATE_ISA"; fi
-OUT=$RESULTS/peer DTYPE=float32 REPS=1 benchmarks/run_peer_comparison.sh
-OUT=$RESULTS/smollm2 REPS=3 benchmarks/run_smollm2_comparison.sh
-if [ "${EMULATE_ISA:-}" = avx2 ]; then  # llmctl's own runs: its kernels and torch's held to AVX2
-  export LLMCTL_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+ROUNDS=${ROUNDS:-1}
+
+# One round of every measurement into folder $1.
+run_round() {
+  local dir=$1
+  mkdir -p "$dir"
+  rm -f "$dir/EMULATE_ISA"
+  if [ -n "${EMULATE_ISA:-}" ]; then echo "$EMULATE_ISA" > "$dir/EMULATE_ISA"; fi
+  OUT=$dir/peer DTYPE=float32 REPS=1 benchmarks/run_peer_comparison.sh
+  OUT=$dir/smollm2 REPS=3 benchmarks/run_smollm2_comparison.sh
+  (
+    if [ "${EMULATE_ISA:-}" = avx2 ]; then  # llmctl's own runs: its kernels and torch's held to AVX2
+      export LLMCTL_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+    fi
+    .venv/bin/llmctl bench smollm2-135m --concurrency 64 --quantization int8 --json "$dir/bench_int8.json" | tail -4
+    .venv/bin/llmctl bench --concurrency 64 --json "$dir/bench_readme.json" | tail -4
+    PYTHONPATH=. "$PY" benchmarks/spec_decode.py --rounds 3 --num-speculative-tokens 4 --quantization none \
+      --out "$dir/spec_ngram.json" | grep RESULT
+  )
+}
+
+if [ "$ROUNDS" -le 1 ]; then
+  run_round "$RESULTS"
+else  # whole rounds one after another: every engine meets the machine's slow and fast spells alike
+  for round in $(seq 1 "$ROUNDS"); do run_round "$RESULTS/round-$round"; done
+  rm -f "$RESULTS/EMULATE_ISA"
+  if [ -n "${EMULATE_ISA:-}" ]; then echo "$EMULATE_ISA" > "$RESULTS/EMULATE_ISA"; fi
 fi
-.venv/bin/llmctl bench smollm2-135m --concurrency 64 --quantization int8 --json "$RESULTS/bench_int8.json" | tail -4
-.venv/bin/llmctl bench --concurrency 64 --json "$RESULTS/bench_readme.json" | tail -4
-PYTHONPATH=. "$PY" benchmarks/spec_decode.py --rounds 3 --num-speculative-tokens 4 --quantization none \
-  --out "$RESULTS/spec_ngram.json" | grep RESULT
 "$PY" benchmarks/issue_goals.py "$RESULTS" --json "$RESULTS/goals.json"

@@ -52,3 +52,27 @@ def test_goal_verdicts_from_result_files(tmp_path):
     assert verdicts["SmolLM2 one stream, fp32 weights: llmctl vs transformers"].met is False  # 1.5x < 2x
     assert verdicts["n-gram speculation on the edit workload (fp32 weights)"].met is False  # output differs
     assert verdicts["README main command (llmctl bench --concurrency 64): bench part"].met is True
+
+
+def test_rounds_are_summarised_per_goal(tmp_path, capsys, monkeypatch):
+    """ROUNDS=N: each round's verdicts, then per goal the rounds that met it and the median figure;
+    a round without a goal's files counts as not measured, not as met."""
+    module = _module()
+    for round_, (int8, llama) in enumerate([(330.0, 100.0), (290.0, 100.0), (None, 100.0)], start=1):
+        folder = tmp_path / f"round-{round_}"
+        _write(folder, "smollm2/llamacpp.json", {"tok_s": llama})
+        if int8 is not None:
+            _write(folder, "bench_int8.json", {"result": {"output_throughput": int8}})
+    tables = [module.goals(tmp_path / f"round-{r}") for r in (1, 2, 3)]
+    summary = {s["name"]: s for s in module.rounds_summary(tables)}
+    int8 = summary["SmolLM2 64 concurrent (int8) vs 3x llama.cpp one stream"]
+    assert (int8["rounds"], int8["measured"], int8["met"]) == (3, 2, 1)
+    assert int8["values"] == [1.1, 0.967] and int8["median"] == 1.033
+    assert summary["SmolLM2 one stream: llmctl (same Q4_1 file) vs llama.cpp"]["measured"] == 0
+
+    monkeypatch.setattr(sys, "argv", ["issue_goals.py", str(tmp_path), "--json", str(tmp_path / "goals.json")])
+    module.main()
+    printed = capsys.readouterr().out
+    assert "round-3:" in printed and "met in 1 of 3 rounds" in printed
+    report = json.loads((tmp_path / "goals.json").read_text())
+    assert len(report["rounds"]) == 3 and report["summary"][1]["met"] == 1
