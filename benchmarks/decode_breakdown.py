@@ -3,16 +3,20 @@ tensors, the native layer loop, LM head, sampler, bookkeeping, detokenizing) and
 decode loop, each op summed over the layers. Wall time per step, median over steps.
 
     PYTHONPATH=. python benchmarks/decode_breakdown.py [MODEL] [--threads 1 2] [--tokens 120] [--quantization auto]
+        [--concurrency 1]
 
 For each thread count: a warm-up request, then one request of TOKENS greedy tokens after a chat
-prompt (the context grows from ~30 to ~30 + TOKENS), every step timed. On a shared machine compare
-figures of one run only, and say what the load average was (printed).
+prompt (the context grows from ~30 to ~30 + TOKENS), every step timed. ``--concurrency N``: N
+requests of 128 random prompt ids each instead (distinct, so that no KV block is shared; the
+batched-decode shape of ``llmctl bench --concurrency N``), their prefill steps not timed. On a
+shared machine compare figures of one run only, and say what the load average was (printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import time
 from collections import defaultdict
@@ -37,8 +41,9 @@ def timed(times: dict[str, list[float]], name: str, fn: Callable) -> Callable:
     return wrapper
 
 
-def breakdown(engine: LLMEngine, prompt: list[int], tokens: int) -> tuple[dict[str, float], dict[str, float]]:
-    """Median ms per decode step of each engine piece, and mean ms per step of each native op."""
+def breakdown(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median ms per decode step of each engine piece, and mean ms per step of each native op, while
+    ``prompts`` decode TOKENS tokens each (from the first step in which every one of them decodes)."""
     times: dict[str, list[float]] = defaultdict(list)
     runner, model = engine.runner, engine.runner.model
     patches = [(engine.scheduler, "schedule", "scheduler"), (runner, "prepare", "batch tensors"),
@@ -53,8 +58,10 @@ def breakdown(engine: LLMEngine, prompt: list[int], tokens: int) -> tuple[dict[s
     originals = [(obj, attr, vars(obj).get(attr)) for obj, attr, _ in patches]
     for obj, attr, name in patches:
         setattr(obj, attr, timed(times, name, getattr(obj, attr)))
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-    engine.step()  # the prefill
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    while any(seq.num_output_tokens == 0 for seq in engine.live_sequences()):
+        engine.step()  # the prefill steps
     times.clear()
     if loop is not None:
         loop.set_profile(True)
@@ -84,15 +91,24 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tokens", type=int, default=120)
+    parser.add_argument("--concurrency", type=int, default=1, help="requests decoding together")
     args = parser.parse_args()
-    engine = LLMEngine(model=args.model, quantization=args.quantization, dtype=args.dtype, max_num_seqs=4,
-                       kv_cache_memory=256 << 20, max_model_len=1024)
-    print(f"{args.model}, quantization {args.quantization}, {engine.runner.decode_path}; load {os.getloadavg()}")
-    prompt = engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    engine = LLMEngine(model=args.model, quantization=args.quantization, dtype=args.dtype,
+                       max_num_seqs=max(4, args.concurrency), kv_cache_memory=max(256 << 20, args.concurrency << 25),
+                       max_model_len=1024)
+    print(f"{args.model}, quantization {args.quantization}, {engine.runner.decode_path}, "
+          f"{args.concurrency} request(s); load {os.getloadavg()}")
+    if args.concurrency == 1:
+        prompts = [engine.tokenizer.encode(PROMPT, add_special_tokens=False)]
+    else:
+        rng = random.Random(1234)
+        vocab = engine.model.config.vocab_size
+        prompts = [[rng.randrange(3, vocab) for _ in range(128)] for _ in range(args.concurrency + 1)]
+    warm_up, prompts = prompts[-1:], prompts[: args.concurrency]  # concurrency 1: the chat prompt twice, as before
     for threads in args.threads:
         torch.set_num_threads(threads)
-        engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
-        pieces, ops = breakdown(engine, prompt, args.tokens)
+        engine.generate(warm_up, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        pieces, ops = breakdown(engine, prompts, args.tokens)
         print(f"\n{threads} thread(s), ms per decode step (median; native ops: mean), load {os.getloadavg()[0]:.2f}")
         for name, ms in pieces.items():
             print(f"  {name:24s} {ms:7.3f}")
