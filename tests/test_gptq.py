@@ -260,7 +260,7 @@ def test_the_cache_drops_its_least_recently_used_entries(tmp_path):
     import os
     import time
 
-    from llmctl.models.calibration_cache import STALE_TMP_SECONDS, prune
+    from llmctl.models.calibration_store import STALE_TMP_SECONDS, prune
 
     now, key = time.time(), lambda c: c * 40
     entries = [tmp_path / f"{key(c)}.safetensors" for c in "abcd"]

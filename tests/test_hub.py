@@ -481,7 +481,8 @@ def test_gated_repo_uses_hf_token(server: HubServer, monkeypatch: pytest.MonkeyP
 # ---------------------------------------------------------------------------------------------
 
 
-def test_ls_and_rm_with_stories260k(server: HubServer, stories_dir: Path, cli) -> None:
+def test_ls_and_rm_with_stories260k(server: HubServer, stories_dir: Path, cli, monkeypatch) -> None:
+    monkeypatch.setenv("LLMCTL_GPTQ_CACHE", "0")  # the session's GPTQ cache may hold entries: no extra line
     result = _invoke(cli, "pull", STORIES_ID)
     assert result.exit_code == 0, result.output
     snapshot = hub.find_cached_snapshot(STORIES_ID)
@@ -518,6 +519,29 @@ def test_ls_and_rm_with_stories260k(server: HubServer, stories_dir: Path, cli) -
 
     result = _invoke(cli, "rm", STORIES_ID)
     assert result.exit_code == 1 and "is not in the Hugging Face cache" in result.stderr
+
+
+def test_ls_shows_the_gptq_cache(server: HubServer, cli, tmp_path: Path, monkeypatch) -> None:
+    """`llmctl ls` names the GPTQ cache's folder, its entries and their bytes when it holds any
+    (temporary files and other files in the folder are not entries); without torch."""
+    from rich.filesize import decimal
+
+    monkeypatch.setenv("LLMCTL_GPTQ_CACHE", str(tmp_path / "gptq"))
+    assert "GPTQ cache" not in _invoke(cli, "ls").stdout  # no folder yet
+    (tmp_path / "gptq").mkdir()
+    (tmp_path / "gptq" / f"{'a' * 40}.safetensors").write_bytes(b"x" * 1500)
+    (tmp_path / "gptq" / f"{'b' * 40}.safetensors").write_bytes(b"x" * 500)
+    (tmp_path / "gptq" / f"{'c' * 40}.123.tmp").write_bytes(b"x" * 9000)
+    (tmp_path / "gptq" / "notes.txt").write_bytes(b"x" * 9000)
+    result = _invoke(cli, "ls")
+    assert result.exit_code == 0
+    assert f"GPTQ cache (--calibration results): 2 entries, {decimal(2000)} in {tmp_path / 'gptq'}" in result.stdout
+    assert "No models in the Hugging Face cache" in result.stdout
+    monkeypatch.setenv("LLMCTL_GPTQ_CACHE", "0")  # the cache off: nothing to show
+    assert "GPTQ cache" not in _invoke(cli, "ls").stdout
+    code = "import sys, llmctl.models.calibration_store; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                          check=False).returncode == 0
 
 
 def test_rm_frees_a_partial_download(server: HubServer) -> None:

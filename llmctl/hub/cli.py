@@ -73,10 +73,20 @@ def register_hub_commands(app: "typer.Typer") -> None:
     @app.command("ls")
     def ls_command() -> None:
         """List the models in the Hugging Face cache."""
+        from llmctl.models import calibration_store
+
         with _cli_errors():
             models = list_models()
             partial = partial_downloads()
+        gptq = calibration_store.usage()
         out = Console()
+        if gptq is not None and gptq.entries:
+            out.print(
+                f"GPTQ cache (--calibration results): {gptq.entries} entr{'y' if gptq.entries == 1 else 'ies'}, "
+                f"{fmt_size(gptq.bytes)} in {escape(str(gptq.folder))} (kept under LLMCTL_GPTQ_CACHE_SIZE, "
+                "default 8GiB; delete the folder to clear it)",
+                highlight=False,
+            )
         if not models and not partial:
             out.print(
                 f"No models in the Hugging Face cache ({escape(str(hub_cache_dir()))}). "

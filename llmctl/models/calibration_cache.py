@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
-import time
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from llmctl.config import parse_size
-from llmctl.errors import ConfigError
 from llmctl.layers.linear import LinearBase
 from llmctl.layers.quantization import (
     OnTheFlyQuantMethod,
@@ -38,28 +34,14 @@ from llmctl.layers.quantization import (
     install_packed_weight,
     validate_packed,
 )
+from llmctl.models.calibration_store import (  # noqa: F401  (cache_size_limit, prune: calibration.py's API)
+    KEY_CHARS,
+    cache_dir,
+    cache_size_limit,
+    prune,
+)
 
 CACHE_VERSION = 1  # bump when GPTQ's rounding changes, so that older entries miss
-KEY_CHARS = 40  # hex digits of the key in an entry's name
-_ENTRY_NAME = re.compile(rf"[0-9a-f]{{{KEY_CHARS}}}(?:\.safetensors|(\.[0-9]+\.tmp))")  # group 1: a writer's temp file
-DEFAULT_CACHE_SIZE = "8GiB"
-STALE_TMP_SECONDS = 3600  # a temporary file this old belongs to a writer that is gone
-
-
-def cache_dir() -> Path | None:
-    setting = os.environ.get("LLMCTL_GPTQ_CACHE")
-    if setting == "0":
-        return None
-    return Path(setting) if setting else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmctl" / "gptq"
-
-
-def cache_size_limit() -> int:
-    """``LLMCTL_GPTQ_CACHE_SIZE`` in bytes (a clear error for a value it cannot read)."""
-    setting = os.environ.get("LLMCTL_GPTQ_CACHE_SIZE") or DEFAULT_CACHE_SIZE
-    try:
-        return parse_size(setting)
-    except ConfigError as exc:
-        raise ConfigError(f"LLMCTL_GPTQ_CACHE_SIZE: {exc}") from None
 
 
 def calibrated_layers(model) -> dict[str, LinearBase]:
@@ -146,42 +128,3 @@ def save_cached(packed_by_name: dict[str, PackedWeight], path: Path) -> str | No
         tmp.unlink(missing_ok=True)
         return str(exc)
     return None
-
-
-def prune(folder: Path, keep: Path, limit: int) -> tuple[int, int]:
-    """Deletes the least recently used entries of ``folder`` (never ``keep``) until the entries
-    take at most ``limit`` bytes, and temporary files older than ``STALE_TMP_SECONDS``; returns how
-    many entries it deleted and their bytes. Only files named as this module names them are
-    touched (``LLMCTL_GPTQ_CACHE`` may point at a folder that holds other files); files it cannot
-    stat or delete (another process got there first) are skipped."""
-    now, entries = time.time(), []
-    try:
-        paths = list(folder.iterdir())
-    except OSError:
-        return 0, 0
-    for path in paths:
-        kind = _ENTRY_NAME.fullmatch(path.name)
-        if kind is None:
-            continue
-        try:
-            stat = path.stat()
-            if kind.group(1) and now - stat.st_mtime > STALE_TMP_SECONDS:
-                path.unlink()
-        except OSError:
-            continue
-        if not kind.group(1):
-            entries.append((stat.st_mtime, stat.st_size, path))
-    total = sum(size for _, size, _ in entries)
-    deleted = freed = 0
-    for _, size, path in sorted(entries, key=lambda entry: entry[0]):  # oldest use first
-        if total <= limit:
-            break
-        if path == keep:
-            continue
-        try:
-            path.unlink()
-        except OSError:
-            continue
-        total -= size
-        deleted, freed = deleted + 1, freed + size
-    return deleted, freed

@@ -1,0 +1,105 @@
+"""Where the GPTQ cache (``llmctl/models/calibration_cache.py``) keeps its entries, how it names
+them, how big it may grow and how it prunes itself: the folder's side only, without torch, so
+that ``llmctl ls`` can show it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmctl.config import parse_size
+from llmctl.errors import ConfigError
+
+KEY_CHARS = 40  # hex digits of the key in an entry's name
+ENTRY_NAME = re.compile(rf"[0-9a-f]{{{KEY_CHARS}}}(?:\.safetensors|(\.[0-9]+\.tmp))")  # group 1: a writer's temp file
+DEFAULT_CACHE_SIZE = "8GiB"
+STALE_TMP_SECONDS = 3600  # a temporary file this old belongs to a writer that is gone
+
+
+def cache_dir() -> Path | None:
+    setting = os.environ.get("LLMCTL_GPTQ_CACHE")
+    if setting == "0":
+        return None
+    return Path(setting) if setting else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmctl" / "gptq"
+
+
+def cache_size_limit() -> int:
+    """``LLMCTL_GPTQ_CACHE_SIZE`` in bytes (a clear error for a value it cannot read)."""
+    setting = os.environ.get("LLMCTL_GPTQ_CACHE_SIZE") or DEFAULT_CACHE_SIZE
+    try:
+        return parse_size(setting)
+    except ConfigError as exc:
+        raise ConfigError(f"LLMCTL_GPTQ_CACHE_SIZE: {exc}") from None
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    folder: Path
+    entries: int
+    bytes: int
+
+
+def usage() -> CacheUsage | None:
+    """The cache's folder, its entries and their bytes (None: the cache is off). A folder that does
+    not exist yet holds nothing."""
+    folder = cache_dir()
+    if folder is None:
+        return None
+    count = total = 0
+    try:
+        paths = list(folder.iterdir())
+    except OSError:
+        paths = []
+    for path in paths:
+        kind = ENTRY_NAME.fullmatch(path.name)
+        if kind is None or kind.group(1):
+            continue
+        try:
+            total += path.stat().st_size
+        except OSError:
+            continue
+        count += 1
+    return CacheUsage(folder, count, total)
+
+
+def prune(folder: Path, keep: Path, limit: int) -> tuple[int, int]:
+    """Deletes the least recently used entries of ``folder`` (never ``keep``) until the entries
+    take at most ``limit`` bytes, and temporary files older than ``STALE_TMP_SECONDS``; returns how
+    many entries it deleted and their bytes. Only files named as this module names them are
+    touched (``LLMCTL_GPTQ_CACHE`` may point at a folder that holds other files); files it cannot
+    stat or delete (another process got there first) are skipped."""
+    now, entries = time.time(), []
+    try:
+        paths = list(folder.iterdir())
+    except OSError:
+        return 0, 0
+    for path in paths:
+        kind = ENTRY_NAME.fullmatch(path.name)
+        if kind is None:
+            continue
+        try:
+            stat = path.stat()
+            if kind.group(1) and now - stat.st_mtime > STALE_TMP_SECONDS:
+                path.unlink()
+        except OSError:
+            continue
+        if not kind.group(1):
+            entries.append((stat.st_mtime, stat.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    deleted = freed = 0
+    for _, size, path in sorted(entries, key=lambda entry: entry[0]):  # oldest use first
+        if total <= limit:
+            break
+        if path == keep:
+            continue
+        try:
+            path.unlink()
+        except OSError:
+            continue
+        total -= size
+        deleted, freed = deleted + 1, freed + size
+    return deleted, freed
