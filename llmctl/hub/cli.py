@@ -72,7 +72,7 @@ def register_hub_commands(app: "typer.Typer") -> None:
 
     @app.command("ls")
     def ls_command() -> None:
-        """List the models in the Hugging Face cache."""
+        """List the models in the Hugging Face cache (and the GPTQ cache when it holds entries)."""
         from llmctl.models import calibration_store
 
         with _cli_errors():
