@@ -22,6 +22,7 @@ from llmctl.errors import ConfigError
 from llmctl.layers.linear import LinearBase
 from llmctl.layers.ops import AttentionMetadata
 from llmctl.models import calibration_cache as cache
+from llmctl.models import calibration_store as store
 
 BUILTIN_CALIBRATION = "builtin"
 CALIBRATION_WINDOW = 256  # tokens per independent window (each a fresh prefill from position 0)
@@ -38,8 +39,8 @@ def check_calibration(quantization: str, world_size: int = 1) -> None:
                           f"(weights quantized while loading), not {quantization!r}")
     if world_size != 1:
         raise ConfigError("--calibration runs on one rank: quantized weights are not sharded")
-    if cache.cache_dir() is not None:
-        cache.cache_size_limit()  # a value it cannot read fails now, not after the calibration
+    if store.cache_dir() is not None:
+        store.cache_size_limit()  # a value it cannot read fails now, not after the calibration
 
 
 def calibration_text(source: str) -> str:
@@ -110,8 +111,8 @@ def calibrate_quantization(model, token_ids: list[int], model_files: list[Path] 
         if reason := cache.save_cached({n: produced[m] for n, m in layers.items()}, path):
             _say(f"GPTQ calibration: not cached ({reason})")
         else:
-            limit = cache.cache_size_limit()
-            deleted, freed = cache.prune(path.parent, keep=path, limit=limit)
+            limit = store.cache_size_limit()
+            deleted, freed = store.prune(path.parent, keep=path, limit=limit)
             if deleted:
                 _say(f"GPTQ calibration cache: removed {deleted} least recently used "
                      f"entr{'y' if deleted == 1 else 'ies'} ({format_size(freed)}) to stay under "

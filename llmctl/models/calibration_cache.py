@@ -34,12 +34,7 @@ from llmctl.layers.quantization import (
     install_packed_weight,
     validate_packed,
 )
-from llmctl.models.calibration_store import (  # noqa: F401  (cache_size_limit, prune: calibration.py's API)
-    KEY_CHARS,
-    cache_dir,
-    cache_size_limit,
-    prune,
-)
+from llmctl.models.calibration_store import KEY_CHARS, cache_dir
 
 CACHE_VERSION = 1  # bump when GPTQ's rounding changes, so that older entries miss
 

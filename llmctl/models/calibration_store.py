@@ -43,52 +43,52 @@ class CacheUsage:
     bytes: int
 
 
-def usage() -> CacheUsage | None:
-    """The cache's folder, its entries and their bytes (None: the cache is off). A folder that does
-    not exist yet holds nothing."""
-    folder = cache_dir()
-    if folder is None:
-        return None
-    count = total = 0
+def _scan(folder: Path) -> tuple[list[tuple[float, int, Path]], list[tuple[float, Path]]]:
+    """The folder's entries as (last use, bytes, path) and writers' temporary files as (mtime, path).
+    Only files named as this module names them count (``LLMCTL_GPTQ_CACHE`` may point at a folder
+    that holds other files); a folder that does not exist, or a file gone meanwhile, holds nothing."""
+    entries, temps = [], []
     try:
         paths = list(folder.iterdir())
     except OSError:
-        paths = []
-    for path in paths:
-        kind = ENTRY_NAME.fullmatch(path.name)
-        if kind is None or kind.group(1):
-            continue
-        try:
-            total += path.stat().st_size
-        except OSError:
-            continue
-        count += 1
-    return CacheUsage(folder, count, total)
-
-
-def prune(folder: Path, keep: Path, limit: int) -> tuple[int, int]:
-    """Deletes the least recently used entries of ``folder`` (never ``keep``) until the entries
-    take at most ``limit`` bytes, and temporary files older than ``STALE_TMP_SECONDS``; returns how
-    many entries it deleted and their bytes. Only files named as this module names them are
-    touched (``LLMCTL_GPTQ_CACHE`` may point at a folder that holds other files); files it cannot
-    stat or delete (another process got there first) are skipped."""
-    now, entries = time.time(), []
-    try:
-        paths = list(folder.iterdir())
-    except OSError:
-        return 0, 0
+        return entries, temps
     for path in paths:
         kind = ENTRY_NAME.fullmatch(path.name)
         if kind is None:
             continue
         try:
             stat = path.stat()
-            if kind.group(1) and now - stat.st_mtime > STALE_TMP_SECONDS:
-                path.unlink()
         except OSError:
             continue
-        if not kind.group(1):
+        if kind.group(1):
+            temps.append((stat.st_mtime, path))
+        else:
             entries.append((stat.st_mtime, stat.st_size, path))
+    return entries, temps
+
+
+def usage() -> CacheUsage | None:
+    """The cache's folder, its entries and their bytes (None: the cache is off)."""
+    folder = cache_dir()
+    if folder is None:
+        return None
+    entries, _ = _scan(folder)
+    return CacheUsage(folder, len(entries), sum(size for _, size, _ in entries))
+
+
+def prune(folder: Path, keep: Path, limit: int) -> tuple[int, int]:
+    """Deletes the least recently used entries of ``folder`` (never ``keep``) until the entries
+    take at most ``limit`` bytes, and temporary files older than ``STALE_TMP_SECONDS``; returns how
+    many entries it deleted and their bytes. Files it cannot delete (another process got there
+    first) are skipped."""
+    entries, temps = _scan(folder)
+    now = time.time()
+    for mtime, path in temps:
+        if now - mtime > STALE_TMP_SECONDS:
+            try:
+                path.unlink()
+            except OSError:
+                pass
     total = sum(size for _, size, _ in entries)
     deleted = freed = 0
     for _, size, path in sorted(entries, key=lambda entry: entry[0]):  # oldest use first
