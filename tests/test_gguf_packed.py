@@ -131,3 +131,23 @@ def test_packed_kernels_are_bound_at_load_so_the_startup_bytes_are_final(tiny_ll
     at_load = weight_bytes(engine.model)
     engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert weight_bytes(engine.model) == at_load
+
+
+def test_a_prompt_in_several_chunks_through_the_packed_lm_head(tiny_llama):
+    """A middle prefill chunk samples nothing: the packed LM head gets no rows and returns none
+    (before, its bound kernel's empty view raised and took the engine loop down with it)."""
+    from llmctl.config import EngineConfig
+
+    def engine(**kw) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory=16 << 20,
+                                      quantization="auto", **kw))
+
+    chunked = engine(max_num_batched_tokens=8)
+    head = chunked.model.lm_head
+    assert head.packed_format is not None
+    assert head(torch.zeros(0, head.hidden_size)).shape == (0, head.vocab_size)
+    prompt = [(7 * i) % 50 + 3 for i in range(30)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    got = chunked.generate([prompt], params)[0].outputs[0].token_ids
+    assert got == engine().generate([prompt], params)[0].outputs[0].token_ids
+    assert chunked.block_manager.num_free_blocks == chunked.block_manager.num_blocks

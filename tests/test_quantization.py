@@ -179,6 +179,23 @@ def test_on_the_fly_batched_decode_matches_alone(llama_dir, kind):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_prompt_in_several_chunks_with_an_int8_lm_head(llama_dir, kind):
+    """A middle prefill chunk samples nothing, so the LM head gets no rows: it returns none (before,
+    the int8 logits path failed on the empty view, and the engine loop with it), and the request
+    gives the tokens it gives in one chunk."""
+    from llmctl.models.loader import load_model
+    from llmctl.layers.ops import TorchOps
+
+    head = load_model(llama_dir, dtype="float32", device=torch.device("cpu"), ops=TorchOps(), quantization=kind).lm_head
+    assert head(torch.zeros(0, head.hidden_size)).shape == (0, head.vocab_size)
+    prompt = random_prompts(1, VOCAB, 40, 41, seed=5)[0]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    chunked = _engine(llama_dir, kind, max_num_batched_tokens=16).generate([prompt], params)[0]
+    whole = _engine(llama_dir, kind).generate([prompt], params)[0]
+    assert chunked.outputs[0].token_ids == whole.outputs[0].token_ids
+
+
 STORIES_PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a big bird",
                    "Sara had a red ball", "The sun was hot and", "Tim saw a cat", "Mom said"]
 

@@ -95,7 +95,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             kernel = bound_cpu_kernel(self) if hidden.device.type == "cpu" else None
             if kernel is None:
                 return quant_linear(hidden, read_packed(self))
-            return kernel(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
+            logits = kernel(hidden.reshape(-1, hidden.shape[-1]))
+            return logits.view(*hidden.shape[:-1], logits.shape[-1])
         if self.logits_packed is not None:
             if "_logits_kernel" not in self.__dict__:  # bound once: no per-call dispatch
                 from kernels.quant_native import bind_native
@@ -104,7 +105,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             kernel = self.__dict__["_logits_kernel"]
             flat = hidden.reshape(-1, hidden.shape[-1])
             logits = kernel(flat) if kernel is not None else quant_linear(flat, self.logits_packed)
-            return logits.view(*hidden.shape[:-1], -1)
+            return logits.view(*hidden.shape[:-1], logits.shape[-1])  # not -1: a step may ask for no rows
         logits = linear(hidden, self.weight if self.packed_weight is None else self.packed_weight, None, self.shard_size)
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
