@@ -50,6 +50,45 @@ def paged_decode_attention_native(
     return _module_or_raise().paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
 
 
+def decode_codes_native_supported(head_dim: int) -> bool:
+    """Whether ``paged_decode_attention_codes_native`` runs here (head_dim 64/128, AVX2 or better)."""
+    module = load_native()
+    return module is not None and module.decode_codes_supported(head_dim)
+
+
+def paged_decode_attention_codes_native(query: torch.Tensor, kind: str, tensors: dict[str, torch.Tensor],
+                                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                                        scale: float) -> torch.Tensor:
+    """Decode attention over one layer of an 8-bit KV pool (``kind``: int8, fp8_e4m3, fp8_e5m2;
+    ``tensors``: its k, v, k_scale, v_scale as llmctl/engine/kv_cache.py lays them out). Same result
+    as dequantizing and attending (kernels/kv_quant.py) up to fp32 summation order."""
+    return _module_or_raise().paged_decode_attention_codes(
+        query, kind, tensors["k"].view(torch.uint8), tensors["v"].view(torch.uint8), tensors["k_scale"],
+        tensors["v_scale"], block_tables.to(torch.int32), seq_lens.to(torch.int32), float(scale))
+
+
+def paged_prefill_attention_codes_native(query: torch.Tensor, kind: str, tensors: dict[str, torch.Tensor],
+                                         block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                                         seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal prefill over one layer of an 8-bit KV pool, as ``paged_prefill_attention_native`` on the
+    dequantized K/V (``kernels.kv_quant.dequantize_per_token``); the pool is read in place."""
+    return _module_or_raise().paged_prefill_attention_codes(
+        query, kind, tensors["k"].view(torch.uint8), tensors["v"].view(torch.uint8), tensors["k_scale"],
+        tensors["v_scale"], block_tables.to(torch.int32), query_start_loc.to(torch.int32), seq_lens.to(torch.int32),
+        float(scale))
+
+
+def store_kv_codes_native(key: torch.Tensor, value: torch.Tensor, kind: str, tensors: dict[str, torch.Tensor],
+                          slot_mapping: torch.Tensor) -> None:
+    """Quantize float32 K/V ``[T, Hkv, D]`` per (token, KV head) into one layer of an 8-bit pool
+    through the slot mapping: bit for bit ``kernels.kv_quant.quantize_per_token``."""
+    def heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+        return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
+
+    _module_or_raise().store_kv_codes(heads_contiguous(key), heads_contiguous(value), kind, tensors["k"].view(torch.uint8),
+                                      tensors["v"].view(torch.uint8), tensors["k_scale"], tensors["v_scale"], slot_mapping)
+
+
 def prefill_attention_native_supported(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether ``paged_prefill_attention_native`` takes these (fp32 or bf16, head_dim 64/128, AVX2 or better)."""
     module = load_native()

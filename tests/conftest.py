@@ -49,6 +49,15 @@ def llama_dir(hf_model_dirs) -> Path:
     return hf_model_dirs["llama"]
 
 
+@pytest.fixture(scope="session")
+def llama64_dir(tmp_path_factory) -> Path:
+    """The tiny Llama with head_dim 64 (the others have 16): the head sizes the native kernels
+    specialize, e.g. the 8-bit KV kernels and the decode loop's attention, start at 64."""
+    from model_factory import make_hf_model
+
+    return make_hf_model("llama", tmp_path_factory.mktemp("hf_models") / "llama-head64", seed=11, head_dim=64)
+
+
 @pytest.fixture(autouse=True)
 def _sigint_left_as_found():
     """A test that leaves SIGINT ignored, handled or blocked in this process fails here, by name, and

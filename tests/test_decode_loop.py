@@ -1,6 +1,6 @@
 """The native decode loop (kernels/cpu/decode_loop.cpp, llmctl/models/native_decode.py) against the
 Python module path it replaces on decode-only steps: the same logits bit for bit, step by step,
-for dense fp32 and packed int4/int8 weights, padded inputs, q/k/v and MLP biases, tied embeddings,
+for dense fp32 and packed int4/int8 weights, float and 8-bit KV caches, padded inputs, q/k/v and MLP biases, tied embeddings,
 a GGUF file mixing packed and float layers, speculative verify rows, and the real SmolLM2; batched
 == unbatched; and the settings it leaves to the module path say why."""
 
@@ -64,6 +64,15 @@ def test_bitwise_equal_to_the_module_path(hf_model_dirs, monkeypatch, family, qu
                                quantization_group_size=64)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_8bit_kv_cache_bitwise_equal_to_the_module_path(llama64_dir, monkeypatch, kv_cache_dtype, quantization):
+    # the loop quantizes K/V into the 8-bit pool and attends over it with the module path's kernels
+    prompts = random_prompts(3, VOCAB, 3, 20, seed=4)
+    assert_same_as_module_path(str(llama64_dir), monkeypatch, prompts, quantization=quantization,
+                               kv_cache_dtype=kv_cache_dtype)
+
+
 def test_mlp_bias_and_batched_equals_unbatched(tmp_path, monkeypatch):
     from model_factory import make_hf_model
 
@@ -101,7 +110,8 @@ def test_smollm2_packed_logits_equal(monkeypatch):
 
 
 @pytest.mark.parametrize(("kw", "reason"), [
-    (dict(kv_cache_dtype="int8"), "quantized"),
+    (dict(kv_cache_dtype="kivi2"), "kivi2 KV cache"),
+    (dict(kv_cache_dtype="int8"), "int8 KV cache with head_dim 16"),  # the tiny model's heads
     (dict(dtype="bfloat16"), "bfloat16 activations"),
     (dict(quantization="fp8"), "fp8 weights"),
 ])

@@ -37,6 +37,13 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
+@pytest.fixture(params=[16, 64], ids=["head_dim16", "head_dim64"])
+def model_dir(request, llama_dir, llama64_dir):
+    """head_dim 16 runs the kv_quant module's kernels; 64 the float module's 8-bit ones (int8, fp8)
+    and, for those, the native decode loop."""
+    return llama_dir if request.param == 16 else llama64_dir
+
+
 def assert_all_blocks_back(engine: LLMEngine) -> None:
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
@@ -81,10 +88,19 @@ def test_prefix_cache_keys_include_the_kv_dtype(llama_dir):
     assert keys["auto"] and not keys["auto"] & keys["int8"]
 
 
+def test_head_dim_64_takes_the_native_8bit_kernels(llama64_dir):
+    from kernels.cpu_native import decode_codes_native_supported
+
+    if not decode_codes_native_supported(64):
+        pytest.skip("needs the native CPU kernels on an AVX2 (or better) CPU")
+    for kind in QUANTIZED:
+        assert make_engine(llama64_dir, kind).runner.quantized_kv.native_codes == (not kind.startswith("kivi")), kind
+
+
 @pytest.mark.parametrize("kind", QUANTIZED)
-def test_batched_equals_alone(llama_dir, kind):
+def test_batched_equals_alone(model_dir, kind):
     prompts = random_prompts(8, VOCAB, 2, 40, seed=3)
-    engine = make_engine(llama_dir, kind)
+    engine = make_engine(model_dir, kind)
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=1000 + i, max_tokens=10 + i % 5, ignore_eos=True)
               if i % 2 else greedy(10 + i % 5) for i in range(len(prompts))]
     alone = [engine.generate([p], [sp])[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
@@ -94,14 +110,14 @@ def test_batched_equals_alone(llama_dir, kind):
 
 
 @pytest.mark.parametrize("kind", QUANTIZED)
-def test_outputs_identical_with_caching_and_chunking_on_and_off(llama_dir, kind):
+def test_outputs_identical_with_caching_and_chunking_on_and_off(model_dir, kind):
     """Attention always reads what the cache holds, so neither a prefix hit nor a chunk boundary
     changes a token."""
     prompts = shared_prefix_workload(6)
     params = [greedy(8)] * len(prompts)
     results = {}
     for caching, chunked in itertools.product([True, False], repeat=2):
-        engine = make_engine(llama_dir, kind, enable_prefix_caching=caching, enable_chunked_prefill=chunked,
+        engine = make_engine(model_dir, kind, enable_prefix_caching=caching, enable_chunked_prefill=chunked,
                              max_num_batched_tokens=32, max_model_len=256)
         results[caching, chunked] = run_staggered(engine, prompts, params)
         assert (engine.scheduler.prefix_hit_tokens > 0) == caching
@@ -110,9 +126,9 @@ def test_outputs_identical_with_caching_and_chunking_on_and_off(llama_dir, kind)
 
 
 @pytest.mark.parametrize("kind", ["int8", "kivi2"])
-def test_n4_samples_copy_on_write_equal_single_runs(llama_dir, kind):
+def test_n4_samples_copy_on_write_equal_single_runs(model_dir, kind):
     """The shared partial block is copied with its scales (and KIVI's residual) on first write."""
-    engine = make_engine(llama_dir, kind, enable_prefix_caching=False)
+    engine = make_engine(model_dir, kind, enable_prefix_caching=False)
     prompt = random_prompts(1, VOCAB, 40, 40, seed=21)[0]  # 2 full blocks + 8 tokens open
     final = engine.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=500, max_tokens=10,
                                                      ignore_eos=True))[0]
@@ -127,14 +143,14 @@ def test_n4_samples_copy_on_write_equal_single_runs(llama_dir, kind):
 
 
 @pytest.mark.parametrize("kind", QUANTIZED)
-def test_preemption_matches_a_large_pool(llama_dir, kind):
+def test_preemption_matches_a_large_pool(model_dir, kind):
     prompts = random_prompts(10, VOCAB, 30, 60, seed=8)
     params = greedy(30)
-    expected = make_engine(llama_dir, kind).generate(prompts, params)
-    probe = make_engine(llama_dir, kind, kv_cache_memory=1 << 20)
+    expected = make_engine(model_dir, kind).generate(prompts, params)
+    probe = make_engine(model_dir, kind, kv_cache_memory=1 << 20)
     block_bytes = probe.kv_format.block_bytes()
     residual = 4 * probe.kv_format.residual_blocks_per_seq() * probe.kv_format.residual_block_bytes()
-    small = make_engine(llama_dir, kind, kv_cache_memory=14 * block_bytes + residual, max_model_len=128,
+    small = make_engine(model_dir, kind, kv_cache_memory=14 * block_bytes + residual, max_model_len=128,
                         max_num_seqs=4)
     assert small.block_manager.num_blocks == 14
     outs = small.generate(prompts, params)

@@ -133,20 +133,53 @@ inline void accumulate_v64(float* acc, const float* p, const float* const* v, in
   _mm256_storeu_ps(acc + 48, a6), _mm256_storeu_ps(acc + 56, a7);
 }
 
+// 8 codes as fp32 code values (the row's scale not applied), exactly:
+// - int8: sign-extended and converted;
+// - fp8 e5m2 is the upper byte of a float16;
+// - fp8 e4m3 (bias 7) as float16 bits (bias 15): sign to bit 15, exponent and mantissa to bits
+//   13..7, then times 2^8. Its subnormals land on float16 subnormals, which F16C converts
+//   exactly. (Code 0x7f, e4m3fn's NaN, reads as 480; a stored row never holds it.)
+inline __m256 code_values8(const Int8Code* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 code_values8(const Fp8E5m2Code* p) {
+  const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(c, 8));
+}
+inline __m256 code_values8(const Fp8E4m3Code* p) {
+  const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7f)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+}
+
 // A cache row of n elements (a multiple of 8) as fp32: fp32 rows are read in place, bf16 rows are
-// widened into ``buffer`` (exact: a bf16 value is the top half of its fp32).
+// widened into ``buffer`` (exact: a bf16 value is the top half of its fp32), code rows become
+// their code values there (the caller applies the row's scale).
 template <typename T>
 inline const float* widen_row(const T* src, float* buffer, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
+  } else if constexpr (kIsCode<T>) {
+    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(buffer + i, code_values8(src + i));
+    return buffer;
   } else {
-    static_assert(std::is_same_v<T, at::BFloat16>, "fp32 or bf16 caches");
+    static_assert(std::is_same_v<T, at::BFloat16>, "fp32, bf16 or 8-bit code caches");
     for (int64_t i = 0; i < n; i += 8) {
       const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
       _mm256_storeu_ps(buffer + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
     }
     return buffer;
   }
+}
+
+// Code caches: the scales of KV head `head` (relative to the task's first) of 8 tokens, from
+// their offsets (task's first head at token_row * Hkv * D + first_head * D).
+template <int64_t D>
+inline __m256 row_scales8(const float* scales, const int64_t* offset, int64_t head) {
+  return _mm256_setr_ps(scales[offset[0] / D + head], scales[offset[1] / D + head], scales[offset[2] / D + head],
+                        scales[offset[3] / D + head], scales[offset[4] / D + head], scales[offset[5] / D + head],
+                        scales[offset[6] / D + head], scales[offset[7] / D + head]);
 }
 
 // out[r] = acc[r] * inv_sum[r] for `rows` head rows of D, rounded to T.
@@ -167,9 +200,10 @@ inline void store_rows(const float* acc, const float* inv_sum, int64_t rows, T* 
   }
 }
 
-// T = float or at::BFloat16 (cache, query and output); the arithmetic is fp32 either way.
-template <typename T, int64_t D>
-void decode_tasks(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
+// T = float or at::BFloat16 (query and output); C = the cache's elements: T, or 8-bit codes, whose
+// per-(token, KV head) scales multiply a score (K) and a softmax weight (V). fp32 arithmetic.
+template <typename T, int64_t D, typename C = T>
+void decode_tasks(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
   static_assert(D % 64 == 0, "head_dim must be a multiple of 64");
   const int64_t group = a.num_q_heads / a.num_kv_heads;
   const int64_t row = a.num_kv_heads * D;  // elements per token in the cache
@@ -177,7 +211,8 @@ void decode_tasks(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
   const int64_t rows = a.heads_per_task * group;  // query heads of one task
   const int64_t kv_len = a.heads_per_task * D;    // elements of a token's row this task reads
   std::vector<float> qf(rows * D), acc(rows * D), inv_sum(rows), scores;
-  std::vector<float> widened(std::is_same_v<T, float> ? 0 : std::max(kScoreTile, kValueChunk) * kv_len);
+  std::vector<float> widened(std::is_same_v<C, float> ? 0 : std::max(kScoreTile, kValueChunk) * kv_len);
+  float weights[kValueChunk];  // code caches: a chunk's softmax weights times its V scales
   std::vector<int64_t> token_offset;  // t -> the token's row in the cache (elements), plus the task's first head
   for (int64_t task = begin; task < end; ++task) {
     const int64_t seq = task / tasks_per_seq, first_head = (task % tasks_per_seq) * a.heads_per_task;
@@ -193,14 +228,18 @@ void decode_tasks(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
     const float* rows_of_tile[kScoreTile];
     for (int64_t t0 = 0; t0 < padded; t0 += kScoreTile) {  // pass 1: scores
       for (int64_t t = t0 + kPrefetchAhead; t < std::min(t0 + kPrefetchAhead + kScoreTile, len); ++t)
-        prefetch_row(a.k_cache + token_offset[t], kv_len * sizeof(T));
+        prefetch_row(a.k_cache + token_offset[t], kv_len * sizeof(C));
       for (int j = 0; j < kScoreTile; ++j)
         tile_rows[j] = widen_row(a.k_cache + token_offset[t0 + j], widened.data() + j * kv_len, kv_len);
       for (int64_t h = 0; h < a.heads_per_task; ++h) {
         for (int j = 0; j < kScoreTile; ++j) rows_of_tile[j] = tile_rows[j] + h * D;
+        __m256 k_scales = _mm256_set1_ps(1.f);
+        if constexpr (kIsCode<C>) k_scales = row_scales8<D>(a.k_scale, token_offset.data() + t0, h);
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = h * group + g;
-          _mm256_storeu_ps(scores.data() + r * padded + t0, score_tile<D>(qf.data() + r * D, rows_of_tile));
+          __m256 tile = score_tile<D>(qf.data() + r * D, rows_of_tile);
+          if constexpr (kIsCode<C>) tile = _mm256_mul_ps(tile, k_scales);
+          _mm256_storeu_ps(scores.data() + r * padded + t0, tile);
         }
       }
     }
@@ -213,12 +252,17 @@ void decode_tasks(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
       for (int64_t j = 0; j < n; ++j)
         chunk_rows[j] = widen_row(a.v_cache + token_offset[t0 + j], widened.data() + j * kv_len, kv_len);
       for (int64_t t = t0 + kPrefetchAhead; t < std::min(t0 + kPrefetchAhead + kValueChunk, len); ++t)
-        prefetch_row(a.v_cache + token_offset[t], kv_len * sizeof(T));
+        prefetch_row(a.v_cache + token_offset[t], kv_len * sizeof(C));
       for (int64_t h = 0; h < a.heads_per_task; ++h)
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = h * group + g;
+          const float* p = scores.data() + r * padded + t0;
+          if constexpr (kIsCode<C>) {
+            for (int64_t j = 0; j < n; ++j) weights[j] = p[j] * a.v_scale[token_offset[t0 + j] / D + h];
+            p = weights;
+          }
           for (int64_t half = 0; half < D; half += 64)
-            accumulate_v64(acc.data() + r * D + half, scores.data() + r * padded + t0, chunk_rows, n, h * D + half);
+            accumulate_v64(acc.data() + r * D + half, p, chunk_rows, n, h * D + half);
         }
     }
     store_rows<T, D>(acc.data(), inv_sum.data(), rows, a.out + q_offset);
@@ -230,22 +274,33 @@ void decode_tasks(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
 // are all in the cache (this chunk's K/V stored already); query j sits at position
 // seq_len - q_len + j and sees cache tokens 0..position. One task = one sequence and one KV head:
 // for each query token, the same score tiles and V pass as decode, over its causal prefix. bf16
-// caches: the head's K and V are widened to fp32 once per task (each query re-reads them).
-template <typename T>
+// caches: the head's K and V are widened to fp32 once per task (each query re-reads them); 8-bit
+// code caches (C a code type): dequantized there once, code * its row's scale, as
+// kernels/kv_quant.py's dequantize_per_token computes it in fp32.
+template <typename T, typename C = T>
 struct PrefillArgs {
   const T* q;  // [num_tokens, num_q_heads, D]
-  const T* k_cache;
-  const T* v_cache;
+  const C* k_cache;
+  const C* v_cache;
   const int32_t* block_tables;
   const int32_t* query_start;
   const int32_t* seq_lens;
   T* out;  // [num_tokens, num_q_heads, D]
   int64_t num_q_heads, num_kv_heads, block_size, max_blocks;
   float scale;
+  const float* k_scale = nullptr;  // codes only: [NB, BS, Hkv]
+  const float* v_scale = nullptr;
 };
 
-template <typename T, int64_t D>
-void prefill_task(const PrefillArgs<T>& a, int64_t seq, int64_t h) {
+// row[0..D) *= s (a dequantized code row).
+template <int64_t D>
+inline void scale_row(float* row, float s) {
+  const __m256 sv = _mm256_set1_ps(s);
+  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(row + d, _mm256_mul_ps(_mm256_loadu_ps(row + d), sv));
+}
+
+template <typename T, int64_t D, typename C = T>
+void prefill_task(const PrefillArgs<T, C>& a, int64_t seq, int64_t h) {
   const int64_t group = a.num_q_heads / a.num_kv_heads;
   const int64_t row = a.num_kv_heads * D;
   const int64_t q_start = a.query_start[seq], q_len = a.query_start[seq + 1] - q_start, len = a.seq_lens[seq];
@@ -257,13 +312,17 @@ void prefill_task(const PrefillArgs<T>& a, int64_t seq, int64_t h) {
   const float* k_base;
   const float* v_base;
   std::vector<float> k_wide, v_wide;
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<C, float>) {
     k_base = a.k_cache, v_base = a.v_cache;
   } else {
     k_wide.resize(len * D), v_wide.resize(len * D);
     for (int64_t t = 0; t < len; ++t) {
       widen_row(a.k_cache + token_offset[t], k_wide.data() + t * D, D);
       widen_row(a.v_cache + token_offset[t], v_wide.data() + t * D, D);
+      if constexpr (kIsCode<C>) {
+        scale_row<D>(k_wide.data() + t * D, a.k_scale[token_offset[t] / D]);
+        scale_row<D>(v_wide.data() + t * D, a.v_scale[token_offset[t] / D]);
+      }
       token_offset[t] = t * D;
     }
     for (int64_t t = len; t < padded; ++t) token_offset[t] = 0;

@@ -29,16 +29,28 @@
 
 namespace {
 
-template <typename T>
+// The 8-bit codes of a quantized KV pool (--kv-cache-dtype int8, fp8_e4m3, fp8_e5m2; layout and
+// torch reference in kernels/kv_quant.py): one byte per element, one float32 scale per (token, KV
+// head). Distinct types, so that a kernel templated on its cache's element type reads them right.
+struct Int8Code { int8_t bits; };
+struct Fp8E4m3Code { uint8_t bits; };
+struct Fp8E5m2Code { uint8_t bits; };
+template <typename C>
+constexpr bool kIsCode = std::is_same_v<C, Int8Code> || std::is_same_v<C, Fp8E4m3Code> || std::is_same_v<C, Fp8E5m2Code>;
+
+// T: query and output; C: the cache's elements (T, or a code type with its scales).
+template <typename T, typename C = T>
 struct DecodeArgs {
   const T* q;
-  const T* k_cache;
-  const T* v_cache;
+  const C* k_cache;
+  const C* v_cache;
   const int32_t* block_tables;
   const int32_t* seq_lens;
   T* out;
   int64_t num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, heads_per_task;
   float scale;
+  const float* k_scale = nullptr;  // codes only: [NB, BS, Hkv], a row's value = code * scale
+  const float* v_scale = nullptr;
 };
 
 namespace generic {
@@ -237,6 +249,106 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   return out;
 }
 
+// Runs the lambda (which uses ``code_t``) for the 8-bit KV code type of ``kind``.
+#define LLMCTL_CODE_DISPATCH(KIND, ...)                                                          \
+  do {                                                                                           \
+    if (KIND == "int8") { using code_t = Int8Code; __VA_ARGS__(); }                              \
+    else if (KIND == "fp8_e4m3") { using code_t = Fp8E4m3Code; __VA_ARGS__(); }                  \
+    else if (KIND == "fp8_e5m2") { using code_t = Fp8E5m2Code; __VA_ARGS__(); }                  \
+    else TORCH_CHECK(false, "8-bit KV codes: int8, fp8_e4m3 or fp8_e5m2, not ", KIND);           \
+  } while (0)
+
+// Whether paged_decode_attention_codes takes this head_dim here (AVX2 or AVX-512 variants only).
+bool decode_codes_supported(int64_t head_dim) {
+  return g_isa != Isa::kGeneric && (head_dim == 64 || head_dim == 128);
+}
+
+// query [tokens, Hq, D] against one layer of an 8-bit KV pool: codes [NB, BS, Hkv, D] as bytes,
+// float32 scales [NB, BS, Hkv].
+void check_code_pool(const torch::Tensor& query, const torch::Tensor& k_codes, const torch::Tensor& v_codes,
+                     const torch::Tensor& k_scale, const torch::Tensor& v_scale) {
+  TORCH_CHECK(query.dim() == 3 && k_codes.dim() == 4 && k_codes.element_size() == 1 && v_codes.sizes() == k_codes.sizes(),
+              "query [T, Hq, D], codes [NB, BS, Hkv, D] bytes");
+  TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_scale.is_contiguous() && v_scale.is_contiguous() &&
+                  k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat &&
+                  k_scale.numel() == k_codes.numel() / k_codes.size(3) && v_scale.numel() == k_scale.numel(),
+              "contiguous codes and float32 scales, one per row");
+  TORCH_CHECK(decode_codes_supported(query.size(2)) && k_codes.size(3) == query.size(2) &&
+                  query.size(1) % k_codes.size(2) == 0, "8-bit KV attention: head_dim 64 or 128 on the AVX2 or "
+              "AVX-512 variants, query heads a multiple of KV heads");
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16, "float32 or bfloat16 query");
+}
+
+// Decode attention over an 8-bit KV pool (codes [NB, BS, Hkv, D] as bytes, float32 scales
+// [NB, BS, Hkv]): the float kernel's score tiles and V chunks on code rows widened to fp32 a tile
+// at a time, the scales applied per (token, KV head) to the scores and the softmax weights. Same result as dequantizing and attending
+// (kernels/kv_quant.py) up to fp32 summation order; the native decode loop calls the same code.
+torch::Tensor paged_decode_attention_codes(torch::Tensor query, const std::string& kind, torch::Tensor k_codes,
+                                           torch::Tensor v_codes, torch::Tensor k_scale, torch::Tensor v_scale,
+                                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  check_code_pool(query, k_codes, v_codes, k_scale, v_scale);
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables");
+  auto q = query.contiguous();
+  auto bt = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = torch::empty_like(q);
+  const int64_t num_seqs = q.size(0), num_q_heads = q.size(1), num_kv_heads = k_codes.size(2);
+  if (num_seqs == 0) return out;
+#ifdef LLMCTL_X86_VARIANTS
+  const int64_t heads_per_task = num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t tasks = num_seqs * (num_kv_heads / heads_per_task);
+  auto run = [&](auto query_tag, auto code_tag) {
+    using T = decltype(query_tag);
+    using C = decltype(code_tag);
+    const DecodeArgs<T, C> args{q.data_ptr<T>(), static_cast<const C*>(k_codes.data_ptr()),
+                                static_cast<const C*>(v_codes.data_ptr()), bt.data_ptr<int32_t>(),
+                                lens.data_ptr<int32_t>(), out.data_ptr<T>(), num_q_heads, num_kv_heads, q.size(2),
+                                k_codes.size(1), bt.size(1), heads_per_task, static_cast<float>(scale),
+                                k_scale.data_ptr<float>(), v_scale.data_ptr<float>()};
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      if (g_isa >= Isa::kAvx512) avx512::decode_codes_range<T, C>(args, begin, end);
+      else avx2::decode_codes_range<T, C>(args, begin, end);
+    });
+  };
+  LLMCTL_CODE_DISPATCH(kind, [&] {
+    if (q.scalar_type() == at::kFloat) run(float{}, code_t{});
+    else run(at::BFloat16{}, code_t{});
+  });
+#endif
+  return out;
+}
+
+// Quantize-on-store of this step's K and V (float32 [T, Hkv, D], rows may be strided) into an
+// 8-bit pool through the slot mapping (-1 skipped): bit for bit kernels/kv_quant.py's
+// quantize_per_token, the torch reference.
+void store_kv_codes(torch::Tensor key, torch::Tensor value, const std::string& kind, torch::Tensor k_codes,
+                    torch::Tensor v_codes, torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat && key.dim() == 3 &&
+                  value.sizes() == key.sizes(), "float32 K and V [T, Hkv, D]");
+  TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_codes.element_size() == 1 &&
+                  k_scale.is_contiguous() && v_scale.is_contiguous() && k_scale.scalar_type() == at::kFloat &&
+                  v_scale.scalar_type() == at::kFloat, "contiguous byte codes and float32 scales");
+  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
+  TORCH_CHECK(k_codes.numel() == k_scale.numel() * dim && k_codes.size(-1) == dim && k_codes.size(-2) == heads,
+              "pool rows of Hkv x D codes, one scale per row");
+  auto slots = slot_mapping.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.numel() == tokens, "one slot per token");
+  const int64_t capacity = k_scale.numel() / heads;
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] < capacity, "slot ", slot[t], " outside the pool");
+  LLMCTL_CODE_DISPATCH(kind, [&] {
+    const float qmax = std::is_same_v<code_t, Int8Code> ? 127.f
+                       : std::is_same_v<code_t, Fp8E4m3Code> ? 448.f : 57344.f;
+    auto quantize = [&](const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& scales) {
+      TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == dim, "K/V heads must be contiguous within a token");
+      LLMCTL_ISA_CALL(code_t, quantize_rows, x.data_ptr<float>(), x.stride(0), heads, dim, slot, qmax,
+                      static_cast<code_t*>(codes.data_ptr()), scales.data_ptr<float>(), 0, tokens);
+    };
+    quantize(key, k_codes, k_scale);
+    quantize(value, v_codes, v_scale);
+  });
+}
+
 // fp32 or bf16 caches, head_dim 64 or 128, an AVX2 machine: the intrinsics kernel of
 // attention_f32.h. Other shapes and dtypes keep torch's SDPA (kernels/prefill_attention.py); the
 // caller checks with prefill_attention_supported first.
@@ -251,16 +363,18 @@ bool prefill_attention_supported(torch::Tensor query, torch::Tensor key_cache) {
 }
 
 #ifdef LLMCTL_X86_VARIANTS
-template <typename T>
+template <typename T, typename C = T>
 void prefill_on_threads(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                         const torch::Tensor& bt, const torch::Tensor& starts, const torch::Tensor& lens,
-                        torch::Tensor& out, double scale) {
+                        torch::Tensor& out, double scale, const float* k_scale = nullptr,
+                        const float* v_scale = nullptr) {
   const int64_t num_seqs = lens.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = key_cache.size(2);
-  const avx2::f32attn::PrefillArgs<T> args{q.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
-                                           bt.data_ptr<int32_t>(), starts.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
-                                           out.data_ptr<T>(), num_q_heads, num_kv_heads, key_cache.size(1),
-                                           bt.size(1), static_cast<float>(scale)};
+  const avx2::f32attn::PrefillArgs<T, C> args{q.data_ptr<T>(), static_cast<const C*>(key_cache.data_ptr()),
+                                              static_cast<const C*>(value_cache.data_ptr()), bt.data_ptr<int32_t>(),
+                                              starts.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<T>(),
+                                              num_q_heads, num_kv_heads, key_cache.size(1), bt.size(1),
+                                              static_cast<float>(scale), k_scale, v_scale};
   // Tasks (sequence, KV head), largest first (cost ~ q_len x seq_len), handed out one at a time:
   // chunks of very different lengths still split evenly over the threads.
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (-cost, task)
@@ -270,7 +384,7 @@ void prefill_on_threads(const torch::Tensor& q, const torch::Tensor& key_cache, 
     for (int64_t h = 0; h < num_kv_heads; ++h)
       tasks.emplace_back(-static_cast<int64_t>(s[i + 1] - s[i]) * l[i], i * num_kv_heads + h);
   std::stable_sort(tasks.begin(), tasks.end());
-  auto kernel = head_dim == 64 ? avx2::f32attn::prefill_task<T, 64> : avx2::f32attn::prefill_task<T, 128>;
+  auto kernel = head_dim == 64 ? avx2::f32attn::prefill_task<T, 64, C> : avx2::f32attn::prefill_task<T, 128, C>;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks.size()), 1, [&](int64_t, int64_t) {
     for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(tasks.size()); i = next.fetch_add(1))
@@ -301,6 +415,37 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
 #ifdef LLMCTL_X86_VARIANTS
   if (q.scalar_type() == at::kFloat) prefill_on_threads<float>(q, key_cache, value_cache, bt, starts, lens, out, scale);
   else prefill_on_threads<at::BFloat16>(q, key_cache, value_cache, bt, starts, lens, out, scale);
+#endif
+  return out;
+}
+
+// Causal prefill / extend over an 8-bit KV pool: paged_prefill_attention on each task's K and V
+// dequantized once (code * scale in fp32, as kernels/kv_quant.py's dequantize_per_token).
+torch::Tensor paged_prefill_attention_codes(torch::Tensor query, const std::string& kind, torch::Tensor k_codes,
+                                            torch::Tensor v_codes, torch::Tensor k_scale, torch::Tensor v_scale,
+                                            torch::Tensor block_tables, torch::Tensor query_start_loc,
+                                            torch::Tensor seq_lens, double scale) {
+  check_code_pool(query, k_codes, v_codes, k_scale, v_scale);
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+              seq_lens.scalar_type() == at::kInt, "int32 tables");
+  auto q = query.contiguous();
+  auto bt = block_tables.contiguous();
+  auto starts = query_start_loc.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = torch::empty_like(q);
+  TORCH_CHECK(starts.size(0) == lens.size(0) + 1 && bt.size(0) == lens.size(0),
+              "one table row and one chunk per sequence");
+  TORCH_CHECK(starts.data_ptr<int32_t>()[starts.size(0) - 1] == q.size(0),
+              "query_start_loc must end at the number of query tokens");
+#ifdef LLMCTL_X86_VARIANTS
+  LLMCTL_CODE_DISPATCH(kind, [&] {
+    if (q.scalar_type() == at::kFloat)
+      prefill_on_threads<float, code_t>(q, k_codes, v_codes, bt, starts, lens, out, scale, k_scale.data_ptr<float>(),
+                                        v_scale.data_ptr<float>());
+    else
+      prefill_on_threads<at::BFloat16, code_t>(q, k_codes, v_codes, bt, starts, lens, out, scale,
+                                               k_scale.data_ptr<float>(), v_scale.data_ptr<float>());
+  });
 #endif
   return out;
 }
@@ -386,6 +531,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_isas", &compiled_isas, "The kernel variants compiled into this module");
   m.def("reshape_and_cache", &reshape_and_cache, "Write K/V into the paged cache through the slot mapping (CPU)");
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("decode_codes_supported", &decode_codes_supported, "Whether paged_decode_attention_codes takes this head_dim");
+  m.def("paged_decode_attention_codes", &paged_decode_attention_codes,
+        "Paged decode attention over an 8-bit KV pool (int8, fp8_e4m3, fp8_e5m2; CPU)");
+  m.def("paged_prefill_attention_codes", &paged_prefill_attention_codes,
+        "Causal paged prefill attention over an 8-bit KV pool (CPU)");
+  m.def("store_kv_codes", &store_kv_codes, "Quantize K/V per (token, KV head) into an 8-bit pool (CPU)");
   m.def("prefill_attention_supported", &prefill_attention_supported, "Whether paged_prefill_attention takes these");
   m.def("paged_prefill_attention", &paged_prefill_attention, "Causal paged prefill attention, fp32 or bf16 (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with optional fused residual add (CPU)");

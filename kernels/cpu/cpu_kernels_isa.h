@@ -162,6 +162,52 @@ void decode_range(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
   else decode_tasks<T, 0>(a, begin, end);
 }
 
+#ifdef LLMCTL_ISA_HAS_AVX2
+// Decode attention over 8-bit codes (C = Int8Code, Fp8E4m3Code, Fp8E5m2Code), head_dim 64 or 128
+// (the caller checks): the intrinsics kernel with the rows' scales applied.
+template <typename T, typename C>
+void decode_codes_range(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
+  if (a.head_dim == 64) f32attn::decode_tasks<T, 64, C>(a, begin, end);
+  else f32attn::decode_tasks<T, 128, C>(a, begin, end);
+}
+#endif
+
+// Quantize-on-store for the 8-bit KV formats, as kernels/kv_quant.py's quantize_per_token rounds:
+// scale = amax / qmax, code = x / scale (scale 0: x / 1) rounded to the code type (int8: to
+// nearest even, clamped to +-127; fp8: torch's own conversion). Tokens [begin, end) of x
+// [tokens, heads, D] (token stride x_stride floats, heads contiguous) go to rows slot * heads + h
+// of codes [*, D] and scales; slot < 0 is skipped.
+template <typename C>
+inline C to_code(float v) {
+  if constexpr (std::is_same_v<C, Int8Code>) {
+    const float r = std::nearbyint(v);
+    return C{static_cast<int8_t>(r < -127.f ? -127.f : (r > 127.f ? 127.f : r))};
+  } else if constexpr (std::is_same_v<C, Fp8E4m3Code>) {
+    return C{c10::Float8_e4m3fn(v).x};
+  } else {
+    return C{c10::Float8_e5m2(v).x};
+  }
+}
+
+template <typename C>
+void quantize_rows(const float* x, int64_t x_stride, int64_t heads, int64_t D, const int64_t* slots, float qmax,
+                   C* codes, float* scales, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    if (slots[t] < 0) continue;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* src = x + t * x_stride + h * D;
+      const int64_t out_row = slots[t] * heads + h;
+      float amax = 0.f;
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(src[d]));
+      const float scale = amax / qmax;
+      const float divisor = scale > 0.f ? scale : 1.f;
+      C* out = codes + out_row * D;
+      for (int64_t d = 0; d < D; ++d) out[d] = to_code<C>(src[d] / divisor);
+      scales[out_row] = scale;
+    }
+  }
+}
+
 // RMSNorm of rows [begin, end), with the residual add first when ``res`` is set: the add rounds
 // to T (new_res), the norm runs in fp32, rounds to T, then scales by the weight, as HF does.
 template <typename T>

@@ -190,23 +190,53 @@ IsaKernels kernels_for(const std::string& isa) {
   TORCH_CHECK(false, "the native decode loop runs the avx2 or avx512 kernel variants, not ", isa);
 }
 
+// The KV pool's storage: float32, or 8-bit codes with a float32 scale per (token, KV head)
+// (--kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2, llmctl/engine/kv_cache.py), stored and read by the
+// same cpu_kernels.cpp functions the module path calls.
+enum class KvStorage { kFloat, kInt8, kFp8E4m3, kFp8E5m2 };
+
+KvStorage kv_storage(const std::string& kind) {
+  if (kind == "auto") return KvStorage::kFloat;
+  if (kind == "int8") return KvStorage::kInt8;
+  if (kind == "fp8_e4m3") return KvStorage::kFp8E4m3;
+  if (kind == "fp8_e5m2") return KvStorage::kFp8E5m2;
+  TORCH_CHECK(false, "the native decode loop takes KV dtypes auto (float32), int8, fp8_e4m3 and fp8_e5m2, not ", kind);
+}
+
 class DecodeLoop {
  public:
+  // k_pool / v_pool: [layers, blocks, block_size, kv_heads, head_dim], float32 (kv_kind "auto") or
+  // the codes as bytes, then k_scale / v_scale [layers, blocks, block_size, kv_heads].
   DecodeLoop(const std::string& isa, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-             double scale, at::Tensor cos_sin_cache, at::Tensor final_norm, at::Tensor kv_cache)
-      : k_(kernels_for(isa)), hq_(num_q_heads), hkv_(num_kv_heads), d_(head_dim), eps_(static_cast<float>(eps)),
-        scale_(static_cast<float>(scale)), cos_sin_(cos_sin_cache.to(at::kFloat).contiguous()),
-        final_norm_(final_norm.contiguous()), kv_cache_(kv_cache) {
-    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kFloat,
-                "kv_cache: contiguous float32 [2, layers, blocks, block_size, kv_heads, head_dim]");
-    TORCH_CHECK(kv_cache.size(4) == hkv_ && kv_cache.size(5) == d_ && hq_ % hkv_ == 0, "KV cache shape");
+             double scale, at::Tensor cos_sin_cache, at::Tensor final_norm, const std::string& kv_kind,
+             at::Tensor k_pool, at::Tensor v_pool, c10::optional<at::Tensor> k_scale,
+             c10::optional<at::Tensor> v_scale)
+      : k_(kernels_for(isa)), avx512_(isa != "avx2"), hq_(num_q_heads), hkv_(num_kv_heads), d_(head_dim),
+        eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)),
+        cos_sin_(cos_sin_cache.to(at::kFloat).contiguous()), final_norm_(final_norm.contiguous()),
+        storage_(kv_storage(kv_kind)), k_pool_(k_pool), v_pool_(v_pool) {
+    const bool codes = storage_ != KvStorage::kFloat;
+    for (const at::Tensor* pool : {&k_pool_, &v_pool_})
+      TORCH_CHECK(pool->dim() == 5 && pool->is_contiguous() && pool->sizes() == k_pool_.sizes() &&
+                      (codes ? pool->scalar_type() == at::kByte : pool->scalar_type() == at::kFloat),
+                  "KV pools: contiguous [layers, blocks, block_size, kv_heads, head_dim], float32 or byte codes");
+    TORCH_CHECK(k_pool_.size(3) == hkv_ && k_pool_.size(4) == d_ && hq_ % hkv_ == 0, "KV cache shape");
+    if (codes) {
+      TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "8-bit KV codes need their scales");
+      k_scale_ = *k_scale;
+      v_scale_ = *v_scale;
+      for (const at::Tensor* s : {&k_scale_, &v_scale_})
+        TORCH_CHECK(s->is_contiguous() && s->scalar_type() == at::kFloat && s->sizes() == k_pool_.sizes().slice(0, 4),
+                    "KV scales: contiguous float32 [layers, blocks, block_size, kv_heads]");
+      TORCH_CHECK(d_ == 64 || d_ == 128, "8-bit KV codes in the loop: head_dim 64 or 128");
+    }
     TORCH_CHECK(final_norm_.scalar_type() == at::kFloat, "float32 final norm");
     llmctl_gemm::set_isa(isa);  // the variant kernels/gemm_native.py selects: same bits as the module path
   }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, Linear qkv, Linear o, Linear gate_up, Linear down) {
     const int64_t hidden = final_norm_.size(0);
-    TORCH_CHECK(static_cast<int64_t>(layers_.size()) < kv_cache_.size(1), "more layers than KV cache layers");
+    TORCH_CHECK(static_cast<int64_t>(layers_.size()) < k_pool_.size(0), "more layers than KV cache layers");
     TORCH_CHECK(qkv.k == hidden && qkv.n == (hq_ + 2 * hkv_) * d_ && o.k == hq_ * d_ && o.n == hidden &&
                     gate_up.k == hidden && gate_up.n % 2 == 0 && down.k == gate_up.n / 2 && down.n == hidden,
                 "layer shapes disagree");
@@ -221,7 +251,7 @@ class DecodeLoop {
   // seq_lens [B] int32 -> the final-normed hidden states [B, H].
   at::Tensor forward(const at::Tensor& embeddings, const at::Tensor& positions_in, const at::Tensor& slots_in,
                      const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in) {
-    TORCH_CHECK(static_cast<int64_t>(layers_.size()) == kv_cache_.size(1), "not every layer was added");
+    TORCH_CHECK(static_cast<int64_t>(layers_.size()) == k_pool_.size(0), "not every layer was added");
     TORCH_CHECK(embeddings.dim() == 2 && embeddings.scalar_type() == at::kFloat, "hidden [B, H] float32");
     const int64_t rows = embeddings.size(0);
     const auto positions = positions_in.to(at::kLong).contiguous();
@@ -309,32 +339,76 @@ class DecodeLoop {
     });
   }
 
-  void store_kv(int64_t layer, const float* key, int64_t key_stride, const float* value, int64_t value_stride,
-                const at::Tensor& slots) {
-    const int64_t row = hkv_ * d_, rows = slots.size(0);
-    const int64_t per_layer = kv_cache_.size(2) * kv_cache_.size(3) * row;
-    float* k_cache = kv_cache_.data_ptr<float>() + layer * per_layer;
-    float* v_cache = k_cache + kv_cache_.size(1) * per_layer;
-    const int64_t* slot = slots.data_ptr<int64_t>();
-    for (int64_t t = 0; t < rows; ++t) {
-      if (slot[t] < 0) continue;
-      std::memcpy(k_cache + slot[t] * row, key + t * key_stride, row * sizeof(float));
-      std::memcpy(v_cache + slot[t] * row, value + t * value_stride, row * sizeof(float));
+  // Calls f(code tag) with the code type of an 8-bit pool.
+  template <typename F>
+  void with_code_type(F&& f) const {
+    switch (storage_) {
+      case KvStorage::kInt8: f(cpuk::Int8Code{}); break;
+      case KvStorage::kFp8E4m3: f(cpuk::Fp8E4m3Code{}); break;
+      case KvStorage::kFp8E5m2: f(cpuk::Fp8E5m2Code{}); break;
+      case KvStorage::kFloat: TORCH_CHECK(false, "not an 8-bit pool");
     }
   }
 
-  // As cpu_kernels.cpp's paged_decode_attention, on this layer's slice of the pool.
+  // Elements of one layer's slice of a pool (and of its scales: per_layer / head_dim).
+  int64_t per_layer() const { return k_pool_.size(1) * k_pool_.size(2) * hkv_ * d_; }
+
+  void store_kv(int64_t layer, const float* key, int64_t key_stride, const float* value, int64_t value_stride,
+                const at::Tensor& slots) {
+    const int64_t row = hkv_ * d_, rows = slots.size(0);
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    if (storage_ == KvStorage::kFloat) {
+      float* k_cache = k_pool_.data_ptr<float>() + layer * per_layer();
+      float* v_cache = v_pool_.data_ptr<float>() + layer * per_layer();
+      for (int64_t t = 0; t < rows; ++t) {
+        if (slot[t] < 0) continue;
+        std::memcpy(k_cache + slot[t] * row, key + t * key_stride, row * sizeof(float));
+        std::memcpy(v_cache + slot[t] * row, value + t * value_stride, row * sizeof(float));
+      }
+      return;
+    }
+    // As cpu_kernels.cpp's store_kv_codes (the module path's store), rows spread over the threads.
+    with_code_type([&](auto tag) {
+      using C = decltype(tag);
+      const float qmax = std::is_same_v<C, cpuk::Int8Code> ? 127.f : std::is_same_v<C, cpuk::Fp8E4m3Code> ? 448.f : 57344.f;
+      C* k_codes = static_cast<C*>(k_pool_.data_ptr()) + layer * per_layer();
+      C* v_codes = static_cast<C*>(v_pool_.data_ptr()) + layer * per_layer();
+      float* k_scales = k_scale_.data_ptr<float>() + layer * per_layer() / d_;
+      float* v_scales = v_scale_.data_ptr<float>() + layer * per_layer() / d_;
+      auto quantize = avx512_ ? cpuk::avx512::quantize_rows<C> : cpuk::avx2::quantize_rows<C>;
+      at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+        quantize(key, key_stride, hkv_, d_, slot, qmax, k_codes, k_scales, begin, end);
+        quantize(value, value_stride, hkv_, d_, slot, qmax, v_codes, v_scales, begin, end);
+      });
+    });
+  }
+
+  // As cpu_kernels.cpp's paged_decode_attention (paged_decode_attention_codes for 8-bit pools), on
+  // this layer's slice of the pool.
   void attention(int64_t layer, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
                  at::Tensor& out) {
-    const int64_t num_seqs = q.size(0), block_size = kv_cache_.size(3);
-    const int64_t per_layer = kv_cache_.size(2) * block_size * hkv_ * d_;
-    const float* k_cache = kv_cache_.data_ptr<float>() + layer * per_layer;
-    const float* v_cache = k_cache + kv_cache_.size(1) * per_layer;
+    const int64_t num_seqs = q.size(0), block_size = k_pool_.size(2);
     const int64_t heads_per_task = num_seqs >= 2 * at::get_num_threads() ? hkv_ : 1;
-    DecodeArgs<float> args{q.data_ptr<float>(), k_cache, v_cache, tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
-                           out.data_ptr<float>(), hq_, hkv_, d_, block_size, tables.size(1), heads_per_task, scale_};
     const int64_t tasks = num_seqs * (hkv_ / heads_per_task);
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) { k_.decode(args, begin, end); });
+    if (storage_ == KvStorage::kFloat) {
+      DecodeArgs<float> args{q.data_ptr<float>(), k_pool_.data_ptr<float>() + layer * per_layer(),
+                             v_pool_.data_ptr<float>() + layer * per_layer(), tables.data_ptr<int32_t>(),
+                             lens.data_ptr<int32_t>(), out.data_ptr<float>(), hq_, hkv_, d_, block_size, tables.size(1),
+                             heads_per_task, scale_};
+      at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) { k_.decode(args, begin, end); });
+      return;
+    }
+    with_code_type([&](auto tag) {
+      using C = decltype(tag);
+      const DecodeArgs<float, C> args{q.data_ptr<float>(), static_cast<const C*>(k_pool_.data_ptr()) + layer * per_layer(),
+                                      static_cast<const C*>(v_pool_.data_ptr()) + layer * per_layer(),
+                                      tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<float>(), hq_,
+                                      hkv_, d_, block_size, tables.size(1), heads_per_task, scale_,
+                                      k_scale_.data_ptr<float>() + layer * per_layer() / d_,
+                                      v_scale_.data_ptr<float>() + layer * per_layer() / d_};
+      auto decode = avx512_ ? cpuk::avx512::decode_codes_range<float, C> : cpuk::avx2::decode_codes_range<float, C>;
+      at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) { decode(args, begin, end); });
+    });
   }
 
   at::Tensor silu_and_mul(const at::Tensor& x) {
@@ -367,9 +441,12 @@ class DecodeLoop {
   int64_t profiled_steps_ = 0;
 
   IsaKernels k_;
+  bool avx512_;  // the avx512 variants (else avx2), as kernels_for picked
   int64_t hq_, hkv_, d_;
   float eps_, scale_;
-  at::Tensor cos_sin_, final_norm_, kv_cache_;
+  at::Tensor cos_sin_, final_norm_;
+  KvStorage storage_;
+  at::Tensor k_pool_, v_pool_, k_scale_, v_scale_;
   std::vector<Layer> layers_;
 };
 
@@ -385,7 +462,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("tiles") = pybind11::none());
   pybind11::class_<DecodeLoop>(m, "DecodeLoop", "Every decoder layer of a decode step in one call")
       .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
-                          at::Tensor>())
+                          const std::string&, at::Tensor, at::Tensor, c10::optional<at::Tensor>,
+                          c10::optional<at::Tensor>>(),
+           pybind11::arg("isa"), pybind11::arg("num_q_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"),
+           pybind11::arg("eps"), pybind11::arg("scale"), pybind11::arg("cos_sin_cache"), pybind11::arg("final_norm"),
+           pybind11::arg("kv_kind"), pybind11::arg("k_pool"), pybind11::arg("v_pool"),
+           pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none())
       .def("add_layer", &DecodeLoop::add_layer)
       .def("num_layers", &DecodeLoop::num_layers)
       .def("set_profile", &DecodeLoop::set_profile)

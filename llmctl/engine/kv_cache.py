@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import kv_quant as kq
+from kernels.cpu_native import (decode_codes_native_supported, paged_decode_attention_codes_native,
+                                paged_prefill_attention_codes_native, store_kv_codes_native)
 from kernels.kv_quant_native import load_kv_quant_native, quantized_decode_attention_native
 from kernels.prefill_attention import attend_causal
 
@@ -155,6 +157,10 @@ class QuantizedKVCache:
         # decode attention: the native CPU kernel reads the pool in place where it is built, else
         # the torch reference (gather, dequantize, attend)
         self.native_decode = device.type == "cpu" and load_kv_quant_native() is not None
+        # 8-bit formats where the float kernels module takes them (AVX2 or better, head_dim 64/128):
+        # its tiled decode kernel and quantize-on-store, which the native decode loop also runs
+        self.native_codes = (device.type == "cpu" and fmt.kind in kq.PER_TOKEN_DTYPES
+                             and decode_codes_native_supported(fmt.head_dim))
 
     def layer(self, index: int) -> QuantizedLayerKV:
         return QuantizedLayerKV(self, index)
@@ -264,6 +270,9 @@ class QuantizedLayerKV:
 
     def store(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         fmt = self.fmt
+        if self.cache.native_codes and key.dtype == torch.float32:
+            store_kv_codes_native(key, value, fmt.kind, self.t, slot_mapping)
+            return
         if not fmt.is_kivi:
             valid = slot_mapping >= 0
             slots = slot_mapping[valid]
@@ -344,6 +353,21 @@ class QuantizedLayerKV:
         over their sequence's blocks, decodes over theirs."""
         self.store(key, value, meta.slot_mapping)
         out = torch.empty_like(query)
+        n = meta.num_prefill_tokens
+        if self.cache.native_codes:
+            if n:
+                out[:n] = paged_prefill_attention_codes_native(
+                    query[:n], self.fmt.kind, self.t, meta.prefill_block_tables, meta.prefill_query_start_loc,
+                    meta.prefill_seq_lens, scale)
+        else:
+            self.prefill_reference(query, out, meta, scale)
+        if meta.num_decodes:
+            out[n:] = self.decode(query[n:], meta.decode_block_tables, meta.decode_seq_lens, meta.max_decode_seq_len,
+                                  scale)
+        return out
+
+    def prefill_reference(self, query: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
+        """The prefill chunks' rows of ``out``, one sequence at a time: gather, dequantize, attend."""
         starts, lens = meta.prefill_query_start_loc.tolist(), meta.prefill_seq_lens.tolist()
         for i, seq_len in enumerate(lens):
             start, end = starts[i], starts[i + 1]
@@ -359,15 +383,12 @@ class QuantizedLayerKV:
                                                        exact_values, window, scale)
             else:
                 out[start:end] = attend_causal(query[start:end], keys[0], values[0], scale)
-        if meta.num_decodes:
-            n = meta.num_prefill_tokens
-            out[n:] = self.decode(query[n:], meta.decode_block_tables, meta.decode_seq_lens, meta.max_decode_seq_len,
-                                  scale)
-        return out
 
     def decode(self, query: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
                scale: float) -> torch.Tensor:
         """One query token per sequence over its blocks as the cache holds them."""
+        if self.cache.native_codes:
+            return paged_decode_attention_codes_native(query, self.fmt.kind, self.t, block_tables, seq_lens, scale)
         if self.cache.native_decode:
             plan = self.cache.plan
             return quantized_decode_attention_native(

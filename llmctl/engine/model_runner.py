@@ -78,7 +78,7 @@ class ModelRunner:
         if device.type == "cpu":
             bind_cpu_kernels(model)
         # Decode-only steps in one native call where the model allows (else None); decode_path says which.
-        self.native_decode, self.decode_path = build_native_decode(model, self.kv_cache)
+        self.native_decode, self.decode_path = build_native_decode(model, self.kv_cache, self.quantized_kv)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from kernels.cpu_features import isa_level
 from llmctl.layers.linear import LinearBase, RowParallelLinear, UnquantizedLinearMethod
 from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from llmctl.engine.kv_cache import QuantizedKVCache
 
 ACTIVE = "decode: native loop"
 
@@ -34,10 +38,12 @@ class NativeDecode:
                              meta.decode_seq_lens)
 
 
-def build_native_decode(model: LlamaForCausalLM, kv_cache: torch.Tensor) -> tuple[NativeDecode | None, str]:
-    """The loop bound to ``model``'s weights and its float KV pool ``kv_cache`` [2, layers, ...],
-    and the decode path for start-up lines: ``ACTIVE``, or why the module path runs instead."""
-    reason = why_not(model, kv_cache)
+def build_native_decode(model: LlamaForCausalLM, kv_cache: torch.Tensor,
+                        quantized_kv: QuantizedKVCache | None = None) -> tuple[NativeDecode | None, str]:
+    """The loop bound to ``model``'s weights and its KV pool: the float ``kv_cache`` [2, layers, ...],
+    or an 8-bit ``quantized_kv`` (int8, fp8), and the decode path for start-up lines: ``ACTIVE``, or
+    why the module path runs instead."""
+    reason = why_not(model, kv_cache, quantized_kv)
     if reason is not None:
         return None, f"decode: Python modules ({reason})"
     from kernels.decode_loop import load_decode_loop, unavailable_reason
@@ -47,8 +53,14 @@ def build_native_decode(model: LlamaForCausalLM, kv_cache: torch.Tensor) -> tupl
         return None, f"decode: Python modules ({unavailable_reason()})"
     layers = model.model.stage_layers
     attn = layers[0].self_attn
+    if quantized_kv is None:
+        pool = dict(kv_kind="auto", k_pool=kv_cache[0], v_pool=kv_cache[1])
+    else:
+        t = quantized_kv.tensors
+        pool = dict(kv_kind=quantized_kv.fmt.kind, k_pool=t["k"].view(torch.uint8), v_pool=t["v"].view(torch.uint8),
+                    k_scale=t["k_scale"], v_scale=t["v_scale"])
     loop = module.DecodeLoop(isa_level(), attn.num_heads, attn.num_kv_heads, attn.head_dim, model.model.norm.eps,
-                             attn.attn.scale, attn.rotary_emb.cos_sin_cache, model.model.norm.weight, kv_cache)
+                             attn.attn.scale, attn.rotary_emb.cos_sin_cache, model.model.norm.weight, **pool)
     for layer in layers:
         a, mlp = layer.self_attn, layer.mlp
         loop.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
@@ -57,7 +69,7 @@ def build_native_decode(model: LlamaForCausalLM, kv_cache: torch.Tensor) -> tupl
     return NativeDecode(loop, model.model.embed_tokens), ACTIVE
 
 
-def why_not(model: LlamaForCausalLM, kv_cache: torch.Tensor) -> str | None:
+def why_not(model: LlamaForCausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCache | None = None) -> str | None:
     """Why this model and KV pool run decode on the module path (None: the loop takes them)."""
     if os.environ.get("LLMCTL_DECODE_LOOP", "1") == "0":
         return "LLMCTL_DECODE_LOOP=0"
@@ -68,8 +80,9 @@ def why_not(model: LlamaForCausalLM, kv_cache: torch.Tensor) -> str | None:
         (stage.start != 0 or not stage.is_last, "pipeline parallel"),
         (not layers or not all(isinstance(layer, LlamaDecoderLayer) for layer in layers), "no decoder layers"),
         (model.model.norm.weight.dtype != torch.float32, f"{model.model.norm.weight.dtype} activations"),
-        (kv_cache.dtype != torch.float32 or kv_cache.numel() == 0 or kv_cache.shape[1] != len(layers),
-         "quantized or non-float32 KV cache"),
+        (quantized_kv is not None and not quantized_kv.native_codes, _quantized_kv_why_not(quantized_kv)),
+        (quantized_kv is None and (kv_cache.dtype != torch.float32 or kv_cache.numel() == 0
+                                   or kv_cache.shape[1] != len(layers)), "non-float32 KV cache"),
         (cfg.qk_norm, "per-head q/k norm"),
         (isa_level() not in ("avx2", "avx512", "avx512bf16"), f"{isa_level()} kernel variant"),
         (os.environ.get("LLMCTL_QUANT_EXACT_ACTIVATIONS") == "1", "LLMCTL_QUANT_EXACT_ACTIVATIONS=1"),
@@ -80,14 +93,21 @@ def why_not(model: LlamaForCausalLM, kv_cache: torch.Tensor) -> str | None:
     ops = layers[0].input_layernorm.ops
     if type(ops) is not TorchOps or not ops.native:
         return "native CPU kernels off"
-    if any(layer.self_attn.attn.quantized_kv is not None for layer in layers):
-        return "quantized KV cache"
     for layer in layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             reason = _linear_why_not(linear)
             if reason is not None:
                 return reason
     return None
+
+
+def _quantized_kv_why_not(quantized_kv: QuantizedKVCache | None) -> str:
+    if quantized_kv is None:
+        return ""
+    fmt = quantized_kv.fmt
+    if fmt.is_kivi:
+        return f"{fmt.kind} KV cache"
+    return f"{fmt.kind} KV cache with head_dim {fmt.head_dim} (the loop's 8-bit KV kernels take 64 or 128)"
 
 
 def _linear_why_not(layer: LinearBase) -> str | None:
