@@ -7,6 +7,8 @@
 // (head_dim values) at a time into a small fp32 buffer and uses it for every query head of its GQA
 // group at once. Accumulation is fp32 throughout.
 
+#include "fast_exp.h"
+
 // ---- row helpers -------------------------------------------------------------------------------
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
@@ -59,6 +61,15 @@ inline void widen(const at::Half* x, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
 }
 
+// One float16 scale or zero (F16C where compiled in; c10's software conversion otherwise).
+inline float half_value(at::Half h) {
+#ifdef LLMCTL_KVQ_AVX2
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
 // fp8 codes through the 256-entry table of their values (exact: every fp8 value is a float).
 inline void fp8_row(const uint8_t* codes, const float* lut, float* out, int64_t n) {
   int64_t i = 0;
@@ -90,9 +101,15 @@ inline void unpack_row(const uint8_t* packed, int bits, float* out, int64_t n) {
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i shifts = _mm256_mullo_epi32(lanes, _mm256_set1_epi32(bits));
   const __m256i maskv = _mm256_set1_epi32(static_cast<int>(mask));
-  for (; i + 8 <= n; i += 8) {  // 8 codes = bits bytes
+  for (; i + 8 <= n; i += 8) {  // 8 codes = bits bytes, read with a constant size (no memcpy call)
     uint32_t word = 0;
-    std::memcpy(&word, packed + i / per_byte, bits);
+    if (bits == 2) {
+      uint16_t half;
+      std::memcpy(&half, packed + i / per_byte, sizeof half);
+      word = half;
+    } else {
+      std::memcpy(&word, packed + i / per_byte, sizeof word);
+    }
     const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts), maskv);
     _mm256_storeu_ps(out + i, _mm256_cvtepi32_ps(v));
   }
@@ -164,8 +181,9 @@ void decode_task(const KvqArgs<T>& a, int64_t task, std::vector<float>& scratch)
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[t]);
     float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < len; ++t) {
-      s[t] = std::exp(s[t] - mx);
+      s[t] = fast_exp(s[t] - mx);
       sum += s[t];
     }
     inv_sum[g] = 1.f / sum;
@@ -190,8 +208,8 @@ void decode_task(const KvqArgs<T>& a, int64_t task, std::vector<float>& scratch)
           const float p = scores[g * len + first + t];
           for (int64_t k = 0; k < vgroups; ++k) {
             const int64_t off = k * a.value_group;
-            axpy(p * static_cast<float>(vs[k]), row + off, acc + g * D + off, a.value_group);
-            zacc[g * vgroups + k] += p * static_cast<float>(vz[k]);
+            axpy(p * half_value(vs[k]), row + off, acc + g * D + off, a.value_group);
+            zacc[g * vgroups + k] += p * half_value(vz[k]);
           }
         }
       } else {
