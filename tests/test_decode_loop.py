@@ -94,11 +94,13 @@ def test_gguf_mixing_packed_and_float_layers(tmp_path, monkeypatch):
     assert_same_as_module_path(str(path), monkeypatch, prompts, quantization="auto")
 
 
-def test_speculative_verify_rows_run_in_the_loop(llama_dir, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_speculative_verify_rows_run_in_the_loop(llama_dir, llama64_dir, monkeypatch, kv_cache_dtype):
     # repetitive prompts, so that n-gram lookup proposes drafts and verify steps have several rows
     prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 7]
-    kw = dict(speculative_model="ngram", num_speculative_tokens=3, quantization="int8")
-    assert_same_as_module_path(str(llama_dir), monkeypatch, prompts, max_tokens=12, **kw)
+    kw = dict(speculative_model="ngram", num_speculative_tokens=3, quantization="int8", kv_cache_dtype=kv_cache_dtype)
+    model = llama_dir if kv_cache_dtype == "auto" else llama64_dir  # 8-bit KV in the loop: head_dim 64/128
+    assert_same_as_module_path(str(model), monkeypatch, prompts, max_tokens=12, **kw)
 
 
 def test_smollm2_packed_logits_equal(monkeypatch):

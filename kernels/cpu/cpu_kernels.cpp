@@ -37,6 +37,9 @@ struct Fp8E4m3Code { uint8_t bits; };
 struct Fp8E5m2Code { uint8_t bits; };
 template <typename C>
 constexpr bool kIsCode = std::is_same_v<C, Int8Code> || std::is_same_v<C, Fp8E4m3Code> || std::is_same_v<C, Fp8E5m2Code>;
+// The largest magnitude a code holds: a row's scale is its amax / this (kernels/kv_quant.py's _qmax).
+template <typename C>
+constexpr float kCodeMax = std::is_same_v<C, Int8Code> ? 127.f : std::is_same_v<C, Fp8E4m3Code> ? 448.f : 57344.f;
 
 // T: query and output; C: the cache's elements (T, or a code type with its scales).
 template <typename T, typename C = T>
@@ -337,8 +340,7 @@ void store_kv_codes(torch::Tensor key, torch::Tensor value, const std::string& k
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] < capacity, "slot ", slot[t], " outside the pool");
   LLMCTL_CODE_DISPATCH(kind, [&] {
-    const float qmax = std::is_same_v<code_t, Int8Code> ? 127.f
-                       : std::is_same_v<code_t, Fp8E4m3Code> ? 448.f : 57344.f;
+    const float qmax = kCodeMax<code_t>;
     auto quantize = [&](const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& scales) {
       TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == dim, "K/V heads must be contiguous within a token");
       LLMCTL_ISA_CALL(code_t, quantize_rows, x.data_ptr<float>(), x.stride(0), heads, dim, slot, qmax,

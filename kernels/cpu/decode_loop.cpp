@@ -370,7 +370,7 @@ class DecodeLoop {
     // As cpu_kernels.cpp's store_kv_codes (the module path's store), rows spread over the threads.
     with_code_type([&](auto tag) {
       using C = decltype(tag);
-      const float qmax = std::is_same_v<C, cpuk::Int8Code> ? 127.f : std::is_same_v<C, cpuk::Fp8E4m3Code> ? 448.f : 57344.f;
+      const float qmax = cpuk::kCodeMax<C>;
       C* k_codes = static_cast<C*>(k_pool_.data_ptr()) + layer * per_layer();
       C* v_codes = static_cast<C*>(v_pool_.data_ptr()) + layer * per_layer();
       float* k_scales = k_scale_.data_ptr<float>() + layer * per_layer() / d_;
