@@ -1,6 +1,7 @@
 """The native CPU decode kernel over a quantized KV pool (kernels/cpu/kv_quant_attention.cpp)
 against the torch reference (gather + dequantize + attend) on the same pool: per KV dtype, per ISA
-variant, fp32 and bf16 queries, GQA, KIVI residual blocks; batched == alone."""
+variant, fp32 and bf16 queries, GQA, KIVI residual blocks, KIVI's tiled path at head_dim 64/128;
+batched == alone."""
 
 from __future__ import annotations
 
@@ -58,10 +59,27 @@ def test_native_equals_reference_bf16(kind, isa):
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("kind", ["kivi2", "kivi4"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block", [8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kivi_tiles_equal_reference(kind, head_dim, block, dtype, isa):
+    """head_dim 64/128 on AVX2: the score tiles and V chunks over dequantized rows, quantized and
+    residual (a two-block window) blocks mixed in one sequence."""
+    layer, table, lens = filled_pool(kind, LENS, head_dim=head_dim, block=block, dtype=dtype, group=32,
+                                     residual_tokens=2 * block)
+    query = torch.randn(len(LENS), 6, head_dim).to(dtype)
+    got = native(layer, query, table, lens, 1 / math.sqrt(head_dim))
+    want = reference(layer, query, table, lens, 1 / math.sqrt(head_dim))
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol * 5)
+
+
 @pytest.mark.parametrize("kind", ["int8", "kivi2"])
-def test_native_batched_equals_alone(kind, isa):
-    layer, table, lens = filled_pool(kind, LENS)
-    query = torch.randn(len(LENS), 4, 32)
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_native_batched_equals_alone(kind, head_dim, isa):
+    layer, table, lens = filled_pool(kind, LENS, head_dim=head_dim, residual_tokens=16)
+    query = torch.randn(len(LENS), 4, head_dim)
     batched = native(layer, query, table, lens, 0.2)
     for i in range(len(LENS)):
         alone = native(layer, query[i : i + 1], table[i : i + 1, : -(-int(lens[i]) // 8)], lens[i : i + 1], 0.2)

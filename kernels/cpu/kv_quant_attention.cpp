@@ -1,8 +1,10 @@
 // Paged decode attention reading a quantized KV pool directly (--kv-cache-dtype fp8_e4m3, fp8_e5m2,
 // int8, kivi2, kivi4): the native counterpart of the torch reference in llmctl/engine/kv_cache.py
 // (gather + dequantize + SDPA), with the same storage layout, scales and zeros
-// (kernels/kv_quant.py). Codes are dequantized row by row inside the kernel; KIVI blocks still in
-// the residual window (residual_table[block] >= 0) are read from the full-precision residual pool.
+// (kernels/kv_quant.py). Codes are dequantized row by row inside the kernel (KIVI at head_dim
+// 64/128 on AVX2: a row once per token, into the float kernels' score tiles and V chunks); KIVI
+// blocks still in the residual window (residual_table[block] >= 0) are read from the
+// full-precision residual pool.
 //
 // A module of its own (built by kernels/kv_quant_native.py through kernels/native_build.py), so it
 // builds and fails independently of the float kernels. Run-time ISA dispatch: the body in

@@ -105,10 +105,10 @@ inline void unpack_row(const uint8_t* packed, int bits, float* out, int64_t n) {
     uint32_t word = 0;
     if (bits == 2) {
       uint16_t half;
-      std::memcpy(&half, packed + i / per_byte, sizeof half);
+      std::memcpy(&half, packed + (i * bits >> 3), sizeof half);
       word = half;
     } else {
-      std::memcpy(&word, packed + i / per_byte, sizeof word);
+      std::memcpy(&word, packed + (i * bits >> 3), sizeof word);
     }
     const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts), maskv);
     _mm256_storeu_ps(out + i, _mm256_cvtepi32_ps(v));
@@ -116,6 +116,107 @@ inline void unpack_row(const uint8_t* packed, int bits, float* out, int64_t n) {
 #endif
   for (; i < n; ++i) out[i] = static_cast<float>((packed[i / per_byte] >> ((i % per_byte) * bits)) & mask);
 }
+
+#ifdef LLMCTL_KVQ_AVX2
+#include "attention_tiles.h"
+
+// KIVI at head_dim D (64 or 128), block size and value group multiples of 8: the float kernels'
+// score tiles and V chunks (attention_tiles.h) over rows dequantized to fp32 once per token, as
+// kernels/kv_quant.py's dequantize_kivi_keys / _values compute them (code * scale + zero), and
+// shared by the GQA group's query heads; blocks in the residual window are read from the
+// full-precision residual as they are (fp32 rows in place).
+template <typename T, int64_t D>
+void kivi_decode_task(const KvqArgs<T>& a, int64_t task, std::vector<float>& scratch) {
+  const int64_t seq = task / a.num_kv_heads, h = task % a.num_kv_heads;
+  const int64_t len = a.seq_lens[seq];
+  const int64_t G = a.num_q_heads / a.num_kv_heads, bs = a.block_size, H = a.num_kv_heads;
+  const int64_t packed = D * a.bits / 8, vgroups = D / a.value_group;
+  T* out = a.out + (seq * a.num_q_heads + h * G) * D;
+  const int64_t padded = (len + kScoreTile - 1) / kScoreTile * kScoreTile;
+  scratch.resize(2 * G * D + G * padded + G + 2 * D + kValueChunk * D);
+  float* qf = scratch.data();          // [G, D] query heads times the attention scale
+  float* acc = qf + G * D;             // [G, D] sum of p * V
+  float* scores = acc + G * D;         // [G, padded]
+  float* inv_sum = scores + G * padded;  // [G]
+  float* key_scale = inv_sum + G;      // [D] the block's per-channel key scale
+  float* key_zero = key_scale + D;     // [D] and zero
+  float* rows = key_zero + D;          // [kValueChunk, D] dequantized K or V rows
+  widen(a.q + (seq * a.num_q_heads + h * G) * D, qf, G * D);
+  for (int64_t i = 0; i < G * D; ++i) qf[i] *= a.scale;
+  const int32_t* table = a.block_tables + seq * a.max_blocks;
+  const int64_t num_blocks = (len + bs - 1) / bs;
+
+  // The fp32 row of token t of block b (a row of `rows` when it has to be dequantized or widened).
+  auto residual_row = [&](const T* residual, int64_t slot, int64_t t, float* buffer) -> const float* {
+    const T* src = residual + ((slot * bs + t) * H + h) * D;
+    if constexpr (std::is_same_v<T, float>) return src;
+    widen(src, buffer, D);
+    return buffer;
+  };
+
+  const float* tile[kScoreTile];
+  for (int64_t blk = 0; blk < num_blocks; ++blk) {  // pass 1: scores
+    const int64_t b = table[blk], first = blk * bs, n = std::min(bs, len - first);
+    const int64_t slot = a.residual_table[b];
+    if (slot < 0) {
+      widen(a.kivi_k_scale + (b * H + h) * D, key_scale, D);
+      widen(a.kivi_k_zero + (b * H + h) * D, key_zero, D);
+    }
+    for (int64_t t0 = 0; t0 < n; t0 += kScoreTile) {
+      for (int64_t j = 0; j < kScoreTile; ++j) {
+        const int64_t t = t0 + j;
+        float* row = rows + j * D;
+        if (t >= n) {
+          tile[j] = tile[0];  // past the block's end: any real row, its score is not used
+        } else if (slot >= 0) {
+          tile[j] = residual_row(a.residual_k, slot, t, row);
+        } else {
+          unpack_row(a.k + ((b * bs + t) * H + h) * packed, a.bits, row, D);
+          for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_ps(row + d, _mm256_fmadd_ps(_mm256_loadu_ps(row + d), _mm256_loadu_ps(key_scale + d),
+                                                      _mm256_loadu_ps(key_zero + d)));
+          tile[j] = row;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        _mm256_storeu_ps(scores + g * padded + first + t0, score_tile<D>(qf + g * D, tile));
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) inv_sum[g] = softmax_row(scores + g * padded, len);
+
+  std::fill(acc, acc + G * D, 0.f);
+  const float* chunk[kValueChunk];
+  for (int64_t blk = 0; blk < num_blocks; ++blk) {  // pass 2: sum of p * V
+    const int64_t b = table[blk], first = blk * bs, n = std::min(bs, len - first);
+    const int64_t slot = a.residual_table[b];
+    for (int64_t t0 = 0; t0 < n; t0 += kValueChunk) {
+      const int64_t c = std::min(kValueChunk, n - t0);
+      for (int64_t j = 0; j < c; ++j) {
+        const int64_t t = t0 + j;
+        float* row = rows + j * D;
+        if (slot >= 0) {
+          chunk[j] = residual_row(a.residual_v, slot, t, row);
+          continue;
+        }
+        const int64_t r = (b * bs + t) * H + h;
+        unpack_row(a.v + r * packed, a.bits, row, D);
+        for (int64_t k = 0; k < vgroups; ++k) {
+          const __m256 scale = _mm256_set1_ps(half_value(a.kivi_v_scale[r * vgroups + k]));
+          const __m256 zero = _mm256_set1_ps(half_value(a.kivi_v_zero[r * vgroups + k]));
+          for (int64_t d = k * a.value_group; d < (k + 1) * a.value_group; d += 8)
+            _mm256_storeu_ps(row + d, _mm256_fmadd_ps(_mm256_loadu_ps(row + d), scale, zero));
+        }
+        chunk[j] = row;
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t half = 0; half < D; half += 64)
+          accumulate_v64(acc + g * D + half, scores + g * padded + first + t0, chunk, c, half);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(acc[g * D + d] * inv_sum[g]);
+}
+#endif
 
 // ---- one (sequence, KV head) ---------------------------------------------------------------------
 template <typename T>
@@ -130,6 +231,12 @@ void decode_task(const KvqArgs<T>& a, int64_t task, std::vector<float>& scratch)
     for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(0.f);
     return;
   }
+#ifdef LLMCTL_KVQ_AVX2
+  if (a.kind == kKivi && bs % kScoreTile == 0 && a.value_group % 8 == 0) {
+    if (D == 64) return kivi_decode_task<T, 64>(a, task, scratch);
+    if (D == 128) return kivi_decode_task<T, 128>(a, task, scratch);
+  }
+#endif
   scratch.resize(3 * G * D + D + G * len + G * vgroups + 2 * G);
   float* qf = scratch.data();        // [G, D] the group's query heads
   float* qs = qf + G * D;            // [G, D] KIVI: query * key scale of the current block
