@@ -225,7 +225,9 @@ class KiviBlockMachine(BlockMachine):
             assert_all_blocks_back(engine)
 
 
-KiviBlockMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=25, deadline=None,
+# derandomize: the same examples every run, so that the vacuity check below cannot fail by chance
+# (with fresh random examples about 1 run in 12 saw no preemption).
+KiviBlockMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=25, deadline=None, derandomize=True,
                                               suppress_health_check=[HealthCheck.too_slow])
 test_block_invariants_with_kivi2 = KiviBlockMachine.TestCase
 
