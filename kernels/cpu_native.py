@@ -19,7 +19,8 @@ from kernels.native_build import LazyExtension, disabled_by
 log = logging.getLogger(__name__)
 NAME = "llmctl_cpu"
 SOURCE = Path(__file__).parent / "cpu" / "cpu_kernels.cpp"
-HEADERS = [Path(__file__).parent / "cpu" / name for name in ("cpu_kernels_isa.h", "attention_f32.h", "attention_tiles.h", "fast_exp.h")]
+HEADERS = [Path(__file__).parent / "cpu" / name
+           for name in ("cpu_kernels_isa.h", "attention_f32.h", "attention_tiles.h", "fast_exp.h")]
 # -ffp-contract=off: a product and a sum round separately, as in torch's elementwise ops (rotary is
 # then bit-identical). -fopenmp: at::parallel_for is inline OpenMP; the module then needs
 # libgomp.so.1, which resolves to the copy torch already loaded (same soname): one thread pool.
@@ -85,8 +86,9 @@ def store_kv_codes_native(key: torch.Tensor, value: torch.Tensor, kind: str, ten
     def heads_contiguous(x: torch.Tensor) -> torch.Tensor:
         return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
 
-    _module_or_raise().store_kv_codes(heads_contiguous(key), heads_contiguous(value), kind, tensors["k"].view(torch.uint8),
-                                      tensors["v"].view(torch.uint8), tensors["k_scale"], tensors["v_scale"], slot_mapping)
+    _module_or_raise().store_kv_codes(heads_contiguous(key), heads_contiguous(value), kind,
+                                      tensors["k"].view(torch.uint8), tensors["v"].view(torch.uint8),
+                                      tensors["k_scale"], tensors["v_scale"], slot_mapping)
 
 
 def prefill_attention_native_supported(query: torch.Tensor, key_cache: torch.Tensor) -> bool:

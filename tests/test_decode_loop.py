@@ -1,8 +1,8 @@
 """The native decode loop (kernels/cpu/decode_loop.cpp, llmctl/models/native_decode.py) against the
 Python module path it replaces on decode-only steps: the same logits bit for bit, step by step,
-for dense fp32 and packed int4/int8 weights, float and 8-bit KV caches, padded inputs, q/k/v and MLP biases, tied embeddings,
-a GGUF file mixing packed and float layers, speculative verify rows, and the real SmolLM2; batched
-== unbatched; and the settings it leaves to the module path say why."""
+for dense fp32 and packed int4/int8 weights, float and 8-bit KV caches, padded inputs, q/k/v and
+MLP biases, tied embeddings, a GGUF file mixing packed and float layers, speculative verify rows,
+and the real SmolLM2; batched == unbatched; and the settings it leaves to the module path say why."""
 
 from __future__ import annotations
 

@@ -270,8 +270,8 @@ bool decode_codes_supported(int64_t head_dim) {
 // float32 scales [NB, BS, Hkv].
 void check_code_pool(const torch::Tensor& query, const torch::Tensor& k_codes, const torch::Tensor& v_codes,
                      const torch::Tensor& k_scale, const torch::Tensor& v_scale) {
-  TORCH_CHECK(query.dim() == 3 && k_codes.dim() == 4 && k_codes.element_size() == 1 && v_codes.sizes() == k_codes.sizes(),
-              "query [T, Hq, D], codes [NB, BS, Hkv, D] bytes");
+  TORCH_CHECK(query.dim() == 3 && k_codes.dim() == 4 && k_codes.element_size() == 1 &&
+                  v_codes.sizes() == k_codes.sizes(), "query [T, Hq, D], codes [NB, BS, Hkv, D] bytes");
   TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_scale.is_contiguous() && v_scale.is_contiguous() &&
                   k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat &&
                   k_scale.numel() == k_codes.numel() / k_codes.size(3) && v_scale.numel() == k_scale.numel(),
@@ -284,8 +284,9 @@ void check_code_pool(const torch::Tensor& query, const torch::Tensor& k_codes, c
 
 // Decode attention over an 8-bit KV pool (codes [NB, BS, Hkv, D] as bytes, float32 scales
 // [NB, BS, Hkv]): the float kernel's score tiles and V chunks on code rows widened to fp32 a tile
-// at a time, the scales applied per (token, KV head) to the scores and the softmax weights. Same result as dequantizing and attending
-// (kernels/kv_quant.py) up to fp32 summation order; the native decode loop calls the same code.
+// at a time, the scales applied per (token, KV head) to the scores and the softmax weights. Same
+// result as dequantizing and attending (kernels/kv_quant.py) up to fp32 summation order; the native
+// decode loop calls the same code.
 torch::Tensor paged_decode_attention_codes(torch::Tensor query, const std::string& kind, torch::Tensor k_codes,
                                            torch::Tensor v_codes, torch::Tensor k_scale, torch::Tensor v_scale,
                                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {

@@ -400,8 +400,9 @@ class DecodeLoop {
     }
     with_code_type([&](auto tag) {
       using C = decltype(tag);
-      const DecodeArgs<float, C> args{q.data_ptr<float>(), static_cast<const C*>(k_pool_.data_ptr()) + layer * per_layer(),
-                                      static_cast<const C*>(v_pool_.data_ptr()) + layer * per_layer(),
+      const C* k_codes = static_cast<const C*>(k_pool_.data_ptr()) + layer * per_layer();
+      const C* v_codes = static_cast<const C*>(v_pool_.data_ptr()) + layer * per_layer();
+      const DecodeArgs<float, C> args{q.data_ptr<float>(), k_codes, v_codes,
                                       tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<float>(), hq_,
                                       hkv_, d_, block_size, tables.size(1), heads_per_task, scale_,
                                       k_scale_.data_ptr<float>() + layer * per_layer() / d_,

@@ -69,7 +69,8 @@ def build_native_decode(model: LlamaForCausalLM, kv_cache: torch.Tensor,
     return NativeDecode(loop, model.model.embed_tokens), ACTIVE
 
 
-def why_not(model: LlamaForCausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCache | None = None) -> str | None:
+def why_not(model: LlamaForCausalLM, kv_cache: torch.Tensor,
+            quantized_kv: QuantizedKVCache | None = None) -> str | None:
     """Why this model and KV pool run decode on the module path (None: the loop takes them)."""
     if os.environ.get("LLMCTL_DECODE_LOOP", "1") == "0":
         return "LLMCTL_DECODE_LOOP=0"
