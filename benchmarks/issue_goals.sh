@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every speed goal of issues 12 and 16 in one run (about 10 minutes on 2 cores), then the table of
 # goal, measured value and met or not (benchmarks/issue_goals.py), with the CPU model and flags:
-#   - run_peer_comparison.sh (fp32): vLLM, transformers, llmctl on the 246M Llama, 64 x 128 -> 128
+#   - run_peer_comparison.sh (fp32): vLLM, transformers, llmctl on the 246M Llama, 64 x 128 -> 128;
+#     on a CPU with AMX, once more in bf16 (the dtype `--dtype auto` picks there)
 #   - run_smollm2_comparison.sh: SmolLM2-135M one stream, llama.cpp / llmctl / transformers
 #   - llmctl bench smollm2-135m --concurrency 64 --quantization int8
 #   - the README's main command, llmctl bench --concurrency 64
@@ -26,6 +27,9 @@ run_round() {
   rm -f "$dir/EMULATE_ISA"
   if [ -n "${EMULATE_ISA:-}" ]; then echo "$EMULATE_ISA" > "$dir/EMULATE_ISA"; fi
   OUT=$dir/peer DTYPE=float32 REPS=1 benchmarks/run_peer_comparison.sh
+  if [ -z "${EMULATE_ISA:-}" ] && grep -qw amx_tile /proc/cpuinfo; then  # issue 16: "on an AMX machine the
+    OUT=$dir/peer DTYPE=bfloat16 REPS=1 benchmarks/run_peer_comparison.sh  # earlier >= 1.27x vLLM (bf16) holds"
+  fi
   OUT=$dir/smollm2 REPS=3 benchmarks/run_smollm2_comparison.sh
   (
     if [ "${EMULATE_ISA:-}" = avx2 ]; then  # llmctl's own runs: its kernels and torch's held to AVX2

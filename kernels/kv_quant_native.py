@@ -73,3 +73,25 @@ def quantized_decode_attention_native(
         residual["k"] if is_kivi else None, residual["v"] if is_kivi else None,
         residual_table if is_kivi else None, fp8_table(kind) if kind in kq.FP8_DTYPES else None,
         block_tables.to(torch.int32), seq_lens.to(torch.int32), value_group, float(scale))
+
+
+def kivi_store_native(
+    key: torch.Tensor,  # [N, Hkv, D] float32 (a row stride of its own allowed)
+    value: torch.Tensor,
+    bits: int,
+    value_group: int,
+    tensors: dict[str, torch.Tensor],  # one layer's KIVI storage: k, v codes, k/v_scale, k/v_zero
+    residual: dict[str, torch.Tensor],  # "k"/"v": this layer's residual slots [slots, BS, Hkv, D] float32
+    plan: object,  # kv_cache.StepPlan of this step
+) -> dict[str, torch.Tensor]:
+    """One layer's KIVI store in one native call, bit for bit as the torch reference
+    (``kv_cache.QuantizedLayerKV.stage`` + ``kv_quant.quantize_kivi_*``); returns the staging rows
+    of the blocks it quantized (``{"k", "v"}: [F, BS, Hkv, D]``), which prefill reads exactly."""
+    module = EXTENSION.require()
+    shape = (plan.finalize_blocks.numel(), *residual["k"].shape[1:])
+    staging = {name: torch.empty(shape, dtype=torch.float32) for name in ("k", "v")}
+    module.kivi_store(key, value, bits, value_group, residual["k"], residual["v"], plan.residual_tokens,
+                      plan.residual_rows, plan.staging_tokens, plan.staging_rows, plan.staged_from,
+                      plan.finalize_blocks, staging["k"], staging["v"], tensors["k"], tensors["k_scale"],
+                      tensors["k_zero"], tensors["v"], tensors["v_scale"], tensors["v_zero"])
+    return staging

@@ -1,6 +1,6 @@
 """The native decode loop (kernels/cpu/decode_loop.cpp, llmctl/models/native_decode.py) against the
 Python module path it replaces on decode-only steps: the same logits bit for bit, step by step,
-for dense fp32 and packed int4/int8 weights, float and 8-bit KV caches, padded inputs, q/k/v and
+for dense fp32 and packed int4/int8 weights, float, 8-bit and KIVI KV caches, padded inputs, q/k/v and
 MLP biases, tied embeddings, a GGUF file mixing packed and float layers, speculative verify rows,
 and the real SmolLM2; batched == unbatched; and the settings it leaves to the module path say why."""
 
@@ -73,6 +73,19 @@ def test_8bit_kv_cache_bitwise_equal_to_the_module_path(llama64_dir, monkeypatch
                                kv_cache_dtype=kv_cache_dtype)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["kivi2", "kivi4"])
+@pytest.mark.parametrize("head_dim,residual", [(16, 16), (64, 32)])
+def test_kivi_kv_cache_bitwise_equal_to_the_module_path(llama_dir, llama64_dir, monkeypatch, kv_cache_dtype,
+                                                        head_dim, residual):
+    # the loop runs KIVI's store (residual window, the blocks a step completes quantized) and its
+    # decode attention (head_dim 64: the tiled kernel) with the host's plan; windows of 1 and 2
+    # blocks; prompts long enough that decode steps complete windows
+    model = llama_dir if head_dim == 16 else llama64_dir
+    prompts = random_prompts(3, VOCAB, 10, 40, seed=6)
+    assert_same_as_module_path(str(model), monkeypatch, prompts, max_tokens=40, kv_cache_dtype=kv_cache_dtype,
+                               kv_residual_length=residual)
+
+
 def test_mlp_bias_and_batched_equals_unbatched(tmp_path, monkeypatch):
     from model_factory import make_hf_model
 
@@ -112,7 +125,6 @@ def test_smollm2_packed_logits_equal(monkeypatch):
 
 
 @pytest.mark.parametrize(("kw", "reason"), [
-    (dict(kv_cache_dtype="kivi2"), "kivi2 KV cache"),
     (dict(kv_cache_dtype="int8"), "int8 KV cache with head_dim 16"),  # the tiny model's heads
     (dict(dtype="bfloat16"), "bfloat16 activations"),
     (dict(quantization="fp8"), "fp8 weights"),

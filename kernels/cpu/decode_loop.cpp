@@ -46,6 +46,10 @@ namespace quantk {
 #include "quant_kernels.cpp"
 }  // namespace quantk
 
+namespace kvqk {  // KIVI store and decode attention (kernels/kv_quant_native.py builds it alone with these flags)
+#include "kv_quant_attention.cpp"
+}  // namespace kvqk
+
 #pragma pop_macro("PYBIND11_MODULE")
 #include "gemm_kernels.h"  // fp32 weights packed in 16-column panels (kernels/fp32_linear.py)
 
@@ -193,34 +197,61 @@ IsaKernels kernels_for(const std::string& isa) {
 // The KV pool's storage: float32, or 8-bit codes with a float32 scale per (token, KV head)
 // (--kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2, llmctl/engine/kv_cache.py), stored and read by the
 // same cpu_kernels.cpp functions the module path calls.
-enum class KvStorage { kFloat, kInt8, kFp8E4m3, kFp8E5m2 };
+// KIVI (kivi2 / kivi4): packed 2/4-bit codes with float16 scales and zeros, and the residual
+// window in float32, stored and read by kv_quant_attention.cpp's functions, with the step's plan
+// from the host (set_kivi_plan).
+enum class KvStorage { kFloat, kInt8, kFp8E4m3, kFp8E5m2, kKivi };
 
 KvStorage kv_storage(const std::string& kind) {
   if (kind == "auto") return KvStorage::kFloat;
   if (kind == "int8") return KvStorage::kInt8;
   if (kind == "fp8_e4m3") return KvStorage::kFp8E4m3;
   if (kind == "fp8_e5m2") return KvStorage::kFp8E5m2;
-  TORCH_CHECK(false, "the native decode loop takes KV dtypes auto (float32), int8, fp8_e4m3 and fp8_e5m2, not ", kind);
+  if (kind == "kivi2" || kind == "kivi4") return KvStorage::kKivi;
+  TORCH_CHECK(false, "the native decode loop takes KV dtypes auto (float32), int8, fp8_e4m3, fp8_e5m2, kivi2 and "
+              "kivi4, not ", kind);
 }
+
+// The KIVI pool of every layer, and one step's plan (kv_cache.StepPlan's tensors).
+struct KiviPool {
+  int bits = 0;
+  int64_t value_group = 0;
+  at::Tensor k_zero, v_zero, residual_k, residual_v;  // [layers, NB, H, D] f16; [layers, slots, BS, H, D] f32
+  bool planned = false;
+  at::Tensor residual_tokens, residual_rows, staging_tokens, staging_rows, staged_from, finalize_blocks,
+      residual_table;
+};
 
 class DecodeLoop {
  public:
   // k_pool / v_pool: [layers, blocks, block_size, kv_heads, head_dim], float32 (kv_kind "auto") or
   // the codes as bytes, then k_scale / v_scale [layers, blocks, block_size, kv_heads].
+  // KIVI: k_pool / v_pool [layers, blocks, block_size, kv_heads, head_dim * bits / 8] packed codes,
+  // k_scale / k_zero [layers, blocks, kv_heads, head_dim] and v_scale / v_zero [layers, blocks,
+  // block_size, kv_heads, head_dim / value_group] float16, residual_k / residual_v [layers, slots,
+  // block_size, kv_heads, head_dim] float32.
   DecodeLoop(const std::string& isa, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
              double scale, at::Tensor cos_sin_cache, at::Tensor final_norm, const std::string& kv_kind,
              at::Tensor k_pool, at::Tensor v_pool, c10::optional<at::Tensor> k_scale,
-             c10::optional<at::Tensor> v_scale)
+             c10::optional<at::Tensor> v_scale, c10::optional<at::Tensor> k_zero, c10::optional<at::Tensor> v_zero,
+             c10::optional<at::Tensor> residual_k, c10::optional<at::Tensor> residual_v, int64_t value_group)
       : k_(kernels_for(isa)), avx512_(isa != "avx2"), hq_(num_q_heads), hkv_(num_kv_heads), d_(head_dim),
         eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)),
         cos_sin_(cos_sin_cache.to(at::kFloat).contiguous()), final_norm_(final_norm.contiguous()),
         storage_(kv_storage(kv_kind)), k_pool_(k_pool), v_pool_(v_pool) {
+    TORCH_CHECK(hq_ % hkv_ == 0, "query heads must be a multiple of KV heads");
+    if (storage_ == KvStorage::kKivi) {
+      init_kivi(kv_kind == "kivi2" ? 2 : 4, k_scale, v_scale, k_zero, v_zero, residual_k, residual_v, value_group);
+      TORCH_CHECK(final_norm_.scalar_type() == at::kFloat, "float32 final norm");
+      llmctl_gemm::set_isa(isa);
+      return;
+    }
     const bool codes = storage_ != KvStorage::kFloat;
     for (const at::Tensor* pool : {&k_pool_, &v_pool_})
       TORCH_CHECK(pool->dim() == 5 && pool->is_contiguous() && pool->sizes() == k_pool_.sizes() &&
                       (codes ? pool->scalar_type() == at::kByte : pool->scalar_type() == at::kFloat),
                   "KV pools: contiguous [layers, blocks, block_size, kv_heads, head_dim], float32 or byte codes");
-    TORCH_CHECK(k_pool_.size(3) == hkv_ && k_pool_.size(4) == d_ && hq_ % hkv_ == 0, "KV cache shape");
+    TORCH_CHECK(k_pool_.size(3) == hkv_ && k_pool_.size(4) == d_, "KV cache shape");
     if (codes) {
       TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "8-bit KV codes need their scales");
       k_scale_ = *k_scale;
@@ -247,6 +278,34 @@ class DecodeLoop {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // KIVI: the next step's plan (kv_cache.QuantizedKVCache.begin_step, shared by every layer); a
+  // KIVI forward without one is refused, and the plan is used once.
+  void set_kivi_plan(at::Tensor residual_tokens, at::Tensor residual_rows, at::Tensor staging_tokens,
+                     at::Tensor staging_rows, at::Tensor staged_from, at::Tensor finalize_blocks,
+                     at::Tensor residual_table) {
+    TORCH_CHECK(storage_ == KvStorage::kKivi, "not a KIVI pool");
+    for (const at::Tensor* t : {&residual_tokens, &residual_rows, &staging_tokens, &staging_rows, &staged_from,
+                                &finalize_blocks, &residual_table})
+      TORCH_CHECK(t->dim() == 1 && t->scalar_type() == at::kLong && t->is_contiguous(), "KIVI plan: int64 vectors");
+    TORCH_CHECK(residual_table.numel() >= k_pool_.size(1), "KIVI plan: a residual slot (or -1) for every block");
+    const int64_t slots = kivi_.residual_k.size(1), block_size = k_pool_.size(2);
+    using kvqk::all_within;
+    TORCH_CHECK(all_within(residual_rows, 0, slots * block_size) &&
+                    all_within(staging_rows, 0, finalize_blocks.numel() * block_size) &&
+                    all_within(staged_from, -1, slots) && all_within(finalize_blocks, 0, k_pool_.size(1)) &&
+                    all_within(residual_table, -1, slots) && residual_rows.numel() == residual_tokens.numel() &&
+                    staging_rows.numel() == staging_tokens.numel() && staged_from.numel() == finalize_blocks.numel(),
+                "KIVI plan out of range");
+    kivi_.residual_tokens = residual_tokens;
+    kivi_.residual_rows = residual_rows;
+    kivi_.staging_tokens = staging_tokens;
+    kivi_.staging_rows = staging_rows;
+    kivi_.staged_from = staged_from;
+    kivi_.finalize_blocks = finalize_blocks;
+    kivi_.residual_table = residual_table;
+    kivi_.planned = true;
+  }
+
   // hidden [B, H] (the embeddings), positions / slot_mapping [B] int64, block_tables [B, W] int32,
   // seq_lens [B] int32 -> the final-normed hidden states [B, H].
   at::Tensor forward(const at::Tensor& embeddings, const at::Tensor& positions_in, const at::Tensor& slots_in,
@@ -261,6 +320,12 @@ class DecodeLoop {
     TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt, "int32 block tables, seq lens");
     TORCH_CHECK(positions.size(0) == rows && slots.size(0) == rows && tables.size(0) == rows && lens.size(0) == rows,
                 "one position, slot, table and length per row");
+    if (storage_ == KvStorage::kKivi) {
+      TORCH_CHECK(kivi_.planned, "a KIVI step needs its plan (set_kivi_plan) first");
+      TORCH_CHECK(kvqk::all_within(kivi_.residual_tokens, 0, rows) && kvqk::all_within(kivi_.staging_tokens, 0, rows),
+                  "KIVI plan: a token past the batch");
+      kivi_.planned = false;
+    }
     auto x = embeddings.contiguous();
     auto residual = at::empty_like(x);
     auto normed = at::empty_like(x);
@@ -346,7 +411,8 @@ class DecodeLoop {
       case KvStorage::kInt8: f(cpuk::Int8Code{}); break;
       case KvStorage::kFp8E4m3: f(cpuk::Fp8E4m3Code{}); break;
       case KvStorage::kFp8E5m2: f(cpuk::Fp8E5m2Code{}); break;
-      case KvStorage::kFloat: TORCH_CHECK(false, "not an 8-bit pool");
+      case KvStorage::kFloat:
+      case KvStorage::kKivi: TORCH_CHECK(false, "not an 8-bit pool");
     }
   }
 
@@ -357,6 +423,10 @@ class DecodeLoop {
                 const at::Tensor& slots) {
     const int64_t row = hkv_ * d_, rows = slots.size(0);
     const int64_t* slot = slots.data_ptr<int64_t>();
+    if (storage_ == KvStorage::kKivi) {
+      store_kivi(layer, key, key_stride, value, value_stride);
+      return;
+    }
     if (storage_ == KvStorage::kFloat) {
       float* k_cache = k_pool_.data_ptr<float>() + layer * per_layer();
       float* v_cache = v_pool_.data_ptr<float>() + layer * per_layer();
@@ -388,6 +458,10 @@ class DecodeLoop {
   void attention(int64_t layer, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
                  at::Tensor& out) {
     const int64_t num_seqs = q.size(0), block_size = k_pool_.size(2);
+    if (storage_ == KvStorage::kKivi) {
+      attention_kivi(layer, q, tables, lens, out);
+      return;
+    }
     const int64_t heads_per_task = num_seqs >= 2 * at::get_num_threads() ? hkv_ : 1;
     const int64_t tasks = num_seqs * (hkv_ / heads_per_task);
     if (storage_ == KvStorage::kFloat) {
@@ -409,6 +483,93 @@ class DecodeLoop {
                                       v_scale_.data_ptr<float>() + layer * per_layer() / d_};
       auto decode = avx512_ ? cpuk::avx512::decode_codes_range<float, C> : cpuk::avx2::decode_codes_range<float, C>;
       at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) { decode(args, begin, end); });
+    });
+  }
+
+  void init_kivi(int bits, const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                 const c10::optional<at::Tensor>& k_zero, const c10::optional<at::Tensor>& v_zero,
+                 const c10::optional<at::Tensor>& residual_k, const c10::optional<at::Tensor>& residual_v,
+                 int64_t value_group) {
+    TORCH_CHECK(k_scale && v_scale && k_zero && v_zero && residual_k && residual_v,
+                "a KIVI pool needs its scales, zeros and residual slots");
+    kivi_.bits = bits;
+    kivi_.value_group = value_group;
+    k_scale_ = *k_scale;
+    v_scale_ = *v_scale;
+    kivi_.k_zero = *k_zero;
+    kivi_.v_zero = *v_zero;
+    kivi_.residual_k = *residual_k;
+    kivi_.residual_v = *residual_v;
+    const int64_t layers = k_pool_.size(0), blocks = k_pool_.size(1), block_size = k_pool_.size(2);
+    TORCH_CHECK(value_group > 0 && d_ % value_group == 0 && d_ % (8 / bits) == 0, "KIVI value groups");
+    const std::vector<int64_t> codes{layers, blocks, block_size, hkv_, d_ * bits / 8};
+    const std::vector<int64_t> key_params{layers, blocks, hkv_, d_};
+    const std::vector<int64_t> value_params{layers, blocks, block_size, hkv_, d_ / value_group};
+    for (const at::Tensor* t : {&k_pool_, &v_pool_})
+      TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kByte && t->sizes() == codes,
+                  "KIVI codes: contiguous uint8 [layers, blocks, block_size, kv_heads, head_dim * bits / 8]");
+    for (const at::Tensor* t : {&k_scale_, &kivi_.k_zero})
+      TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kHalf && t->sizes() == key_params,
+                  "KIVI key scales and zeros: contiguous float16 [layers, blocks, kv_heads, head_dim]");
+    for (const at::Tensor* t : {&v_scale_, &kivi_.v_zero})
+      TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kHalf && t->sizes() == value_params,
+                  "KIVI value scales and zeros: contiguous float16 [layers, blocks, block_size, kv_heads, groups]");
+    for (const at::Tensor* t : {&kivi_.residual_k, &kivi_.residual_v})
+      TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat && t->dim() == 5 && t->size(0) == layers &&
+                      t->size(2) == block_size && t->size(3) == hkv_ && t->size(4) == d_ &&
+                      t->sizes() == kivi_.residual_k.sizes(),
+                  "KIVI residual slots: contiguous float32 [layers, slots, block_size, kv_heads, head_dim]");
+  }
+
+  // As the module path's QuantizedLayerKV.store with the native KIVI store: kv_quant_attention.cpp's
+  // kivi_store_run on this layer's slices, staging in a scratch buffer.
+  void store_kivi(int64_t layer, const float* key, int64_t key_stride, const float* value, int64_t value_stride) {
+    const int64_t blocks = k_pool_.size(1), block_size = k_pool_.size(2), row = hkv_ * d_;
+    const int64_t slots = kivi_.residual_k.size(1), finalize = kivi_.finalize_blocks.numel();
+    const int64_t codes_per_layer = blocks * block_size * row * kivi_.bits / 8;
+    const int64_t groups_per_layer = blocks * block_size * row / kivi_.value_group;
+    kivi_staging_.resize(2 * finalize * block_size * row);
+    const kvqk::KiviStoreArgs a{
+        kivi_.bits, hkv_, d_, block_size, kivi_.value_group, key, key_stride, value, value_stride,
+        kivi_.residual_k.data_ptr<float>() + layer * slots * block_size * row,
+        kivi_.residual_v.data_ptr<float>() + layer * slots * block_size * row,
+        kivi_.residual_tokens.data_ptr<int64_t>(), kivi_.residual_rows.data_ptr<int64_t>(),
+        kivi_.residual_tokens.numel(), kivi_.staging_tokens.data_ptr<int64_t>(), kivi_.staging_rows.data_ptr<int64_t>(),
+        kivi_.staging_tokens.numel(), kivi_.staged_from.data_ptr<int64_t>(), kivi_.finalize_blocks.data_ptr<int64_t>(),
+        finalize, kivi_staging_.data(), kivi_staging_.data() + finalize * block_size * row,
+        static_cast<uint8_t*>(k_pool_.data_ptr()) + layer * codes_per_layer,
+        k_scale_.data_ptr<at::Half>() + layer * blocks * row, kivi_.k_zero.data_ptr<at::Half>() + layer * blocks * row,
+        static_cast<uint8_t*>(v_pool_.data_ptr()) + layer * codes_per_layer,
+        v_scale_.data_ptr<at::Half>() + layer * groups_per_layer,
+        kivi_.v_zero.data_ptr<at::Half>() + layer * groups_per_layer};
+    kvqk::kivi_store_run(a);
+  }
+
+  // As kv_quant_attention.cpp's quantized_decode_attention (the module path's KIVI decode) on this
+  // layer's slices; its AVX2 variant, which kernels/kv_quant_native.py selects on every CPU the
+  // loop runs on.
+  void attention_kivi(int64_t layer, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
+                      at::Tensor& out) {
+    const int64_t num_seqs = q.size(0), blocks = k_pool_.size(1), block_size = k_pool_.size(2), row = hkv_ * d_;
+    const int64_t slots = kivi_.residual_k.size(1);
+    const int64_t codes_per_layer = blocks * block_size * row * kivi_.bits / 8;
+    const int64_t groups_per_layer = blocks * block_size * row / kivi_.value_group;
+    const kvqk::KvqArgs<float> a{kvqk::kKivi, kivi_.bits, q.data_ptr<float>(),
+                                 static_cast<const uint8_t*>(k_pool_.data_ptr()) + layer * codes_per_layer,
+                                 static_cast<const uint8_t*>(v_pool_.data_ptr()) + layer * codes_per_layer,
+                                 nullptr, nullptr,
+                                 k_scale_.data_ptr<at::Half>() + layer * blocks * row,
+                                 kivi_.k_zero.data_ptr<at::Half>() + layer * blocks * row,
+                                 v_scale_.data_ptr<at::Half>() + layer * groups_per_layer,
+                                 kivi_.v_zero.data_ptr<at::Half>() + layer * groups_per_layer,
+                                 kivi_.residual_k.data_ptr<float>() + layer * slots * block_size * row,
+                                 kivi_.residual_v.data_ptr<float>() + layer * slots * block_size * row,
+                                 kivi_.residual_table.data_ptr<int64_t>(), nullptr,
+                                 tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<float>(),
+                                 hq_, hkv_, d_, block_size, tables.size(1), kivi_.value_group, scale_};
+    at::parallel_for(0, num_seqs * hkv_, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch;
+      for (int64_t task = begin; task < end; ++task) kvqk::avx2::decode_task(a, task, scratch);
     });
   }
 
@@ -448,6 +609,8 @@ class DecodeLoop {
   at::Tensor cos_sin_, final_norm_;
   KvStorage storage_;
   at::Tensor k_pool_, v_pool_, k_scale_, v_scale_;
+  KiviPool kivi_;
+  std::vector<float> kivi_staging_;  // a KIVI step's staging rows (K then V), reused from step to step
   std::vector<Layer> layers_;
 };
 
@@ -464,12 +627,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeLoop>(m, "DecodeLoop", "Every decoder layer of a decode step in one call")
       .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
                           const std::string&, at::Tensor, at::Tensor, c10::optional<at::Tensor>,
-                          c10::optional<at::Tensor>>(),
+                          c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                          c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t>(),
            pybind11::arg("isa"), pybind11::arg("num_q_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"),
            pybind11::arg("eps"), pybind11::arg("scale"), pybind11::arg("cos_sin_cache"), pybind11::arg("final_norm"),
            pybind11::arg("kv_kind"), pybind11::arg("k_pool"), pybind11::arg("v_pool"),
-           pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none())
+           pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none(),
+           pybind11::arg("k_zero") = pybind11::none(), pybind11::arg("v_zero") = pybind11::none(),
+           pybind11::arg("residual_k") = pybind11::none(), pybind11::arg("residual_v") = pybind11::none(),
+           pybind11::arg("value_group") = 0)
       .def("add_layer", &DecodeLoop::add_layer)
+      .def("set_kivi_plan", &DecodeLoop::set_kivi_plan)
       .def("num_layers", &DecodeLoop::num_layers)
       .def("set_profile", &DecodeLoop::set_profile)
       .def("profile", &DecodeLoop::profile)

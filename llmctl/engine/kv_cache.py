@@ -31,7 +31,7 @@ import torch
 from kernels import kv_quant as kq
 from kernels.cpu_native import (decode_codes_native_supported, paged_decode_attention_codes_native,
                                 paged_prefill_attention_codes_native, store_kv_codes_native)
-from kernels.kv_quant_native import load_kv_quant_native, quantized_decode_attention_native
+from kernels.kv_quant_native import kivi_store_native, load_kv_quant_native, quantized_decode_attention_native
 from kernels.prefill_attention import attend_causal
 
 if TYPE_CHECKING:
@@ -161,6 +161,8 @@ class QuantizedKVCache:
         # its tiled decode kernel and quantize-on-store, which the native decode loop also runs
         self.native_codes = (device.type == "cpu" and fmt.kind in kq.PER_TOKEN_DTYPES
                              and decode_codes_native_supported(fmt.head_dim))
+        # KIVI in a float32 model: the store in one native call (the decode loop calls it too)
+        self.native_kivi_store = (self.native_decode and fmt.is_kivi and fmt.model_dtype == torch.float32)
 
     def layer(self, index: int) -> QuantizedLayerKV:
         return QuantizedLayerKV(self, index)
@@ -281,6 +283,10 @@ class QuantizedLayerKV:
                 # through a byte view: index_copy_ has no float8 kernel on CPU
                 self.t[name].flatten(0, 1).view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
                 self.t[name + "_scale"].flatten(0, 1).index_copy_(0, slots, scale)
+            return
+        if self.cache.native_kivi_store and key.dtype == torch.float32 and value.dtype == torch.float32:
+            plan = self.cache.plan
+            plan.staging = kivi_store_native(key, value, fmt.bits, fmt.value_group, self.t, self.residual, plan)
             return
         plan = self.stage(key, value)
         if plan.finalize.numel():

@@ -28,12 +28,18 @@ ACTIVE = "decode: native loop"
 class NativeDecode:
     """``(input_ids, positions, meta) -> final hidden states`` of a decode-only step."""
 
-    def __init__(self, loop: object, embed: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, loop: object, embed: Callable[[torch.Tensor], torch.Tensor],
+                 kivi: QuantizedKVCache | None = None) -> None:
         self.loop = loop  # set_profile / profile: per-op times (benchmarks/decode_breakdown.py)
         self._forward = loop.forward
         self._embed = embed
+        self._kivi = kivi  # a KIVI pool: each step passes the plan its begin_batch made
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self._kivi is not None:
+            plan = self._kivi.plan
+            self.loop.set_kivi_plan(plan.residual_tokens, plan.residual_rows, plan.staging_tokens, plan.staging_rows,
+                                    plan.staged_from, plan.finalize_blocks, plan.residual_table)
         return self._forward(self._embed(input_ids), positions, meta.slot_mapping, meta.decode_block_tables,
                              meta.decode_seq_lens)
 
@@ -41,7 +47,7 @@ class NativeDecode:
 def build_native_decode(model: LlamaForCausalLM, kv_cache: torch.Tensor,
                         quantized_kv: QuantizedKVCache | None = None) -> tuple[NativeDecode | None, str]:
     """The loop bound to ``model``'s weights and its KV pool: the float ``kv_cache`` [2, layers, ...],
-    or an 8-bit ``quantized_kv`` (int8, fp8), and the decode path for start-up lines: ``ACTIVE``, or
+    or a ``quantized_kv`` (int8, fp8, KIVI), and the decode path for start-up lines: ``ACTIVE``, or
     why the module path runs instead."""
     reason = why_not(model, kv_cache, quantized_kv)
     if reason is not None:
@@ -55,6 +61,11 @@ def build_native_decode(model: LlamaForCausalLM, kv_cache: torch.Tensor,
     attn = layers[0].self_attn
     if quantized_kv is None:
         pool = dict(kv_kind="auto", k_pool=kv_cache[0], v_pool=kv_cache[1])
+    elif quantized_kv.fmt.is_kivi:
+        t, residual = quantized_kv.tensors, quantized_kv.residual
+        pool = dict(kv_kind=quantized_kv.fmt.kind, k_pool=t["k"], v_pool=t["v"], k_scale=t["k_scale"],
+                    v_scale=t["v_scale"], k_zero=t["k_zero"], v_zero=t["v_zero"], residual_k=residual["k"],
+                    residual_v=residual["v"], value_group=quantized_kv.fmt.value_group)
     else:
         t = quantized_kv.tensors
         pool = dict(kv_kind=quantized_kv.fmt.kind, k_pool=t["k"].view(torch.uint8), v_pool=t["v"].view(torch.uint8),
@@ -66,7 +77,8 @@ def build_native_decode(model: LlamaForCausalLM, kv_cache: torch.Tensor,
         loop.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                        *(_bind_linear(module, linear) for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj,
                                                                    mlp.down_proj)))
-    return NativeDecode(loop, model.model.embed_tokens), ACTIVE
+    kivi = quantized_kv if quantized_kv is not None and quantized_kv.fmt.is_kivi else None
+    return NativeDecode(loop, model.model.embed_tokens, kivi), ACTIVE
 
 
 def why_not(model: LlamaForCausalLM, kv_cache: torch.Tensor,
@@ -81,7 +93,8 @@ def why_not(model: LlamaForCausalLM, kv_cache: torch.Tensor,
         (stage.start != 0 or not stage.is_last, "pipeline parallel"),
         (not layers or not all(isinstance(layer, LlamaDecoderLayer) for layer in layers), "no decoder layers"),
         (model.model.norm.weight.dtype != torch.float32, f"{model.model.norm.weight.dtype} activations"),
-        (quantized_kv is not None and not quantized_kv.native_codes, _quantized_kv_why_not(quantized_kv)),
+        (quantized_kv is not None and not (quantized_kv.native_codes or quantized_kv.native_kivi_store),
+         _quantized_kv_why_not(quantized_kv)),
         (quantized_kv is None and (kv_cache.dtype != torch.float32 or kv_cache.numel() == 0
                                    or kv_cache.shape[1] != len(layers)), "non-float32 KV cache"),
         (cfg.qk_norm, "per-head q/k norm"),
@@ -107,7 +120,7 @@ def _quantized_kv_why_not(quantized_kv: QuantizedKVCache | None) -> str:
         return ""
     fmt = quantized_kv.fmt
     if fmt.is_kivi:
-        return f"{fmt.kind} KV cache"
+        return f"{fmt.kind} KV cache without its native kernels"
     return f"{fmt.kind} KV cache with head_dim {fmt.head_dim} (the loop's 8-bit KV kernels take 64 or 128)"
 
 
