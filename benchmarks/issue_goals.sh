@@ -11,7 +11,8 @@
 # usage: PEER_WORK=DIR PEER_PY=PYTHON benchmarks/issue_goals.sh
 #   PEER_WORK: the vLLM peer folder (../shared/peer/README.txt); PEER_PY: a python with
 #   llama-cpp-python. EMULATE_ISA=avx2 LLAMA_AVX2=DIR: every engine on its AVX2 code paths, as in
-#   the two comparison scripts. Results go to OUT (default results/goals-<UTC time>). ROUNDS=N:
+#   the two comparison scripts. LLAMA_DIR=DIR: llama.cpp from DIR (run_smollm2_comparison.sh says
+#   when). Results go to OUT (default results/goals-<UTC time>). ROUNDS=N:
 #   N whole rounds (OUT/round-1 ... round-N), then each goal's verdict per round and its median: on
 #   a shared machine one run's ratio moves by +-15 %.
 set -euo pipefail

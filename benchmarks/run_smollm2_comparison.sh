@@ -14,6 +14,12 @@
 # on a CPU that has more (benchmarks/avx2_only/sitecustomize.py); DIR holds a llama-cpp-python built
 # without AVX-512 (CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 # -DGGML_AVX512=OFF" pip install --target DIR llama-cpp-python), found before PEER_PY's own.
+#
+# LLAMA_DIR=DIR (without EMULATE_ISA): llama.cpp from a llama-cpp-python in DIR (pip install --target)
+# instead of PEER_PY's own. On an AMX Xeon, llama.cpp 0.3.36 built natively crashes on this file in
+# its AMX matmul (ggml_backend_amx_mul_mat, SIGSEGV in prefill; llama.cpp issue #20824, and #16315:
+# its AMX Q4_0/Q4_1 results were wrong): there use one built with -DGGML_NATIVE=OFF and every
+# AVX-512 option on but -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF (docs/benchmarks.md, thirteenth session).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -32,6 +38,9 @@ if [ "${EMULATE_ISA:-}" = avx2 ]; then
   echo "# EMULATE_ISA=avx2: every engine on its AVX2 code paths; llama.cpp from $LLAMA_PATH"
 elif [ -n "${EMULATE_ISA:-}" ]; then
   echo "EMULATE_ISA=$EMULATE_ISA: only avx2 is known" >&2; exit 2
+elif [ -n "${LLAMA_DIR:-}" ]; then
+  LLAMA_PATH=$LLAMA_DIR
+  echo "# llama.cpp from $LLAMA_PATH"
 fi
 run() { "$@" --reps "$REPS" --tokens "$TOKENS" | grep RESULT; }
 PYTHONPATH=$LLAMA_PATH${PYTHONPATH:+:$PYTHONPATH} "$PEER_PY" -c \

@@ -5,6 +5,7 @@ warm-up then REPS timed runs (median). ``tok_s`` is new tokens / wall time of th
 (the prompt is short, so this is decode speed), and ``decode_tok_s`` excludes the first token.
 
     python benchmarks/single_stream.py llmctl   MODEL OUT.json [--quantization auto|none|int8|int4|fp8] [--dtype D]
+                                                [--kv-cache-dtype auto|int8|fp8_e4m3|fp8_e5m2|kivi2|kivi4]
     python benchmarks/single_stream.py llamacpp MODEL.gguf OUT.json          (llama-cpp-python)
     python benchmarks/single_stream.py hf       MODEL OUT.json [--gguf FILE]  (transformers, fp32)
 
@@ -65,7 +66,7 @@ def run_llmctl(model: str, tokens: int, reps: int, args: argparse.Namespace) -> 
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = LLMEngine(model=model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=4,
-                       kv_cache_memory=256 << 20, max_model_len=1024)
+                       kv_cache_memory=256 << 20, max_model_len=1024, kv_cache_dtype=args.kv_cache_dtype)
     prompt = engine.tokenizer.encode(PROMPT, add_special_tokens=False)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
 
@@ -145,6 +146,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=int(os.environ.get("REPS", "3")))
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="llmctl: the KV cache's dtype (int8, kivi2, ...)")
     parser.add_argument("--gguf", default=None, help="hf: load this GGUF file from MODEL's directory")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
