@@ -2,7 +2,8 @@
 one C++ call, built once by the shared builder (``kernels/native_build.py``).
 
 It compiles the sources of the other native modules into itself (cpu_kernels.cpp,
-quant_kernels.cpp, kv_quant_attention.cpp) and so needs what both need: x86-64 with AVX2+FMA+F16C and a C++ compiler.
+quant_kernels.cpp, kv_quant_attention.cpp) and so needs what they need: x86-64 with AVX2+FMA+F16C
+and a C++ compiler.
 Its flags are the quantized module's (the packed tiles then round exactly as there); the other
 kernels keep -ffp-contract=off through a pragma in the source. ``LLMCTL_DECODE_LOOP=0`` turns it
 off (the Python module path runs every step), as does ``LLMCTL_NATIVE_CPU_KERNELS=0``.
