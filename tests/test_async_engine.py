@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -65,3 +66,71 @@ def test_invalid_request_raises_immediately(async_engine):
     asyncio.run(main())
     snapshot = async_engine.stats_snapshot()
     assert snapshot["kv"]["free"] == snapshot["kv"]["num_blocks"]
+
+
+def test_fair_lock_serves_a_waiter_before_the_holder_takes_it_again():
+    """The engine loop's pattern: release after a step and take the lock again at once. A thread
+    that asked in between must get it first (a plain Lock lets the loop win again and again)."""
+    from llmctl.engine.async_engine import FairLock
+
+    lock, order = FairLock(), []
+    stop = threading.Event()
+
+    def busy_loop() -> None:
+        while not stop.is_set():
+            with lock:
+                order.append("loop")
+                time.sleep(0.002)  # a step
+
+    loop_thread = threading.Thread(target=busy_loop)
+    loop_thread.start()
+    time.sleep(0.02)
+    waiters = []
+    for i in range(3):
+        def waiter(i: int = i) -> None:
+            with lock:
+                order.append(f"waiter{i}")
+        t = threading.Thread(target=waiter)
+        t.start()
+        waiters.append(t)
+        time.sleep(0.001)
+    for t in waiters:
+        t.join(timeout=5)
+        assert not t.is_alive()
+    stop.set()
+    loop_thread.join(timeout=5)
+    first = order.index("waiter0")
+    # every waiter got in within two of the loop's steps of the one before it
+    assert [name for name in order if name.startswith("waiter")] == ["waiter0", "waiter1", "waiter2"]
+    assert order.index("waiter2") - first <= 2 + 2 * 2
+
+
+def test_abort_is_served_promptly_while_the_loop_is_busy(async_engine):
+    """Aborts (a closed stream, a cancelled request) wait at most about a step for the lock
+    while the loop keeps stepping a long generation."""
+    engine = async_engine.engine
+    steps = []
+    async_engine.add_step_listener(lambda stats: steps.append(1))
+
+    async def main():
+        gen = async_engine.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=4000,
+                                                                     ignore_eos=True))
+        other = async_engine.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=4000,
+                                                                       ignore_eos=True))
+        await gen.__anext__()
+        first = await other.__anext__()
+        before = len(steps)
+        aborted = await asyncio.to_thread(async_engine.abort, first.request_id)
+        waited = len(steps) - before
+        await gen.aclose()
+        await other.aclose()
+        return aborted, waited
+
+    aborted, waited = asyncio.run(main())
+    assert aborted
+    assert waited <= 3, f"the abort waited {waited} engine steps for the lock"
+    deadline = time.time() + 10
+    while time.time() < deadline and engine.requests:
+        time.sleep(0.01)
+    with async_engine.lock:
+        assert not engine.requests
