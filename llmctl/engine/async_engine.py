@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import traceback
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -108,11 +109,13 @@ class AsyncEngine:
                     self._work.wait(timeout=0.5)
                     self._work.clear()
         except BaseException as exc:  # surface to every waiting client, never hang them
+            # The traceback first, then the error: a server reports the failure (and exits) once
+            # it sees the error, so the traceback always comes before that message, never after.
+            traceback.print_exc()
             with self.lock:  # adds check the error under the lock: none registers after this
                 self.error = exc
             for request_id in list(self._streams):
                 self._publish(request_id, EngineDeadError(self.dead_error))
-            raise
 
     def _publish(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
