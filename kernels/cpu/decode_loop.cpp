@@ -521,27 +521,38 @@ class DecodeLoop {
                   "KIVI residual slots: contiguous float32 [layers, slots, block_size, kv_heads, head_dim]");
   }
 
+  // One layer's slices of the KIVI pool.
+  struct KiviLayer {
+    uint8_t *k_codes, *v_codes;
+    at::Half *k_scale, *k_zero, *v_scale, *v_zero;
+    float *residual_k, *residual_v;
+  };
+
+  KiviLayer kivi_layer(int64_t layer) {
+    const int64_t blocks = k_pool_.size(1), block_size = k_pool_.size(2), row = hkv_ * d_;
+    const int64_t codes = blocks * block_size * row * kivi_.bits / 8;
+    const int64_t value_groups = blocks * block_size * row / kivi_.value_group;
+    const int64_t residual = kivi_.residual_k.size(1) * block_size * row;
+    return {static_cast<uint8_t*>(k_pool_.data_ptr()) + layer * codes,
+            static_cast<uint8_t*>(v_pool_.data_ptr()) + layer * codes,
+            k_scale_.data_ptr<at::Half>() + layer * blocks * row, kivi_.k_zero.data_ptr<at::Half>() + layer * blocks * row,
+            v_scale_.data_ptr<at::Half>() + layer * value_groups, kivi_.v_zero.data_ptr<at::Half>() + layer * value_groups,
+            kivi_.residual_k.data_ptr<float>() + layer * residual, kivi_.residual_v.data_ptr<float>() + layer * residual};
+  }
+
   // As the module path's QuantizedLayerKV.store with the native KIVI store: kv_quant_attention.cpp's
   // kivi_store_run on this layer's slices, staging in a scratch buffer.
   void store_kivi(int64_t layer, const float* key, int64_t key_stride, const float* value, int64_t value_stride) {
-    const int64_t blocks = k_pool_.size(1), block_size = k_pool_.size(2), row = hkv_ * d_;
-    const int64_t slots = kivi_.residual_k.size(1), finalize = kivi_.finalize_blocks.numel();
-    const int64_t codes_per_layer = blocks * block_size * row * kivi_.bits / 8;
-    const int64_t groups_per_layer = blocks * block_size * row / kivi_.value_group;
+    const int64_t block_size = k_pool_.size(2), row = hkv_ * d_, finalize = kivi_.finalize_blocks.numel();
+    const KiviLayer l = kivi_layer(layer);
     kivi_staging_.resize(2 * finalize * block_size * row);
     const kvqk::KiviStoreArgs a{
         kivi_.bits, hkv_, d_, block_size, kivi_.value_group, key, key_stride, value, value_stride,
-        kivi_.residual_k.data_ptr<float>() + layer * slots * block_size * row,
-        kivi_.residual_v.data_ptr<float>() + layer * slots * block_size * row,
-        kivi_.residual_tokens.data_ptr<int64_t>(), kivi_.residual_rows.data_ptr<int64_t>(),
+        l.residual_k, l.residual_v, kivi_.residual_tokens.data_ptr<int64_t>(), kivi_.residual_rows.data_ptr<int64_t>(),
         kivi_.residual_tokens.numel(), kivi_.staging_tokens.data_ptr<int64_t>(), kivi_.staging_rows.data_ptr<int64_t>(),
         kivi_.staging_tokens.numel(), kivi_.staged_from.data_ptr<int64_t>(), kivi_.finalize_blocks.data_ptr<int64_t>(),
         finalize, kivi_staging_.data(), kivi_staging_.data() + finalize * block_size * row,
-        static_cast<uint8_t*>(k_pool_.data_ptr()) + layer * codes_per_layer,
-        k_scale_.data_ptr<at::Half>() + layer * blocks * row, kivi_.k_zero.data_ptr<at::Half>() + layer * blocks * row,
-        static_cast<uint8_t*>(v_pool_.data_ptr()) + layer * codes_per_layer,
-        v_scale_.data_ptr<at::Half>() + layer * groups_per_layer,
-        kivi_.v_zero.data_ptr<at::Half>() + layer * groups_per_layer};
+        l.k_codes, l.k_scale, l.k_zero, l.v_codes, l.v_scale, l.v_zero};
     kvqk::kivi_store_run(a);
   }
 
@@ -550,24 +561,13 @@ class DecodeLoop {
   // loop runs on.
   void attention_kivi(int64_t layer, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
                       at::Tensor& out) {
-    const int64_t num_seqs = q.size(0), blocks = k_pool_.size(1), block_size = k_pool_.size(2), row = hkv_ * d_;
-    const int64_t slots = kivi_.residual_k.size(1);
-    const int64_t codes_per_layer = blocks * block_size * row * kivi_.bits / 8;
-    const int64_t groups_per_layer = blocks * block_size * row / kivi_.value_group;
-    const kvqk::KvqArgs<float> a{kvqk::kKivi, kivi_.bits, q.data_ptr<float>(),
-                                 static_cast<const uint8_t*>(k_pool_.data_ptr()) + layer * codes_per_layer,
-                                 static_cast<const uint8_t*>(v_pool_.data_ptr()) + layer * codes_per_layer,
-                                 nullptr, nullptr,
-                                 k_scale_.data_ptr<at::Half>() + layer * blocks * row,
-                                 kivi_.k_zero.data_ptr<at::Half>() + layer * blocks * row,
-                                 v_scale_.data_ptr<at::Half>() + layer * groups_per_layer,
-                                 kivi_.v_zero.data_ptr<at::Half>() + layer * groups_per_layer,
-                                 kivi_.residual_k.data_ptr<float>() + layer * slots * block_size * row,
-                                 kivi_.residual_v.data_ptr<float>() + layer * slots * block_size * row,
+    const KiviLayer l = kivi_layer(layer);
+    const kvqk::KvqArgs<float> a{kvqk::kKivi, kivi_.bits, q.data_ptr<float>(), l.k_codes, l.v_codes, nullptr, nullptr,
+                                 l.k_scale, l.k_zero, l.v_scale, l.v_zero, l.residual_k, l.residual_v,
                                  kivi_.residual_table.data_ptr<int64_t>(), nullptr,
                                  tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<float>(),
-                                 hq_, hkv_, d_, block_size, tables.size(1), kivi_.value_group, scale_};
-    at::parallel_for(0, num_seqs * hkv_, 1, [&](int64_t begin, int64_t end) {
+                                 hq_, hkv_, d_, k_pool_.size(2), tables.size(1), kivi_.value_group, scale_};
+    at::parallel_for(0, q.size(0) * hkv_, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
       for (int64_t task = begin; task < end; ++task) kvqk::avx2::decode_task(a, task, scratch);
     });
