@@ -57,6 +57,13 @@ constexpr int64_t MC = 144;  // rows a K block of x keeps in L2 (144 x 256 x 4 B
 // k steps ahead that a tile prefetches its panel (2 KiB): a decode step streams the packed weight
 // from memory, and a panel's next K block follows its current one.
 constexpr int64_t PREFETCH_K = 32;
+// Every AHEAD_EVERY k steps a tile also asks for one line of the block its group reads next, into
+// L2. Why: of a block's row tiles only the first reads the weights from memory, so at decode
+// shapes (64 rows: 11 tiles) the weight stream came in bursts, one tile in 11 waiting on memory
+// with the rest idle; spread over the tiles, the next block arrives while the current one is
+// computed (2-core Zen 3, 64 x 1024 -> 5632, 40 interleaved pairs: median 1.05-1.06x, faster in
+// 34-36 of 40; prefill shapes unchanged; docs/benchmarks.md, fourteenth session).
+constexpr int64_t AHEAD_EVERY = 8;
 
 namespace generic {
 using V = float;
@@ -67,6 +74,7 @@ inline V vbcast(const float* p) { return *p; }
 inline V vfma(V a, V b, V c) { return std::fma(a, b, c); }
 inline void vstore(float* p, V v) { *p = v; }
 inline void prefetch(const float* p) { __builtin_prefetch(p); }
+inline void prefetch_l2(const float* p) { __builtin_prefetch(p, 0, 2); }
 #include "gemm_kernels_isa.h"
 }  // namespace generic
 
@@ -82,6 +90,7 @@ inline V vbcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
 inline void prefetch(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch_l2(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 #include "gemm_kernels_isa.h"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -97,6 +106,7 @@ inline V vbcast(const float* p) { return _mm512_set1_ps(*p); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
 inline void prefetch(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch_l2(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 #include "gemm_kernels_isa.h"
 }  // namespace avx512
 #pragma GCC pop_options
