@@ -1,7 +1,7 @@
 // One instruction set's fp32 panel GEMM, included by gemm_kernels.cpp inside a namespace that
-// defines the vector type `V` (VW floats), vzero / vload / vbcast / vfma / vstore / prefetch / prefetch_l2, and the tiling
-// constants CHAINS (accumulator vectors a tile may hold), ROWS (rows of a full tile) and GROUP
-// (panels processed together). The generic variant is the same code with V = float.
+// defines the vector type `V` (VW floats), vzero / vload / vbcast / vfma / vstore / prefetch /
+// prefetch_l2, and the tiling constants CHAINS (accumulator vectors a tile may hold), ROWS (rows of
+// a full tile) and GROUP (panels processed together). The generic variant is the same code with V = float.
 //
 // Every output element y[m, n] is ONE accumulator that starts at 0 and takes x[m, k] * w[n, k] for
 // k = 0, 1, ..., K-1 by fused multiply-add, then (if there is a bias) one add. Vector lanes, tiles,
