@@ -52,7 +52,7 @@ COPY --chown=llmctl:llmctl pyproject.toml README.md ./
 COPY --chown=llmctl:llmctl llmctl ./llmctl
 COPY --chown=llmctl:llmctl kernels ./kernels
 RUN pip install . \
-    && python -m kernels.cpu_native
+    && python -m llmctl_kernels.cpu_native
 
 COPY --chmod=755 deploy/docker/entrypoint.sh /usr/local/bin/llmctl-entrypoint
 COPY --chmod=755 deploy/docker/healthcheck.py /usr/local/bin/llmctl-healthcheck

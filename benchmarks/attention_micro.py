@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from kernels.cpu_native import paged_decode_attention_native, paged_prefill_attention_native
-from kernels.prefill_attention import attend_causal
+from llmctl_kernels.cpu_native import paged_decode_attention_native, paged_prefill_attention_native
+from llmctl_kernels.prefill_attention import attend_causal
 
 HQ, HKV, D, BS = 16, 4, 64, 16
 

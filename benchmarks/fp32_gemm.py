@@ -31,9 +31,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_features import cpu_flags, cpu_model, isa_level
-from kernels.fp32_linear import pack_panels
-from kernels.gemm_native import load_gemm_native, native_unavailable_reason
+from llmctl_kernels.cpu_features import cpu_flags, cpu_model, isa_level
+from llmctl_kernels.fp32_linear import pack_panels
+from llmctl_kernels.gemm_native import load_gemm_native, native_unavailable_reason
 
 # (name, in_features K, out_features N) of each linear layer (merged QKV and gate-up, as llmctl holds them)
 SHAPES = {

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from kernels.fp32_linear import pack_panels
-from kernels.gemm_native import EXTENSION
+from llmctl_kernels.fp32_linear import pack_panels
+from llmctl_kernels.gemm_native import EXTENSION
 
 SHAPES = [(1024, 1536), (1024, 1024), (1024, 5632), (2816, 1024), (1024, 32000)]  # (K, N)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-from kernels.quant_native import CFLAGS, LDFLAGS
+from llmctl_kernels.quant_native import CFLAGS, LDFLAGS
 
 SHAPES = {  # name: (N, K, int4)
     "qkv": (960, 576, True), "o": (576, 576, True), "gate_up": (3072, 576, True), "down": (576, 1536, True),
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--hot", action="store_true", help="one weight copy (cache-resident where it fits)")
     args = parser.parse_args()
     mod, quant = build(), None
-    from kernels.quant_native import load_quant_native
+    from llmctl_kernels.quant_native import load_quant_native
 
     quant = load_quant_native()
     print(f"load {os.getloadavg()}")

@@ -143,12 +143,12 @@ def bench_bandwidth(b: Bench) -> None:
 
 def bench_decode(b: Bench, cfg) -> None:
     torch = b.torch
-    from kernels.decode_attention import (
+    from llmctl_kernels.decode_attention import (
         decode_num_splits,
         paged_decode_attention_torch,
         paged_decode_attention_triton,
     )
-    from kernels._triton_utils import num_sms
+    from llmctl_kernels._triton_utils import num_sms
 
     gen = torch.Generator().manual_seed(0)
     for batch, ctx in cfg["decode_cases"]:
@@ -183,7 +183,7 @@ def bench_prefill(b: Bench, cfg) -> None:
     torch = b.torch
     import torch.nn.functional as F
 
-    from kernels.prefill_attention import paged_prefill_attention_triton, varlen_causal_attention_triton
+    from llmctl_kernels.prefill_attention import paged_prefill_attention_triton, varlen_causal_attention_triton
 
     gen = torch.Generator().manual_seed(1)
     hq, hkv, d, bs, dtype = cfg["hq"], cfg["hkv"], cfg["d"], cfg["block_size"], cfg["dtype"]
@@ -268,10 +268,10 @@ def bench_prefill(b: Bench, cfg) -> None:
 
 def bench_elementwise(b: Bench, cfg) -> None:
     torch = b.torch
-    from kernels.activation import silu_and_mul_torch, silu_and_mul_triton
-    from kernels.kv_store import reshape_and_cache_torch, reshape_and_cache_triton
-    from kernels.rms_norm import rms_norm_torch, rms_norm_triton
-    from kernels.rotary import rotary_embedding_torch, rotary_embedding_triton
+    from llmctl_kernels.activation import silu_and_mul_torch, silu_and_mul_triton
+    from llmctl_kernels.kv_store import reshape_and_cache_torch, reshape_and_cache_triton
+    from llmctl_kernels.rms_norm import rms_norm_torch, rms_norm_triton
+    from llmctl_kernels.rotary import rotary_embedding_torch, rotary_embedding_triton
 
     dtype, tokens, hidden, inter = cfg["dtype"], cfg["tokens"], cfg["hidden"], cfg["intermediate"]
     hq, hkv, d = cfg["hq"], cfg["hkv"], cfg["d"]
@@ -328,7 +328,7 @@ def bench_elementwise(b: Bench, cfg) -> None:
 def bench_decode_layer(b: Bench, cfg) -> None:
     """One Llama-style decoder layer's decode step (eager), every fused op from one kernel set."""
     torch = b.torch
-    from kernels import activation, decode_attention, kv_store, rms_norm, rotary
+    from llmctl_kernels import activation, decode_attention, kv_store, rms_norm, rotary
 
     sets = {
         "torch": (rms_norm.rms_norm_torch, rotary.rotary_embedding_torch, kv_store.reshape_and_cache_torch,

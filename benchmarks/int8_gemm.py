@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from kernels.fp32_linear import pack_panels
-from kernels.gemm_native import load_gemm_native
-from kernels.quant_native import bind_native
+from llmctl_kernels.fp32_linear import pack_panels
+from llmctl_kernels.gemm_native import load_gemm_native
+from llmctl_kernels.quant_native import bind_native
 from llmctl.layers.quantization.quantize import quantize_int8
 
 # (K, N): qkv 576 -> 960, o 576 -> 576, gate-up 576 -> 3072, down 1536 -> 576

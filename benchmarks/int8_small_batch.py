@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from kernels.quant_native import bind_native
+from llmctl_kernels.quant_native import bind_native
 from llmctl.layers.quantization.quantize import quantize_int8
 
 N, K, WEIGHTS = 3072, 576, 40

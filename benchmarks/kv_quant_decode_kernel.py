@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from single_stream import cpu_description  # noqa: E402
 
-from kernels import kv_quant as kq  # noqa: E402
-from kernels.kv_quant_native import load_kv_quant_native, quantized_decode_attention_native  # noqa: E402
+from llmctl_kernels import kv_quant as kq  # noqa: E402
+from llmctl_kernels.kv_quant_native import load_kv_quant_native, quantized_decode_attention_native  # noqa: E402
 from llmctl.engine.kv_cache import KVFormat  # noqa: E402
 
 
@@ -42,7 +42,7 @@ def random_pool(fmt: KVFormat, num_blocks: int, num_residual: int) -> tuple[dict
 
 
 def reference(query, fmt, tensors, residual, table_of_slots, tables, lens, scale):
-    """The reference's decode: kv_cache.QuantizedLayerKV.gather + kernels.kv_quant.decode_attention_dense."""
+    """The reference's decode: kv_cache.QuantizedLayerKV.gather + llmctl_kernels.kv_quant.decode_attention_dense."""
     bs, max_len = fmt.block_size, int(lens.max())
     blocks = tables[:, : -(-max_len // bs)].long()
     t = tensors

@@ -85,7 +85,7 @@ def main() -> None:
                        **({} if args.quantization is None else {"quantization": args.quantization}))
     prompts = make_prompts()
     engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    from kernels.cpu_features import cpu_model, isa_level
+    from llmctl_kernels.cpu_features import cpu_model, isa_level
     print(f"{args.model} · {engine.dtype} · {engine.ops.description} · ISA {isa_level()} · {cpu_model()} · "
           f"{args.threads} thread(s) · {'CPU' if args.threads == 1 else 'wall'} time · "
           f"load {' '.join(open('/proc/loadavg').read().split()[:3])}")

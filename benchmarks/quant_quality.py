@@ -27,7 +27,7 @@ from unittest import mock
 
 import torch
 
-from kernels.fp32_linear import unpack_panels
+from llmctl_kernels.fp32_linear import unpack_panels
 from llmctl.layers.linear import LinearBase
 from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl.layers.quantization import linear_method_for

@@ -89,7 +89,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model = str(smollm2_random_dir()) if args.model == "smollm2-random" else args.model
     try:
-        from kernels.cpu_features import cpu_model, isa_level
+        from llmctl_kernels.cpu_features import cpu_model, isa_level
     except ImportError:  # a checkout from before kernels/cpu_features.py
         cpu_model, isa_level = (lambda: "?"), (lambda: "march=native")
 

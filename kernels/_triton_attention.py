@@ -1,6 +1,6 @@
 """Triton attention kernels over the paged KV cache (imported lazily by the ``*_triton`` wrappers).
 
-Layouts follow ``kernels/__init__.py``: caches ``[num_blocks, block_size, num_kv_heads, head_dim]``
+Layouts follow docs/kernels.md: caches ``[num_blocks, block_size, num_kv_heads, head_dim]``
 with a unit stride on ``head_dim``. Every kernel works in the log2 domain (``qk * scale * log2(e)``
 then ``exp2``), keeps the online-softmax state and the output accumulator in fp32, and gathers KV
 rows token by token through the block table (``block = table[pos // BLOCK_SIZE]``), so a KV tile

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels._triton_elementwise import _round_to
+from llmctl_kernels._triton_elementwise import _round_to
 
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + M) - M rounds |y| < 2**22 to an integer, half to even
 
@@ -515,7 +515,7 @@ def _kivi_finalize_kernel(
 def cache_operands(cache, kind: str, head_dim: int) -> tuple[list, list[int], dict]:
     """(pointers, strides, constexprs) of one layer's quantized K/V for the attention kernels:
     ``kc, ks, kz, vc, vs, vz`` and their strides in the kernels' order."""
-    from kernels import kv_quant as kq
+    from llmctl_kernels import kv_quant as kq
 
     bits = kq.KIVI_BITS.get(kind, 8)
     k, v, ks, vs = cache["k"], cache["v"], cache["k_scale"], cache["v_scale"]

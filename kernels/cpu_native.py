@@ -1,5 +1,5 @@
 """Native CPU kernels (C++; kernels/cpu/), built once per install and toolchain by
-``kernels.native_build`` (``scripts/setup.sh`` builds them at install time).
+``llmctl_kernels.native_build`` (``scripts/setup.sh`` builds them at install time).
 
 Optional: where no C++ compiler is available, or ``LLMCTL_NATIVE_CPU_KERNELS=0`` is set, the
 engine keeps the pure-torch references. One build holds a variant per instruction set (generic,
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_features import isa_level
-from kernels.native_build import LazyExtension, disabled_by
+from llmctl_kernels.cpu_features import isa_level
+from llmctl_kernels.native_build import LazyExtension, disabled_by
 
 log = logging.getLogger(__name__)
 NAME = "llmctl_cpu"
@@ -72,7 +72,7 @@ def paged_prefill_attention_codes_native(query: torch.Tensor, kind: str, tensors
                                          block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                                          seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal prefill over one layer of an 8-bit KV pool, as ``paged_prefill_attention_native`` on the
-    dequantized K/V (``kernels.kv_quant.dequantize_per_token``); the pool is read in place."""
+    dequantized K/V (``llmctl_kernels.kv_quant.dequantize_per_token``); the pool is read in place."""
     return _module_or_raise().paged_prefill_attention_codes(
         query, kind, tensors["k"].view(torch.uint8), tensors["v"].view(torch.uint8), tensors["k_scale"],
         tensors["v_scale"], block_tables.to(torch.int32), query_start_loc.to(torch.int32), seq_lens.to(torch.int32),
@@ -82,7 +82,7 @@ def paged_prefill_attention_codes_native(query: torch.Tensor, kind: str, tensors
 def store_kv_codes_native(key: torch.Tensor, value: torch.Tensor, kind: str, tensors: dict[str, torch.Tensor],
                           slot_mapping: torch.Tensor) -> None:
     """Quantize float32 K/V ``[T, Hkv, D]`` per (token, KV head) into one layer of an 8-bit pool
-    through the slot mapping: bit for bit ``kernels.kv_quant.quantize_per_token``."""
+    through the slot mapping: bit for bit ``llmctl_kernels.kv_quant.quantize_per_token``."""
     def heads_contiguous(x: torch.Tensor) -> torch.Tensor:
         return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
 
@@ -138,29 +138,29 @@ def reshape_and_cache_native(key: torch.Tensor, value: torch.Tensor, key_cache: 
     _module_or_raise().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
-if __name__ == "__main__":  # `python -m kernels.cpu_native`: build every native kernel ahead of time
+if __name__ == "__main__":  # `python -m llmctl_kernels.cpu_native`: build every native kernel ahead of time
     import sys
 
-    from kernels.quant_native import load_quant_native
-    from kernels.quant_native import native_unavailable_reason as quant_unavailable_reason
+    from llmctl_kernels.quant_native import load_quant_native
+    from llmctl_kernels.quant_native import native_unavailable_reason as quant_unavailable_reason
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     module = load_native()
     print(f"native CPU kernels: {f'{module.__file__} ({isa_level()})' if module else native_unavailable_reason()}")
     quant = load_quant_native()
     print(f"quantized CPU kernels: {quant.__file__ if quant else quant_unavailable_reason()}")
-    from kernels.kv_quant_native import load_kv_quant_native
-    from kernels.kv_quant_native import native_unavailable_reason as kv_unavailable_reason
+    from llmctl_kernels.kv_quant_native import load_kv_quant_native
+    from llmctl_kernels.kv_quant_native import native_unavailable_reason as kv_unavailable_reason
 
     kv = load_kv_quant_native()
     print(f"quantized-KV CPU kernels: {f'{kv.__file__} ({kv.isa()})' if kv else kv_unavailable_reason()}")
-    from kernels.decode_loop import load_decode_loop
-    from kernels.decode_loop import unavailable_reason as loop_unavailable_reason
+    from llmctl_kernels.decode_loop import load_decode_loop
+    from llmctl_kernels.decode_loop import unavailable_reason as loop_unavailable_reason
 
     loop = load_decode_loop()
     print(f"native decode loop: {loop.__file__ if loop else loop_unavailable_reason()}")
-    from kernels.gemm_native import load_gemm_native
-    from kernels.gemm_native import native_unavailable_reason as gemm_unavailable_reason
+    from llmctl_kernels.gemm_native import load_gemm_native
+    from llmctl_kernels.gemm_native import native_unavailable_reason as gemm_unavailable_reason
 
     gemm = load_gemm_native()
     print(f"fp32 GEMM kernels: {gemm.__file__ if gemm else gemm_unavailable_reason()}")

@@ -61,7 +61,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     """Split-K heuristic: split the context only when (sequence, KV head) programs alone fill
     fewer than two waves of the GPU, into at most enough partitions to fill them, each at least
     ``DECODE_MIN_PARTITION`` tokens long."""
-    from kernels._triton_utils import cdiv
+    from llmctl_kernels._triton_utils import cdiv
 
     programs = max(num_seqs * num_kv_heads, 1)
     target = 2 * num_sms
@@ -83,8 +83,8 @@ def paged_decode_attention_triton(
     num_splits: int | None = None,  # force the number of context partitions (tests, benchmarks)
     block_n: int | None = None,  # force the KV tile (tests)
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
-    from kernels import _triton_attention as tk
-    from kernels._triton_utils import dots_in_fp32, fp32_dot_precision, last_dim_contiguous, next_pow2
+    from llmctl_kernels import _triton_attention as tk
+    from llmctl_kernels._triton_utils import dots_in_fp32, fp32_dot_precision, last_dim_contiguous, next_pow2
 
     num_seqs, num_q_heads, head_dim = query.shape
     out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
@@ -131,7 +131,7 @@ def paged_decode_attention_triton(
 def _decode_partitions(query, out, num_kv_heads, seq_lens, max_seq_len, num_splits, block_n):
     """Split-K plan of a decode launch: ``(block_n, split, num_splits, partition_size, part_acc,
     part_ml)`` (the partial buffers are placeholders when there is one partition)."""
-    from kernels._triton_utils import cdiv, interpreting, next_pow2, num_sms
+    from llmctl_kernels._triton_utils import cdiv, interpreting, next_pow2, num_sms
 
     num_seqs, num_q_heads, head_dim = query.shape
     if max_seq_len is None:
@@ -161,8 +161,8 @@ def _decode_partitions(query, out, num_kv_heads, seq_lens, max_seq_len, num_spli
 
 def _merge_partitions(out, part_acc, part_ml, seq_lens, partition_size, num_splits) -> None:
     """Flash-decoding's second pass over the partitions of every (sequence, query head)."""
-    from kernels import _triton_attention as tk
-    from kernels._triton_utils import next_pow2
+    from llmctl_kernels import _triton_attention as tk
+    from llmctl_kernels._triton_utils import next_pow2
 
     num_seqs, num_q_heads, head_dim = out.shape
     tk._decode_reduce_kernel[(num_seqs, num_q_heads)](
@@ -196,8 +196,8 @@ def paged_decode_attention_quantized_triton(
     ``k/v[table[block]]`` (``[slots, block_size, Hkv, D]``) instead of its codes (KIVI's open
     blocks: the residual pool and ``residual_table``). The torch counterpart is
     ``QuantizedLayerKV.gather`` + ``kv_quant.decode_attention_dense``."""
-    from kernels import _triton_kv_quant as tq
-    from kernels._triton_utils import dots_in_fp32, fp32_dot_precision, interpreting, last_dim_contiguous, next_pow2
+    from llmctl_kernels import _triton_kv_quant as tq
+    from llmctl_kernels._triton_utils import dots_in_fp32, fp32_dot_precision, interpreting, last_dim_contiguous, next_pow2
 
     num_seqs, num_q_heads, head_dim = query.shape
     out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=query.dtype, device=query.device)

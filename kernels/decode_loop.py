@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kernels import quant_native
-from kernels.native_build import LazyExtension, disabled_by
+from llmctl_kernels import quant_native
+from llmctl_kernels.native_build import LazyExtension, disabled_by
 
 NAME = "llmctl_decode_loop"
 SOURCE = Path(__file__).parent / "cpu" / "decode_loop.cpp"

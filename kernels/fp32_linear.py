@@ -1,6 +1,6 @@
 """fp32 linear layers with the weight packed once into panels of 16 output columns: the layout and
 the torch reference of the native GEMM (kernels/cpu/gemm_kernels.cpp, loaded by
-``kernels.gemm_native``).
+``llmctl_kernels.gemm_native``).
 
 ``packed[p, k, c] = weight[16 p + c, k]``, zero past the last output column: a micro-kernel then
 reads 16 consecutive columns of one k with two aligned vector loads, and a panel's K values lie

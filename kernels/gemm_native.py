@@ -3,7 +3,7 @@ kernels/fp32_linear.py), built once by the shared builder (``kernels/native_buil
 
 A module of its own so that it builds alone. Optional: without a C++ compiler, or with
 ``LLMCTL_NATIVE_CPU_KERNELS=0`` or ``LLMCTL_NATIVE_GEMM=0``, fp32 linear layers keep torch's GEMM.
-The ISA variant (generic, AVX2+FMA, AVX-512) is chosen at run time from ``kernels.cpu_features``.
+The ISA variant (generic, AVX2+FMA, AVX-512) is chosen at run time from ``llmctl_kernels.cpu_features``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_features import isa_level
-from kernels.native_build import LazyExtension, disabled_by
+from llmctl_kernels.cpu_features import isa_level
+from llmctl_kernels.native_build import LazyExtension, disabled_by
 
 NAME = "llmctl_gemm"
 SOURCE = Path(__file__).parent / "cpu" / "gemm_kernels.cpp"

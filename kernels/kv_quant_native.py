@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from kernels import kv_quant as kq
-from kernels.cpu_features import supported_isa_levels
-from kernels.native_build import LazyExtension, disabled_by
+from llmctl_kernels import kv_quant as kq
+from llmctl_kernels.cpu_features import supported_isa_levels
+from llmctl_kernels.native_build import LazyExtension, disabled_by
 
 NAME = "llmctl_kv_quant"
 SOURCE = Path(__file__).parent / "cpu" / "kv_quant_attention.cpp"

@@ -34,8 +34,8 @@ def reshape_and_cache_triton(
 ) -> None:
     """Triton: one program per token writes all its KV heads ([BLOCK_H, BLOCK_D] tile) to
     ``slot = slot_mapping[t]``; a negative slot returns at once. Offsets are int64."""
-    from kernels import _triton_elementwise as te
-    from kernels._triton_utils import interpreting, last_dim_contiguous, next_pow2
+    from llmctl_kernels import _triton_elementwise as te
+    from llmctl_kernels._triton_utils import interpreting, last_dim_contiguous, next_pow2
 
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
@@ -74,9 +74,9 @@ def quantize_and_cache_triton(
 ) -> None:
     """``reshape_and_cache_triton`` that quantizes: per (token, KV head) scale = amax / qmax and
     its codes, bit for bit ``kv_quant.quantize_per_token`` (one program per token)."""
-    from kernels import _triton_kv_quant as tq
-    from kernels import kv_quant as kq
-    from kernels._triton_utils import last_dim_contiguous, next_pow2
+    from llmctl_kernels import _triton_kv_quant as tq
+    from llmctl_kernels import kv_quant as kq
+    from llmctl_kernels._triton_utils import last_dim_contiguous, next_pow2
 
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
@@ -113,8 +113,8 @@ def kivi_quantize_blocks_triton(
     """KIVI's store at block close: quantize completed blocks (keys per channel over the block's
     tokens, values per token over channel groups) into the pool, bit for bit
     ``kv_quant.quantize_kivi_keys`` / ``quantize_kivi_values``. One program per (block, KV head)."""
-    from kernels import _triton_kv_quant as tq
-    from kernels._triton_utils import next_pow2
+    from llmctl_kernels import _triton_kv_quant as tq
+    from llmctl_kernels._triton_utils import next_pow2
 
     if blocks.numel() == 0:
         return

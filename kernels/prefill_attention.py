@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from kernels.decode_attention import gather_kv
+from llmctl_kernels.decode_attention import gather_kv
 
 
 def paged_prefill_attention_torch(
@@ -71,7 +71,7 @@ LOG2E = 1.4426950408889634
 
 def _prefill_config(head_dim: int, group: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
     """(BLOCK_G, BLOCK_M, BLOCK_N, num_warps, num_stages) for a head size, GQA group and dtype."""
-    from kernels._triton_utils import interpreting, next_pow2
+    from llmctl_kernels._triton_utils import interpreting, next_pow2
 
     block_g = next_pow2(group)
     block_d = max(16, next_pow2(head_dim))
@@ -100,8 +100,8 @@ def _launch_prefill(
     block_m: int | None,
     block_n: int | None,
 ) -> torch.Tensor:
-    from kernels import _triton_attention as tk
-    from kernels._triton_utils import (
+    from llmctl_kernels import _triton_attention as tk
+    from llmctl_kernels._triton_utils import (
         cdiv, dots_in_fp32, fp32_dot_precision, last_dim_contiguous, next_pow2,
     )
 
@@ -225,8 +225,8 @@ def paged_prefill_attention_quantized_triton(
     staging lacks: position ``p`` reads the tokens of its window group (``window`` tokens, default
     the block) in full precision, from the staging or else the residual, unless ``p`` completes
     the group (``kv_quant.attend_causal_kivi``)."""
-    from kernels import _triton_kv_quant as tq
-    from kernels._triton_utils import (
+    from llmctl_kernels import _triton_kv_quant as tq
+    from llmctl_kernels._triton_utils import (
         cdiv, dots_in_fp32, fp32_dot_precision, interpreting, last_dim_contiguous, next_pow2,
     )
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_features import cpu_flags
-from kernels.native_build import LazyExtension, disabled_by
+from llmctl_kernels.cpu_features import cpu_flags
+from llmctl_kernels.native_build import LazyExtension, disabled_by
 
 NAME = "llmctl_quant"
 SOURCE = Path(__file__).parent / "cpu" / "quant_kernels.cpp"
@@ -134,7 +134,7 @@ class InterleavedKernel:
         return self._linear(x, self.tiles, self.int4, self.n, self.group, self.half, self.has_mins)
 
 
-if __name__ == "__main__":  # `python -m kernels.quant_native`: build ahead of time
+if __name__ == "__main__":  # `python -m llmctl_kernels.quant_native`: build ahead of time
     import logging
     import sys
 

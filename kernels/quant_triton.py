@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_utils import cdiv, dots_in_fp32, fp32_dot_precision, last_dim_contiguous
+from llmctl_kernels._triton_utils import cdiv, dots_in_fp32, fp32_dot_precision, last_dim_contiguous
 from llmctl.layers.quantization.formats import PackedInt4, PackedInt8, PackedWeight
 
 INT4, INT8, FP8 = 0, 1, 2

@@ -33,8 +33,8 @@ def rms_norm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton: one program per row holds the whole row (``BLOCK = next_pow2(hidden)``), adds the
     residual in the input dtype, reduces in fp32, casts back, then scales — the reference's order."""
-    from kernels import _triton_elementwise as te
-    from kernels._triton_utils import interpreting, next_pow2
+    from llmctl_kernels import _triton_elementwise as te
+    from llmctl_kernels._triton_utils import interpreting, next_pow2
 
     if residual is not None and residual.dtype != x.dtype:  # mixed dtypes promote: add in torch first
         x = x + residual

@@ -43,8 +43,8 @@ def rotary_embedding_triton(
     """Triton: one program per token rotates all its query and key heads with one cos/sin row
     (llama3 or any other scaling is already baked into the cache); dims past ``rotary_dim`` are
     copied through."""
-    from kernels import _triton_elementwise as te
-    from kernels._triton_utils import interpreting, last_dim_contiguous, next_pow2
+    from llmctl_kernels import _triton_elementwise as te
+    from llmctl_kernels._triton_utils import interpreting, last_dim_contiguous, next_pow2
 
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]

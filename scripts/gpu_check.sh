@@ -30,7 +30,11 @@ fi
 export PYTHONUNBUFFERED=1
 export PYTHONDONTWRITEBYTECODE=1
 export TOKENIZERS_PARALLELISM=false
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# kernels/ imports as llmctl_kernels (pyproject.toml's package-dir). A bare python here has no install
+# of the repo, so a link in a temporary folder gives the folder that name.
+SHIM="$(mktemp -d)"
+ln -s "$REPO/kernels" "$SHIM/llmctl_kernels"
+export PYTHONPATH="$REPO:$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 if [[ $DRY == 1 ]]; then
     export TRITON_INTERPRET=1
     export LLMCTL_TEST_DEVICE=cpu

@@ -16,4 +16,4 @@ fi
 # Build the optional native CPU kernels now (about a minute on 2 cores; one portable build with
 # per-ISA variants, cached per install and toolchain), so the first engine start does not pay for
 # it. Without a C++ compiler the engine uses pure torch.
-.venv/bin/python -m kernels.cpu_native
+.venv/bin/python -m llmctl_kernels.cpu_native

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import kv_quant as kq
+from llmctl_kernels import kv_quant as kq
 from llmctl.engine.kv_cache import KVFormat, QuantizedKVCache
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from model_factory import random_prompts
 
-from kernels.quant_native import native_unavailable_reason
+from llmctl_kernels.quant_native import native_unavailable_reason
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.models.gguf_files import SMOLLM2_NAME, packaged_model_path
 from llmctl.models.native_decode import ACTIVE

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_features import cpu_flags, native_bf16_units
+from llmctl_kernels.cpu_features import cpu_flags, native_bf16_units
 from llmctl.errors import ConfigError
 from llmctl.models.config import choose_dtype
 from llmctl.models.embedded import embedded_config_dict

@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf_factory import write_tiny_gguf
 
-from kernels.fp32_linear import unpack_panels
+from llmctl_kernels.fp32_linear import unpack_panels
 
 pytest.importorskip("llmctl.layers.quantization.methods", reason="packed linear methods (quantization work) absent")
 
@@ -120,7 +120,7 @@ def _engine_with(path, mode: str) -> LLMEngine:
 def test_packed_kernels_are_bound_at_load_so_the_startup_bytes_are_final(tiny_llama):
     """The start-up line prints weight_bytes right after loading: every packed layer, the LM head
     included, has its CPU kernel bound by then, so a request changes nothing it counted."""
-    from kernels.quant_native import native_unavailable_reason
+    from llmctl_kernels.quant_native import native_unavailable_reason
 
     if native_unavailable_reason() is not None:
         pytest.skip(f"native quantized kernels: {native_unavailable_reason()}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_quant_native import load_kv_quant_native
+from llmctl_kernels.kv_quant_native import load_kv_quant_native
 from llmctl.engine.kv_cache import KVFormat, QuantizedKVCache
 
 pytestmark = pytest.mark.skipif(load_kv_quant_native() is None, reason="needs the native KV-quant module (C++ compiler)")

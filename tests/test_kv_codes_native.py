@@ -12,11 +12,11 @@ import pytest
 import torch
 from kv_pool_factory import filled_pool, reference
 
-from kernels import kv_quant as kq
-from kernels.cpu_features import isa_level, supported_isa_levels
-from kernels.cpu_native import (decode_codes_native_supported, load_native, paged_decode_attention_codes_native,
+from llmctl_kernels import kv_quant as kq
+from llmctl_kernels.cpu_features import isa_level, supported_isa_levels
+from llmctl_kernels.cpu_native import (decode_codes_native_supported, load_native, paged_decode_attention_codes_native,
                                 paged_prefill_attention_codes_native, store_kv_codes_native)
-from kernels.prefill_attention import attend_causal
+from llmctl_kernels.prefill_attention import attend_causal
 
 VARIANTS = [level for level in supported_isa_levels() if level != "generic"]
 pytestmark = pytest.mark.skipif(load_native() is None or not VARIANTS,

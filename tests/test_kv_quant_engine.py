@@ -89,7 +89,7 @@ def test_prefix_cache_keys_include_the_kv_dtype(llama_dir):
 
 
 def test_head_dim_64_takes_the_native_8bit_kernels(llama64_dir):
-    from kernels.cpu_native import decode_codes_native_supported
+    from llmctl_kernels.cpu_native import decode_codes_native_supported
 
     if not decode_codes_native_supported(64):
         pytest.skip("needs the native CPU kernels on an AVX2 (or better) CPU")

@@ -11,9 +11,9 @@ import pytest
 import torch
 from kv_pool_factory import filled_pool, reference
 
-from kernels import kv_quant as kq
-from kernels.cpu_features import supported_isa_levels
-from kernels.kv_quant_native import load_kv_quant_native, quantized_decode_attention_native
+from llmctl_kernels import kv_quant as kq
+from llmctl_kernels.cpu_features import supported_isa_levels
+from llmctl_kernels.kv_quant_native import load_kv_quant_native, quantized_decode_attention_native
 
 pytestmark = pytest.mark.skipif(load_kv_quant_native() is None, reason="no C++ compiler: native kernels not built")
 QUANTIZED = [d for d in kq.KV_CACHE_DTYPES if d != "auto"]

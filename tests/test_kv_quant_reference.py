@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import kv_quant as kq
-from kernels.prefill_attention import attend_causal
+from llmctl_kernels import kv_quant as kq
+from llmctl_kernels.prefill_attention import attend_causal
 from llmctl.config import KV_CACHE_DTYPES
 from llmctl.engine.kv_cache import KVFormat, QuantizedKVCache
 from llmctl.layers.ops import AttentionMetadata, TorchOps

@@ -244,7 +244,7 @@ def test_lm_head_logits_from_an_int8_copy(llama_dir, kind, int8_logits):
     """int8 and int4 compute the logits from a per-channel int8 copy of the (tied or not) table, the
     arithmetic of the int8 linear layers bit for bit, a row's logits independent of the batch; the
     embedding keeps looking up the float rows. fp8 keeps float logits."""
-    from kernels.quant_linear import per_channel_int8_reference
+    from llmctl_kernels.quant_linear import per_channel_int8_reference
     from llmctl.layers.ops import TorchOps
     from llmctl.models.loader import load_model
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kernels.fp32_linear import unpack_panels
+from llmctl_kernels.fp32_linear import unpack_panels
 from llmctl.bench.datasets import BenchRequest
 from llmctl.bench.metrics import RequestRecord
 from llmctl.bench.runner import RunResult

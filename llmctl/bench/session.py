@@ -16,7 +16,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kernels.cpu_features import native_bf16_units
+from llmctl_kernels.cpu_features import native_bf16_units
 from llmctl.bench import DEFAULT_NUM_PROMPTS
 from llmctl.bench.datasets import (
     DATASETS, BenchRequest, PromptFactory, random_requests, shared_prefix_requests, sharegpt_requests,

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels import kv_quant as kq
-from kernels.cpu_native import (decode_codes_native_supported, paged_decode_attention_codes_native,
+from llmctl_kernels import kv_quant as kq
+from llmctl_kernels.cpu_native import (decode_codes_native_supported, paged_decode_attention_codes_native,
                                 paged_prefill_attention_codes_native, store_kv_codes_native)
-from kernels.kv_quant_native import kivi_store_native, load_kv_quant_native, quantized_decode_attention_native
-from kernels.prefill_attention import attend_causal
+from llmctl_kernels.kv_quant_native import kivi_store_native, load_kv_quant_native, quantized_decode_attention_native
+from llmctl_kernels.prefill_attention import attend_causal
 
 if TYPE_CHECKING:
     from llmctl.layers.ops import AttentionMetadata, TorchOps
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 class KVFormat:
     """The shape of one KV dtype's storage: what a block costs, and what one token costs."""
 
-    kind: str  # one of kernels.kv_quant.KV_CACHE_DTYPES
+    kind: str  # one of llmctl_kernels.kv_quant.KV_CACHE_DTYPES
     num_layers: int
     num_kv_heads: int
     head_dim: int

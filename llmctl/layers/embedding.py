@@ -99,7 +99,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             return logits.view(*hidden.shape[:-1], logits.shape[-1])
         if self.logits_packed is not None:
             if "_logits_kernel" not in self.__dict__:  # bound once: no per-call dispatch
-                from kernels.quant_native import bind_native
+                from llmctl_kernels.quant_native import bind_native
 
                 self.__dict__["_logits_kernel"] = bind_native(self.logits_packed)
             kernel = self.__dict__["_logits_kernel"]

@@ -38,7 +38,7 @@ class LinearMethod(Protocol):
 # 1,536 at batch 64 too.
 FP32_PREPACK_MIN_ELEMENTS = 1 << 22
 
-# CPUs (kernels.cpu_features ISA levels) on which fp32 weights take the native panel GEMM
+# CPUs (llmctl_kernels.cpu_features ISA levels) on which fp32 weights take the native panel GEMM
 # (kernels/cpu/gemm_kernels.cpp) by default. Measured (docs/benchmarks.md): on a 2-core Zen 3
 # (AVX2+FMA) faster than torch's (MKL / oneDNN) at every linear shape of the 246M Llama and
 # SmolLM2-135M at 1-64 rows, on par at 512; on a 2-core Zen 5 (AVX-512, AVX512-BF16) the AVX-512
@@ -51,7 +51,7 @@ NATIVE_GEMM_ISAS = frozenset({"avx2", "avx512", "avx512bf16"})
 
 def native_gemm_wanted() -> bool:
     """``LLMCTL_NATIVE_GEMM``: 1 = on, 0 = off, unset/auto = on where ``NATIVE_GEMM_ISAS`` says."""
-    from kernels.cpu_features import isa_level
+    from llmctl_kernels.cpu_features import isa_level
 
     setting = os.environ.get("LLMCTL_NATIVE_GEMM", "auto")
     if setting not in ("0", "1", "auto"):
@@ -63,7 +63,7 @@ def _native_gemm() -> Callable[..., torch.Tensor] | None:
     """The native kernel's entry point, or None where it is not wanted or cannot be built."""
     if not native_gemm_wanted():
         return None
-    from kernels.gemm_native import load_gemm_native
+    from llmctl_kernels.gemm_native import load_gemm_native
 
     module = load_gemm_native()
     return None if module is None else module.linear
@@ -83,7 +83,7 @@ def prepack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.device.type != "cpu":
         return None
     if weight.dtype == torch.float32 and _native_gemm() is not None:
-        from kernels.fp32_linear import pack_panels
+        from llmctl_kernels.fp32_linear import pack_panels
 
         return pack_panels(weight)
     if not torch.backends.mkldnn.is_available():
@@ -115,7 +115,7 @@ def _panel_gemm() -> Callable[..., torch.Tensor]:
     native = _native_gemm()
     if native is not None:
         return native
-    from kernels.fp32_linear import fp32_linear_torch
+    from llmctl_kernels.fp32_linear import fp32_linear_torch
 
     return fp32_linear_torch
 

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.activation import silu_and_mul_torch
-from kernels.cpu_native import load_native, native_isa
-from kernels.decode_attention import paged_decode_attention_torch
-from kernels.kv_store import reshape_and_cache_torch
-from kernels.prefill_attention import attend_causal, paged_prefill_attention_torch
-from kernels.rms_norm import rms_norm_torch
-from kernels.rotary import apply_rotary, rotary_cos_sin
+from llmctl_kernels.activation import silu_and_mul_torch
+from llmctl_kernels.cpu_native import load_native, native_isa
+from llmctl_kernels.decode_attention import paged_decode_attention_torch
+from llmctl_kernels.kv_store import reshape_and_cache_torch
+from llmctl_kernels.prefill_attention import attend_causal, paged_prefill_attention_torch
+from llmctl_kernels.rms_norm import rms_norm_torch
+from llmctl_kernels.rotary import apply_rotary, rotary_cos_sin
 from llmctl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class TorchOps:
         # at decode sizes (docs/kernels.md), and within float rounding of the references, which
         # keeps greedy output token-identical to transformers in the exactness tests.
         # The compiled module is bound here, once per model: every per-step call below goes straight
-        # to it, without the ~3-18 us per call of the kernels.cpu_native wrappers (module lookup
+        # to it, without the ~3-18 us per call of the llmctl_kernels.cpu_native wrappers (module lookup
         # under a lock, reshape/view of 2-D tensors), ~175 calls per SmolLM2 decode step.
         self._native = load_native() if native_cpu else None
         self.native = self._native is not None

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.activation import silu_and_mul_triton
-from kernels.decode_attention import paged_decode_attention_quantized_triton, paged_decode_attention_triton
-from kernels.kv_store import kivi_quantize_blocks_triton, quantize_and_cache_triton, reshape_and_cache_triton
-from kernels.prefill_attention import (
+from llmctl_kernels.activation import silu_and_mul_triton
+from llmctl_kernels.decode_attention import paged_decode_attention_quantized_triton, paged_decode_attention_triton
+from llmctl_kernels.kv_store import kivi_quantize_blocks_triton, quantize_and_cache_triton, reshape_and_cache_triton
+from llmctl_kernels.prefill_attention import (
     paged_prefill_attention_quantized_triton, paged_prefill_attention_triton, varlen_causal_attention_triton,
 )
-from kernels.rms_norm import rms_norm_triton
-from kernels.rotary import rotary_embedding_triton
+from llmctl_kernels.rms_norm import rms_norm_triton
+from llmctl_kernels.rotary import rotary_embedding_triton
 from llmctl.layers.ops import AttentionMetadata, TorchOps
 
 if TYPE_CHECKING:

@@ -51,7 +51,7 @@ def choose_dtype(requested: str, checkpoint_dtype: str | None, device: torch.dev
                            "auto: the checkpoint states no dtype")
     if device.type != "cpu":
         return DtypeChoice(stored, "auto: the checkpoint's dtype")
-    from kernels.cpu_features import native_bf16_units
+    from llmctl_kernels.cpu_features import native_bf16_units
 
     units = native_bf16_units(cpu_flags)
     if units:

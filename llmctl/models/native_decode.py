@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.cpu_features import isa_level
+from llmctl_kernels.cpu_features import isa_level
 from llmctl.layers.linear import LinearBase, RowParallelLinear, UnquantizedLinearMethod
 from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -52,7 +52,7 @@ def build_native_decode(model: LlamaForCausalLM, kv_cache: torch.Tensor,
     reason = why_not(model, kv_cache, quantized_kv)
     if reason is not None:
         return None, f"decode: Python modules ({reason})"
-    from kernels.decode_loop import load_decode_loop, unavailable_reason
+    from llmctl_kernels.decode_loop import load_decode_loop, unavailable_reason
 
     module = load_decode_loop()
     if module is None:
@@ -125,7 +125,7 @@ def _quantized_kv_why_not(quantized_kv: QuantizedKVCache | None) -> str:
 
 
 def _linear_why_not(layer: LinearBase) -> str | None:
-    from kernels.quant_native import load_quant_native, supports
+    from llmctl_kernels.quant_native import load_quant_native, supports
     from llmctl.layers.quantization.methods import PackedLinearMethod
     from llmctl.layers.quantization.params import read_packed
 

@@ -196,7 +196,7 @@ def test_default_model_is_smollm2_when_installed(monkeypatch, tmp_path: Path):
     # 64 streams a step: the default model's packed weights run dequantized (faster batched on a CPU)
     assert data["config"]["engine_options"]["quantization"] == "none"
     # ... in bf16 where the CPU computes it natively, else in the checkpoint's float dtype
-    from kernels.cpu_features import native_bf16_units
+    from llmctl_kernels.cpu_features import native_bf16_units
 
     if native_bf16_units():
         assert data["config"]["engine_options"]["dtype"] == "bfloat16" and "dequantized to bfloat16" in output

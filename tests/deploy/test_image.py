@@ -37,7 +37,7 @@ def test_hadolint_passes():
 def test_dockerfile_builds_kernels_runs_unprivileged_and_checks_health():
     steps = _instructions()
     runs = " ".join(args for op, args in steps if op == "RUN")
-    assert "python -m kernels.cpu_native" in runs  # the native CPU kernels are built into the image
+    assert "python -m llmctl_kernels.cpu_native" in runs  # the native CPU kernels are built into the image
     assert '"torch==${TORCH_VERSION}"' in runs and "--index-url" in runs
     users = [args for op, args in steps if op == "USER"]
     assert users and users[-1] != "root" and not users[-1].startswith("0")

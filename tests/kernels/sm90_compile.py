@@ -80,12 +80,12 @@ def _compile_launch(self: JITFunction, *args, grid, warmup, **kwargs):
 def main() -> int:
     JITFunction.run = _compile_launch  # compile instead of launching
 
-    from kernels.activation import silu_and_mul_triton
-    from kernels.decode_attention import paged_decode_attention_triton
-    from kernels.kv_store import reshape_and_cache_triton
-    from kernels.prefill_attention import paged_prefill_attention_triton, varlen_causal_attention_triton
-    from kernels.rms_norm import rms_norm_triton
-    from kernels.rotary import rotary_embedding_triton
+    from llmctl_kernels.activation import silu_and_mul_triton
+    from llmctl_kernels.decode_attention import paged_decode_attention_triton
+    from llmctl_kernels.kv_store import reshape_and_cache_triton
+    from llmctl_kernels.prefill_attention import paged_prefill_attention_triton, varlen_causal_attention_triton
+    from llmctl_kernels.rms_norm import rms_norm_triton
+    from llmctl_kernels.rotary import rotary_embedding_triton
 
     decode_shapes = [(32, 8, 128, 1), (32, 8, 128, 4), (8, 8, 64, 1), (4, 1, 16, 2)]
     prefill_shapes = [(32, 8, 128), (8, 8, 64), (8, 1, 128), (8, 2, 256)]
@@ -133,9 +133,9 @@ def main() -> int:
 def _compile_quantized_kv(quick: bool) -> None:
     """The kernels over the quantized KV cache (--kv-cache-dtype): every format's store, decode
     (split and not) and prefill, at a Llama-8B-like GQA shape (32q/8kv, D=128), bf16 (and fp32)."""
-    from kernels.decode_attention import paged_decode_attention_quantized_triton
-    from kernels.kv_store import kivi_quantize_blocks_triton, quantize_and_cache_triton
-    from kernels.prefill_attention import paged_prefill_attention_quantized_triton
+    from llmctl_kernels.decode_attention import paged_decode_attention_quantized_triton
+    from llmctl_kernels.kv_store import kivi_quantize_blocks_triton, quantize_and_cache_triton
+    from llmctl_kernels.prefill_attention import paged_prefill_attention_quantized_triton
     from llmctl.engine.kv_cache import KVFormat
 
     hq, hkv, d, bs = 32, 8, 128, 16

@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-from kernels.cpu_features import isa_level, supported_isa_levels
-from kernels.cpu_native import load_native, native_unavailable_reason, paged_decode_attention_native
-from kernels.decode_attention import paged_decode_attention_torch
+from llmctl_kernels.cpu_features import isa_level, supported_isa_levels
+from llmctl_kernels.cpu_native import load_native, native_unavailable_reason, paged_decode_attention_native
+from llmctl_kernels.decode_attention import paged_decode_attention_torch
 
 if native_unavailable_reason() is not None and not shutil.which("g++"):
     pytest.skip(f"native CPU kernels: {native_unavailable_reason()}", allow_module_level=True)
@@ -80,8 +80,8 @@ def test_threads_split_heads_when_few_sequences(isa, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_store_matches_reference_and_skips_padding(dtype):
-    from kernels.cpu_native import reshape_and_cache_native
-    from kernels.kv_store import reshape_and_cache_torch
+    from llmctl_kernels.cpu_native import reshape_and_cache_native
+    from llmctl_kernels.kv_store import reshape_and_cache_torch
 
     gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(7, 3 * 2 * 16, generator=gen).to(dtype)  # strided K/V views, as the model makes them
@@ -98,8 +98,8 @@ def test_kv_store_matches_reference_and_skips_padding(dtype):
 @pytest.mark.parametrize("rows", [1, 64, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_matches_reference(isa, dtype, with_residual, rows):
-    from kernels.cpu_native import rms_norm_native
-    from kernels.rms_norm import rms_norm_torch
+    from llmctl_kernels.cpu_native import rms_norm_native
+    from llmctl_kernels.rms_norm import rms_norm_torch
 
     gen = torch.Generator().manual_seed(rows)
     hidden = 576 if rows == 64 else 256  # 576: SmolLM2's width, not a multiple of the vector tail
@@ -119,8 +119,8 @@ def test_rms_norm_matches_reference(isa, dtype, with_residual, rows):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_matches_reference(isa, dtype):
-    from kernels.activation import silu_and_mul_torch
-    from kernels.cpu_native import silu_and_mul_native
+    from llmctl_kernels.activation import silu_and_mul_torch
+    from llmctl_kernels.cpu_native import silu_and_mul_native
 
     x = (torch.randn(37, 2 * 200, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturated and zero gates
@@ -135,8 +135,8 @@ def test_silu_and_mul_matches_reference(isa, dtype):
 @pytest.mark.parametrize("rotary_dim", [64, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_matches_reference_on_strided_views(isa, dtype, rotary_dim):
-    from kernels.cpu_native import rotary_embedding_native
-    from kernels.rotary import rotary_embedding_torch
+    from llmctl_kernels.cpu_native import rotary_embedding_native
+    from llmctl_kernels.rotary import rotary_embedding_torch
 
     gen = torch.Generator().manual_seed(rotary_dim)
     tokens = 21
@@ -151,7 +151,7 @@ def test_rotary_matches_reference_on_strided_views(isa, dtype, rotary_dim):
 
 
 def test_float64_is_refused_with_a_clear_error():
-    from kernels.cpu_native import silu_and_mul_native
+    from llmctl_kernels.cpu_native import silu_and_mul_native
 
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 expected"):
         silu_and_mul_native(torch.randn(2, 8, dtype=torch.float64))
@@ -164,8 +164,8 @@ def test_float64_is_refused_with_a_clear_error():
 def test_prefill_matches_reference(isa, dtype, num_q_heads, num_kv_heads, head_dim, block_size):
     """Fresh prompts and extends (a cached prefix before the chunk) of lengths around the 8-token
     score tiles and 16-token V chunks, in scattered blocks, against torch's SDPA reference."""
-    from kernels.cpu_native import paged_prefill_attention_native, prefill_attention_native_supported
-    from kernels.prefill_attention import paged_prefill_attention_torch
+    from llmctl_kernels.cpu_native import paged_prefill_attention_native, prefill_attention_native_supported
+    from llmctl_kernels.prefill_attention import paged_prefill_attention_torch
 
     gen = torch.Generator().manual_seed(head_dim + block_size + num_q_heads)
     key_cache = torch.randn(60, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
@@ -194,7 +194,7 @@ def test_prefill_matches_reference(isa, dtype, num_q_heads, num_kv_heads, head_d
 
 
 def test_prefill_refuses_chunks_that_overrun_the_queries():
-    from kernels.cpu_native import paged_prefill_attention_native, prefill_attention_native_supported
+    from llmctl_kernels.cpu_native import paged_prefill_attention_native, prefill_attention_native_supported
 
     query, cache = torch.randn(5, 4, 64), torch.randn(4, 16, 4, 64)
     if not prefill_attention_native_supported(query, cache):
@@ -205,7 +205,7 @@ def test_prefill_refuses_chunks_that_overrun_the_queries():
 
 
 def test_prefill_declines_other_dtypes_and_head_sizes():
-    from kernels.cpu_native import prefill_attention_native_supported
+    from llmctl_kernels.cpu_native import prefill_attention_native_supported
 
     assert not prefill_attention_native_supported(torch.zeros(2, 4, 64, dtype=torch.float16),
                                                   torch.zeros(1, 16, 4, 64, dtype=torch.float16))

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_features import isa_level, supported_isa_levels
-from kernels.fp32_linear import fp32_linear_torch, pack_panels, unpack_panels
-from kernels.gemm_native import fp32_linear_native, load_gemm_native, native_unavailable_reason
+from llmctl_kernels.cpu_features import isa_level, supported_isa_levels
+from llmctl_kernels.fp32_linear import fp32_linear_torch, pack_panels, unpack_panels
+from llmctl_kernels.gemm_native import fp32_linear_native, load_gemm_native, native_unavailable_reason
 
 if native_unavailable_reason() is not None and not shutil.which("g++"):
     pytest.skip(f"native fp32 GEMM: {native_unavailable_reason()}", allow_module_level=True)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.quant_linear import is_per_channel_int8, per_channel_int8_reference, quantize_tokens_torch
-from kernels.quant_native import native_unavailable_reason, quant_linear_native
+from llmctl_kernels.quant_linear import is_per_channel_int8, per_channel_int8_reference, quantize_tokens_torch
+from llmctl_kernels.quant_native import native_unavailable_reason, quant_linear_native
 from llmctl.layers.quantization.formats import PackedInt8
 from llmctl.layers.quantization.quantize import quantize_int8
 
@@ -117,7 +117,7 @@ def test_lower_variants_compute_the_same_integers(tmp_path, isa):
     script = (
         "import torch, sys; sys.path.insert(0, 'tests/kernels');"
         "from test_int8_gemm import LOWER_VARIANT_CASES, _lower_variant_inputs;"
-        "from kernels.quant_native import quant_linear_native;"
+        "from llmctl_kernels.quant_native import quant_linear_native;"
         "torch.save([quant_linear_native(*_lower_variant_inputs(*c)) for c in LOWER_VARIANT_CASES], sys.argv[1])"
     )
     out = tmp_path / f"{isa}.pt"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels import native_build
-from kernels.native_build import build_extension, module_name_for
+from llmctl_kernels import native_build
+from llmctl_kernels.native_build import build_extension, module_name_for
 
 if native_build.unavailable_reason() is not None:
     pytest.skip(native_build.unavailable_reason(), allow_module_level=True)
@@ -100,7 +100,7 @@ def test_an_engine_start_behind_a_live_build_runs_on_torch_and_says_so(tmp_path)
     the start completes after the (short) time limit, on the torch path. The engine's other native
     modules come from the kernel cache when already built there (as scripts/setup.sh does):
     compiling all of them from nothing again took minutes of this test's time."""
-    from kernels.cpu_native import NAME
+    from llmctl_kernels.cpu_native import NAME
 
     for built in native_build.cache_dir().glob("*.so"):
         if not built.name.startswith(f"{NAME}_") and ".partial." not in built.name:
@@ -109,8 +109,8 @@ def test_an_engine_start_behind_a_live_build_runs_on_torch_and_says_so(tmp_path)
            "PYTHONPATH": str(ROOT)}
     script = textwrap.dedent(f"""
         import fcntl, os
-        from kernels.cpu_native import CFLAGS, HEADERS, LDFLAGS, NAME, SOURCE
-        from kernels.native_build import module_name_for
+        from llmctl_kernels.cpu_native import CFLAGS, HEADERS, LDFLAGS, NAME, SOURCE
+        from llmctl_kernels.native_build import module_name_for
         lock = os.path.join({str(tmp_path)!r}, module_name_for(NAME, [SOURCE], CFLAGS, LDFLAGS, HEADERS) + ".lock")
         fd = os.open(lock, os.O_RDWR | os.O_CREAT)
         child = os.fork()

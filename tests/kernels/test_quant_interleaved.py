@@ -1,5 +1,5 @@
 """The tile-interleaved layout of packed int4/int8 weights (``interleave_tiles`` /
-``interleaved_linear`` in kernels/cpu/quant_kernels.cpp, bound by ``kernels.quant_native``): each
+``interleaved_linear`` in kernels/cpu/quant_kernels.cpp, bound by ``llmctl_kernels.quant_native``): each
 tile of 4 rows stored as one run of bytes. It must give the very bits of the row layout's integer
 path (same arithmetic per row, in the same order), which the torch reference bounds; and the
 layout itself must put every byte where the kernel reads it (a hand-built tile)."""
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.quant_linear import int_path_reference
-from kernels.quant_native import (
+from llmctl_kernels.quant_linear import int_path_reference
+from llmctl_kernels.quant_native import (
     InterleavedKernel,
     bind_native,
     interleaves,
@@ -76,7 +76,7 @@ def test_the_avx2_passes_give_the_same_bits(tmp_path):
     root = Path(__file__).resolve().parents[2]
     script = (
         "import sys, torch; sys.path.insert(0, 'tests/kernels');"
-        "from test_quant_interleaved import _packed; from kernels.quant_native import bind_native;"
+        "from test_quant_interleaved import _packed; from llmctl_kernels.quant_native import bind_native;"
         "p, _ = _packed('int4g32', 30, 384, seed=7, half=True);"
         "torch.save(bind_native(p)(torch.randn(19, 384, generator=torch.Generator().manual_seed(1))), sys.argv[1])"
     )

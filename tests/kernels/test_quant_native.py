@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.quant_linear import ACTIVATION_BLOCK, ACTIVATION_LEVELS, int_path_reference, quant_linear_torch
-from kernels.quant_linear import is_per_channel_int8
-from kernels.quant_native import bind_native, native_unavailable_reason, quant_linear_native
+from llmctl_kernels.quant_linear import ACTIVATION_BLOCK, ACTIVATION_LEVELS, int_path_reference, quant_linear_torch
+from llmctl_kernels.quant_linear import is_per_channel_int8
+from llmctl_kernels.quant_native import bind_native, native_unavailable_reason, quant_linear_native
 from llmctl.layers.quantization.formats import PackedInt4, PackedInt8, dequantize
 from llmctl.layers.quantization.quantize import quantize_fp8, quantize_int4, quantize_int8
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from kernel_testing import DEVICE
 
-from kernels.quant_linear import quant_linear_torch
-from kernels.quant_triton import quant_linear_triton
+from llmctl_kernels.quant_linear import quant_linear_torch
+from llmctl_kernels.quant_triton import quant_linear_triton
 from llmctl.layers.quantization.formats import PackedInt8
 from llmctl.layers.quantization.quantize import quantize_fp8, quantize_int4, quantize_int8
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_testing import DEVICE, assert_close, make_paged_kv
 
-from kernels.decode_attention import (
+from llmctl_kernels.decode_attention import (
     decode_num_splits,
     paged_decode_attention_torch,
     paged_decode_attention_triton,

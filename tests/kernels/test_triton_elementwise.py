@@ -11,10 +11,10 @@ import pytest
 import torch
 from kernel_testing import DEVICE, assert_close
 
-from kernels.activation import silu_and_mul_torch, silu_and_mul_triton
-from kernels.kv_store import reshape_and_cache_torch, reshape_and_cache_triton
-from kernels.rms_norm import rms_norm_torch, rms_norm_triton
-from kernels.rotary import rotary_embedding_torch, rotary_embedding_triton
+from llmctl_kernels.activation import silu_and_mul_torch, silu_and_mul_triton
+from llmctl_kernels.kv_store import reshape_and_cache_torch, reshape_and_cache_triton
+from llmctl_kernels.rms_norm import rms_norm_torch, rms_norm_triton
+from llmctl_kernels.rotary import rotary_embedding_torch, rotary_embedding_triton
 
 DTYPES = pytest.mark.parametrize(
     "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]

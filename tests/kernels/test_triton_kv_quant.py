@@ -16,10 +16,10 @@ import pytest
 import torch
 from kernel_testing import DEVICE, assert_close
 
-from kernels import kv_quant as kq
-from kernels.decode_attention import paged_decode_attention_quantized_triton
-from kernels.kv_store import kivi_quantize_blocks_triton, quantize_and_cache_triton
-from kernels.prefill_attention import paged_prefill_attention_quantized_triton
+from llmctl_kernels import kv_quant as kq
+from llmctl_kernels.decode_attention import paged_decode_attention_quantized_triton
+from llmctl_kernels.kv_store import kivi_quantize_blocks_triton, quantize_and_cache_triton
+from llmctl_kernels.prefill_attention import paged_prefill_attention_quantized_triton
 from llmctl.engine.kv_cache import KVFormat, QuantizedKVCache
 from llmctl.layers.ops import AttentionMetadata, TorchOps
 
@@ -203,7 +203,7 @@ def _prefill_reference(scene: Scene) -> torch.Tensor:
             ek, ev = layer.gather_exact(table[0].tolist(), seq_len, q.dtype)
             out.append(kq.attend_causal_kivi(q, keys[0], values[0], ek, ev, fmt.block_size, scene.scale))
         else:
-            from kernels.prefill_attention import attend_causal
+            from llmctl_kernels.prefill_attention import attend_causal
 
             out.append(attend_causal(q, keys[0], values[0], scene.scale))
     return torch.cat(out)

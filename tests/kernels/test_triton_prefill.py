@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_testing import DEVICE, assert_close, make_paged_kv
 
-from kernels.prefill_attention import (
+from llmctl_kernels.prefill_attention import (
     attend_causal,
     paged_prefill_attention_torch,
     paged_prefill_attention_triton,

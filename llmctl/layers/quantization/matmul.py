@@ -21,15 +21,15 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | Non
     """``x [..., K] -> [..., N]`` in ``x``'s dtype."""
     flat = x.reshape(-1, x.shape[-1])
     if x.is_cuda:
-        from kernels.quant_triton import quant_linear_triton
+        from llmctl_kernels.quant_triton import quant_linear_triton
 
         out = quant_linear_triton(flat, packed)
     elif x.device.type == "cpu" and _native_takes(packed):
-        from kernels.quant_native import quant_linear_native
+        from llmctl_kernels.quant_native import quant_linear_native
 
         out = quant_linear_native(flat, packed)
     else:
-        from kernels.quant_linear import (  # kernels/ imports this package: import late
+        from llmctl_kernels.quant_linear import (  # kernels/ imports this package: import late
             is_per_channel_int8,
             per_channel_int8_reference,
             quant_linear_torch,
@@ -56,7 +56,7 @@ def bound_cpu_kernel(module: nn.Module, *, release_rows: bool = False) -> Callab
     rows: the embedding looks tokens up in them."""
     cached = module.__dict__.get("_bound_cpu_kernel")
     if cached is None or cached[0] is not module.qweight:
-        from kernels.quant_native import bind_native
+        from llmctl_kernels.quant_native import bind_native
 
         cached = (module.qweight, bind_native(kernel_packed(module)))
         module.__dict__["_bound_cpu_kernel"] = cached
@@ -104,6 +104,6 @@ def _release_rows(module: nn.Module) -> None:
 
 
 def _native_takes(packed: PackedWeight) -> bool:
-    from kernels.quant_native import load_quant_native, supports
+    from llmctl_kernels.quant_native import load_quant_native, supports
 
     return supports(packed) and load_quant_native() is not None
