@@ -3,7 +3,7 @@ tensors, the native layer loop, LM head, sampler, bookkeeping, detokenizing) and
 decode loop, each op summed over the layers. Wall time per step, median over steps.
 
     PYTHONPATH=. python benchmarks/decode_breakdown.py [MODEL] [--threads 1 2] [--tokens 120] [--quantization auto]
-        [--concurrency 1]
+        [--concurrency 1] [--skip-tokenizer]
 
 For each thread count: a warm-up request, then one request of TOKENS greedy tokens after a chat
 prompt (the context grows from ~30 to ~30 + TOKENS), every step timed. ``--concurrency N``: N
@@ -92,10 +92,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tokens", type=int, default=120)
     parser.add_argument("--concurrency", type=int, default=1, help="requests decoding together")
+    parser.add_argument("--skip-tokenizer", action="store_true",
+                        help="a model folder without tokenizer.json (the peer's llama250m); needs --concurrency > 1")
     args = parser.parse_args()
+    if args.skip_tokenizer and args.concurrency == 1:
+        parser.error("--skip-tokenizer: the single stream starts from a chat prompt, which needs the tokenizer")
     engine = LLMEngine(model=args.model, quantization=args.quantization, dtype=args.dtype,
                        max_num_seqs=max(4, args.concurrency), kv_cache_memory=max(256 << 20, args.concurrency << 25),
-                       max_model_len=1024)
+                       max_model_len=1024, skip_tokenizer=args.skip_tokenizer)
     print(f"{args.model}, quantization {args.quantization}, {engine.runner.decode_path}, "
           f"{args.concurrency} request(s); load {os.getloadavg()}")
     if args.concurrency == 1:
