@@ -81,73 +81,147 @@ namespace avx512 {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
 namespace avx512bf16 {
-// bf16 caches on CPUs with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later), few sequences: the scores use
-// vdpbf16ps on bf16 q and K directly (exact bf16 products, fp32 sums), V is widened to fp32 with
-// a shift. One task = one sequence; its KV heads one after another, so a head's 4 x (D/16)
-// accumulators of the V pass stay in registers. Same result as the generic path up to fp32
+// bf16 caches on CPUs with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later, Zen 4 and later),
+// at any batch size. One task = some KV heads of a sequence (all of them once the sequences alone
+// keep every thread busy, else one). Scores: vdpbf16ps on the bf16 query and the K rows in place
+// (exact bf16 products, fp32 sums), 16 tokens a tile, whose 16 accumulators one transpose-reduce
+// turns into a vector of 16 scores, then times the softmax scale. V: each row widened in
+// registers (a shift) and taken by up to 4 query heads of its KV head at once, their accumulators
+// in registers over all the tokens. Why: the widening kernel of attention_f32.h (8 lanes) copies
+// every K and V row to fp32 in a buffer; on a 2-core Xeon with AMX (64 sequences x 192 tokens of
+// the 246M Llama, 16 layers) it took 1.10-1.19 ms a layer, this one 0.90-0.96 (docs/benchmarks.md,
+// seventeenth session). The arithmetic of a (sequence, head) depends on nothing else: batched ==
+// unbatched, whatever the task split or thread count. Same result as the generic path up to fp32
 // summation order.
+constexpr int64_t kTile = 16;  // tokens per score tile
+
+// out[p] = the sum of the 16 lanes of a[s], for the slot s that holds token p of the tile:
+// s = (p % 4) * 4 + p / 4 (tile_token), the order this reduction leaves them in.
+inline __m512 transpose_sum16(const __m512* a) {
+  __m512 c[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i)  // halves of 256 bits: c[i] = [a[2i] summed to 8 | a[2i+1] to 8]
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane k of d[i]: a[4i + k] summed to 4
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    e[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
+  const __m512d e0 = _mm512_castps_pd(e[0]), e1 = _mm512_castps_pd(e[1]);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(e0, e1)), _mm512_castpd_ps(_mm512_unpackhi_pd(e0, e1)));
+}
+
+constexpr int64_t tile_token(int s) { return (s % 4) * 4 + s / 4; }  // the token of slot s (an involution)
+
+struct TaskBuffers {
+  std::vector<int64_t> offset;  // t -> the task's part of token t's K/V row in the cache (elements)
+  std::vector<float> scores;    // [query heads of the task, padded]
+  std::vector<float> inv_sum;   // [query heads of the task]
+};
+
+// V pass of GR query heads of one KV head over 64 of its dims: acc[g] += p[g][t] * v_t for t < len,
+// v_t the bf16 row at v + offset[t] widened in registers (exact: a bf16 is the top half of its
+// fp32). All GR heads take each row while it is in registers: the row is read once per KV head.
+template <int GR>
+inline void v_pass64(const uint16_t* v, const int64_t* offset, int64_t len, const float* const* p, __m512 (&acc)[GR][4]) {
+  for (int g = 0; g < GR; ++g)
+    for (int l = 0; l < 4; ++l) acc[g][l] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const uint16_t* vr = v + offset[t];
+    __m512 row[4];
+#pragma GCC unroll 4
+    for (int l = 0; l < 4; ++l)
+      row[l] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 16 * l))), 16));
+#pragma GCC unroll 4
+    for (int g = 0; g < GR; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g][t]);
+#pragma GCC unroll 4
+      for (int l = 0; l < 4; ++l) acc[g][l] = _mm512_fmadd_ps(w, row[l], acc[g][l]);
+    }
+  }
+}
+
+// KV heads [h0, h1) of sequence `seq` (their part of a token's cache row is contiguous).
 template <int64_t D>
-void decode_range(const DecodeArgs<at::BFloat16>& a, int64_t begin, int64_t end) {
+void decode_task(const DecodeArgs<at::BFloat16>& a, int64_t seq, int64_t h0, int64_t h1, TaskBuffers& buf) {
   static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
   constexpr int64_t kChunks = D / 32;  // 32 bf16 per vdpbf16ps
-  constexpr int64_t kLanes = D / 16;   // 16 fp32 per zmm
-  const int64_t group = a.num_q_heads / a.num_kv_heads;  // <= 64, checked by the caller
-  const int64_t row = a.num_kv_heads * D;
-  std::vector<float> scores;
-  std::vector<int64_t> token_offset;  // t -> the token's row in the cache (elements)
-  __m512 acc[64 * kLanes];
-  for (int64_t seq = begin; seq < end; ++seq) {
-    const int64_t len = a.seq_lens[seq];
-    const int32_t* table = a.block_tables + seq * a.max_blocks;
-    scores.resize(group * len);
-    avx512::f32attn::token_offsets(token_offset, table, a.block_size, len, len, row, 0);
-    for (int64_t h = 0; h < a.num_kv_heads; ++h) {
-      const at::BFloat16* qh = a.q + (seq * a.num_q_heads + h * group) * D;
-      auto slot_row = [&](const at::BFloat16* cache, int64_t t) {
-        return reinterpret_cast<const uint16_t*>(cache + token_offset[t] + h * D);
-      };
-      // blocks sit anywhere in the pool: prefetch rows ahead, across block boundaries
-      auto prefetch = [&](const at::BFloat16* cache, int64_t t) {
-        if (t < len)
-          for (int64_t i = 0; i < D * 2; i += 64) _mm_prefetch(reinterpret_cast<const char*>(slot_row(cache, t)) + i, _MM_HINT_T0);
-      };
-      for (int64_t g = 0; g < group; ++g) {  // pass 1: scores of each query head of the group
-        __m512bh qv[kChunks];
-        for (int64_t c = 0; c < kChunks; ++c)
-          qv[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const uint16_t*>(qh + g * D) + 32 * c);
-        float* s = scores.data() + g * len;
-        for (int64_t t = 0; t < len; ++t) {
-          if (g == 0) prefetch(a.k_cache, t + 32);
-          const uint16_t* kr = slot_row(a.k_cache, t);
-          __m512 dot = _mm512_setzero_ps();
-          for (int64_t c = 0; c < kChunks; ++c)
-            dot = _mm512_dpbf16_ps(dot, qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
-          s[t] = _mm512_reduce_add_ps(dot) * a.scale;
-        }
+  const int64_t group = a.num_q_heads / a.num_kv_heads, heads = h1 - h0, span = heads * D;
+  const int64_t len = a.seq_lens[seq];
+  const int64_t padded = (len + kTile - 1) / kTile * kTile;
+  avx512::f32attn::token_offsets(buf.offset, a.block_tables + seq * a.max_blocks, a.block_size, len, padded,
+                                 a.num_kv_heads * D, h0 * D);
+  const int64_t* offset = buf.offset.data();
+  buf.scores.resize(heads * group * padded);
+  float* scores = buf.scores.data();
+  const uint16_t* k_cache = reinterpret_cast<const uint16_t*>(a.k_cache);
+  const uint16_t* v_cache = reinterpret_cast<const uint16_t*>(a.v_cache);
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(a.q + (seq * a.num_q_heads + h0 * group) * D);
+  // Blocks sit anywhere in the pool: the score pass prefetches the K rows of the next tile, and the
+  // V rows of its own tile into L2 for the V pass (a sequence's V is ~100 KiB); without the V
+  // prefetch the kernel took 25 % longer, with K prefetched 2 or 4 tiles ahead within noise.
+  auto prefetch = [&](const uint16_t* cache, int64_t t, auto hint) {
+    for (int64_t i = 0; i < span * 2; i += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(cache + offset[t]) + i, decltype(hint)::value);
+  };
+  using ToL1 = std::integral_constant<_mm_hint, _MM_HINT_T0>;
+  using ToL2 = std::integral_constant<_mm_hint, _MM_HINT_T1>;
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t t0 = 0; t0 < padded; t0 += kTile) {  // pass 1: scores
+    for (int64_t t = t0 + kTile; t < std::min(t0 + 2 * kTile, len); ++t) prefetch(k_cache, t, ToL1{});
+    for (int64_t t = t0; t < std::min(t0 + kTile, len); ++t) prefetch(v_cache, t, ToL2{});
+    for (int64_t r = 0; r < heads * group; ++r) {  // query head r of the task, of KV head h0 + r / group
+      __m512bh qv[kChunks];
+      for (int64_t c = 0; c < kChunks; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + r * D + 32 * c);
+      const uint16_t* k_head = k_cache + (r / group) * D;
+      __m512 acc[kTile];
+#pragma GCC unroll 16
+      for (int s = 0; s < kTile; ++s) {
+        const uint16_t* kr = k_head + offset[t0 + tile_token(s)];
+        acc[s] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kr));
+        for (int64_t c = 1; c < kChunks; ++c)
+          acc[s] = _mm512_dpbf16_ps(acc[s], qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
       }
-      float inv_sum[64];
-      for (int64_t g = 0; g < group; ++g) inv_sum[g] = avx512::f32attn::softmax_row(scores.data() + g * len, len);
-      for (int64_t i = 0; i < group * kLanes; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < len; ++t) {  // pass 2: sum of V weighted by each head's p
-        prefetch(a.v_cache, t + 32);
-        const uint16_t* vr = slot_row(a.v_cache, t);
-        __m512 v[kLanes];
-        for (int64_t l = 0; l < kLanes; ++l)
-          v[l] = _mm512_castsi512_ps(_mm512_slli_epi32(
-              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 16 * l))), 16));
-        for (int64_t g = 0; g < group; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[g * len + t]);
-          for (int64_t l = 0; l < kLanes; ++l) acc[g * kLanes + l] = _mm512_fmadd_ps(p, v[l], acc[g * kLanes + l]);
+      _mm512_storeu_ps(scores + r * padded + t0, _mm512_mul_ps(transpose_sum16(acc), scale));
+    }
+  }
+  buf.inv_sum.resize(heads * group);
+  float* inv_sum = buf.inv_sum.data();
+  for (int64_t r = 0; r < heads * group; ++r) inv_sum[r] = avx512::f32attn::softmax_row(scores + r * padded, len);
+  for (int64_t hh = 0; hh < heads; ++hh)  // pass 2: the sums of V weighted by each query head's p
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+      const int64_t rows = std::min<int64_t>(4, group - g0), r0 = hh * group + g0;
+      const float* p[4];
+      for (int64_t g = 0; g < rows; ++g) p[g] = scores + (r0 + g) * padded;
+      for (int64_t half = 0; half < D; half += 64) {
+        const uint16_t* v = v_cache + hh * D + half;
+        __m512 acc[4][4];
+        switch (rows) {
+          case 1: v_pass64<1>(v, offset, len, p, reinterpret_cast<__m512(&)[1][4]>(acc)); break;
+          case 2: v_pass64<2>(v, offset, len, p, reinterpret_cast<__m512(&)[2][4]>(acc)); break;
+          case 3: v_pass64<3>(v, offset, len, p, reinterpret_cast<__m512(&)[3][4]>(acc)); break;
+          default: v_pass64<4>(v, offset, len, p, acc); break;
         }
-      }
-      at::BFloat16* o = a.out + (seq * a.num_q_heads + h * group) * D;
-      for (int64_t g = 0; g < group; ++g) {
-        alignas(64) float tmp[D];
-        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-        for (int64_t l = 0; l < kLanes; ++l) _mm512_store_ps(tmp + 16 * l, _mm512_mul_ps(acc[g * kLanes + l], inv));
-        for (int64_t d = 0; d < D; ++d) avx512::store(o + g * D + d, tmp[d]);
+        for (int64_t g = 0; g < rows; ++g) {
+          alignas(64) float tmp[64];
+          const __m512 inv = _mm512_set1_ps(inv_sum[r0 + g]);
+          for (int l = 0; l < 4; ++l) _mm512_store_ps(tmp + 16 * l, _mm512_mul_ps(acc[g][l], inv));
+          at::BFloat16* out = a.out + (seq * a.num_q_heads + h0 * group + r0 + g) * D + half;
+          for (int d = 0; d < 64; ++d) avx512::store(out + d, tmp[d]);
+        }
       }
     }
+}
+
+// Tasks [begin, end): a.heads_per_task KV heads of a sequence each.
+template <int64_t D>
+void decode_range(const DecodeArgs<at::BFloat16>& a, int64_t begin, int64_t end) {
+  TaskBuffers buf;
+  const int64_t tasks_per_seq = a.num_kv_heads / a.heads_per_task;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t h0 = (task % tasks_per_seq) * a.heads_per_task;
+    decode_task<D>(a, task / tasks_per_seq, h0, h0 + a.heads_per_task, buf);
   }
 }
 }  // namespace avx512bf16
@@ -188,15 +262,10 @@ bool decode_with_avx512_bf16(const DecodeArgs<T>&, int64_t) {
 #ifdef LLMCTL_X86_VARIANTS
 template <>
 bool decode_with_avx512_bf16(const DecodeArgs<at::BFloat16>& args, int64_t num_seqs) {
-  // Only for a few sequences (at least one per thread, fewer than two): with more, whole sequences
-  // per task, the widening kernel of attention_f32.h measured faster on a Zen 5 (246M Llama, 64
-  // sequences: 557-584 -> 592-613 tok/s end to end); with two it was the slower one.
-  if (g_isa != Isa::kAvx512Bf16 || (args.head_dim != 64 && args.head_dim != 128) ||
-      args.num_q_heads / args.num_kv_heads > 64 || num_seqs < at::get_num_threads() ||
-      num_seqs >= 2 * at::get_num_threads())
-    return false;
+  if (g_isa != Isa::kAvx512Bf16 || (args.head_dim != 64 && args.head_dim != 128)) return false;
   auto kernel = args.head_dim == 64 ? avx512bf16::decode_range<64> : avx512bf16::decode_range<128>;
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
+  const int64_t tasks = num_seqs * (args.num_kv_heads / args.heads_per_task);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
   return true;
 }
 #endif

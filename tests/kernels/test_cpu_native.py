@@ -34,7 +34,7 @@ TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 2), (8, 1), (9, 3)])
 @pytest.mark.parametrize("head_dim", [8, 64, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_seqs", [1, 9])
@@ -76,6 +76,30 @@ def test_threads_split_heads_when_few_sequences(isa, dtype):
     finally:
         torch.set_num_threads(old)
     torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_equals_unbatched(isa, dtype):
+    """A sequence's attention is bitwise the same alone and in a batch of 12 (the batch size changes
+    how the kernels split tasks, and once chose another bf16 kernel), on one thread or two."""
+    gen = torch.Generator().manual_seed(5)
+    kc = torch.randn(64, 16, 3, 64, generator=gen).to(dtype)
+    vc = torch.randn(64, 16, 3, 64, generator=gen).to(dtype)
+    q = torch.randn(12, 9, 64, generator=gen).to(dtype)
+    bt = torch.randperm(64, generator=gen)[:48].view(12, 4).to(torch.int32)
+    lens = torch.tensor([1, 17, 64, 33, 5, 40, 63, 2, 16, 48, 31, 9], dtype=torch.int32)
+    old = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            batched = paged_decode_attention_native(q, kc, vc, bt, lens, 0.125)
+            three = paged_decode_attention_native(q[:3], kc, vc, bt[:3], lens[:3], 0.125)
+            assert torch.equal(three, batched[:3]), threads
+            for i in range(12):
+                alone = paged_decode_attention_native(q[i : i + 1], kc, vc, bt[i : i + 1], lens[i : i + 1], 0.125)
+                assert torch.equal(alone, batched[i : i + 1]), (threads, i)
+    finally:
+        torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
