@@ -93,6 +93,10 @@ def goals(folder: Path) -> list[Goal]:
                         f"{figures} vs {vllm_bf16['out_tok_s']:.1f} tok/s = {ratio:.2f}x", ">= 1.27x",
                         ratio >= 1.27, ratio))
     out.append(_ratio_goal(16, "SmolLM2 one stream, fp32 weights: llmctl vs transformers", fp32_one, hf_one, 2))
+    bf16_one, hf_bf16_one = _load(folder, "smollm2/llmctl_bf16.json"), _load(folder, "smollm2/hf_bf16.json")
+    if bf16_one or hf_bf16_one:  # measured only on CPUs with native bf16 (run_smollm2_comparison.sh)
+        out.append(_ratio_goal(16, "SmolLM2 one stream, bf16 weights: llmctl vs transformers (bf16)", bf16_one,
+                               hf_bf16_one, 2))
     if spec:
         out.append(Goal(16, "n-gram speculation on the edit workload (fp32 weights)",
                         f"{spec['plain_tok_s']} -> {spec['spec_tok_s']} tok/s = {spec['speedup']}x, identical output "

@@ -7,6 +7,7 @@
 #             dequantized to fp32 (--quantization none)
 #   llama.cpp llama-cpp-python on the same GGUF file (PEER_PY: an interpreter that has it)
 #   hf        transformers fp32, loading the same GGUF file (gguf_file=, dequantized)
+#   bf16      on CPUs with AVX512-BF16 only: llmctl (--quantization none) and transformers in bf16
 #
 # usage: PEER_PY=/path/to/venv/bin/python benchmarks/run_smollm2_comparison.sh   (env REPS, TOKENS)
 #
@@ -50,3 +51,10 @@ run "$PY" benchmarks/single_stream.py llmctl smollm2-135m "$OUT/llmctl_q4_1.json
 LLMCTL_DECODE_LOOP=0 run "$PY" benchmarks/single_stream.py llmctl smollm2-135m "$OUT/llmctl_q4_1_modules.json" --quantization auto
 run "$PY" benchmarks/single_stream.py llmctl smollm2-135m "$OUT/llmctl_fp32.json" --quantization none --dtype float32
 run "$PY" benchmarks/single_stream.py hf "$(dirname "$GGUF")" "$OUT/hf_fp32.json" --gguf "$(basename "$GGUF")"
+# Issue 16 allows fp32 or bf16 weights: where the CPU computes bf16 natively (AVX512-BF16, the
+# dtype `--dtype auto` picks there), both engines once more in bf16.
+if [ -z "${EMULATE_ISA:-}" ] && grep -qw avx512_bf16 /proc/cpuinfo; then
+  run "$PY" benchmarks/single_stream.py llmctl smollm2-135m "$OUT/llmctl_bf16.json" --quantization none --dtype bfloat16
+  run "$PY" benchmarks/single_stream.py hf "$(dirname "$GGUF")" "$OUT/hf_bf16.json" --gguf "$(basename "$GGUF")" \
+    --dtype bfloat16
+fi

@@ -120,7 +120,8 @@ def run_hf(model: str, tokens: int, reps: int, args: argparse.Namespace) -> dict
         torch.set_num_threads(args.threads)
     extra = {"gguf_file": args.gguf} if args.gguf else {}
     tok = AutoTokenizer.from_pretrained(model, **extra)
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32, **extra).eval()
+    dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, **extra).eval()
     prompt = torch.tensor([tok.encode(PROMPT, add_special_tokens=False)])
 
     def run() -> tuple[list[int], float, float]:
@@ -133,7 +134,7 @@ def run_hf(model: str, tokens: int, reps: int, args: argparse.Namespace) -> dict
         return out[0, prompt.shape[1]:].tolist(), time.perf_counter() - start, first
 
     result = timed(run, reps)
-    result["engine"] = f"transformers (fp32, {torch.get_num_threads()} threads)"
+    result["engine"] = f"transformers ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads)"
     return result
 
 

@@ -48,7 +48,20 @@ def _by_name(table, fragment: str):
 def test_missing_files_are_not_measured_never_met(issue_goals, tmp_path):
     table = issue_goals.goals(tmp_path)
     assert table and all(g.met is None for g in table)
-    assert not any("AMX" in g.name for g in table)
+    assert not any("AMX" in g.name or "bf16" in g.name for g in table)
+
+
+def test_bf16_one_stream_row_where_measured(issue_goals, tmp_path):
+    """The issue allows fp32 or bf16 weights for SmolLM2's one stream: the bf16 row appears once
+    the comparison ran it (CPUs with native bf16), against transformers in bf16; fp32's stays."""
+    _write(tmp_path, "smollm2/llmctl_bf16.json", {"tok_s": 47.9})
+    table = issue_goals.goals(tmp_path)
+    assert _by_name(table, "bf16 weights").met is None  # transformers' run missing: not measured
+    _write(tmp_path, "smollm2/hf_bf16.json", {"tok_s": 23.1})
+    table = issue_goals.goals(tmp_path)
+    goal = _by_name(table, "bf16 weights")
+    assert goal.met is True and goal.value == pytest.approx(47.9 / 23.1)
+    assert _by_name(table, "fp32 weights").met is None
 
 
 def test_vllm_goal_uses_the_slower_llmctl_run(issue_goals, tmp_path):
