@@ -123,7 +123,7 @@ struct TaskBuffers {
 // v_t the bf16 row at v + offset[t] widened in registers (exact: a bf16 is the top half of its
 // fp32). All GR heads take each row while it is in registers: the row is read once per KV head.
 template <int GR>
-inline void v_pass64(const uint16_t* v, const int64_t* offset, int64_t len, const float* const* p, __m512 (&acc)[GR][4]) {
+inline void v_pass64(const uint16_t* v, const int64_t* offset, int64_t len, const float* const* p, __m512 (*acc)[4]) {
   for (int g = 0; g < GR; ++g)
     for (int l = 0; l < 4; ++l) acc[g][l] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
@@ -197,10 +197,10 @@ void decode_task(const DecodeArgs<at::BFloat16>& a, int64_t seq, int64_t h0, int
       for (int64_t half = 0; half < D; half += 64) {
         const uint16_t* v = v_cache + hh * D + half;
         __m512 acc[4][4];
-        switch (rows) {
-          case 1: v_pass64<1>(v, offset, len, p, reinterpret_cast<__m512(&)[1][4]>(acc)); break;
-          case 2: v_pass64<2>(v, offset, len, p, reinterpret_cast<__m512(&)[2][4]>(acc)); break;
-          case 3: v_pass64<3>(v, offset, len, p, reinterpret_cast<__m512(&)[3][4]>(acc)); break;
+        switch (rows) {  // acc[g] for g < rows
+          case 1: v_pass64<1>(v, offset, len, p, acc); break;
+          case 2: v_pass64<2>(v, offset, len, p, acc); break;
+          case 3: v_pass64<3>(v, offset, len, p, acc); break;
           default: v_pass64<4>(v, offset, len, p, acc); break;
         }
         for (int64_t g = 0; g < rows; ++g) {
