@@ -158,11 +158,18 @@ void decode_tasks(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
 // Causal prefill / extend over the paged cache, the counterpart of paged_prefill_attention_torch:
 // chunk i is query rows [query_start[i], query_start[i + 1]) of a sequence whose seq_lens[i] tokens
 // are all in the cache (this chunk's K/V stored already); query j sits at position
-// seq_len - q_len + j and sees cache tokens 0..position. One task = one sequence and one KV head:
-// for each query token, the same score tiles and V pass as decode, over its causal prefix. bf16
-// caches: the head's K and V are widened to fp32 once per task (each query re-reads them); 8-bit
-// code caches (C a code type): dequantized there once, code * its row's scale, as
-// kernels/kv_quant.py's dequantize_per_token computes it in fp32.
+// seq_len - q_len + j and sees cache tokens 0..position. One task = one sequence and one KV head.
+// Its K is staged once, transposed to fp32 columns (kt[d][t]), and its V rows as fp32 (bf16
+// widened exactly; 8-bit codes dequantized, code * its row's scale, as kernels/kv_quant.py's
+// dequantize_per_token computes it in fp32). Then per query head, blocks of 8 query rows:
+// - scores: 8 rows x one vector of tokens, d by d, one K load per 8 broadcast FMAs (a register
+//   tile: the query rows share every K load);
+// - the causal softmax of each row over its own prefix (later tokens get weight 0);
+// - V: RP rows x CH vectors of dims in registers, one V load per RP FMAs.
+// Why: the decode-style kernel it replaces ran each query row alone against every K and V row
+// (a matrix-vector product per row): 7.2 ms a layer for 16 prompts x 128 tokens of the 246M
+// Llama on a 2-core AMX Xeon, ~18 % of a bf16 prefill chunk (docs/benchmarks.md, eighteenth
+// session). fp32 arithmetic throughout; the result of a query row depends only on its sequence.
 template <typename T, typename C = T>
 struct PrefillArgs {
   const T* q;  // [num_tokens, num_q_heads, D]
@@ -185,58 +192,187 @@ inline void scale_row(float* row, float s) {
   for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(row + d, _mm256_mul_ps(_mm256_loadu_ps(row + d), sv));
 }
 
+// fp32 vectors of the prefill tiles: 8 lanes (AVX2) or, where the namespace is compiled for it,
+// 16 (AVX-512).
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int64_t N = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  // s[0..n) becomes exp(s - max), s[n..n_pad) 0; returns 1 / the sum. n_pad: a multiple of 8.
+  static float softmax_prefix(float* s, int64_t n, int64_t n_pad) {
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), limit = _mm256_set1_ps(static_cast<float>(n));
+    const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    auto valid = [&](int64_t t) { return _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(t)), limit, _CMP_LT_OQ); };
+    __m256 vmax = minus_inf;
+    for (int64_t t = 0; t < n_pad; t += 8)
+      vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(s + t), valid(t)));
+    const __m256 vm = _mm256_set1_ps(hmax8(vmax));
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n_pad; t += 8) {
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm)), valid(t));
+      _mm256_storeu_ps(s + t, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    return 1.f / hsum8(vsum);
+  }
+};
+#ifdef LLMCTL_ISA_HAS_AVX512
+// exp8 (attention_tiles.h) on 16 lanes: the same operations lane by lane.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-86.f)), _mm512_set1_ps(89.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(126)), 23);
+  return _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(bits)), _mm512_set1_ps(2.f));
+}
+
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int64_t N = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static float softmax_prefix(float* s, int64_t n, int64_t n_pad) {  // as Lanes8's
+    const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    auto valid = [&](int64_t t) -> __mmask16 { return t + 16 <= n ? 0xffff : t >= n ? 0 : (1u << (n - t)) - 1; };
+    __m512 vmax = minus_inf;
+    for (int64_t t = 0; t < n_pad; t += 16) vmax = _mm512_mask_max_ps(vmax, valid(t), vmax, _mm512_loadu_ps(s + t));
+    const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n_pad; t += 16) {
+      const __m512 e = _mm512_maskz_mov_ps(valid(t), exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm)));
+      _mm512_storeu_ps(s + t, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    return 1.f / _mm512_reduce_add_ps(vsum);
+  }
+};
+using PrefillLanes = Lanes16;
+#else
+using PrefillLanes = Lanes8;
+#endif
+
+// A thread's buffers, reused from task to task.
+struct PrefillScratch {
+  std::vector<int64_t> token_offset;
+  std::vector<float> kt, k_row, v_wide, qf, scores, inv_sum;
+  std::vector<const float*> v_rows;
+};
+
 template <typename T, int64_t D, typename C = T>
-void prefill_task(const PrefillArgs<T, C>& a, int64_t seq, int64_t h) {
+void prefill_task(const PrefillArgs<T, C>& a, int64_t seq, int64_t h, PrefillScratch& s) {
+  using L = PrefillLanes;
+  using V = typename L::V;
+  constexpr int64_t N = L::N, RS = 8, CH = 2, RP = N == 16 ? 8 : 4, DC = CH * N;
+  static_assert(D % DC == 0 && RS % RP == 0, "head_dim must be a multiple of 2 vectors");
   const int64_t group = a.num_q_heads / a.num_kv_heads;
-  const int64_t row = a.num_kv_heads * D;
   const int64_t q_start = a.query_start[seq], q_len = a.query_start[seq + 1] - q_start, len = a.seq_lens[seq];
   if (q_len <= 0) return;
-  const int64_t padded = (len + kScoreTile - 1) / kScoreTile * kScoreTile;
-  const int32_t* table = a.block_tables + seq * a.max_blocks;
-  std::vector<int64_t> token_offset;  // t -> the token's K/V row of head h in k_base / v_base
-  token_offsets(token_offset, table, a.block_size, len, padded, row, h * D);
-  const float* k_base;
-  const float* v_base;
-  std::vector<float> k_wide, v_wide;
-  if constexpr (std::is_same_v<C, float>) {
-    k_base = a.k_cache, v_base = a.v_cache;
-  } else {
-    k_wide.resize(len * D), v_wide.resize(len * D);
-    for (int64_t t = 0; t < len; ++t) {
-      widen_row(a.k_cache + token_offset[t], k_wide.data() + t * D, D);
-      widen_row(a.v_cache + token_offset[t], v_wide.data() + t * D, D);
-      if constexpr (kIsCode<C>) {
-        scale_row<D>(k_wide.data() + t * D, a.k_scale[token_offset[t] / D]);
-        scale_row<D>(v_wide.data() + t * D, a.v_scale[token_offset[t] / D]);
-      }
-      token_offset[t] = t * D;
+  const int64_t padded = (len + N - 1) / N * N;
+  token_offsets(s.token_offset, a.block_tables + seq * a.max_blocks, a.block_size, len, len, a.num_kv_heads * D,
+                h * D);
+  const int64_t* offset = s.token_offset.data();
+
+  s.kt.assign(D * padded, 0.f);  // kt[t / N][d][t % N]; tokens past len stay 0: finite scores, weight 0
+  s.k_row.resize(D);
+  s.v_rows.resize(len);
+  if constexpr (!std::is_same_v<C, float>) s.v_wide.resize(len * D);
+  float* kt = s.kt.data();
+  for (int64_t t = 0; t < len; ++t) {
+    const float* k = widen_row(a.k_cache + offset[t], s.k_row.data(), D);
+    if constexpr (kIsCode<C>) scale_row<D>(s.k_row.data(), a.k_scale[offset[t] / D]);
+    float* col = kt + (t / N) * D * N + t % N;
+    for (int64_t d = 0; d < D; ++d) col[d * N] = k[d];
+    if constexpr (std::is_same_v<C, float>) {
+      s.v_rows[t] = a.v_cache + offset[t];
+    } else {
+      float* v = s.v_wide.data() + t * D;
+      widen_row(a.v_cache + offset[t], v, D);
+      if constexpr (kIsCode<C>) scale_row<D>(v, a.v_scale[offset[t] / D]);
+      s.v_rows[t] = v;
     }
-    for (int64_t t = len; t < padded; ++t) token_offset[t] = 0;
-    k_base = k_wide.data(), v_base = v_wide.data();
   }
-  std::vector<float> qf(group * D), acc(group * D), inv_sum(group), scores(group * padded);
-  const float* rows_of_tile[kScoreTile];
-  const float* chunk_rows[kValueChunk];
-  for (int64_t j = 0; j < q_len; ++j) {
-    const int64_t n = len - q_len + j + 1;  // tokens this query sees
-    const int64_t n_padded = (n + kScoreTile - 1) / kScoreTile * kScoreTile;
-    const T* qrow = a.q + ((q_start + j) * a.num_q_heads + h * group) * D;
-    for (int64_t i = 0; i < group * D; ++i) qf[i] = load(qrow + i) * a.scale;
-    for (int64_t t0 = 0; t0 < n_padded; t0 += kScoreTile) {
-      for (int jj = 0; jj < kScoreTile; ++jj) rows_of_tile[jj] = k_base + token_offset[t0 + jj];
-      for (int64_t g = 0; g < group; ++g)
-        _mm256_storeu_ps(scores.data() + g * padded + t0, score_tile<D>(qf.data() + g * D, rows_of_tile));
+  const float* const* v_rows = s.v_rows.data();
+
+  s.qf.resize(RS * D);
+  s.scores.resize(RS * padded);
+  s.inv_sum.resize(RS);
+  float* qf = s.qf.data();
+  float* scores = s.scores.data();
+  float* inv_sum = s.inv_sum.data();
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t head = h * group + g;
+    for (int64_t j0 = 0; j0 < q_len; j0 += RS) {
+      const int64_t rows = std::min(RS, q_len - j0);
+      const int64_t n_max = len - q_len + j0 + rows;  // tokens the block's last row sees
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* q = a.q + ((q_start + j0 + r) * a.num_q_heads + head) * D;
+        if constexpr (std::is_same_v<T, float>) std::copy(q, q + D, qf + r * D);
+        else widen_row(q, qf + r * D, D);
+        scale_row<D>(qf + r * D, a.scale);
+      }
+      std::fill(qf + rows * D, qf + RS * D, 0.f);
+      const int64_t n_pad = (n_max + N - 1) / N * N;
+      for (int64_t t0 = 0; t0 < n_max; t0 += N) {
+        V acc[RS];
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < RS; ++r) acc[r] = L::zero();
+        const float* tile = kt + t0 * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const V k = L::load(tile + d * N);
+#pragma GCC unroll 8
+          for (int64_t r = 0; r < RS; ++r) acc[r] = L::fmadd(L::set1(qf[r * D + d]), k, acc[r]);
+        }
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < RS; ++r) L::store(scores + r * padded + t0, acc[r]);
+      }
+      for (int64_t r = 0; r < RS; ++r) {  // rows past `rows`: weight 0 everywhere
+        if (r < rows) inv_sum[r] = L::softmax_prefix(scores + r * padded, len - q_len + j0 + r + 1, n_pad);
+        else std::fill(scores + r * padded, scores + r * padded + n_pad, 0.f);
+      }
+      for (int64_t r0 = 0; r0 < rows; r0 += RP)
+        for (int64_t d0 = 0; d0 < D; d0 += DC) {
+          V acc[RP][CH];
+          for (int64_t r = 0; r < RP; ++r)
+            for (int64_t c = 0; c < CH; ++c) acc[r][c] = L::zero();
+          const float* p = scores + r0 * padded;
+          for (int64_t t = 0; t < n_max; ++t) {
+            const float* v = v_rows[t] + d0;
+            V vv[CH];
+#pragma GCC unroll 4
+            for (int64_t c = 0; c < CH; ++c) vv[c] = L::load(v + c * N);
+#pragma GCC unroll 8
+            for (int64_t r = 0; r < RP; ++r) {
+              const V w = L::set1(p[r * padded + t]);
+#pragma GCC unroll 4
+              for (int64_t c = 0; c < CH; ++c) acc[r][c] = L::fmadd(w, vv[c], acc[r][c]);
+            }
+          }
+          for (int64_t r = 0; r < RP && r0 + r < rows; ++r) {
+            T* out = a.out + ((q_start + j0 + r0 + r) * a.num_q_heads + head) * D + d0;
+            const V inv = L::set1(inv_sum[r0 + r]);
+            alignas(64) float tmp[DC];
+            for (int64_t c = 0; c < CH; ++c) L::store(tmp + c * N, L::mul(acc[r][c], inv));
+            for (int64_t i = 0; i < DC; ++i) store(out + i, tmp[i]);
+          }
+        }
     }
-    for (int64_t g = 0; g < group; ++g) inv_sum[g] = softmax_row(scores.data() + g * padded, n);
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t t0 = 0; t0 < n; t0 += kValueChunk) {
-      const int64_t c = std::min(kValueChunk, n - t0);
-      for (int64_t jj = 0; jj < c; ++jj) chunk_rows[jj] = v_base + token_offset[t0 + jj];
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t half = 0; half < D; half += 64)
-          accumulate_v64(acc.data() + g * D + half, scores.data() + g * padded + t0, chunk_rows, c, half);
-    }
-    store_rows<T, D>(acc.data(), inv_sum.data(), group, a.out + ((q_start + j) * a.num_q_heads + h * group) * D);
   }
 }
 

@@ -72,9 +72,11 @@ namespace avx2 {
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512")
+#define LLMCTL_ISA_HAS_AVX512 1  // attention_f32.h's prefill tiles may use 512-bit vectors
 namespace avx512 {
 #include "cpu_kernels_isa.h"
 }  // namespace avx512
+#undef LLMCTL_ISA_HAS_AVX512
 #undef LLMCTL_ISA_HAS_AVX2
 #pragma GCC pop_options
 
@@ -421,8 +423,8 @@ void store_kv_codes(torch::Tensor key, torch::Tensor value, const std::string& k
   });
 }
 
-// fp32 or bf16 caches, head_dim 64 or 128, an AVX2 machine: the intrinsics kernel of
-// attention_f32.h. Other shapes and dtypes keep torch's SDPA (kernels/prefill_attention.py); the
+// fp32 or bf16 caches, head_dim 64 or 128, an AVX2 or AVX-512 machine: the tiled kernel of
+// attention_f32.h in 8 or 16 lanes. Other shapes and dtypes keep torch's SDPA (kernels/prefill_attention.py); the
 // caller checks with prefill_attention_supported first.
 bool prefill_attention_supported(torch::Tensor query, torch::Tensor key_cache) {
 #ifdef LLMCTL_X86_VARIANTS
@@ -435,6 +437,19 @@ bool prefill_attention_supported(torch::Tensor query, torch::Tensor key_cache) {
 }
 
 #ifdef LLMCTL_X86_VARIANTS
+// Tasks (sequence, KV head) handed out one at a time, largest first: chunks of very different
+// lengths still split evenly over the threads. Each thread keeps its own scratch.
+template <typename Args, typename Scratch>
+void prefill_tasks_on_threads(const Args& args, void (*kernel)(const Args&, int64_t, int64_t, Scratch&),
+                              const std::vector<std::pair<int64_t, int64_t>>& tasks, int64_t num_kv_heads) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks.size()), 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(tasks.size()); i = next.fetch_add(1))
+      kernel(args, tasks[i].second / num_kv_heads, tasks[i].second % num_kv_heads, scratch);
+  });
+}
+
 template <typename T, typename C = T>
 void prefill_on_threads(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                         const torch::Tensor& bt, const torch::Tensor& starts, const torch::Tensor& lens,
@@ -442,26 +457,25 @@ void prefill_on_threads(const torch::Tensor& q, const torch::Tensor& key_cache, 
                         const float* v_scale = nullptr) {
   const int64_t num_seqs = lens.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = key_cache.size(2);
-  const avx2::f32attn::PrefillArgs<T, C> args{q.data_ptr<T>(), static_cast<const C*>(key_cache.data_ptr()),
-                                              static_cast<const C*>(value_cache.data_ptr()), bt.data_ptr<int32_t>(),
-                                              starts.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<T>(),
-                                              num_q_heads, num_kv_heads, key_cache.size(1), bt.size(1),
-                                              static_cast<float>(scale), k_scale, v_scale};
-  // Tasks (sequence, KV head), largest first (cost ~ q_len x seq_len), handed out one at a time:
-  // chunks of very different lengths still split evenly over the threads.
-  std::vector<std::pair<int64_t, int64_t>> tasks;  // (-cost, task)
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (-cost, task), cost ~ q_len x seq_len
   const int32_t* s = starts.data_ptr<int32_t>();
   const int32_t* l = lens.data_ptr<int32_t>();
   for (int64_t i = 0; i < num_seqs; ++i)
     for (int64_t h = 0; h < num_kv_heads; ++h)
       tasks.emplace_back(-static_cast<int64_t>(s[i + 1] - s[i]) * l[i], i * num_kv_heads + h);
   std::stable_sort(tasks.begin(), tasks.end());
-  auto kernel = head_dim == 64 ? avx2::f32attn::prefill_task<T, 64, C> : avx2::f32attn::prefill_task<T, 128, C>;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks.size()), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(tasks.size()); i = next.fetch_add(1))
-      kernel(args, tasks[i].second / num_kv_heads, tasks[i].second % num_kv_heads);
-  });
+  auto run = [&](auto args, auto kernel64, auto kernel128) {
+    args = {q.data_ptr<T>(), static_cast<const C*>(key_cache.data_ptr()), static_cast<const C*>(value_cache.data_ptr()),
+            bt.data_ptr<int32_t>(), s, l, out.data_ptr<T>(), num_q_heads, num_kv_heads, key_cache.size(1), bt.size(1),
+            static_cast<float>(scale), k_scale, v_scale};
+    prefill_tasks_on_threads(args, head_dim == 64 ? kernel64 : kernel128, tasks, num_kv_heads);
+  };
+  if (g_isa >= Isa::kAvx512)
+    run(avx512::f32attn::PrefillArgs<T, C>{}, avx512::f32attn::prefill_task<T, 64, C>,
+        avx512::f32attn::prefill_task<T, 128, C>);
+  else
+    run(avx2::f32attn::PrefillArgs<T, C>{}, avx2::f32attn::prefill_task<T, 64, C>,
+        avx2::f32attn::prefill_task<T, 128, C>);
 }
 #endif
 

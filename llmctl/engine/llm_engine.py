@@ -26,6 +26,7 @@ import torch
 
 from llmctl.config import QUANTIZED_AT_LOAD, EngineConfig, kv_pool_too_small, resolve_kv_cache_bytes
 from llmctl.engine.block_manager import BlockManager
+from llmctl.engine.host_malloc import keep_large_allocations
 from llmctl.engine.model_runner import ModelOutput, ModelRunner, kv_format
 from llmctl.engine.output_processor import OutputProcessor, RequestState
 from llmctl.engine.outputs import RequestMetrics, RequestOutput
@@ -49,6 +50,8 @@ class LLMEngine:
         config = config or EngineConfig(**overrides)
         self.config = config
         self.device = config.resolve_device()
+        if self.device.type == "cpu":
+            keep_large_allocations()
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.ops = select_ops(config.attention_backend, self.device)

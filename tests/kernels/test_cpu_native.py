@@ -186,8 +186,9 @@ def test_float64_is_refused_with_a_clear_error():
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_prefill_matches_reference(isa, dtype, num_q_heads, num_kv_heads, head_dim, block_size):
-    """Fresh prompts and extends (a cached prefix before the chunk) of lengths around the 8-token
-    score tiles and 16-token V chunks, in scattered blocks, against torch's SDPA reference."""
+    """Fresh prompts and extends (a cached prefix before the chunk) of lengths around the 8-row
+    query blocks and the 8- or 16-token score vectors, in scattered blocks, against torch's SDPA
+    reference."""
     from llmctl_kernels.cpu_native import paged_prefill_attention_native, prefill_attention_native_supported
     from llmctl_kernels.prefill_attention import paged_prefill_attention_torch
 
@@ -195,8 +196,8 @@ def test_prefill_matches_reference(isa, dtype, num_q_heads, num_kv_heads, head_d
     key_cache = torch.randn(60, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     value_cache = torch.randn(60, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     # (query tokens, sequence length): fresh chunks (equal) and extends (a prefix already cached)
-    chunks = [(1, 1), (7, 7), (8, 8), (9, 9), (70, 70), (1, 40), (5, 33), (17, 3 * block_size)]
-    max_blocks = 6
+    chunks = [(1, 1), (7, 7), (8, 8), (9, 9), (70, 70), (1, 40), (5, 33), (17, 3 * block_size), (16, 16), (23, 47)]
+    max_blocks = 6  # 60 blocks: 10 chunks x 6
     tables = torch.randperm(60, generator=gen)[: len(chunks) * max_blocks].view(len(chunks), max_blocks).to(torch.int32)
     starts = torch.tensor([0] + [q for q, _ in chunks], dtype=torch.int32).cumsum(0).to(torch.int32)
     lens = torch.tensor([n for _, n in chunks], dtype=torch.int32)
