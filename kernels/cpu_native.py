@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 NAME = "llmctl_cpu"
 SOURCE = Path(__file__).parent / "cpu" / "cpu_kernels.cpp"
 HEADERS = [Path(__file__).parent / "cpu" / name
-           for name in ("cpu_kernels_isa.h", "attention_f32.h", "attention_tiles.h", "fast_exp.h")]
+           for name in ("cpu_kernels_isa.h", "attention_f32.h", "attention_tiles.h", "prefetch_cursor.h", "fast_exp.h")]
 # -ffp-contract=off: a product and a sum round separately, as in torch's elementwise ops (rotary is
 # then bit-identical). -fopenmp: at::parallel_for is inline OpenMP; the module then needs
 # libgomp.so.1, which resolves to the copy torch already loaded (same soname): one thread pool.

@@ -21,7 +21,7 @@ from llmctl_kernels.native_build import LazyExtension, disabled_by
 NAME = "llmctl_kv_quant"
 SOURCE = Path(__file__).parent / "cpu" / "kv_quant_attention.cpp"
 HEADERS = [Path(__file__).parent / "cpu" / name
-           for name in ("kv_quant_attention_isa.h", "attention_tiles.h", "fast_exp.h")]
+           for name in ("kv_quant_attention_isa.h", "attention_tiles.h", "prefetch_cursor.h", "fast_exp.h")]
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 LDFLAGS = ["-fopenmp"]
 KIND_CODES = {"fp8_e4m3": 0, "fp8_e5m2": 0, "int8": 1, "kivi2": 2, "kivi4": 2}

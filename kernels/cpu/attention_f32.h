@@ -112,9 +112,11 @@ void decode_tasks(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
 
     const float* tile_rows[kScoreTile];  // the tile's K rows (all the task's heads) as fp32
     const float* rows_of_tile[kScoreTile];
+    const int64_t lines_per_row = (kv_len * static_cast<int64_t>(sizeof(C)) + 63) / 64;
     for (int64_t t0 = 0; t0 < padded; t0 += kScoreTile) {  // pass 1: scores
-      for (int64_t t = t0 + kPrefetchAhead; t < std::min(t0 + kPrefetchAhead + kScoreTile, len); ++t)
-        prefetch_row(a.k_cache + token_offset[t], kv_len * sizeof(C));
+      PrefetchCursor ahead(a.k_cache, token_offset.data(), t0 + kPrefetchAhead,
+                           std::min(t0 + kPrefetchAhead + kScoreTile, len), lines_per_row);
+      const int64_t lines = ahead.share(rows);  // before each query head's tile
       for (int j = 0; j < kScoreTile; ++j)
         tile_rows[j] = widen_row(a.k_cache + token_offset[t0 + j], widened.data() + j * kv_len, kv_len);
       for (int64_t h = 0; h < a.heads_per_task; ++h) {
@@ -123,6 +125,7 @@ void decode_tasks(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
         if constexpr (kIsCode<C>) k_scales = row_scales8<D>(a.k_scale, token_offset.data() + t0, h);
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = h * group + g;
+          ahead.issue(lines);
           __m256 tile = score_tile<D>(qf.data() + r * D, rows_of_tile);
           if constexpr (kIsCode<C>) tile = _mm256_mul_ps(tile, k_scales);
           _mm256_storeu_ps(scores.data() + r * padded + t0, tile);
@@ -137,11 +140,13 @@ void decode_tasks(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
       const int64_t n = std::min(kValueChunk, len - t0);
       for (int64_t j = 0; j < n; ++j)
         chunk_rows[j] = widen_row(a.v_cache + token_offset[t0 + j], widened.data() + j * kv_len, kv_len);
-      for (int64_t t = t0 + kPrefetchAhead; t < std::min(t0 + kPrefetchAhead + kValueChunk, len); ++t)
-        prefetch_row(a.v_cache + token_offset[t], kv_len * sizeof(C));
+      PrefetchCursor ahead(a.v_cache, token_offset.data(), t0 + kPrefetchAhead,
+                           std::min(t0 + kPrefetchAhead + kValueChunk, len), lines_per_row);
+      const int64_t lines = ahead.share(rows);
       for (int64_t h = 0; h < a.heads_per_task; ++h)
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = h * group + g;
+          ahead.issue(lines);
           const float* p = scores.data() + r * padded + t0;
           if constexpr (kIsCode<C>) {
             for (int64_t j = 0; j < n; ++j) weights[j] = p[j] * a.v_scale[token_offset[t0 + j] / D + h];

@@ -9,11 +9,7 @@ constexpr int64_t kScoreTile = 8;   // tokens per score tile (one ymm of scores)
 constexpr int64_t kValueChunk = 16;  // tokens per V chunk
 constexpr int64_t kPrefetchAhead = 32;  // tokens between a row's prefetch and its use
 
-// Software prefetch of the task's part of a token's cache row: blocks sit anywhere in the pool, so
-// the hardware prefetcher loses the stream at every block boundary.
-inline void prefetch_row(const void* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
-}
+#include "prefetch_cursor.h"
 
 // offset[t] = the cache row of token t of a sequence (elements), plus `extra`, for t < len; entries
 // [len, padded) repeat token 0's (tiles past the end read a real row, whose score is then ignored).

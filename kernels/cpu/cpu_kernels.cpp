@@ -97,6 +97,8 @@ namespace avx512bf16 {
 // summation order.
 constexpr int64_t kTile = 16;  // tokens per score tile
 
+#include "prefetch_cursor.h"
+
 // out[p] = the sum of the 16 lanes of a[s], for the slot s that holds token p of the tile:
 // s = (p % 4) * 4 + p / 4 (tile_token), the order this reduction leaves them in.
 inline __m512 transpose_sum16(const __m512* a) {
@@ -119,23 +121,6 @@ struct TaskBuffers {
   std::vector<int64_t> offset;  // t -> the task's part of token t's K/V row in the cache (elements)
   std::vector<float> scores;    // [query heads of the task, padded]
   std::vector<float> inv_sum;   // [query heads of the task]
-};
-
-// Software prefetch over a task's cache rows, a few lines at a time: the next line is line l of the
-// row of token t (t < end); a row is lines_per_row lines from cache + offset[t] elements (bf16).
-struct PrefetchCursor {
-  const char* cache;
-  const int64_t* offset;
-  int64_t t, end, l, lines_per_row;
-
-  template <_mm_hint kHint>
-  void issue(int64_t n) {
-    for (; n > 0 && t < end; --n) {
-      _mm_prefetch(cache + offset[t] * 2 + l * 64, kHint);
-      if (++l == lines_per_row) l = 0, ++t;
-    }
-  }
-  int64_t lines_left() const { return std::max<int64_t>(end - t, 0) * lines_per_row - (t < end ? l : 0); }
 };
 
 // V pass of GR query heads of one KV head over 64 of its dims: acc[g] += p[g][t] * v_t for t < len,
@@ -179,18 +164,14 @@ void decode_task(const DecodeArgs<at::BFloat16>& a, int64_t seq, int64_t h0, int
   const uint16_t* q = reinterpret_cast<const uint16_t*>(a.q + (seq * a.num_q_heads + h0 * group) * D);
   // Blocks sit anywhere in the pool: the score pass prefetches the K rows of the next tile, and the
   // V rows of its own tile into L2 for the V pass (a sequence's V is ~100 KiB); without the V
-  // prefetch the kernel took 25 % longer. The tile's prefetches are spread over its query heads,
-  // a few lines before each: issued all at once they filled the line fill buffers, the core stalled
-  // on them, and memory then idled while it computed (the time of the two added up).
+  // prefetch the kernel took 25 % longer. The tile's prefetches are spread over its query heads
+  // (attention_tiles.h's PrefetchCursor).
   const int64_t lines_per_row = (span * 2 + 63) / 64, rows_of_tile = heads * group;
   const __m512 scale = _mm512_set1_ps(a.scale);
   for (int64_t t0 = 0; t0 < padded; t0 += kTile) {  // pass 1: scores
-    PrefetchCursor next_k{reinterpret_cast<const char*>(k_cache), offset, t0 + kTile, std::min(t0 + 2 * kTile, len),
-                          0, lines_per_row};
-    PrefetchCursor this_v{reinterpret_cast<const char*>(v_cache), offset, t0, std::min(t0 + kTile, len), 0,
-                          lines_per_row};
-    const int64_t k_lines = (next_k.lines_left() + rows_of_tile - 1) / rows_of_tile;  // per query head
-    const int64_t v_lines = (this_v.lines_left() + rows_of_tile - 1) / rows_of_tile;
+    PrefetchCursor next_k{k_cache, offset, t0 + kTile, std::min(t0 + 2 * kTile, len), lines_per_row};
+    PrefetchCursor this_v{v_cache, offset, t0, std::min(t0 + kTile, len), lines_per_row};
+    const int64_t k_lines = next_k.share(rows_of_tile), v_lines = this_v.share(rows_of_tile);  // per query head
     for (int64_t r = 0; r < rows_of_tile; ++r) {  // query head r of the task, of KV head h0 + r / group
       next_k.issue<_MM_HINT_T0>(k_lines);
       this_v.issue<_MM_HINT_T1>(v_lines);
