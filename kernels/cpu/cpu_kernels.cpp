@@ -191,7 +191,8 @@ void decode_task(const DecodeArgs<at::BFloat16>& a, int64_t seq, int64_t h0, int
   }
   buf.inv_sum.resize(heads * group);
   float* inv_sum = buf.inv_sum.data();
-  for (int64_t r = 0; r < heads * group; ++r) inv_sum[r] = avx512::f32attn::softmax_row(scores + r * padded, len);
+  for (int64_t r = 0; r < heads * group; ++r)  // 16 lanes, the tail masked (zeros up to padded)
+    inv_sum[r] = avx512::f32attn::Lanes16::softmax_prefix(scores + r * padded, len, padded);
   for (int64_t hh = 0; hh < heads; ++hh)  // pass 2: the sums of V weighted by each query head's p
     for (int64_t g0 = 0; g0 < group; g0 += 4) {
       const int64_t rows = std::min<int64_t>(4, group - g0), r0 = hh * group + g0;
