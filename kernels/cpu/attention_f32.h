@@ -164,9 +164,10 @@ void decode_tasks(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
 // chunk i is query rows [query_start[i], query_start[i + 1]) of a sequence whose seq_lens[i] tokens
 // are all in the cache (this chunk's K/V stored already); query j sits at position
 // seq_len - q_len + j and sees cache tokens 0..position. One task = one sequence and one KV head.
-// Its K is staged once, transposed to fp32 columns (kt[d][t]), and its V rows as fp32 (bf16
-// widened exactly; 8-bit codes dequantized, code * its row's scale, as kernels/kv_quant.py's
-// dequantize_per_token computes it in fp32). Then per query head, blocks of 8 query rows:
+// Its K is staged once, transposed to fp32 columns a vector of tokens wide (kt[t / N][d][t % N]),
+// and its V rows as fp32 (bf16 widened exactly; 8-bit codes dequantized, code * its row's scale,
+// as kernels/kv_quant.py's dequantize_per_token computes it in fp32). Then per query head, blocks
+// of 8 query rows:
 // - scores: 8 rows x one vector of tokens, d by d, one K load per 8 broadcast FMAs (a register
 //   tile: the query rows share every K load);
 // - the causal softmax of each row over its own prefix (later tokens get weight 0);

@@ -92,9 +92,9 @@ namespace avx512bf16 {
 // in registers over all the tokens. Why: the widening kernel of attention_f32.h (8 lanes) copies
 // every K and V row to fp32 in a buffer; on a 2-core Xeon with AMX (64 sequences x 192 tokens of
 // the 246M Llama, 16 layers) it took 1.10-1.19 ms a layer, this one 0.90-0.96 (docs/benchmarks.md,
-// seventeenth session), 0.68-0.69 with its prefetches spread (eighteenth). The arithmetic of a (sequence, head) depends on nothing else: batched ==
-// unbatched, whatever the task split or thread count. Same result as the generic path up to fp32
-// summation order.
+// seventeenth session), 0.68-0.69 with its prefetches spread (eighteenth). The arithmetic of a
+// (sequence, head) depends on nothing else: batched == unbatched, whatever the task split or
+// thread count. Same result as the generic path up to fp32 summation order.
 constexpr int64_t kTile = 16;  // tokens per score tile
 
 #include "prefetch_cursor.h"
@@ -165,7 +165,7 @@ void decode_task(const DecodeArgs<at::BFloat16>& a, int64_t seq, int64_t h0, int
   // Blocks sit anywhere in the pool: the score pass prefetches the K rows of the next tile, and the
   // V rows of its own tile into L2 for the V pass (a sequence's V is ~100 KiB); without the V
   // prefetch the kernel took 25 % longer. The tile's prefetches are spread over its query heads
-  // (attention_tiles.h's PrefetchCursor).
+  // (prefetch_cursor.h).
   const int64_t lines_per_row = (span * 2 + 63) / 64, rows_of_tile = heads * group;
   const __m512 scale = _mm512_set1_ps(a.scale);
   for (int64_t t0 = 0; t0 < padded; t0 += kTile) {  // pass 1: scores
@@ -426,8 +426,8 @@ void store_kv_codes(torch::Tensor key, torch::Tensor value, const std::string& k
 }
 
 // fp32 or bf16 caches, head_dim 64 or 128, an AVX2 or AVX-512 machine: the tiled kernel of
-// attention_f32.h in 8 or 16 lanes. Other shapes and dtypes keep torch's SDPA (kernels/prefill_attention.py); the
-// caller checks with prefill_attention_supported first.
+// attention_f32.h in 8 or 16 lanes. Other shapes and dtypes keep torch's SDPA
+// (kernels/prefill_attention.py); the caller checks with prefill_attention_supported first.
 bool prefill_attention_supported(torch::Tensor query, torch::Tensor key_cache) {
 #ifdef LLMCTL_X86_VARIANTS
   const auto dtype = query.scalar_type();
