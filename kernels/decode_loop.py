@@ -20,8 +20,8 @@ NAME = "llmctl_decode_loop"
 SOURCE = Path(__file__).parent / "cpu" / "decode_loop.cpp"
 HEADERS = [Path(__file__).parent / "cpu" / name
            for name in ("cpu_kernels.cpp", "cpu_kernels_isa.h", "attention_f32.h", "attention_tiles.h",
-                        "prefetch_cursor.h", "fast_exp.h", "quant_kernels.cpp", "int8_gemm.h", "gemm_kernels.h", "gemm_kernels_isa.h",
-                        "kv_quant_attention.cpp", "kv_quant_attention_isa.h")]
+                        "prefetch_cursor.h", "fast_exp.h", "quant_kernels.cpp", "int8_gemm.h", "gemm_kernels.h",
+                        "gemm_kernels_isa.h", "kv_quant_attention.cpp", "kv_quant_attention_isa.h")]
 EXTENSION = LazyExtension(NAME, [SOURCE], quant_native.CFLAGS, quant_native.LDFLAGS, headers=HEADERS,
                           precondition=lambda: disabled_by("LLMCTL_DECODE_LOOP") or quant_native.native_unavailable_reason())
 unavailable_reason = EXTENSION.unavailable_reason

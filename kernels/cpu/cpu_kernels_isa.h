@@ -223,13 +223,15 @@ void rms_norm_rows(const T* x, const T* res, const T* w, T* out, T* new_res, int
 #ifdef LLMCTL_ISA_HAS_AVX512
 // 16 lanes of bf16 as fp32 (exact), and back rounded as store() rounds (nearest even, NaN 0x7fc0).
 inline __m512 load16(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 inline __m512i bf16_bits16(__m512 v) {  // the rounded bf16 in the low half of each lane
   const __m512i b = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  const __mmask16 nan =
+      _mm512_cmpgt_epi32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
   return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
 }
 inline __m512 through16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
@@ -254,7 +256,8 @@ void silu_and_mul_rows(const T* x, T* out, int64_t begin, int64_t end, int64_t d
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       for (; i + 16 <= d; i += 16) {
         const __m512 g = load16(gate + i);
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), f32attn::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        const __m512 e = f32attn::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
         store16(o + i, _mm512_mul_ps(through16(silu), load16(up + i)));
       }
     }

@@ -6,8 +6,7 @@
 // bits (as 2^(n-1) * 2, so n = 128 still overflows to inf like expf). Relative error about 2e-7,
 // i.e. within a couple of float ulps; results below e^-86 (~4e-38) come out as e^-86.
 inline float fast_exp(float x) {
-  x = x < -86.f ? -86.f : x;  // two plain selects: each vectorizes to one max / min
-  x = x > 89.f ? 89.f : x;
+  x = x < -86.f ? -86.f : (x > 89.f ? 89.f : x);
   const float n = std::nearbyint(x * 1.44269504088896341f);  // in [-124, 128]
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.f / 720;

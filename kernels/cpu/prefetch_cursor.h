@@ -3,9 +3,9 @@
 
 // Software prefetch over a task's rows of the cache, a few lines at a time, so that a tile's
 // prefetches can be spread over its compute (blocks sit anywhere in the pool, so the hardware
-// prefetcher loses the stream at every block boundary): issued all at once they fill the line fill buffers,
-// the core stalls on them, and memory then idles while it computes (on a 2-core AMX Xeon the times
-// of the two added up; docs/benchmarks.md, eighteenth session). The next line is line l of the row
+// prefetcher loses the stream at every block boundary). Issued all at once they fill the line fill
+// buffers, the core stalls on them, and memory then idles while it computes (on a 2-core AMX Xeon
+// the times of the two added up; docs/benchmarks.md, eighteenth session). The next line is line l of the row
 // of token t (t < end), a row being lines_per_row lines from cache + offset[t] elements.
 template <typename C>
 struct PrefetchCursor {

@@ -17,7 +17,6 @@ is preloaded (tcmalloc, jemalloc) or the C library is not glibc, nothing is chan
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import logging
 

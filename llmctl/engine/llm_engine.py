@@ -52,8 +52,8 @@ class LLMEngine:
         self.device = config.resolve_device()
         if self.device.type == "cpu":
             keep_large_allocations()
-        if config.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+            if config.num_threads:
+                torch.set_num_threads(config.num_threads)
         self.ops = select_ops(config.attention_backend, self.device)
         self.parallel = None  # rank 0 of a torchrun job: this engine drives the other ranks (llmctl.parallel)
         if config.world_size > 1:
