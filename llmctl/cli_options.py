@@ -143,8 +143,36 @@ def config_for_model(config: EngineConfig, model: str, *, allow_pull: bool | Non
 
         if config.device == "cpu" or not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"  # must be set before any kernel compiles
+    chat_template = config.chat_template
+    if chat_template is not None:  # a missing file or a syntax error: said before the model loads
+        from llmctl.tokenizer import read_chat_template
+
+        chat_template = read_chat_template(chat_template)
     resolved = resolve_model(model, allow_pull=allow_pull)
-    return dataclasses.replace(config, model=resolved, model_name=model if resolved != model else None)
+    return dataclasses.replace(config, model=resolved, model_name=model if resolved != model else None,
+                               chat_template=chat_template)
+
+
+def parse_template_kwargs(text: str | None, flag: str) -> dict[str, Any]:
+    """A ``--...chat-template-kwargs`` value: a JSON object of chat-template variables."""
+    if text is None:
+        return {}
+    import json
+
+    from llmctl.errors import ConfigError
+    from llmctl.server.protocol import TEMPLATE_VARIABLES_SET_BY_SERVER
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag}: not JSON ({exc.msg} at character {exc.pos}); e.g. "
+                          "'{\"enable_thinking\": false}'") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag}: give a JSON object of template variables, not {type(value).__name__}")
+    taken = sorted(set(value) & set(TEMPLATE_VARIABLES_SET_BY_SERVER))
+    if taken:
+        raise ConfigError(f"{flag}: {', '.join(taken)} cannot be set this way (llmctl sets them per conversation)")
+    return value
 
 
 @contextmanager

@@ -81,6 +81,9 @@ class EngineConfig:
         "--enable-chunked-prefill/--no-chunked-prefill", "Split long prompts across steps."))
     seed: int = field(default=0, metadata=cli("--seed", "Seed for requests that do not bring their own."))
     skip_tokenizer: bool = False  # token-id prompts only (benchmarks, tests of raw models)
+    chat_template: str | None = field(default=None, metadata=cli(
+        "--chat-template", "A Jinja chat template to render conversations with instead of the model's own: a file, "
+        "or the template text."))
     num_threads: int | None = field(default=None, metadata=cli(
         "--threads", "CPU threads for torch (default: all cores)."))
     quantization: str = field(default="auto", metadata=cli(

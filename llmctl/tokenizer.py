@@ -12,7 +12,7 @@ import codecs
 import json
 import re
 from datetime import datetime
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from llmctl.errors import InvalidRequestError, ModelLoadError
+from llmctl.errors import ConfigError, InvalidRequestError, ModelLoadError
 
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -135,32 +135,86 @@ class Tokenizer:
     def decode_stream(self, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_token_ids, skip_special_tokens)
 
-    @cached_property
-    def _template(self) -> jinja2.Template:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-
-        def raise_exception(message: str) -> None:
-            raise jinja2.exceptions.TemplateError(message)
-
-        env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, ensure_ascii=False, indent=indent)
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return env.from_string(self.chat_template or "")
-
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, chat_template: str | None = None,
                             **extra: Any) -> str:
         """Render the conversation to the prompt text; its special tokens are in the text, so encode it
-        with ``add_special_tokens=False``."""
-        if not self.chat_template:
+        with ``add_special_tokens=False``. ``chat_template`` renders through that template instead of
+        the model's; ``continue_final_message`` leaves the last message open (the text ends where its
+        content does), so that the model continues it rather than answering it; ``extra`` are the
+        template's own variables (``tools``, ``enable_thinking``, ...)."""
+        source = chat_template or self.chat_template
+        if not source:
             raise InvalidRequestError(
                 "this model has no chat template (it is a base model): use completions instead of chat"
             )
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+            text = compile_chat_template(source).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidRequestError(f"chat template refused the conversation: {exc}") from exc
+        except Exception as exc:  # a template is code from the model or the request: its bugs are not ours
+            raise InvalidRequestError(f"chat template failed on the conversation: {type(exc).__name__}: {exc}") from exc
+        return _end_at_final_message(text, messages) if continue_final_message else text
+
+
+def _sandbox() -> ImmutableSandboxedEnvironment:
+    """The environment ``transformers`` renders chat templates in: sandboxed, ``trim_blocks`` and
+    ``lstrip_blocks``, loop controls, ``tojson``, ``raise_exception`` and ``strftime_now``."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+@lru_cache(maxsize=32)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """``source`` compiled once (the model's template, a ``--chat-template`` or a request's);
+    a syntax error raises ``jinja2.TemplateSyntaxError``."""
+    return _sandbox().from_string(source)
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``'s value: the text of the file it names, else the template text itself
+    (as vLLM reads it). Checked to compile, so that a broken template fails at start, not per request."""
+    path = Path(value).expanduser()
+    looks_like_path = "{" not in value and "\n" not in value
+    if looks_like_path:
+        if not path.is_file():
+            raise ConfigError(f"--chat-template {value}: no such file (give a file or the template text)")
+        try:
+            value = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--chat-template {path}: cannot read it: {exc}") from None
+    try:
+        compile_chat_template(value)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        where = path if looks_like_path else "the given text"
+        raise ConfigError(f"--chat-template {where}: line {exc.lineno}: {exc.message}") from None
+    return value
+
+
+def _end_at_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """``text`` cut right after the last message's content (what ``transformers`` does for
+    ``continue_final_message``). Some templates strip a message first, so the stripped content is
+    looked for too."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise InvalidRequestError("continue_final_message needs a last message with text to continue")
+    for probe in (final, final.strip()):
+        at = text.rfind(probe)
+        if at >= 0:
+            return text[: at + len(probe)]
+    raise InvalidRequestError("continue_final_message: the chat template did not write the last message's text")
 
 
 class IncrementalDetokenizer:

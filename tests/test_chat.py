@@ -439,3 +439,20 @@ def test_hub_model_absent_without_a_terminal_says_how_to_get_it(tmp_path):
     message = " ".join(proc.stderr.split())
     assert "Qwen/Qwen2.5-0.5B-Instruct" in message and "llmctl pull Qwen/Qwen2.5-0.5B-Instruct" in message
     assert "Traceback" not in proc.stderr
+
+
+def test_chat_template_and_its_variables_from_the_command_line(tok, tmp_path):
+    template = tmp_path / "loud.jinja"
+    template.write_text(tok.chat_template + "{% if loud %}LOUD {% endif %}", encoding="utf-8")
+    proc = run_chat("tiny-random-llama", "--max-tokens", "4", "--kv-cache-memory", "4MiB", "--chat-template",
+                    str(template), "--chat-template-kwargs", '{"loud": true}', stdin="hello engine\n/stats\n")
+    assert proc.returncode == 0, proc.stderr
+    expected = len(tok.encode(chatml(("user", "hello engine")) + "LOUD ", add_special_tokens=False))
+    assert f"prompt {expected} tokens" in proc.stdout
+
+
+def test_bad_chat_template_kwargs_are_one_line():
+    proc = run_chat("tiny-random-llama", "--chat-template-kwargs", "enable_thinking=false")
+    assert proc.returncode == 1
+    assert "--chat-template-kwargs: not JSON" in " ".join(proc.stderr.split())
+    assert "Traceback" not in proc.stderr

@@ -17,6 +17,17 @@ from llmctl.tokenizer import Tokenizer
 MIXED_TEXT = ("Once upon a time 你好世界，猫在桌子上睡觉。日本語のテキストです。 Emoji 🙂🐱🚀 and "
               "café naïve façade — «quotes» 中文：猫 한국어 텍스트 ")
 
+# Qwen3's chat template in short: contents trimmed, and an empty think block after the generation
+# prompt when the caller turns thinking off (``enable_thinking=False``).
+QWEN3_STYLE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content | trim + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}"
+)
+
 
 @lru_cache(maxsize=1)
 def _byte_level_json() -> str:

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from llmctl.cli_options import config_for_model, engine_options, exit_on_error
+from llmctl.cli_options import config_for_model, engine_options, exit_on_error, parse_template_kwargs
 from llmctl.config import EMBEDDED_MODEL_NAME, EngineConfig
 from llmctl.models.gguf_files import SMOLLM2_NAME, default_model
 
@@ -42,6 +42,9 @@ def chat(
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep going past the end-of-turn token "
                                              "(answers run to --max-tokens; for testing).",
                                              rich_help_panel=SAMPLING)] = False,
+    chat_template_kwargs: Annotated[Optional[str], typer.Option(
+        "--chat-template-kwargs", help="A JSON object of chat-template variables, e.g. "
+        "'{\"enable_thinking\": false}' for Qwen3.", rich_help_panel=SAMPLING)] = None,
     *,
     engine_config: EngineConfig,
 ) -> None:
@@ -63,6 +66,7 @@ def chat(
             try:
                 params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                         ignore_eos=ignore_eos)
+                template_kwargs = parse_template_kwargs(chat_template_kwargs, "--chat-template-kwargs")
                 config = config_for_model(replace(engine_config, max_num_seqs=1), model)
             except ValueError as exc:  # e.g. an unreadable --kv-cache-memory size
                 err.print(f"[bold red]error:[/] {escape(str(exc))}")
@@ -71,7 +75,8 @@ def chat(
             started = time.perf_counter()
             engine = LLMEngine(config)
             load_seconds = time.perf_counter() - started
-            session = ChatSession(engine.tokenizer, engine.max_model_len, max_tokens, system_prompt=system)
+            session = ChatSession(engine.tokenizer, engine.max_model_len, max_tokens, system_prompt=system,
+                                  template_kwargs=template_kwargs)
     except KeyboardInterrupt:
         err.print("interrupted")
         raise typer.Exit(130) from None

@@ -12,7 +12,7 @@ oldest turns (a user message and its answer) are dropped for good, the system pr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from llmctl.errors import InvalidRequestError
 from llmctl.tokenizer import Tokenizer
@@ -42,7 +42,7 @@ class ChatSession:
     """Messages so far (alternating user/assistant), the system prompt, and prompt building."""
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, max_tokens: int,
-                 system_prompt: str | None = None) -> None:
+                 system_prompt: str | None = None, template_kwargs: dict[str, Any] | None = None) -> None:
         if max_model_len < 2:
             raise InvalidRequestError(f"max_model_len {max_model_len} leaves no room for a conversation")
         self.tokenizer = tokenizer
@@ -51,6 +51,7 @@ class ChatSession:
         # large --max-tokens on a short-context model still leaves room for the conversation.
         self.answer_room = max(1, min(max_tokens, max_model_len // 2))
         self.system_prompt = system_prompt or None
+        self.template_kwargs = dict(template_kwargs or {})  # the chat template's own variables (enable_thinking)
         self.messages: list[Message] = []
 
     # ---- state ---------------------------------------------------------------------------------
@@ -124,7 +125,7 @@ class ChatSession:
         if self.plain_continuation:
             return plain_transcript(full)
         return self.tokenizer.apply_chat_template([m.as_dict() for m in full],
-                                                  add_generation_prompt=generation_prompt)
+                                                  add_generation_prompt=generation_prompt, **self.template_kwargs)
 
     def encode(self, messages: list[Message], *, generation_prompt: bool) -> list[int]:
         text = self.render(messages, generation_prompt=generation_prompt)

@@ -42,7 +42,7 @@ from llmctl.models.loader import load_model
 from llmctl.sampling_params import SamplingParams
 from llmctl.spec.speculator import build_speculator
 from llmctl.structured import CompiledGrammar, StructuredOutputManager
-from llmctl.tokenizer import Tokenizer
+from llmctl.tokenizer import Tokenizer, read_chat_template
 
 
 class LLMEngine:
@@ -62,6 +62,8 @@ class LLMEngine:
             self.parallel = start_parallel(config)
         self.model, self.tokenizer, self.model_label = self._load(
             config, self.ops, self.parallel.shard_kwargs() if self.parallel else {})
+        if config.chat_template and self.tokenizer is not None:
+            self.tokenizer.chat_template = read_chat_template(config.chat_template)
         self.dtype = self.model.model.norm.weight.dtype  # the activation/KV dtype (weights may be packed)
         self.kv_format = kv_format(self.model, config.block_size, self.dtype, config.kv_cache_dtype,
                                    config.kv_quant_group_size, config.kv_residual_length)

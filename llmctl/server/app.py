@@ -27,7 +27,7 @@ from llmctl.server.metrics import ServerMetrics
 from llmctl.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, bad_request,
 )
-from llmctl.server.serving import OpenAIServing, ServerState, sse
+from llmctl.server.serving import ChatTemplatePolicy, OpenAIServing, ServerState, sse
 from llmctl.server.tokenization import (TOKENIZER_PATHS, DetokenizeRequest, TokenizeRequest, detokenize, tokenize,
                                         tokenizer_info)
 
@@ -145,12 +145,12 @@ def _hoist_definitions(app: FastAPI) -> None:
 
 def build_app(async_engine: AsyncEngine, *, served_model_name: str, model_aliases: Iterable[str] = (),
               api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-              state: ServerState | None = None) -> FastAPI:
+              state: ServerState | None = None, chat_templates: ChatTemplatePolicy | None = None) -> FastAPI:
     """An app over a started ``AsyncEngine``; the caller owns the engine's lifetime. ``state``
     (shared with the process that runs the server) carries the drain flag."""
     state = state or ServerState()
     serving = OpenAIServing(async_engine, served_model_name=served_model_name, model_aliases=set(model_aliases),
-                            state=state)
+                            state=state, chat_templates=chat_templates)
     metrics = ServerMetrics(async_engine, served_model_name)
     engine = async_engine.engine
     app = FastAPI(title="llmctl", version=__version__,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.console import Console
 
-from llmctl.cli_options import ModelArg, config_for_model, engine_options, exit_on_error
+from llmctl.cli_options import ModelArg, config_for_model, engine_options, exit_on_error, parse_template_kwargs
 from llmctl.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -135,6 +135,13 @@ def serve(
                                            rich_help_panel=SERVER)] = "info",
     access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="Log every request.",
                                              rich_help_panel=SERVER)] = True,
+    default_chat_template_kwargs: Annotated[Optional[str], typer.Option(
+        "--default-chat-template-kwargs", help="A JSON object of chat-template variables every chat request starts "
+        "from, e.g. '{\"enable_thinking\": false}'; a request's chat_template_kwargs override them.",
+        rich_help_panel=SERVER)] = None,
+    trust_request_chat_template: Annotated[bool, typer.Option(
+        "--trust-request-chat-template", help="Let a request bring its own chat_template (Jinja that runs, "
+        "sandboxed, in this server); without it such a request gets a 400.", rich_help_panel=SERVER)] = False,
     *,
     engine_config: EngineConfig,
 ) -> None:
@@ -144,10 +151,13 @@ def serve(
     from llmctl.engine.async_engine import AsyncEngine
     from llmctl.engine.llm_engine import LLMEngine
     from llmctl.server.app import build_app
-    from llmctl.server.serving import ServerState
+    from llmctl.server.serving import ChatTemplatePolicy, ServerState
 
     _check_port_free(host, port)  # before loading the model, not after
     with exit_on_error(err):
+        chat_templates = ChatTemplatePolicy(trust_request_chat_template,
+                                            parse_template_kwargs(default_chat_template_kwargs,
+                                                                  "--default-chat-template-kwargs"))
         config = config_for_model(engine_config, model)
         loading = time.perf_counter()
         engine = LLMEngine(config)
@@ -164,7 +174,7 @@ def serve(
     state = ServerState()
     async_engine = AsyncEngine(engine, max_waiting=max_queue).start()
     app = build_app(async_engine, served_model_name=name, model_aliases={model, config.model},
-                    api_key=api_key, max_queue=max_queue, state=state)
+                    api_key=api_key, max_queue=max_queue, state=state, chat_templates=chat_templates)
 
     def on_ready(bound_port: int) -> None:
         # plain print, one line: scripts (and the tests) read the URL from it

@@ -278,7 +278,38 @@ class NamedToolChoice(BaseModel):
     function: NamedToolChoiceFunction
 
 
-class ChatCompletionRequest(_Request):
+# Variables llmctl itself gives the chat template; a request's chat_template_kwargs cannot set them.
+TEMPLATE_VARIABLES_SET_BY_SERVER = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+class ChatTemplateFields(BaseModel):
+    """vLLM's fields for how ``messages`` are rendered through the chat template (chat completions
+    and ``/tokenize``)."""
+
+    model_config = STRICT
+
+    tools: Optional[list[ToolDefinition]] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @property
+    def tool_list(self) -> list[dict[str, Any]]:
+        """The tools as plain OpenAI dicts (what chat templates and the tool helpers take)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def refuse_bad_template_fields(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt: false (the last message is "
+                              "continued, not answered)", "continue_final_message")
+        taken = sorted(set(self.chat_template_kwargs or {}) & set(TEMPLATE_VARIABLES_SET_BY_SERVER))
+        if taken:
+            raise bad_request(f"chat_template_kwargs cannot set {', '.join(taken)}: llmctl sets "
+                              f"{'it' if len(taken) == 1 else 'them'} from the request", "chat_template_kwargs")
+
+
+class ChatCompletionRequest(ChatTemplateFields, _Request):
     """``POST /v1/chat/completions``. With no ``max_completion_tokens``/``max_tokens`` the answer may
     use all the context the prompt leaves."""
 
@@ -287,7 +318,6 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    tools: Optional[list[ToolDefinition]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
 
     API_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
@@ -296,15 +326,11 @@ class ChatCompletionRequest(_Request):
         super().refuse_unsupported()
         if not self.messages:
             raise bad_request("messages is empty", "messages")
+        self.refuse_bad_template_fields()
         if self.tool_choice not in (None, "none") and not self.tools:
             raise bad_request("tool_choice needs tools", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-
-    @property
-    def tool_list(self) -> list[dict[str, Any]]:
-        """The tools as plain OpenAI dicts (what chat templates and the tool helpers take)."""
-        return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
     @property
     def effective_tool_choice(self) -> str | dict[str, Any]:

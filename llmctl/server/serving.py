@@ -35,8 +35,9 @@ from llmctl.sampling_params import SamplingParams
 from llmctl.server.logprobs import LogprobsFormatter, TokenTexts
 from llmctl.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS, APIError, AssistantMessage, ChatChoice, ChatCompletionChunk,
-    ChatCompletionRequest, ChatCompletionResponse, ChatStreamChoice, CompletionChoice, CompletionChunk,
-    CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails, Usage, bad_request,
+    ChatCompletionRequest, ChatCompletionResponse, ChatMessage, ChatStreamChoice, ChatTemplateFields,
+    CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
+    PromptTokensDetails, Usage, bad_request,
 )
 from llmctl.structured.spec import StructuredOutputSpec
 from llmctl.structured.tool_calls import ParsedDelta, ReplyParser, reply_parser
@@ -241,9 +242,19 @@ class ServerState:
         return cancelled
 
 
+@dataclass(frozen=True)
+class ChatTemplatePolicy:
+    """``llmctl serve``'s chat-template settings: whether a request may bring its own template (a
+    template is code that runs in the server, so vLLM too asks for the flag), and the template
+    variables every request starts from (``--default-chat-template-kwargs``)."""
+
+    trust_request_chat_template: bool = False
+    default_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
 class OpenAIServing:
     def __init__(self, async_engine: AsyncEngine, *, served_model_name: str, model_aliases: set[str],
-                 state: ServerState) -> None:
+                 state: ServerState, chat_templates: ChatTemplatePolicy | None = None) -> None:
         engine = async_engine.engine
         if engine.tokenizer is None:
             raise ValueError("the server needs a tokenizer (the engine was built with skip_tokenizer)")
@@ -255,6 +266,7 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.model_aliases = {served_model_name, *model_aliases}
         self.state = state
+        self.chat_templates = chat_templates or ChatTemplatePolicy()
 
     # ---- checks --------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -418,6 +430,21 @@ class OpenAIServing:
         return self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
 
     # ---- chat ----------------------------------------------------------------------------------
+    def render_chat(self, messages: list[ChatMessage], fields: ChatTemplateFields) -> str:
+        """The prompt text of ``messages``: the model's chat template (or the request's, where this
+        server trusts request templates) with the default variables, the request's
+        ``chat_template_kwargs`` over them, and the tools."""
+        fields.refuse_bad_template_fields()
+        if fields.chat_template is not None and not self.chat_templates.trust_request_chat_template:
+            raise bad_request("a request's chat_template runs only on a server started with "
+                              "--trust-request-chat-template", "chat_template")
+        variables = {**self.chat_templates.default_kwargs, **(fields.chat_template_kwargs or {}),
+                     **template_variables(fields.tool_list)}
+        return self.tokenizer.apply_chat_template(
+            messages_for_template([m.for_template() for m in messages]),
+            add_generation_prompt=fields.add_generation_prompt, continue_final_message=fields.continue_final_message,
+            chat_template=fields.chat_template, **variables)
+
     async def create_chat_completion(self, req: ChatCompletionRequest, request: Request) -> Any:
         self.check_model(req.model)
         req.refuse_unsupported()
@@ -427,8 +454,7 @@ class OpenAIServing:
         tools, tool_choice = req.tool_list, req.effective_tool_choice
         forced = tool_choice_spec(tools, tool_choice) if tools else None  # required / named: a grammar
         spec = req.output_spec(forced)
-        messages = messages_for_template([m.for_template() for m in req.messages])
-        text = self.tokenizer.apply_chat_template(messages, **template_variables(tools))
+        text = self.render_chat(req.messages, req)
         prompt = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = dataclasses.replace(params, max_tokens=self._max_tokens(len(prompt), requested, param),

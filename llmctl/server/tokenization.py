@@ -12,15 +12,15 @@ from typing import Any, Optional
 
 from pydantic import BaseModel
 
-from llmctl.server.protocol import STRICT, ChatMessage, bad_request
+from llmctl.server.protocol import STRICT, ChatMessage, ChatTemplateFields, bad_request
 from llmctl.server.serving import OpenAIServing
-from llmctl.structured.tools import messages_for_template
 
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
-class TokenizeRequest(BaseModel):
-    """A ``prompt`` (text) or chat ``messages`` (rendered through the chat template first)."""
+class TokenizeRequest(ChatTemplateFields):
+    """A ``prompt`` (text) or chat ``messages`` (rendered through the chat template first, as
+    ``/v1/chat/completions`` renders them)."""
 
     model_config = STRICT
 
@@ -28,7 +28,6 @@ class TokenizeRequest(BaseModel):
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
 
@@ -45,8 +44,7 @@ def tokenize(serving: OpenAIServing, req: TokenizeRequest) -> dict[str, Any]:
         raise bad_request("tokenize takes either prompt or messages", "prompt")
     tokenizer = serving.tokenizer
     if req.messages is not None:
-        text = tokenizer.apply_chat_template(messages_for_template([m.for_template() for m in req.messages]),
-                                             add_generation_prompt=req.add_generation_prompt)
+        text = serving.render_chat(req.messages, req)
         tokens = tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
     else:
         tokens = tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
