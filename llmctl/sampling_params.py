@@ -38,6 +38,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_p: float = 0.0
     min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
+    bad_words: list[str] = field(default_factory=list)  # never generated (vLLM's): the engine tokenizes them
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # ... into these (``bad_words_token_ids``)
     # the output must match this (JSON schema, regex, choice, grammar): enforced while sampling
     structured_outputs: StructuredOutputSpec | None = None
 
@@ -92,6 +95,11 @@ class SamplingParams:
                 bad(f"logit_bias keys must be token ids (non-negative integers), got {token!r}")
             if not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 bad(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids must be a non-empty list of token ids (non-negative integers)")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            bad("bad_words must be a list of non-empty strings")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputSpec):
             bad("structured_outputs must be a StructuredOutputSpec")
 
@@ -109,8 +117,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Anything to do before the temperature: penalties, ``logit_bias``, ``min_tokens``."""
-        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+        """Anything to do before the temperature: penalties, ``logit_bias``, ``min_tokens``,
+        ``allowed_token_ids``, ``bad_words``."""
+        return (self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+                or self.allowed_token_ids is not None or bool(self.bad_words_token_ids))
 
     def sample_seed(self, index: int) -> int | None:
         return None if self.seed is None else self.seed + index

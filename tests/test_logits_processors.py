@@ -24,10 +24,17 @@ def fixed_logits(rows: int, seed: int = 0) -> torch.Tensor:
 
 
 def reference(logits: list[float], prompt: list[int], output: list[int], *, repetition=1.0, presence=0.0,
-              frequency=0.0, logit_bias=None, min_tokens=0, stop_token_ids=(), ignore_eos=False) -> list[float]:
+              frequency=0.0, logit_bias=None, min_tokens=0, stop_token_ids=(), ignore_eos=False,
+              allowed_token_ids=None, bad_words_token_ids=()) -> list[float]:
     """One row, one token at a time, exactly as vLLM documents the formulas."""
     out = list(logits)
     counts = Counter(output)
+    if allowed_token_ids is not None:
+        out = [v if t in allowed_token_ids else float("-inf") for t, v in enumerate(out)]
+    for word in bad_words_token_ids:  # banned where the output ends with the word's other tokens
+        *prefix, last = word
+        if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
+            out[last] = float("-inf")
     if len(output) < min_tokens:
         for t in set(stop_token_ids) | (set() if ignore_eos else EOS):
             out[t] = float("-inf")
@@ -42,7 +49,7 @@ def reference(logits: list[float], prompt: list[int], output: list[int], *, repe
 
 def seq(prompt, output, **params):
     defaults = dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None,
-                    min_tokens=0, stop_token_ids=[], ignore_eos=False)
+                    min_tokens=0, stop_token_ids=[], ignore_eos=False, allowed_token_ids=None, bad_words_token_ids=[])
     defaults.update(params)
     p = SimpleNamespace(**defaults)
     p.has_penalties = p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
@@ -60,6 +67,10 @@ ROWS = [
     (([7], []), dict(min_tokens=2, ignore_eos=True, stop_token_ids=[4])),
     (([9, 9], [10]), {}),  # asks for nothing: untouched
     (([1, 2], [5, 5, 0]), dict(repetition_penalty=2.0, frequency_penalty=1.0, logit_bias={5: 1.0}, min_tokens=9)),
+    (([3], [4, 4]), dict(allowed_token_ids=[0, 4, 9], logit_bias={9: 2.0})),
+    # one-token words always; [4, 6, 8] only after ... 4, 6; [6, 1] not after 4; [2, 7, 3] longer than the output
+    (([3], [6, 4, 6]), dict(bad_words_token_ids=[[11], [4, 6, 8], [6, 1], [2, 7, 3, 10]])),
+    (([3], []), dict(bad_words_token_ids=[[0], [5, 2]], repetition_penalty=1.5)),
 ]
 
 
@@ -71,7 +82,9 @@ def test_batch_matches_the_reference_row_by_row():
                           presence=params.get("presence_penalty", 0.0),
                           frequency=params.get("frequency_penalty", 0.0),
                           logit_bias=params.get("logit_bias"), min_tokens=params.get("min_tokens", 0),
-                          stop_token_ids=params.get("stop_token_ids", ()), ignore_eos=params.get("ignore_eos", False))
+                          stop_token_ids=params.get("stop_token_ids", ()), ignore_eos=params.get("ignore_eos", False),
+                          allowed_token_ids=params.get("allowed_token_ids"),
+                          bad_words_token_ids=params.get("bad_words_token_ids", ()))
                 for i, ((p, o), params) in enumerate(ROWS)]
     apply_logits_processors_(logits, seqs, EOS)
     torch.testing.assert_close(logits, torch.tensor(expected), rtol=1e-6, atol=1e-6)
@@ -124,3 +137,21 @@ def test_min_p_rows_leaves_other_rows_alone():
     apply_min_p_rows_(logits, [0.0, 0.5, 0.0])
     assert torch.equal(logits[[0, 2]], original[[0, 2]])
     assert torch.isinf(logits[1]).any() and not torch.equal(logits[1], original[1])
+
+
+def test_bad_words_are_tokenized_as_vllm_does():
+    from llmctl.engine.logits_processors import bad_words_token_ids
+    from llmctl.models.embedded import embedded_tokenizer
+
+    tokenizer = embedded_tokenizer()
+
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    banned = bad_words_token_ids(encode, ["engine", "  pages"])
+    assert encode("engine") in banned and encode("pages") in banned  # leading spaces stripped first
+    for word in ("engine", "pages"):  # the in-sentence form, where it is other tokens of the same count
+        alone, spaced = encode(word), encode(" " + word)
+        assert (spaced in banned) == (spaced[0] != alone[0] and len(spaced) == len(alone))
+    assert len(banned) == 2 + sum(len(encode(" " + w)) == len(encode(w)) and encode(" " + w)[0] != encode(w)[0]
+                                  for w in ("engine", "pages"))

@@ -95,11 +95,16 @@ def test_greedy_output_is_unchanged(llama_dir, other_llama, prompts, baseline, d
     assert [o.outputs[0].token_ids for o in alone] == together[:3]
 
 
-def test_logprobs_penalties_and_min_tokens_with_several_tokens_a_step(llama_dir, prompts):
+def test_logprobs_penalties_and_min_tokens_with_several_tokens_a_step(llama_dir, prompts, baseline):
+    looped = baseline[0].outputs[0].token_ids  # banning a pair it generates changes it from there on
     params = [greedy(logprobs=2), greedy(repetition_penalty=1.3), greedy(frequency_penalty=0.7, presence_penalty=0.3),
               SamplingParams(temperature=0, max_tokens=16, min_tokens=12, stop_token_ids=[7, 8, 9, 10, 40, 41]),
-              greedy(logit_bias={50: 3.0})]
+              greedy(logit_bias={50: 3.0}), greedy(allowed_token_ids=list(range(40, 90))),
+              greedy(bad_words_token_ids=[looped[3:5], [looped[8]]])]
+    prompts = [prompts[i] for i in (1, 2, 3, 4, 5, 6, 0)]  # the banned pair's own prompt last
     expected = make_engine(llama_dir).generate(prompts[: len(params)], params)
+    assert expected[-1].outputs[0].token_ids[:4] == looped[:4] and expected[-1].outputs[0].token_ids != looped
+    assert set(expected[5].outputs[0].token_ids) <= set(range(40, 90))
     engine = make_engine(llama_dir, speculative_model=str(llama_dir), num_speculative_tokens=4)
     got = engine.generate(prompts[: len(params)], params)
     for want, have in zip(expected, got):

@@ -15,6 +15,8 @@ update -> process outputs, and returns what each request produced::
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -27,6 +29,7 @@ import torch
 from llmctl.config import QUANTIZED_AT_LOAD, EngineConfig, kv_pool_too_small, resolve_kv_cache_bytes
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.host_malloc import keep_large_allocations
+from llmctl.engine.logits_processors import bad_words_token_ids
 from llmctl.engine.model_runner import ModelOutput, ModelRunner, kv_format
 from llmctl.engine.output_processor import OutputProcessor, RequestState
 from llmctl.engine.outputs import RequestMetrics, RequestOutput
@@ -217,6 +220,14 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidRequestError(f"logit_bias token {max(params.logit_bias)} is out of the vocabulary [0, {vocab})")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
+            raise InvalidRequestError(
+                f"allowed_token_ids token {max(params.allowed_token_ids)} is out of the vocabulary [0, {vocab})")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise InvalidRequestError("bad_words need a tokenizer; this engine runs without one")
+            encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(encode, params.bad_words))
         grammar = self.prepare(params).new_matcher() if params.structured_outputs is not None else None
         now = time.time() if arrival_time is None else arrival_time
         user = user or "default"

@@ -10,16 +10,20 @@ there:
 - ``logit_bias`` is added to the named tokens' logits;
 - ``min_tokens``: until that many tokens are out, EOS and the stop token ids are forbidden;
 - ``min_p`` (after temperature): tokens whose probability is below ``min_p`` times the most
-  likely token's are forbidden.
+  likely token's are forbidden;
+- ``allowed_token_ids``: every other token is forbidden;
+- ``bad_words``: a word's last token is forbidden wherever the output so far ends with the rest of
+  it (each word as it starts a text and after a space, tokenized as vLLM tokenizes it).
 
-Order, as in vLLM: grammar mask, min_tokens, logit_bias, penalties, (temperature), min_p, top-k/p.
+Order, as in vLLM: grammar mask, allowed_token_ids, bad_words, min_tokens, logit_bias, penalties,
+(temperature), min_p, top-k/p.
 Every function takes whole-batch tensors and touches only the rows that asked for something; a
 batch where nobody did pays one Python check per row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence as Seq
+from collections.abc import Callable, Collection, Sequence as Seq
 
 import torch
 
@@ -70,6 +74,39 @@ def _sparse_entries(entries: list[tuple[int, int, float]], device: torch.device)
             torch.tensor(values, dtype=torch.float32, device=device))
 
 
+def bad_words_token_ids(encode: Callable[[str], list[int]], words: Seq[str]) -> list[list[int]]:
+    """vLLM's tokenization of ``bad_words``: each word as it starts a text, and after a space where
+    that gives other tokens of the same count (the word's form inside a sentence)."""
+    banned: list[list[int]] = []
+    for word in words:
+        alone = encode(word.lstrip())
+        banned.append(alone)
+        spaced = encode(" " + word.lstrip())
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            banned.append(spaced)
+    return banned
+
+
+def _apply_allowed_and_bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    vocab = logits.shape[1]
+    banned: list[tuple[int, int, float]] = []
+    for row, seq in enumerate(seqs):
+        params = seq.params
+        if params.allowed_token_ids is not None:
+            outside = torch.ones(vocab, dtype=torch.bool, device=logits.device)
+            outside[torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.int64,
+                                 device=logits.device)] = False
+            logits[row].masked_fill_(outside, float("-inf"))
+        output = seq.output_token_ids
+        for word in params.bad_words_token_ids:
+            prefix = word[:-1]
+            if word[-1] < vocab and len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
+                banned.append((row, word[-1], 0.0))
+    if banned:
+        rows, tokens, _ = _sparse_entries(banned, logits.device)
+        forbid_tokens_(logits, rows, tokens)
+
+
 def _grammar_done(seq: Sequence) -> bool:
     """A complete structured output may only end: min_tokens must not forbid its EOS."""
     return seq.grammar is not None and seq.grammar.is_terminated
@@ -113,6 +150,7 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 def apply_logits_processors_(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> None:
     """Everything that comes before the temperature, in vLLM's order, in place on ``[len(seqs), vocab]``."""
+    _apply_allowed_and_bad_words(logits, seqs)
     _apply_min_tokens_and_bias(logits, seqs, eos_token_ids)
     _apply_penalties(logits, seqs)
 

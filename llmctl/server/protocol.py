@@ -105,6 +105,15 @@ class _Request(BaseModel):
     repetition_penalty: Optional[float] = None
     min_tokens: int = 0
     min_p: Optional[float] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens (-1: max_model_len)
+    # vLLM's fields that would change the output in ways llmctl does not implement: refused, not ignored
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    prompt_logprobs: Optional[int] = None
+    return_tokens_as_token_ids: bool = False
+    logits_processors: Optional[list[Any]] = None
     # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: Optional[ResponseFormat] = None
     guided_json: Optional[Union[str, dict[str, Any]]] = None
@@ -117,6 +126,29 @@ class _Request(BaseModel):
         """Refuse parameters that would change the output in ways llmctl does not implement."""
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        if self.truncate_prompt_tokens is not None and (self.truncate_prompt_tokens == 0
+                                                         or self.truncate_prompt_tokens < -1):
+            raise bad_request("truncate_prompt_tokens must be a positive token count, or -1 for max_model_len",
+                              "truncate_prompt_tokens")
+        unsupported = {
+            "use_beam_search": self.use_beam_search,
+            "length_penalty": self.length_penalty != 1.0,  # a beam-search setting
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "return_tokens_as_token_ids": self.return_tokens_as_token_ids,
+            "logits_processors": bool(self.logits_processors),
+        }
+        for name, asked in unsupported.items():
+            if asked:
+                hint = {"prompt_logprobs": " (completions score the prompt with echo: true and logprobs)",
+                        "length_penalty": " (it belongs to beam search)"}.get(name, "")
+                raise bad_request(f"{name} is not supported by llmctl{hint}", name)
+
+    def truncated(self, prompt: list[int], max_model_len: int) -> list[int]:
+        """``truncate_prompt_tokens``: the prompt's last k tokens (-1: the last ``max_model_len``)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt
+        return prompt[-(max_model_len if keep == -1 else keep):]
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """A 400 naming the field on out-of-range values."""
@@ -168,6 +200,8 @@ class _Request(BaseModel):
             logit_bias=self._logit_bias(),
             min_p=self.min_p or 0.0,
             min_tokens=self.min_tokens,
+            allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
+            bad_words=list(self.bad_words or []),
         )
 
     @property
@@ -314,6 +348,7 @@ class ChatCompletionRequest(ChatTemplateFields, _Request):
     use all the context the prompt leaves."""
 
     messages: list[ChatMessage]
+    echo: bool = False  # vLLM's: the answer prepended with the last message; refused
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
@@ -326,6 +361,9 @@ class ChatCompletionRequest(ChatTemplateFields, _Request):
         super().refuse_unsupported()
         if not self.messages:
             raise bad_request("messages is empty", "messages")
+        if self.echo:
+            raise bad_request("echo is not supported by llmctl's chat (continue_final_message continues a message)",
+                              "echo")
         self.refuse_bad_template_fields()
         if self.tool_choice not in (None, "none") and not self.tools:
             raise bad_request("tool_choice needs tools", "tool_choice")

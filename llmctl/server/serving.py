@@ -345,7 +345,7 @@ class OpenAIServing:
     async def create_completion(self, req: CompletionRequest, request: Request) -> Any:
         self.check_model(req.model)
         req.refuse_unsupported()
-        prompts = [self._encode(p) for p in req.prompts()]
+        prompts = [req.truncated(self._encode(p), self.max_model_len) for p in req.prompts()]
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         for prompt in prompts:
             self._max_tokens(len(prompt), max_tokens, "max_tokens")
@@ -455,7 +455,8 @@ class OpenAIServing:
         forced = tool_choice_spec(tools, tool_choice) if tools else None  # required / named: a grammar
         spec = req.output_spec(forced)
         text = self.render_chat(req.messages, req)
-        prompt = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+        prompt = req.truncated(self.tokenizer.encode(text, add_special_tokens=False),  # the template wrote them
+                               self.max_model_len)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = dataclasses.replace(params, max_tokens=self._max_tokens(len(prompt), requested, param),
                                      structured_outputs=spec)

@@ -108,3 +108,62 @@ def test_structured_outputs_survive_preemption(client, server):
         for text in together:
             jsonschema.validate(json.loads(text), PERSON)
         wait_until(lambda: scrape(http)["llmctl:kv_cache_usage_perc"]["llmctl:kv_cache_usage_perc"] == 0)
+
+
+# ---- vLLM's other sampling controls: allowed_token_ids, bad_words, truncate_prompt_tokens ----------
+
+
+def completion(client, prompt, **extra_body):
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+                                     extra_body={"ignore_eos": True, **extra_body}).choices[0]
+
+
+def test_allowed_token_ids_is_all_that_is_sampled(client):
+    allowed = embedded_tokenizer().encode(" cat dog engine", add_special_tokens=False)
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, n=3, seed=4,
+                                  temperature=1.5, logprobs=0, extra_body={"allowed_token_ids": allowed,
+                                                                          "ignore_eos": True})
+    texts = {embedded_tokenizer().decode([t]) for t in allowed}  # whole ASCII tokens: one text each
+    for choice in r.choices:
+        assert len(choice.logprobs.tokens) == 16 and set(choice.logprobs.tokens) <= texts, choice.logprobs.tokens
+    assert len({c.text for c in r.choices}) > 1  # sampled, not one forced token
+
+
+def test_bad_words_are_never_generated(client):
+    tokenizer = embedded_tokenizer()
+    free = completion(client, "Once upon a time")
+    word = "".join(free.logprobs.tokens[:2])  # the first two tokens, as one (multi-token) word
+    banned = completion(client, "Once upon a time", bad_words=[word])
+    ids = tokenizer.encode(banned.text, add_special_tokens=False)
+    word_ids = tokenizer.encode(word, add_special_tokens=False)
+    assert not any(ids[i : i + len(word_ids)] == word_ids for i in range(len(ids)))
+    assert banned.text != free.text
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client):
+    tokenizer = embedded_tokenizer()
+    prompt = tokenizer.encode("One two three four five six seven eight nine ten", add_special_tokens=False)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 5, "ignore_eos": True})
+    short = client.completions.create(model=MODEL, prompt=prompt[-5:], max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == 5 and r.choices[0].text == short.choices[0].text
+    answer = chat(client, max_tokens=4, extra_body={"truncate_prompt_tokens": 3})
+    assert answer.usage.prompt_tokens == 3
+
+
+@pytest.mark.parametrize("extra_body, param", [
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"length_penalty": 0.5}, "length_penalty"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ({"logits_processors": ["my.module:Processor"]}, "logits_processors"),
+    ({"echo": True}, "echo"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words": [" "]}, "bad_words"),
+])
+def test_what_would_change_the_output_unimplemented_is_refused_not_ignored(client, extra_body, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(client, max_tokens=2, extra_body=extra_body)
+    assert refused.value.body["param"] == param
