@@ -27,7 +27,8 @@ def run(model: str, monkeypatch, loop: bool, prompts, max_tokens: int = 6, **kw)
     monkeypatch.setenv("LLMCTL_DECODE_LOOP", "1" if loop else "0")
     kw.setdefault("kv_cache_memory", 8 << 20)
     kw.setdefault("skip_tokenizer", True)
-    engine = LLMEngine(model=model, dtype="float32", **kw)
+    kw.setdefault("dtype", "float32")
+    engine = LLMEngine(model=model, **kw)
     assert (engine.runner.decode_path == ACTIVE) == loop, engine.runner.decode_path
     steps, native_calls = [], []
     execute, native = engine.runner.execute, engine.runner.native_decode
@@ -62,6 +63,14 @@ def test_bitwise_equal_to_the_module_path(hf_model_dirs, monkeypatch, family, qu
     prompts = random_prompts(3, VOCAB, 3, 20, seed=1)
     assert_same_as_module_path(str(hf_model_dirs[family]), monkeypatch, prompts, quantization=quantization,
                                quantization_group_size=64)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_bf16_bitwise_equal_to_the_module_path(hf_model_dirs, monkeypatch, family):
+    # bf16 activations, oneDNN-prepacked weights and a bf16 KV pool (what --dtype auto runs on CPUs
+    # with AVX512-BF16 or AMX); qwen2's q/k/v biases are bf16 and go into oneDNN's call
+    prompts = random_prompts(3, VOCAB, 3, 20, seed=7)
+    assert_same_as_module_path(str(hf_model_dirs[family]), monkeypatch, prompts, dtype="bfloat16")
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
@@ -107,12 +116,14 @@ def test_gguf_mixing_packed_and_float_layers(tmp_path, monkeypatch):
     assert_same_as_module_path(str(path), monkeypatch, prompts, quantization="auto")
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "bf16"])
 def test_speculative_verify_rows_run_in_the_loop(llama_dir, llama64_dir, monkeypatch, kv_cache_dtype):
     # repetitive prompts, so that n-gram lookup proposes drafts and verify steps have several rows
     prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 7]
     kw = dict(speculative_model="ngram", num_speculative_tokens=3, quantization="int8", kv_cache_dtype=kv_cache_dtype)
-    model = llama_dir if kv_cache_dtype == "auto" else llama64_dir  # 8-bit KV in the loop: head_dim 64/128
+    if kv_cache_dtype == "bf16":  # bf16 activations, weights and KV pool
+        kw.update(quantization="none", kv_cache_dtype="auto", dtype="bfloat16")
+    model = llama64_dir if kv_cache_dtype == "int8" else llama_dir  # 8-bit KV in the loop: head_dim 64/128
     assert_same_as_module_path(str(model), monkeypatch, prompts, max_tokens=12, **kw)
 
 
@@ -126,7 +137,8 @@ def test_smollm2_packed_logits_equal(monkeypatch):
 
 @pytest.mark.parametrize(("kw", "reason"), [
     (dict(kv_cache_dtype="int8"), "int8 KV cache with head_dim 16"),  # the tiny model's heads
-    (dict(dtype="bfloat16"), "bfloat16 activations"),
+    (dict(dtype="bfloat16", kv_cache_dtype="int8"), "bfloat16 activations with a quantized KV cache"),
+    (dict(dtype="float16"), "float16 activations"),
     (dict(quantization="fp8"), "fp8 weights"),
 ])
 def test_what_it_does_not_take_runs_the_module_path(llama_dir, monkeypatch, kw, reason):

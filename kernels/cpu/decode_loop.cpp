@@ -12,10 +12,16 @@
 // (the `#pragma GCC optimize` region below). Their pybind11 module bodies become unused functions.
 // Result: logits bit-identical to the module path (tests/test_decode_loop.py).
 //
+// bf16 models (the dtype --dtype auto picks on CPUs with AVX512-BF16 or AMX) run the same loop over
+// the module path's own tensor-level functions (cpu_kernels.cpp's rms_norm, rotate,
+// reshape_and_cache, paged_decode_attention, silu_and_mul) and oneDNN's prepacked linear op, called
+// with the same arguments in the same order: what the loop saves is the Python around them.
+//
 // Weights are bound once (DecodeLoop::add_layer), so a step passes only the step's tensors.
 // Threading: the GEMVs, attention and (for larger batches) the row-wise kernels split their work
 // with at::parallel_for exactly as the standalone kernels do.
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -56,10 +62,11 @@ namespace kvqk {  // KIVI store and decode attention (kernels/kv_quant_native.py
 namespace {
 
 // One linear layer: a plain fp32 weight (at::linear, as F.linear), a panel-packed fp32 weight (the
-// native fp32 GEMM, gemm_kernels.h) or a packed int4/int8 weight
-// (the integer tiles with int16 activations, as kernels/quant_native.py binds them).
+// native fp32 GEMM, gemm_kernels.h), a packed int4/int8 weight (the integer tiles with int16
+// activations, as kernels/quant_native.py binds them) or a weight prepacked for oneDNN (its
+// _linear_pointwise op, as llmctl.layers.linear.linear calls it: the bf16 models' layers).
 struct Linear {
-  enum Kind { kDense = 0, kInt4 = 1, kInt8 = 2, kPanel = 3 };
+  enum Kind { kDense = 0, kInt4 = 1, kInt8 = 2, kPanel = 3, kMkldnn = 4 };
   Kind kind = kDense;
   at::Tensor weight, qweight, scales, mins, bias;
   at::Tensor tiles;  // packed int4/int8: the same weight in quant_kernels.cpp's tile-interleaved layout, if bound
@@ -75,6 +82,15 @@ Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<a
   l.k = in_features;
   l.group = group;
   l.bias_in_gemm = bias_in_gemm;
+  if (kind == "mkldnn") {  // the module path's oneDNN call; its bias in the layer's own dtype
+    TORCH_CHECK(weight.has_value() && weight->is_mkldnn() && out_features > 0, "mkldnn linear: a prepacked weight");
+    l.kind = Linear::kMkldnn;
+    l.weight = *weight;
+    l.n = out_features;
+    l.k_packed = in_features;
+    if (bias.has_value()) l.bias = *bias;
+    return l;
+  }
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous(), "bias must be contiguous float32");
     l.bias = *bias;
@@ -132,8 +148,24 @@ Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<a
   return l;
 }
 
-// x [m, k] contiguous float32 -> [m, n], as PackedLinearMethod.apply / UnquantizedLinearMethod.apply.
+// torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], ""): what llmctl.layers.linear.linear
+// calls for a prepacked weight, through the dispatcher (the op has no C++ API of its own).
+at::Tensor mkldnn_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x.contiguous(), weight, bias.defined() ? c10::IValue(bias) : c10::IValue(),
+                                 std::string("none"), c10::List<c10::optional<c10::Scalar>>(), std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// x [m, k] contiguous float32 (bf16 for a prepacked layer) -> [m, n], as PackedLinearMethod.apply /
+// UnquantizedLinearMethod.apply.
 at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
+  if (l.kind == Linear::kMkldnn) {  // a row-parallel layer adds its bias after the (here absent) reduce
+    if (l.bias_in_gemm || !l.bias.defined()) return mkldnn_linear(x, l.weight, l.bias);
+    return mkldnn_linear(x, l.weight, at::Tensor()) + l.bias;
+  }
   if (l.kind == Linear::kPanel)  // the bias is one add after the sum, in the kernel or after it alike
     return llmctl_gemm::linear(x, l.weight, l.n, l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt);
   if (l.kind == Linear::kDense) {
@@ -240,6 +272,16 @@ class DecodeLoop {
         cos_sin_(cos_sin_cache.to(at::kFloat).contiguous()), final_norm_(final_norm.contiguous()),
         storage_(kv_storage(kv_kind)), k_pool_(k_pool), v_pool_(v_pool) {
     TORCH_CHECK(hq_ % hkv_ == 0, "query heads must be a multiple of KV heads");
+    if (final_norm_.scalar_type() == at::kBFloat16) {  // bf16 activations: the tensor-level path
+      TORCH_CHECK(storage_ == KvStorage::kFloat, "bf16 activations in the loop: a bf16 KV pool only");
+      for (const at::Tensor* pool : {&k_pool_, &v_pool_})
+        TORCH_CHECK(pool->dim() == 5 && pool->is_contiguous() && pool->scalar_type() == at::kBFloat16 &&
+                        pool->sizes() == k_pool_.sizes() && pool->size(3) == hkv_ && pool->size(4) == d_,
+                    "KV pools: contiguous bf16 [layers, blocks, block_size, kv_heads, head_dim]");
+      bf16_ = true;
+      cpuk::set_isa(isa);  // the variant kernels/cpu_native.py selects: the module path's bits
+      return;
+    }
     if (storage_ == KvStorage::kKivi) {
       init_kivi(kv_kind == "kivi2" ? 2 : 4, k_scale, v_scale, k_zero, v_zero, residual_k, residual_v, value_group);
       TORCH_CHECK(final_norm_.scalar_type() == at::kFloat, "float32 final norm");
@@ -271,7 +313,12 @@ class DecodeLoop {
     TORCH_CHECK(qkv.k == hidden && qkv.n == (hq_ + 2 * hkv_) * d_ && o.k == hq_ * d_ && o.n == hidden &&
                     gate_up.k == hidden && gate_up.n % 2 == 0 && down.k == gate_up.n / 2 && down.n == hidden,
                 "layer shapes disagree");
-    TORCH_CHECK(input_norm.scalar_type() == at::kFloat && post_norm.scalar_type() == at::kFloat, "float32 norms");
+    const at::ScalarType act = bf16_ ? at::kBFloat16 : at::kFloat;
+    TORCH_CHECK(input_norm.scalar_type() == act && post_norm.scalar_type() == act,
+                "norm weights of the activation dtype");
+    if (bf16_)
+      for (const Linear* l : {&qkv, &o, &gate_up, &down})
+        TORCH_CHECK(l->kind == Linear::kMkldnn, "bf16 activations in the loop: oneDNN-prepacked weights only");
     layers_.push_back({input_norm.contiguous(), post_norm.contiguous(), std::move(qkv), std::move(o),
                        std::move(gate_up), std::move(down)});
   }
@@ -311,7 +358,8 @@ class DecodeLoop {
   at::Tensor forward(const at::Tensor& embeddings, const at::Tensor& positions_in, const at::Tensor& slots_in,
                      const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in) {
     TORCH_CHECK(static_cast<int64_t>(layers_.size()) == k_pool_.size(0), "not every layer was added");
-    TORCH_CHECK(embeddings.dim() == 2 && embeddings.scalar_type() == at::kFloat, "hidden [B, H] float32");
+    TORCH_CHECK(embeddings.dim() == 2 && embeddings.scalar_type() == final_norm_.scalar_type(),
+                "hidden [B, H] of the model's dtype");
     const int64_t rows = embeddings.size(0);
     const auto positions = positions_in.to(at::kLong).contiguous();
     const auto slots = slots_in.to(at::kLong).contiguous();
@@ -320,6 +368,7 @@ class DecodeLoop {
     TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt, "int32 block tables, seq lens");
     TORCH_CHECK(positions.size(0) == rows && slots.size(0) == rows && tables.size(0) == rows && lens.size(0) == rows,
                 "one position, slot, table and length per row");
+    if (bf16_) return forward_tensors(embeddings, positions, slots, tables, lens);
     if (storage_ == KvStorage::kKivi) {
       TORCH_CHECK(kivi_.planned, "a KIVI step needs its plan (set_kivi_plan) first");
       TORCH_CHECK(kvqk::all_within(kivi_.residual_tokens, 0, rows) && kvqk::all_within(kivi_.staging_tokens, 0, rows),
@@ -381,6 +430,46 @@ class DecodeLoop {
   }
 
  private:
+  // The module path's decode step (LlamaModel.forward over LlamaDecoderLayer, llmctl/models/llama.py)
+  // call for call: the same functions on the same tensors, views and strides included.
+  at::Tensor forward_tensors(const at::Tensor& embeddings, const at::Tensor& positions, const at::Tensor& slots,
+                             const at::Tensor& tables, const at::Tensor& lens) {
+    const int64_t rows = embeddings.size(0);
+    at::Tensor x = embeddings, residual, normed;
+    Clock clock(profile_ ? &op_ns_ : nullptr);
+    auto norm = [&](const at::Tensor& weight) {  // RMSNorm(x + residual); the first layer's residual is x
+      const c10::optional<at::Tensor> before = residual.defined() ? c10::optional<at::Tensor>(residual) : c10::nullopt;
+      std::tie(normed, residual) = cpuk::rms_norm(x, weight, eps_, before);
+      clock.lap(kNorm);
+    };
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      const Layer& layer = layers_[i];
+      norm(layer.input_norm);
+      const std::vector<at::Tensor> qkv =
+          run_linear(layer.qkv, normed).split_with_sizes({hq_ * d_, hkv_ * d_, hkv_ * d_}, -1);
+      clock.lap(kQkv);
+      const at::Tensor q = cpuk::rotate(qkv[0].reshape({rows, hq_, d_}), positions, cos_sin_);
+      const at::Tensor k = cpuk::rotate(qkv[1].reshape({rows, hkv_, d_}), positions, cos_sin_);
+      const at::Tensor k_cache = k_pool_.select(0, i), v_cache = v_pool_.select(0, i);
+      cpuk::reshape_and_cache(k, qkv[2].reshape({rows, hkv_, d_}), k_cache, v_cache, slots);
+      clock.lap(kRotaryStore);
+      const at::Tensor attn = cpuk::paged_decode_attention(q, k_cache, v_cache, tables, lens, scale_).flatten(1);
+      clock.lap(kAttention);
+      x = run_linear(layer.o, attn);
+      clock.lap(kO);
+      norm(layer.post_norm);
+      const at::Tensor gate_up = run_linear(layer.gate_up, normed);
+      clock.lap(kGateUp);
+      const at::Tensor act = cpuk::silu_and_mul(gate_up);
+      clock.lap(kSilu);
+      x = run_linear(layer.down, act);
+      clock.lap(kDown);
+    }
+    norm(final_norm_);
+    if (profile_) ++profiled_steps_;
+    return normed;
+  }
+
   // RMSNorm(x [+ residual]) -> out; residual <- x (+ residual). In place is safe: each element is
   // read before it is written, as the kernel's own rows are.
   void rms_norm(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, at::Tensor& out,
@@ -604,6 +693,7 @@ class DecodeLoop {
 
   IsaKernels k_;
   bool avx512_;  // the avx512 variants (else avx2), as kernels_for picked
+  bool bf16_ = false;  // bf16 activations: forward_tensors
   int64_t hq_, hkv_, d_;
   float eps_, scale_;
   at::Tensor cos_sin_, final_norm_;
@@ -617,7 +707,7 @@ class DecodeLoop {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<Linear>(m, "Linear", "One bound linear layer (dense float32, or packed int4/int8)");
+  pybind11::class_<Linear>(m, "Linear", "One bound linear layer (dense or panel float32, packed int4/int8, oneDNN)");
   m.def("make_linear", &make_linear, "Bind a linear layer's weights", pybind11::arg("kind"),
         pybind11::arg("in_features"), pybind11::arg("weight") = pybind11::none(),
         pybind11::arg("qweight") = pybind11::none(), pybind11::arg("scales") = pybind11::none(),

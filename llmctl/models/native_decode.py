@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from llmctl.engine.kv_cache import QuantizedKVCache
 
 ACTIVE = "decode: native loop"
+# Activation dtypes the loop takes: float32 with every kind of weight and KV cache it knows; bfloat16
+# (the auto dtype where the CPU computes it natively) with oneDNN-prepacked weights and a bf16 KV pool.
+LOOP_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class NativeDecode:
@@ -88,15 +91,17 @@ def why_not(model: LlamaForCausalLM, kv_cache: torch.Tensor,
         return "LLMCTL_DECODE_LOOP=0"
     stage, cfg = model.model.stage, model.config
     layers = model.model.stage_layers
+    dtype = model.model.norm.weight.dtype  # of the activations
     checks = [
         (kv_cache.device.type != "cpu", "not a CPU"),
         (stage.start != 0 or not stage.is_last, "pipeline parallel"),
         (not layers or not all(isinstance(layer, LlamaDecoderLayer) for layer in layers), "no decoder layers"),
-        (model.model.norm.weight.dtype != torch.float32, f"{model.model.norm.weight.dtype} activations"),
+        (dtype not in LOOP_DTYPES, f"{dtype} activations"),
+        (dtype == torch.bfloat16 and quantized_kv is not None, f"{dtype} activations with a quantized KV cache"),
         (quantized_kv is not None and not (quantized_kv.native_codes or quantized_kv.native_kivi_store),
          _quantized_kv_why_not(quantized_kv)),
-        (quantized_kv is None and (kv_cache.dtype != torch.float32 or kv_cache.numel() == 0
-                                   or kv_cache.shape[1] != len(layers)), "non-float32 KV cache"),
+        (quantized_kv is None and (kv_cache.dtype != dtype or kv_cache.numel() == 0
+                                   or kv_cache.shape[1] != len(layers)), f"KV cache not of the {dtype} activations"),
         (cfg.qk_norm, "per-head q/k norm"),
         (isa_level() not in ("avx2", "avx512", "avx512bf16"), f"{isa_level()} kernel variant"),
         (os.environ.get("LLMCTL_QUANT_EXACT_ACTIVATIONS") == "1", "LLMCTL_QUANT_EXACT_ACTIVATIONS=1"),
@@ -109,7 +114,7 @@ def why_not(model: LlamaForCausalLM, kv_cache: torch.Tensor,
         return "native CPU kernels off"
     for layer in layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            reason = _linear_why_not(linear)
+            reason = _linear_why_not(linear, dtype)
             if reason is not None:
                 return reason
     return None
@@ -124,13 +129,16 @@ def _quantized_kv_why_not(quantized_kv: QuantizedKVCache | None) -> str:
     return f"{fmt.kind} KV cache with head_dim {fmt.head_dim} (the loop's 8-bit KV kernels take 64 or 128)"
 
 
-def _linear_why_not(layer: LinearBase) -> str | None:
+def _linear_why_not(layer: LinearBase, dtype: torch.dtype) -> str | None:
     from llmctl_kernels.quant_native import load_quant_native, supports
     from llmctl.layers.quantization.methods import PackedLinearMethod
     from llmctl.layers.quantization.params import read_packed
 
     if layer.tp.size != 1:
         return "tensor parallel"
+    if dtype == torch.bfloat16:  # the loop calls oneDNN's prepacked linear, as the module path does
+        prepacked = type(layer.method) is UnquantizedLinearMethod and layer.weight.is_mkldnn
+        return None if prepacked else "bf16 layers not prepacked for oneDNN"
     if layer.bias is not None and layer.bias.dtype != torch.float32:
         return "non-float32 bias"
     if type(layer.method) is PackedLinearMethod:
@@ -151,7 +159,8 @@ def _bind_linear(module: object, layer: LinearBase) -> object:
     bias = None if layer.bias is None else layer.bias.data.contiguous()
     bias_in_gemm = not isinstance(layer, RowParallelLinear)  # row-parallel adds it after the reduce
     if type(layer.method) is UnquantizedLinearMethod:
-        kind = "panel" if layer.weight.dim() == 3 else "dense"  # panel: llmctl.layers.linear.prepack_for_cpu
+        # panel (fp32) and mkldnn (bf16): llmctl.layers.linear.prepack_for_cpu
+        kind = "mkldnn" if layer.weight.is_mkldnn else "panel" if layer.weight.dim() == 3 else "dense"
         return module.make_linear(kind, layer.in_features, weight=layer.weight.data, bias=bias,
                                   bias_in_gemm=bias_in_gemm, out_features=layer.out_features)
     from llmctl.layers.quantization.matmul import bound_cpu_kernel
