@@ -24,6 +24,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from llmctl_kernels.cpu_features import cpu_flags, cpu_model
+
 N_REQ, PROMPT_LEN, OUT_LEN = 64, 128, 128  # benchmarks/peer_workload.py
 
 PROBE = r"""
@@ -122,13 +124,6 @@ int main(int argc, char **argv) {
 """
 
 
-def cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def measure_ceilings(threads: int, isa: str) -> dict[str, float]:
     """FLOP/s of each FMA kind and bytes/s of reading, from the probe compiled for this CPU."""
     flags = cpu_flags()
@@ -182,6 +177,8 @@ def main() -> None:
     parser.add_argument("--results", type=Path, help="a run_peer_comparison.sh OUT folder")
     args = parser.parse_args()
     ceilings = measure_ceilings(args.threads, args.isa)
+    shown = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
+    print(f"CPU: {cpu_model()}; ISA: {' '.join(f for f in shown if f in cpu_flags())}")
     print("  ".join(f"{name} {value / 1e9:.1f} {'GB/s' if name == 'read' else 'GFLOP/s'}"
                     for name, value in ceilings.items()) + f"  ({args.threads} threads, {args.isa})")
     if args.dtype == "bfloat16":
