@@ -160,7 +160,7 @@ def parse_template_kwargs(text: str | None, flag: str) -> dict[str, Any]:
     import json
 
     from llmctl.errors import ConfigError
-    from llmctl.server.protocol import TEMPLATE_VARIABLES_SET_BY_SERVER
+    from llmctl.tokenizer import TEMPLATE_VARIABLES_SET_BY_LLMCTL
 
     try:
         value = json.loads(text)
@@ -169,7 +169,7 @@ def parse_template_kwargs(text: str | None, flag: str) -> dict[str, Any]:
                           "'{\"enable_thinking\": false}'") from None
     if not isinstance(value, dict):
         raise ConfigError(f"{flag}: give a JSON object of template variables, not {type(value).__name__}")
-    taken = sorted(set(value) & set(TEMPLATE_VARIABLES_SET_BY_SERVER))
+    taken = sorted(set(value) & set(TEMPLATE_VARIABLES_SET_BY_LLMCTL))
     if taken:
         raise ConfigError(f"{flag}: {', '.join(taken)} cannot be set this way (llmctl sets them per conversation)")
     return value

@@ -40,7 +40,7 @@ class SamplingParams:
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
     bad_words: list[str] = field(default_factory=list)  # never generated (vLLM's): the engine tokenizes them
-    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # ... into these (``bad_words_token_ids``)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # set by LLMEngine.add_request from bad_words
     # the output must match this (JSON schema, regex, choice, grammar): enforced while sampling
     structured_outputs: StructuredOutputSpec | None = None
 

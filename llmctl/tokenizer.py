@@ -24,6 +24,9 @@ from llmctl.errors import ConfigError, InvalidRequestError, ModelLoadError
 
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+# Chat-template variables llmctl sets itself (``apply_chat_template``, and the server's tools): a
+# request's or a flag's template variables cannot set them.
+TEMPLATE_VARIABLES_SET_BY_LLMCTL = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 
 
 def _token_content(value: Any) -> str | None:

@@ -92,11 +92,12 @@ def _apply_allowed_and_bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> 
     banned: list[tuple[int, int, float]] = []
     for row, seq in enumerate(seqs):
         params = seq.params
-        if params.allowed_token_ids is not None:
+        if params.allowed_token_ids is not None:  # ids below the vocabulary (LLMEngine.add_request checks)
             outside = torch.ones(vocab, dtype=torch.bool, device=logits.device)
-            outside[torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.int64,
-                                 device=logits.device)] = False
+            outside[params.allowed_token_ids] = False
             logits[row].masked_fill_(outside, float("-inf"))
+        if not params.bad_words_token_ids:
+            continue
         output = seq.output_token_ids
         for word in params.bad_words_token_ids:
             prefix = word[:-1]

@@ -27,6 +27,7 @@ from llmctl.errors import InvalidRequestError
 from llmctl.sampling_params import SamplingParams
 from llmctl.structured.request import spec_from_request
 from llmctl.structured.spec import StructuredOutputSpec
+from llmctl.tokenizer import TEMPLATE_VARIABLES_SET_BY_LLMCTL
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
@@ -312,10 +313,6 @@ class NamedToolChoice(BaseModel):
     function: NamedToolChoiceFunction
 
 
-# Variables llmctl itself gives the chat template; a request's chat_template_kwargs cannot set them.
-TEMPLATE_VARIABLES_SET_BY_SERVER = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
-
-
 class ChatTemplateFields(BaseModel):
     """vLLM's fields for how ``messages`` are rendered through the chat template (chat completions
     and ``/tokenize``)."""
@@ -337,7 +334,7 @@ class ChatTemplateFields(BaseModel):
         if self.continue_final_message and self.add_generation_prompt:
             raise bad_request("continue_final_message needs add_generation_prompt: false (the last message is "
                               "continued, not answered)", "continue_final_message")
-        taken = sorted(set(self.chat_template_kwargs or {}) & set(TEMPLATE_VARIABLES_SET_BY_SERVER))
+        taken = sorted(set(self.chat_template_kwargs or {}) & set(TEMPLATE_VARIABLES_SET_BY_LLMCTL))
         if taken:
             raise bad_request(f"chat_template_kwargs cannot set {', '.join(taken)}: llmctl sets "
                               f"{'it' if len(taken) == 1 else 'them'} from the request", "chat_template_kwargs")
@@ -364,7 +361,6 @@ class ChatCompletionRequest(ChatTemplateFields, _Request):
         if self.echo:
             raise bad_request("echo is not supported by llmctl's chat (continue_final_message continues a message)",
                               "echo")
-        self.refuse_bad_template_fields()
         if self.tool_choice not in (None, "none") and not self.tools:
             raise bad_request("tool_choice needs tools", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
