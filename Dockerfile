@@ -23,13 +23,12 @@ ENV PYTHONUNBUFFERED=1 \
     PATH=/opt/llmctl/venv/bin:$PATH \
     HF_HOME=/cache/huggingface \
     TRITON_CACHE_DIR=/cache/triton \
-    LLMCTL_KERNEL_CACHE=/opt/llmctl/kernels \
     TOKENIZERS_PARALLELISM=false \
     HF_HUB_DISABLE_TELEMETRY=1
 
-# g++ stays in the image: the native CPU kernels are built at image build time (one portable build
-# with per-ISA variants chosen at run time, so any x86-64 node uses it), but a changed toolchain or
-# torch rebuilds them once at start-up; Triton compiles its CUDA launcher with it too. Debian's
+# g++: the native CPU kernels compile at image build time (`pip install`, setup.py: one portable
+# build with per-ISA variants chosen at run time, so any x86-64 node uses it); it stays in the
+# image because Triton compiles its CUDA launcher with it. Debian's
 # versions are not pinned: bookworm's security updates replace them, and an old pin would no
 # longer install.
 # hadolint ignore=DL3008
@@ -45,13 +44,15 @@ USER ${LLMCTL_UID}:${LLMCTL_UID}
 WORKDIR /opt/llmctl/src
 
 # torch first and pinned, from the index that picks CPU or CUDA, so the second install keeps it
+# (and builds the native kernels against it: --no-build-isolation, with setuptools and ninja here)
 RUN python -m venv "${VIRTUAL_ENV}" \
-    && pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+    && pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+    && pip install "setuptools>=77" "ninja>=1.11"
 
-COPY --chown=llmctl:llmctl pyproject.toml README.md ./
+COPY --chown=llmctl:llmctl pyproject.toml setup.py README.md ./
 COPY --chown=llmctl:llmctl llmctl ./llmctl
 COPY --chown=llmctl:llmctl kernels ./kernels
-RUN pip install . \
+RUN pip install --no-build-isolation . \
     && python -m llmctl_kernels.cpu_native
 
 COPY --chmod=755 deploy/docker/entrypoint.sh /usr/local/bin/llmctl-entrypoint

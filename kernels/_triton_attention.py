@@ -31,13 +31,23 @@ def _decode_kernel(
     part_ml_ptr,  # [2, num_seqs, num_q_heads, num_splits] fp32: running max (log2 units), sum
     scale_log2e,
     partition_size,  # KV tokens per split (a multiple of BLOCK_N)
-    stride_qs, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
     stride_bt,
-    stride_os, stride_oh,
-    stride_ps, stride_ph, stride_pk,  # of part_acc
-    stride_mlw, stride_mls, stride_mlh,  # of part_ml (unit stride over splits)
+    stride_os,
+    stride_oh,
+    stride_ps,
+    stride_ph,
+    stride_pk,  # of part_acc
+    stride_mlw,
+    stride_mls,
+    stride_mlh,  # of part_ml (unit stride over splits)
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # page size of the cache
@@ -130,9 +140,14 @@ def _decode_reduce_kernel(
     part_ml_ptr,  # [2, num_seqs, num_q_heads, num_splits] fp32
     seq_lens_ptr,
     partition_size,
-    stride_os, stride_oh,
-    stride_ps, stride_ph, stride_pk,
-    stride_mlw, stride_mls, stride_mlh,
+    stride_os,
+    stride_oh,
+    stride_ps,
+    stride_ph,
+    stride_pk,
+    stride_mlw,
+    stride_mls,
+    stride_mlh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
@@ -151,10 +166,10 @@ def _decode_reduce_kernel(
     base = seq.to(tl.int64) * stride_ps + head.to(tl.int64) * stride_ph + offs_s * stride_pk  # [BLOCK_SPLITS]
     ml = part_ml_ptr + seq.to(tl.int64) * stride_mls + head.to(tl.int64) * stride_mlh + offs_s
     m = tl.load(ml, mask=s_mask, other=float("-inf"))
-    l = tl.load(ml + stride_mlw, mask=s_mask, other=0.0)
+    l_parts = tl.load(ml + stride_mlw, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
     w = tl.where(s_mask, tl.exp2(m - m_max), 0.0)
-    denom = tl.sum(l * w, 0)
+    denom = tl.sum(l_parts * w, 0)
     denom = tl.where(denom == 0.0, 1.0, denom)
     acc = tl.load(part_acc_ptr + base[:, None] + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / denom
@@ -164,10 +179,31 @@ def _decode_reduce_kernel(
 
 @triton.jit
 def _prefill_tile(
-    q_ptr, q, m_i, l_i, acc, n0, hi, q_pos, q_start, table_row, k_head, v_head,
-    stride_kb, stride_kt, stride_vb, stride_vt, scale_log2e,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+    q_ptr,
+    q,
+    m_i,
+    l_i,
+    acc,
+    n0,
+    hi,
+    q_pos,
+    q_start,
+    table_row,
+    k_head,
+    v_head,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    scale_log2e,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,
 ):
     """One KV tile of the prefill kernel's online softmax; returns the updated (m, l, acc)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -221,11 +257,17 @@ def _prefill_kernel(
     seq_lens_ptr,  # [num_seqs] (PAGED only; else the context is the chunk itself)
     scale_log2e,
     num_q_blocks,
-    stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,  # stride_kb unused when not PAGED
-    stride_vb, stride_vt, stride_vh,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,  # stride_kb unused when not PAGED
+    stride_vb,
+    stride_vt,
+    stride_vh,
     stride_bt,
-    stride_ot, stride_oh,
+    stride_ot,
+    stride_oh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -286,16 +328,60 @@ def _prefill_kernel(
     # Tiles wholly before the first query position: visible to every row, no mask.
     for n0 in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(
-            q_ptr, q, m_i, l_i, acc, n0, hi, q_pos, q_start, table_row, k_head, v_head,
-            stride_kb, stride_kt, stride_vb, stride_vt, scale_log2e,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, PAGED, DOT_FP32, DOT_PREC, False,
+            q_ptr,
+            q,
+            m_i,
+            l_i,
+            acc,
+            n0,
+            hi,
+            q_pos,
+            q_start,
+            table_row,
+            k_head,
+            v_head,
+            stride_kb,
+            stride_kt,
+            stride_vb,
+            stride_vt,
+            scale_log2e,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            BLOCK_N,
+            BLOCK_D,
+            PAGED,
+            DOT_FP32,
+            DOT_PREC,
+            False,
         )
     # Tiles that reach the causal diagonal.
     for n0 in range(full_end, hi, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(
-            q_ptr, q, m_i, l_i, acc, n0, hi, q_pos, q_start, table_row, k_head, v_head,
-            stride_kb, stride_kt, stride_vb, stride_vt, scale_log2e,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, PAGED, DOT_FP32, DOT_PREC, True,
+            q_ptr,
+            q,
+            m_i,
+            l_i,
+            acc,
+            n0,
+            hi,
+            q_pos,
+            q_start,
+            table_row,
+            k_head,
+            v_head,
+            stride_kb,
+            stride_kt,
+            stride_vb,
+            stride_vt,
+            scale_log2e,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            BLOCK_N,
+            BLOCK_D,
+            PAGED,
+            DOT_FP32,
+            DOT_PREC,
+            True,
         )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)

@@ -31,10 +31,16 @@ def _reshape_and_cache_kernel(
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_DIM]
     value_cache_ptr,
     slot_mapping_ptr,  # [num_tokens], -1 = skip
-    stride_kt, stride_kh,
-    stride_vt, stride_vh,
-    stride_kcb, stride_kct, stride_kch,
-    stride_vcb, stride_vct, stride_vch,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kct,
+    stride_kch,
+    stride_vcb,
+    stride_vct,
+    stride_vch,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # page size
@@ -72,7 +78,10 @@ def _rms_norm_kernel(
     weight_ptr,  # [hidden]
     out_ptr,  # [num_tokens, hidden], dtype of weight * x
     new_residual_ptr,  # [num_tokens, hidden] (HAS_RESIDUAL): x + residual in x's dtype
-    stride_x, stride_r, stride_o, stride_nr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_nr,
     eps,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -97,9 +106,20 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, out_ptr, stride_xh, stride_oh, cos, sin,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    stride_xh,
+    stride_oh,
+    cos,
+    sin,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
 ):
     """Rotate-half on the first ``2 * HALF`` dims of ``NUM_HEADS`` heads of one token (pointers
     already at the token's row), copying the rest. Each product and the sum are rounded to the
@@ -136,10 +156,14 @@ def _rotary_kernel(
     q_out_ptr,
     k_out_ptr,
     cos_sin_ptr,  # [max_positions, 2 * HALF] fp32: cos | sin
-    stride_qt, stride_qh,
-    stride_kt, stride_kh,
-    stride_qot, stride_qoh,
-    stride_kot, stride_koh,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
     stride_cs,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -162,12 +186,36 @@ def _rotary_kernel(
     cos = _round_to(tl.load(cs + offs_r, mask=r_mask, other=0.0), dtype, EMULATE_RNE).to(tl.float32)
     sin = _round_to(tl.load(cs + HALF + offs_r, mask=r_mask, other=0.0), dtype, EMULATE_RNE).to(tl.float32)
     _rotate_heads(
-        q_ptr + token * stride_qt, q_out_ptr + token * stride_qot, stride_qh, stride_qoh, cos, sin,
-        NUM_Q_HEADS, HEAD_DIM, HALF, BLOCK_HQ, BLOCK_HALF, PASS, BLOCK_PASS, EMULATE_RNE,
+        q_ptr + token * stride_qt,
+        q_out_ptr + token * stride_qot,
+        stride_qh,
+        stride_qoh,
+        cos,
+        sin,
+        NUM_Q_HEADS,
+        HEAD_DIM,
+        HALF,
+        BLOCK_HQ,
+        BLOCK_HALF,
+        PASS,
+        BLOCK_PASS,
+        EMULATE_RNE,
     )
     _rotate_heads(
-        k_ptr + token * stride_kt, k_out_ptr + token * stride_kot, stride_kh, stride_koh, cos, sin,
-        NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_HK, BLOCK_HALF, PASS, BLOCK_PASS, EMULATE_RNE,
+        k_ptr + token * stride_kt,
+        k_out_ptr + token * stride_kot,
+        stride_kh,
+        stride_koh,
+        cos,
+        sin,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        HALF,
+        BLOCK_HK,
+        BLOCK_HALF,
+        PASS,
+        BLOCK_PASS,
+        EMULATE_RNE,
     )
 
 
@@ -175,7 +223,8 @@ def _rotary_kernel(
 def _silu_and_mul_kernel(
     x_ptr,  # [num_tokens, 2 * D]: gate | up
     out_ptr,  # [num_tokens, D]
-    stride_x, stride_o,
+    stride_x,
+    stride_o,
     D: tl.constexpr,
     BLOCK: tl.constexpr,
     EMULATE_RNE: tl.constexpr,

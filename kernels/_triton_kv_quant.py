@@ -38,9 +38,19 @@ RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + M) - M rounds |y| < 2*
 # ---- dequantization ------------------------------------------------------------------------------
 @triton.jit
 def _dequant_tile(
-    codes_ptr, scale_ptr, zero_ptr,  # one KV head's base pointers
-    block, tok, offs_d, n_mask, d_mask,  # block ids / token offsets [BLOCK_N] (int64), channels [BLOCK_D]
-    stride_cb, stride_ct, stride_sb, stride_st, stride_sd,
+    codes_ptr,
+    scale_ptr,
+    zero_ptr,  # one KV head's base pointers
+    block,
+    tok,
+    offs_d,
+    n_mask,
+    d_mask,  # block ids / token offsets [BLOCK_N] (int64), channels [BLOCK_D]
+    stride_cb,
+    stride_ct,
+    stride_sb,
+    stride_st,
+    stride_sd,
     BITS: tl.constexpr,  # 8: one code per byte, one scale per row, no zero (per-token formats); 2/4: KIVI
     SCALE_DIV: tl.constexpr,  # channels per scale entry along D (KIVI)
 ):
@@ -74,14 +84,33 @@ def _full_precision_rows(fp_ptr, fp_table_ptr, block, tok, offs_d, n_mask, d_mas
 
 
 @triton.jit
-def _exact_rows(fp_ptr, fp_table_ptr, r_ptr, r_table_ptr, h, block, tok, offs_d, n_mask, d_mask,
-                stride_fb, stride_ft, stride_fh, stride_rb, stride_rt, stride_rh, HAS_RES: tl.constexpr):
+def _exact_rows(
+    fp_ptr,
+    fp_table_ptr,
+    r_ptr,
+    r_table_ptr,
+    h,
+    block,
+    tok,
+    offs_d,
+    n_mask,
+    d_mask,
+    stride_fb,
+    stride_ft,
+    stride_fh,
+    stride_rb,
+    stride_rt,
+    stride_rh,
+    HAS_RES: tl.constexpr,
+):
     """Prefill's full-precision rows: this step's staging first, else (``HAS_RES``) the residual."""
-    x, has = _full_precision_rows(fp_ptr + h * stride_fh, fp_table_ptr, block, tok, offs_d, n_mask, d_mask,
-                                  stride_fb, stride_ft)
+    x, has = _full_precision_rows(
+        fp_ptr + h * stride_fh, fp_table_ptr, block, tok, offs_d, n_mask, d_mask, stride_fb, stride_ft
+    )
     if HAS_RES:
-        r, has_r = _full_precision_rows(r_ptr + h * stride_rh, r_table_ptr, block, tok, offs_d, n_mask & ~has,
-                                        d_mask, stride_rb, stride_rt)
+        r, has_r = _full_precision_rows(
+            r_ptr + h * stride_rh, r_table_ptr, block, tok, offs_d, n_mask & ~has, d_mask, stride_rb, stride_rt
+        )
         x = tl.where(has[:, None], x, r)
         has = has | has_r
     return x, has
@@ -107,24 +136,64 @@ def _dot(a, b, DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr):
 @triton.jit
 def _quant_decode_kernel(
     q_ptr,  # [num_seqs, num_q_heads, HEAD_DIM]
-    kc_ptr, ks_ptr, kz_ptr,  # key codes / scales / zeros (kz unused for per-token formats)
-    vc_ptr, vs_ptr, vz_ptr,
-    fpk_ptr, fpv_ptr, fp_table_ptr,  # HAS_FP: full-precision blocks [slots, bs, Hkv, D], [num_blocks]
-    block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_acc_ptr, part_ml_ptr,  # as _decode_kernel
-    scale_log2e, partition_size,
-    stride_qs, stride_qh,
-    stride_kcb, stride_kct, stride_kch, stride_ksb, stride_kst, stride_ksh, stride_ksd,
-    stride_vcb, stride_vct, stride_vch, stride_vsb, stride_vst, stride_vsh, stride_vsd,
-    stride_fb, stride_ft, stride_fh,
+    kc_ptr,
+    ks_ptr,
+    kz_ptr,  # key codes / scales / zeros (kz unused for per-token formats)
+    vc_ptr,
+    vs_ptr,
+    vz_ptr,
+    fpk_ptr,
+    fpv_ptr,
+    fp_table_ptr,  # HAS_FP: full-precision blocks [slots, bs, Hkv, D], [num_blocks]
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,  # as _decode_kernel
+    scale_log2e,
+    partition_size,
+    stride_qs,
+    stride_qh,
+    stride_kcb,
+    stride_kct,
+    stride_kch,
+    stride_ksb,
+    stride_kst,
+    stride_ksh,
+    stride_ksd,
+    stride_vcb,
+    stride_vct,
+    stride_vch,
+    stride_vsb,
+    stride_vst,
+    stride_vsh,
+    stride_vsd,
+    stride_fb,
+    stride_ft,
+    stride_fh,
     stride_bt,
-    stride_os, stride_oh,
-    stride_ps, stride_ph, stride_pk,
-    stride_mlw, stride_mls, stride_mlh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BITS: tl.constexpr, K_SCALE_DIV: tl.constexpr, V_SCALE_DIV: tl.constexpr, HAS_FP: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    stride_os,
+    stride_oh,
+    stride_ps,
+    stride_ph,
+    stride_pk,
+    stride_mlw,
+    stride_mls,
+    stride_mlh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BITS: tl.constexpr,
+    K_SCALE_DIV: tl.constexpr,
+    V_SCALE_DIV: tl.constexpr,
+    HAS_FP: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
 ):
     """``_decode_kernel`` over quantized blocks: one program per (sequence, KV head, partition)."""
     seq = tl.program_id(0)
@@ -143,8 +212,11 @@ def _quant_decode_kernel(
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -158,12 +230,27 @@ def _quant_decode_kernel(
         n_mask = pos < end
         block = tl.load(table_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         tok = (pos % BLOCK_SIZE).to(tl.int64)
-        k = _dequant_tile(kc_ptr + h * stride_kch, ks_ptr + h * stride_ksh, kz_ptr + h * stride_ksh,
-                          block, tok, offs_d, n_mask, d_mask,
-                          stride_kcb, stride_kct, stride_ksb, stride_kst, stride_ksd, BITS, K_SCALE_DIV)
+        k = _dequant_tile(
+            kc_ptr + h * stride_kch,
+            ks_ptr + h * stride_ksh,
+            kz_ptr + h * stride_ksh,
+            block,
+            tok,
+            offs_d,
+            n_mask,
+            d_mask,
+            stride_kcb,
+            stride_kct,
+            stride_ksb,
+            stride_kst,
+            stride_ksd,
+            BITS,
+            K_SCALE_DIV,
+        )
         if HAS_FP:  # blocks still open (KIVI's residual) are read in full precision
-            fk, has = _full_precision_rows(fpk_ptr + h * stride_fh, fp_table_ptr, block, tok, offs_d, n_mask,
-                                           d_mask, stride_fb, stride_ft)
+            fk, has = _full_precision_rows(
+                fpk_ptr + h * stride_fh, fp_table_ptr, block, tok, offs_d, n_mask, d_mask, stride_fb, stride_ft
+            )
             k = tl.where(has[:, None], fk, k)
         qk = _dot(q, tl.trans(_as_operand(k, DTYPE, DOT_FP32, EMULATE_RNE)), DOT_FP32, DOT_PREC)
         qk = tl.where(n_mask[None, :], qk * scale_log2e, float("-inf"))
@@ -172,12 +259,27 @@ def _quant_decode_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        v = _dequant_tile(vc_ptr + h * stride_vch, vs_ptr + h * stride_vsh, vz_ptr + h * stride_vsh,
-                          block, tok, offs_d, n_mask, d_mask,
-                          stride_vcb, stride_vct, stride_vsb, stride_vst, stride_vsd, BITS, V_SCALE_DIV)
+        v = _dequant_tile(
+            vc_ptr + h * stride_vch,
+            vs_ptr + h * stride_vsh,
+            vz_ptr + h * stride_vsh,
+            block,
+            tok,
+            offs_d,
+            n_mask,
+            d_mask,
+            stride_vcb,
+            stride_vct,
+            stride_vsb,
+            stride_vst,
+            stride_vsd,
+            BITS,
+            V_SCALE_DIV,
+        )
         if HAS_FP:
-            fv, has = _full_precision_rows(fpv_ptr + h * stride_fh, fp_table_ptr, block, tok, offs_d, n_mask,
-                                           d_mask, stride_fb, stride_ft)
+            fv, has = _full_precision_rows(
+                fpv_ptr + h * stride_fh, fp_table_ptr, block, tok, offs_d, n_mask, d_mask, stride_fb, stride_ft
+            )
             v = tl.where(has[:, None], fv, v)
         acc = acc * alpha[:, None] + _dot(p, _as_operand(v, DTYPE, DOT_FP32, EMULATE_RNE), DOT_FP32, DOT_PREC)
         m_i = m_new
@@ -198,16 +300,64 @@ def _quant_decode_kernel(
 # ---- prefill -----------------------------------------------------------------------------------
 @triton.jit
 def _quant_prefill_tile(
-    q, m_i, l_i, acc, n0, hi, q_pos, exact_group, table_row, h,
-    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, fpk_ptr, fpv_ptr, fp_table_ptr, rk_ptr, rv_ptr, r_table_ptr,
-    stride_kcb, stride_kct, stride_kch, stride_ksb, stride_kst, stride_ksh, stride_ksd,
-    stride_vcb, stride_vct, stride_vch, stride_vsb, stride_vst, stride_vsh, stride_vsd,
-    stride_fb, stride_ft, stride_fh, stride_rb, stride_rt, stride_rh, scale_log2e,
-    DTYPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BITS: tl.constexpr, K_SCALE_DIV: tl.constexpr, V_SCALE_DIV: tl.constexpr,
+    q,
+    m_i,
+    l_i,
+    acc,
+    n0,
+    hi,
+    q_pos,
+    exact_group,
+    table_row,
+    h,
+    kc_ptr,
+    ks_ptr,
+    kz_ptr,
+    vc_ptr,
+    vs_ptr,
+    vz_ptr,
+    fpk_ptr,
+    fpv_ptr,
+    fp_table_ptr,
+    rk_ptr,
+    rv_ptr,
+    r_table_ptr,
+    stride_kcb,
+    stride_kct,
+    stride_kch,
+    stride_ksb,
+    stride_kst,
+    stride_ksh,
+    stride_ksd,
+    stride_vcb,
+    stride_vct,
+    stride_vch,
+    stride_vsb,
+    stride_vst,
+    stride_vsh,
+    stride_vsd,
+    stride_fb,
+    stride_ft,
+    stride_fh,
+    stride_rb,
+    stride_rt,
+    stride_rh,
+    scale_log2e,
+    DTYPE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BITS: tl.constexpr,
+    K_SCALE_DIV: tl.constexpr,
+    V_SCALE_DIV: tl.constexpr,
     DIAGONAL: tl.constexpr,  # causal mask, and (with HAS_FP) full-precision tokens of the rows' own windows
-    HAS_FP: tl.constexpr, HAS_RES: tl.constexpr, WINDOW: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    HAS_FP: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
 ):
     """One KV tile of the quantized prefill's online softmax; returns the updated (m, l, acc)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -217,13 +367,44 @@ def _quant_prefill_tile(
     d_mask = offs_d < HEAD_DIM
     block = tl.load(table_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     tok = (pos % BLOCK_SIZE).to(tl.int64)
-    k = _dequant_tile(kc_ptr + h * stride_kch, ks_ptr + h * stride_ksh, kz_ptr + h * stride_ksh,
-                      block, tok, offs_d, n_mask, d_mask,
-                      stride_kcb, stride_kct, stride_ksb, stride_kst, stride_ksd, BITS, K_SCALE_DIV)
+    k = _dequant_tile(
+        kc_ptr + h * stride_kch,
+        ks_ptr + h * stride_ksh,
+        kz_ptr + h * stride_ksh,
+        block,
+        tok,
+        offs_d,
+        n_mask,
+        d_mask,
+        stride_kcb,
+        stride_kct,
+        stride_ksb,
+        stride_kst,
+        stride_ksd,
+        BITS,
+        K_SCALE_DIV,
+    )
     qk = _dot(q, tl.trans(_as_operand(k, DTYPE, DOT_FP32, EMULATE_RNE)), DOT_FP32, DOT_PREC)
     if DIAGONAL and HAS_FP:
-        fk, has = _exact_rows(fpk_ptr, fp_table_ptr, rk_ptr, r_table_ptr, h, block, tok, offs_d, n_mask, d_mask,
-                              stride_fb, stride_ft, stride_fh, stride_rb, stride_rt, stride_rh, HAS_RES)
+        fk, has = _exact_rows(
+            fpk_ptr,
+            fp_table_ptr,
+            rk_ptr,
+            r_table_ptr,
+            h,
+            block,
+            tok,
+            offs_d,
+            n_mask,
+            d_mask,
+            stride_fb,
+            stride_ft,
+            stride_fh,
+            stride_rb,
+            stride_rt,
+            stride_rh,
+            HAS_RES,
+        )
         exact = (exact_group[:, None] == (pos // WINDOW)[None, :]) & has[None, :]
         fk = _as_operand(fk, DTYPE, DOT_FP32, EMULATE_RNE)
         qk = tl.where(exact, _dot(q, tl.trans(fk), DOT_FP32, DOT_PREC), qk)
@@ -235,12 +416,43 @@ def _quant_prefill_tile(
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    v = _dequant_tile(vc_ptr + h * stride_vch, vs_ptr + h * stride_vsh, vz_ptr + h * stride_vsh,
-                      block, tok, offs_d, n_mask, d_mask,
-                      stride_vcb, stride_vct, stride_vsb, stride_vst, stride_vsd, BITS, V_SCALE_DIV)
+    v = _dequant_tile(
+        vc_ptr + h * stride_vch,
+        vs_ptr + h * stride_vsh,
+        vz_ptr + h * stride_vsh,
+        block,
+        tok,
+        offs_d,
+        n_mask,
+        d_mask,
+        stride_vcb,
+        stride_vct,
+        stride_vsb,
+        stride_vst,
+        stride_vsd,
+        BITS,
+        V_SCALE_DIV,
+    )
     if DIAGONAL and HAS_FP:
-        fv, has = _exact_rows(fpv_ptr, fp_table_ptr, rv_ptr, r_table_ptr, h, block, tok, offs_d, n_mask, d_mask,
-                              stride_fb, stride_ft, stride_fh, stride_rb, stride_rt, stride_rh, HAS_RES)
+        fv, has = _exact_rows(
+            fpv_ptr,
+            fp_table_ptr,
+            rv_ptr,
+            r_table_ptr,
+            h,
+            block,
+            tok,
+            offs_d,
+            n_mask,
+            d_mask,
+            stride_fb,
+            stride_ft,
+            stride_fh,
+            stride_rb,
+            stride_rt,
+            stride_rh,
+            HAS_RES,
+        )
         acc += _dot(tl.where(exact, p, 0.0), _as_operand(fv, DTYPE, DOT_FP32, EMULATE_RNE), DOT_FP32, DOT_PREC)
         p = tl.where(exact, 0.0, p)
     acc += _dot(p, _as_operand(v, DTYPE, DOT_FP32, EMULATE_RNE), DOT_FP32, DOT_PREC)
@@ -250,26 +462,66 @@ def _quant_prefill_tile(
 @triton.jit
 def _quant_prefill_kernel(
     q_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
-    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
-    fpk_ptr, fpv_ptr, fp_table_ptr,  # HAS_FP: this step's full-precision blocks (KIVI staging)
-    rk_ptr, rv_ptr, r_table_ptr,  # HAS_RES: blocks in a residual window (read where the staging has none)
+    kc_ptr,
+    ks_ptr,
+    kz_ptr,
+    vc_ptr,
+    vs_ptr,
+    vz_ptr,
+    fpk_ptr,
+    fpv_ptr,
+    fp_table_ptr,  # HAS_FP: this step's full-precision blocks (KIVI staging)
+    rk_ptr,
+    rv_ptr,
+    r_table_ptr,  # HAS_RES: blocks in a residual window (read where the staging has none)
     out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM]
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    scale_log2e, num_q_blocks,
-    stride_qt, stride_qh,
-    stride_kcb, stride_kct, stride_kch, stride_ksb, stride_kst, stride_ksh, stride_ksd,
-    stride_vcb, stride_vct, stride_vch, stride_vsb, stride_vst, stride_vsh, stride_vsd,
-    stride_fb, stride_ft, stride_fh,
-    stride_rb, stride_rt, stride_rh,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    scale_log2e,
+    num_q_blocks,
+    stride_qt,
+    stride_qh,
+    stride_kcb,
+    stride_kct,
+    stride_kch,
+    stride_ksb,
+    stride_kst,
+    stride_ksh,
+    stride_ksd,
+    stride_vcb,
+    stride_vct,
+    stride_vch,
+    stride_vsb,
+    stride_vst,
+    stride_vsh,
+    stride_vsd,
+    stride_fb,
+    stride_ft,
+    stride_fh,
+    stride_rb,
+    stride_rt,
+    stride_rh,
     stride_bt,
-    stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BITS: tl.constexpr, K_SCALE_DIV: tl.constexpr, V_SCALE_DIV: tl.constexpr, HAS_FP: tl.constexpr,
+    BITS: tl.constexpr,
+    K_SCALE_DIV: tl.constexpr,
+    V_SCALE_DIV: tl.constexpr,
+    HAS_FP: tl.constexpr,
     HAS_RES: tl.constexpr,
     WINDOW: tl.constexpr,  # KIVI: tokens of a full-precision window group (a multiple of BLOCK_SIZE)
-    DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
 ):
     """Causal attention of query chunks over their sequences' quantized blocks (``_prefill_kernel``
     with PAGED; grid (query block, KV head, sequence)).
@@ -319,30 +571,135 @@ def _quant_prefill_kernel(
     # Tiles every row sees whole and dequantized: no mask, one score per (row, token).
     for n0 in range(0, plain_end, BLOCK_N):
         m_i, l_i, acc = _quant_prefill_tile(
-            q, m_i, l_i, acc, n0, hi, q_pos, exact_group, table_row, h,
-            kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, fpk_ptr, fpv_ptr, fp_table_ptr, rk_ptr, rv_ptr, r_table_ptr,
-            stride_kcb, stride_kct, stride_kch, stride_ksb, stride_kst, stride_ksh, stride_ksd,
-            stride_vcb, stride_vct, stride_vch, stride_vsb, stride_vst, stride_vsh, stride_vsd,
-            stride_fb, stride_ft, stride_fh, stride_rb, stride_rt, stride_rh, scale_log2e,
-            q_ptr.dtype.element_ty, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, BITS, K_SCALE_DIV, V_SCALE_DIV,
-            False, HAS_FP, HAS_RES, WINDOW, DOT_FP32, DOT_PREC, EMULATE_RNE,
+            q,
+            m_i,
+            l_i,
+            acc,
+            n0,
+            hi,
+            q_pos,
+            exact_group,
+            table_row,
+            h,
+            kc_ptr,
+            ks_ptr,
+            kz_ptr,
+            vc_ptr,
+            vs_ptr,
+            vz_ptr,
+            fpk_ptr,
+            fpv_ptr,
+            fp_table_ptr,
+            rk_ptr,
+            rv_ptr,
+            r_table_ptr,
+            stride_kcb,
+            stride_kct,
+            stride_kch,
+            stride_ksb,
+            stride_kst,
+            stride_ksh,
+            stride_ksd,
+            stride_vcb,
+            stride_vct,
+            stride_vch,
+            stride_vsb,
+            stride_vst,
+            stride_vsh,
+            stride_vsd,
+            stride_fb,
+            stride_ft,
+            stride_fh,
+            stride_rb,
+            stride_rt,
+            stride_rh,
+            scale_log2e,
+            q_ptr.dtype.element_ty,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            BLOCK_N,
+            BLOCK_D,
+            BITS,
+            K_SCALE_DIV,
+            V_SCALE_DIV,
+            False,
+            HAS_FP,
+            HAS_RES,
+            WINDOW,
+            DOT_FP32,
+            DOT_PREC,
+            EMULATE_RNE,
         )
     # Tiles that reach the causal diagonal (or the rows' own blocks).
     for n0 in range(plain_end, hi, BLOCK_N):
         m_i, l_i, acc = _quant_prefill_tile(
-            q, m_i, l_i, acc, n0, hi, q_pos, exact_group, table_row, h,
-            kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, fpk_ptr, fpv_ptr, fp_table_ptr, rk_ptr, rv_ptr, r_table_ptr,
-            stride_kcb, stride_kct, stride_kch, stride_ksb, stride_kst, stride_ksh, stride_ksd,
-            stride_vcb, stride_vct, stride_vch, stride_vsb, stride_vst, stride_vsh, stride_vsd,
-            stride_fb, stride_ft, stride_fh, stride_rb, stride_rt, stride_rh, scale_log2e,
-            q_ptr.dtype.element_ty, HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, BITS, K_SCALE_DIV, V_SCALE_DIV,
-            True, HAS_FP, HAS_RES, WINDOW, DOT_FP32, DOT_PREC, EMULATE_RNE,
+            q,
+            m_i,
+            l_i,
+            acc,
+            n0,
+            hi,
+            q_pos,
+            exact_group,
+            table_row,
+            h,
+            kc_ptr,
+            ks_ptr,
+            kz_ptr,
+            vc_ptr,
+            vs_ptr,
+            vz_ptr,
+            fpk_ptr,
+            fpv_ptr,
+            fp_table_ptr,
+            rk_ptr,
+            rv_ptr,
+            r_table_ptr,
+            stride_kcb,
+            stride_kct,
+            stride_kch,
+            stride_ksb,
+            stride_kst,
+            stride_ksh,
+            stride_ksd,
+            stride_vcb,
+            stride_vct,
+            stride_vch,
+            stride_vsb,
+            stride_vst,
+            stride_vsh,
+            stride_vsd,
+            stride_fb,
+            stride_ft,
+            stride_fh,
+            stride_rb,
+            stride_rt,
+            stride_rh,
+            scale_log2e,
+            q_ptr.dtype.element_ty,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            BLOCK_N,
+            BLOCK_D,
+            BITS,
+            K_SCALE_DIV,
+            V_SCALE_DIV,
+            True,
+            HAS_FP,
+            HAS_RES,
+            WINDOW,
+            DOT_FP32,
+            DOT_PREC,
+            EMULATE_RNE,
         )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_rows = (q_start + tok_q).to(tl.int64) * stride_ot + heads * stride_oh
-    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(
+        out_ptr + o_rows[:, None] + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
 
 
 # ---- quantize-on-store -------------------------------------------------------------------------
@@ -370,8 +727,7 @@ def _fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr)
 
 
 @triton.jit
-def _quantize_rows(x, QMAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr,
-                   FP8_MAX_CODE: tl.constexpr):
+def _quantize_rows(x, QMAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_MAX_CODE: tl.constexpr):
     """``[H, D]`` fp32 rows -> (codes, scale [H]) of ``kv_quant.quantize_per_token``; FP8_MANT 0 is
     int8 (codes as int8), else fp8 code bits (uint8)."""
     scale = tl.math.div_rn(tl.max(tl.abs(x), 1), QMAX)
@@ -385,15 +741,36 @@ def _quantize_rows(x, QMAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.c
 
 @triton.jit
 def _quant_store_kernel(
-    key_ptr, value_ptr,  # [num_tokens, Hkv, D]
-    kc_ptr, ks_ptr, vc_ptr, vs_ptr,  # codes [blocks, bs, Hkv, D] (fp8 as uint8 bits), scales [blocks, bs, Hkv]
+    key_ptr,
+    value_ptr,  # [num_tokens, Hkv, D]
+    kc_ptr,
+    ks_ptr,
+    vc_ptr,
+    vs_ptr,  # codes [blocks, bs, Hkv, D] (fp8 as uint8 bits), scales [blocks, bs, Hkv]
     slot_mapping_ptr,  # [num_tokens], -1 = skip
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kct, stride_kch, stride_ksb, stride_kst,
-    stride_vcb, stride_vct, stride_vch, stride_vsb, stride_vst,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    QMAX: tl.constexpr, FP8_MANT: tl.constexpr, FP8_BIAS: tl.constexpr, FP8_MAX_CODE: tl.constexpr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kct,
+    stride_kch,
+    stride_ksb,
+    stride_kst,
+    stride_vcb,
+    stride_vct,
+    stride_vch,
+    stride_vsb,
+    stride_vst,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    QMAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+    FP8_MAX_CODE: tl.constexpr,
 ):
     """One program per token: per-(token, head) scale = amax / QMAX, codes = x / scale."""
     token = tl.program_id(0)
@@ -410,14 +787,20 @@ def _quant_store_kernel(
 
     k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask, other=0.0)
     codes, scale = _quantize_rows(k.to(tl.float32), QMAX, FP8_MANT, FP8_BIAS, FP8_MAX_CODE)
-    tl.store(kc_ptr + block * stride_kcb + offset * stride_kct + offs_h[:, None] * stride_kch + offs_d[None, :],
-             codes, mask=mask)
+    tl.store(
+        kc_ptr + block * stride_kcb + offset * stride_kct + offs_h[:, None] * stride_kch + offs_d[None, :],
+        codes,
+        mask=mask,
+    )
     tl.store(ks_ptr + block * stride_ksb + offset * stride_kst + offs_h, scale, mask=h_mask)
 
     v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask, other=0.0)
     codes, scale = _quantize_rows(v.to(tl.float32), QMAX, FP8_MANT, FP8_BIAS, FP8_MAX_CODE)
-    tl.store(vc_ptr + block * stride_vcb + offset * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :],
-             codes, mask=mask)
+    tl.store(
+        vc_ptr + block * stride_vcb + offset * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :],
+        codes,
+        mask=mask,
+    )
     tl.store(vs_ptr + block * stride_vsb + offset * stride_vst + offs_h, scale, mask=h_mask)
 
 
@@ -442,14 +825,34 @@ def _codes_of(x, scale, zero, BITS: tl.constexpr):
 
 @triton.jit
 def _kivi_finalize_kernel(
-    sk_ptr, sv_ptr,  # staging [B, bs, Hkv, D] (model dtype): the full-precision blocks of this step
-    staging_idx_ptr, blocks_ptr,  # [F]: staging index and pool block id of each block to quantize
-    kc_ptr, ks_ptr, kz_ptr,  # keys: packed [blocks, bs, Hkv, D*BITS/8], scale/zero [blocks, Hkv, D] f16
-    vc_ptr, vs_ptr, vz_ptr,  # values: packed likewise, scale/zero [blocks, bs, Hkv, D/GROUP] f16
-    stride_sb, stride_st, stride_sh,  # of the staging (K and V alike)
-    stride_kcb, stride_kct, stride_kch, stride_ksb, stride_ksh,
-    stride_vcb, stride_vct, stride_vch, stride_vsb, stride_vst, stride_vsh,
-    BITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    sk_ptr,
+    sv_ptr,  # staging [B, bs, Hkv, D] (model dtype): the full-precision blocks of this step
+    staging_idx_ptr,
+    blocks_ptr,  # [F]: staging index and pool block id of each block to quantize
+    kc_ptr,
+    ks_ptr,
+    kz_ptr,  # keys: packed [blocks, bs, Hkv, D*BITS/8], scale/zero [blocks, Hkv, D] f16
+    vc_ptr,
+    vs_ptr,
+    vz_ptr,  # values: packed likewise, scale/zero [blocks, bs, Hkv, D/GROUP] f16
+    stride_sb,
+    stride_st,
+    stride_sh,  # of the staging (K and V alike)
+    stride_kcb,
+    stride_kct,
+    stride_kch,
+    stride_ksb,
+    stride_ksh,
+    stride_vcb,
+    stride_vct,
+    stride_vch,
+    stride_vsb,
+    stride_vst,
+    stride_vsh,
+    BITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,  # BLOCK_SIZE padded to a power of two
     NB_P: tl.constexpr,  # HEAD_DIM / PER_BYTE padded (bytes of a key row)
     NG_P: tl.constexpr,  # HEAD_DIM / GROUP_SIZE padded (value groups)
@@ -532,8 +935,20 @@ def cache_operands(cache, kind: str, head_dim: int) -> tuple[list, list[int], di
         v_scale_strides = (vs.stride(0), vs.stride(1), vs.stride(2), vs.stride(3))  # [blocks, bs, H, groups]
         k_div, v_div = 1, head_dim // vs.shape[-1]
     ptrs = [k, ks, kz, v, vs, vz]
-    strides = [k.stride(0), k.stride(1), k.stride(2), k_scale_strides[0], k_scale_strides[1], k_scale_strides[2],
-               k_scale_strides[3], v.stride(0), v.stride(1), v.stride(2), *v_scale_strides[:3], v_scale_strides[3]]
+    strides = [
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        k_scale_strides[0],
+        k_scale_strides[1],
+        k_scale_strides[2],
+        k_scale_strides[3],
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        *v_scale_strides[:3],
+        v_scale_strides[3],
+    ]
     return ptrs, strides, {"BITS": bits, "K_SCALE_DIV": k_div, "V_SCALE_DIV": v_div}
 
 

@@ -15,7 +15,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d]
     """Triton: a 2-D grid of (row, BLOCK-column chunk); SiLU in fp32, rounded to the input dtype
     before the multiply, as ``F.silu(gate) * up`` does."""
     from llmctl_kernels import _triton_elementwise as te
-    from llmctl_kernels._triton_utils import interpreting, cdiv, next_pow2
+    from llmctl_kernels._triton_utils import cdiv, interpreting, next_pow2
 
     shape = x.shape
     d = shape[-1] // 2

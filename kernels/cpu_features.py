@@ -3,12 +3,17 @@ file is absent), so the dtype choice and the native kernels' ISA dispatch agree 
 
 The same install runs on different machines (an AVX2 EPYC today, an AMX Xeon tomorrow), so none of
 this may be baked in at build time: it is asked at run time, every start.
+
+``set_isa_cap`` lowers the level for the whole process (tests, A/B runs; llmctl sets it from its
+configuration): ``isa_level`` and ``native_bf16_units`` honour it, and the native kernels already
+loaded switch to the capped variant at once.
 """
 
 from __future__ import annotations
 
-import os
 import platform
+import threading
+from collections.abc import Callable
 from functools import lru_cache
 
 # Kernel variants compiled into kernels/cpu/cpu_kernels.cpp, best first, with the flags each needs.
@@ -18,6 +23,32 @@ ISA_LEVELS: dict[str, frozenset[str]] = {
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "generic": frozenset(),
 }
+_isa_cap: str | None = None  # set_isa_cap's level: the highest variant any kernel may use
+_cap_listeners: list[Callable[[], None]] = []  # loaded native modules re-selecting their variant
+_cap_lock = threading.Lock()
+
+
+def set_isa_cap(cap: str | None) -> None:
+    """Cap the kernel variants at ``cap`` (a key of ``ISA_LEVELS``; it may only lower the CPU's own
+    level), or lift the cap (None). Applied at once to the native kernels already loaded."""
+    global _isa_cap
+    if cap is not None and cap not in ISA_LEVELS:
+        raise ValueError(f"ISA cap {cap!r}: choose one of {', '.join(ISA_LEVELS)}")
+    with _cap_lock:
+        _isa_cap = cap
+        listeners = list(_cap_listeners)
+    for reselect in listeners:
+        reselect()
+
+
+def isa_cap() -> str | None:
+    return _isa_cap
+
+
+def on_isa_cap_change(reselect: Callable[[], None]) -> None:
+    """Call ``reselect`` whenever the cap changes (a native module re-selecting its variant)."""
+    with _cap_lock:
+        _cap_listeners.append(reselect)
 
 
 @lru_cache(maxsize=1)
@@ -59,24 +90,19 @@ def cpu_model() -> str:
 def native_bf16_units(flags: frozenset[str] | None = None) -> list[str]:
     """The bf16 arithmetic units present (AMX tiles, AVX512-BF16 dot products); empty when bf16 is
     only emulated (converted to fp32 and back), which makes it slower than fp32 on a CPU. Also empty
-    where ``LLMCTL_CPU_ISA`` lowers the kernels below ``avx512bf16``: the dtype choice then follows
-    the CPU the kernels act as, not one they no longer use."""
+    where ``set_isa_cap`` lowers the kernels below ``avx512bf16``: the dtype choice then follows the
+    CPU the kernels act as, not one they no longer use."""
     flags = cpu_flags() if flags is None else flags
-    if os.environ.get("LLMCTL_CPU_ISA") and isa_level(flags) != "avx512bf16":
+    if _isa_cap is not None and isa_level(flags) != "avx512bf16":
         return []
     return [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
 
 
 def isa_level(flags: frozenset[str] | None = None) -> str:
-    """The best kernel variant this CPU runs; ``LLMCTL_CPU_ISA`` may only lower it (tests, A/B runs)."""
-    flags = cpu_flags() if flags is None else flags
-    supported = [level for level, needs in ISA_LEVELS.items() if needs <= flags]
-    forced = os.environ.get("LLMCTL_CPU_ISA")
-    if forced:
-        if forced not in ISA_LEVELS:
-            raise ValueError(f"LLMCTL_CPU_ISA={forced!r}: choose one of {', '.join(ISA_LEVELS)}")
-        if forced in supported:
-            return forced
+    """The best kernel variant this CPU runs; ``set_isa_cap`` may only lower it (tests, A/B runs)."""
+    supported = supported_isa_levels(flags)
+    if _isa_cap is not None and _isa_cap in supported:
+        return _isa_cap
     return supported[0]
 
 

@@ -99,18 +99,36 @@ def paged_decode_attention_triton(
     block_d = max(16, next_pow2(head_dim))
     block_g = max(16, next_pow2(group))
     block_n, split, num_splits, partition_size, part_acc, part_ml = _decode_partitions(
-        query, out, num_kv_heads, seq_lens, max_seq_len, num_splits, block_n)
+        query, out, num_kv_heads, seq_lens, max_seq_len, num_splits, block_n
+    )
     tk._decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, seq_lens, out, part_acc, part_ml,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_acc,
+        part_ml,
         float(scale) * LOG2E,
         partition_size,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-        part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
+        out.stride(0),
+        out.stride(1),
+        part_acc.stride(0),
+        part_acc.stride(1),
+        part_acc.stride(2),
+        part_ml.stride(0),
+        part_ml.stride(1),
+        part_ml.stride(2),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
@@ -152,9 +170,7 @@ def _decode_partitions(query, out, num_kv_heads, seq_lens, max_seq_len, num_spli
         part_acc = out  # unused placeholders
         part_ml = torch.empty((2, 1, 1, 1), dtype=torch.float32, device=query.device)
     else:
-        part_acc = torch.empty(
-            (num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
-        )
+        part_acc = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
         part_ml = torch.empty((2, num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=query.device)
     return block_n, split, num_splits, partition_size, part_acc, part_ml
 
@@ -166,11 +182,19 @@ def _merge_partitions(out, part_acc, part_ml, seq_lens, partition_size, num_spli
 
     num_seqs, num_q_heads, head_dim = out.shape
     tk._decode_reduce_kernel[(num_seqs, num_q_heads)](
-        out, part_acc, part_ml, seq_lens,
+        out,
+        part_acc,
+        part_ml,
+        seq_lens,
         partition_size,
-        out.stride(0), out.stride(1),
-        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-        part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
+        out.stride(0),
+        out.stride(1),
+        part_acc.stride(0),
+        part_acc.stride(1),
+        part_acc.stride(2),
+        part_ml.stride(0),
+        part_ml.stride(1),
+        part_ml.stride(2),
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_SPLITS=max(2, next_pow2(num_splits)),
@@ -197,7 +221,13 @@ def paged_decode_attention_quantized_triton(
     blocks: the residual pool and ``residual_table``). The torch counterpart is
     ``QuantizedLayerKV.gather`` + ``kv_quant.decode_attention_dense``."""
     from llmctl_kernels import _triton_kv_quant as tq
-    from llmctl_kernels._triton_utils import dots_in_fp32, fp32_dot_precision, interpreting, last_dim_contiguous, next_pow2
+    from llmctl_kernels._triton_utils import (
+        dots_in_fp32,
+        fp32_dot_precision,
+        interpreting,
+        last_dim_contiguous,
+        next_pow2,
+    )
 
     num_seqs, num_q_heads, head_dim = query.shape
     out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
@@ -210,21 +240,46 @@ def paged_decode_attention_quantized_triton(
     ptrs, strides, formats = tq.cache_operands(cache, kind, head_dim)
     fp_ptrs, fp_strides, has_fp = tq.full_precision_operands(full_precision, query)
     block_n, split, num_splits, partition_size, part_acc, part_ml = _decode_partitions(
-        query, out, num_kv_heads, seq_lens, max_seq_len, num_splits, block_n)
+        query, out, num_kv_heads, seq_lens, max_seq_len, num_splits, block_n
+    )
     tq._quant_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, *ptrs, *fp_ptrs, block_tables, seq_lens, out, part_acc, part_ml,
-        float(scale) * LOG2E, partition_size,
-        query.stride(0), query.stride(1),
-        *strides, *fp_strides,
+        query,
+        *ptrs,
+        *fp_ptrs,
+        block_tables,
+        seq_lens,
+        out,
+        part_acc,
+        part_ml,
+        float(scale) * LOG2E,
+        partition_size,
+        query.stride(0),
+        query.stride(1),
+        *strides,
+        *fp_strides,
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-        part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_N=block_n,
-        **formats, HAS_FP=has_fp, SPLIT=split,
-        DOT_FP32=dots_in_fp32(query.dtype), DOT_PREC=fp32_dot_precision(), EMULATE_RNE=interpreting(),
-        num_warps=4, num_stages=2,
+        out.stride(0),
+        out.stride(1),
+        part_acc.stride(0),
+        part_acc.stride(1),
+        part_acc.stride(2),
+        part_ml.stride(0),
+        part_ml.stride(1),
+        part_ml.stride(2),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_G=max(16, next_pow2(group)),
+        BLOCK_D=max(16, next_pow2(head_dim)),
+        BLOCK_N=block_n,
+        **formats,
+        HAS_FP=has_fp,
+        SPLIT=split,
+        DOT_FP32=dots_in_fp32(query.dtype),
+        DOT_PREC=fp32_dot_precision(),
+        EMULATE_RNE=interpreting(),
+        num_warps=4,
+        num_stages=2,
     )
     if split:
         _merge_partitions(out, part_acc, part_ml, seq_lens, partition_size, num_splits)

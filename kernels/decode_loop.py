@@ -1,28 +1,22 @@
 """The native decode loop (kernels/cpu/decode_loop.cpp): every decoder layer of a decode step in
-one C++ call, built once by the shared builder (``kernels/native_build.py``).
+one C++ call, compiled at install time into ``llmctl_kernels._C.decode_loop``.
 
-It compiles the sources of the other native modules into itself (cpu_kernels.cpp,
-quant_kernels.cpp, kv_quant_attention.cpp) and so needs what they need: x86-64 with AVX2+FMA+F16C
-and a C++ compiler.
-Its flags are the quantized module's (the packed tiles then round exactly as there); the other
-kernels keep -ffp-contract=off through a pragma in the source. ``LLMCTL_DECODE_LOOP=0`` turns it
-off (the Python module path runs every step), as does ``LLMCTL_NATIVE_CPU_KERNELS=0``.
+It calls the other native kernels (cpu_kernels.cpp, quant_kernels.cpp, kv_quant_attention.cpp,
+gemm_kernels.cpp) linked into the same extension, and so needs what the quantized kernels need:
+x86-64 with AVX2+FMA+F16C. Whether to run it at all is llmctl's choice (the Python module path
+runs every step otherwise).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from llmctl_kernels import quant_native
-from llmctl_kernels.native_build import LazyExtension, disabled_by
+from llmctl_kernels.native_module import NativeKernels
 
-NAME = "llmctl_decode_loop"
-SOURCE = Path(__file__).parent / "cpu" / "decode_loop.cpp"
-HEADERS = [Path(__file__).parent / "cpu" / name
-           for name in ("cpu_kernels.cpp", "cpu_kernels_isa.h", "attention_f32.h", "attention_tiles.h",
-                        "prefetch_cursor.h", "fast_exp.h", "quant_kernels.cpp", "int8_gemm.h", "gemm_kernels.h",
-                        "gemm_kernels_isa.h", "kv_quant_attention.cpp", "kv_quant_attention_isa.h")]
-EXTENSION = LazyExtension(NAME, [SOURCE], quant_native.CFLAGS, quant_native.LDFLAGS, headers=HEADERS,
-                          precondition=lambda: disabled_by("LLMCTL_DECODE_LOOP") or quant_native.native_unavailable_reason())
+# Loading the quantized kernels applies their ISA cap, which the loop's packed tiles share.
+EXTENSION = NativeKernels(
+    "decode_loop",
+    precondition=quant_native.cpu_unsupported_reason,
+    on_load=lambda module: quant_native.load_quant_native(),
+)
 unavailable_reason = EXTENSION.unavailable_reason
 load_decode_loop = EXTENSION.load  # the module, or None when it cannot be had here

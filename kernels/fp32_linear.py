@@ -29,8 +29,9 @@ def unpack_panels(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(panels * PANEL, k)[:out_features]
 
 
-def fp32_linear_torch(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp32_linear_torch(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x @ weight^T + bias`` from the packed weight; the native kernel's reference (equal up to
     fp32 summation order: the kernel sums k in order, one fused multiply-add at a time)."""
     return F.linear(x, unpack_panels(packed, out_features), bias)

@@ -65,8 +65,9 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
 
 
-def _minmax_codes(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _minmax_codes(
+    x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric codes of ``x`` given its group minimum/maximum (broadcastable). Scale and zero
     are rounded to float16 *before* the codes are taken, so dequantization uses what was stored;
     they saturate at float16's range (|x| > 65504 loses precision there but never becomes inf)."""
@@ -88,14 +89,16 @@ def quantize_kivi_keys(k: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.
     return pack_codes(q, bits), scale.squeeze(-3), zero.squeeze(-3)
 
 
-def dequantize_kivi_keys(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                         dtype: torch.dtype) -> torch.Tensor:
+def dequantize_kivi_keys(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dtype: torch.dtype
+) -> torch.Tensor:
     q = unpack_codes(packed, bits).float()
     return (q * scale.float().unsqueeze(-3) + zero.float().unsqueeze(-3)).to(dtype)
 
 
-def quantize_kivi_values(v: torch.Tensor, bits: int, group_size: int
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_kivi_values(
+    v: torch.Tensor, bits: int, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Values ``[..., D]``, one group per token over ``group_size`` channels -> (packed
     ``[..., D*bits/8]``, scale ``[..., D/group]`` f16, zero ``[..., D/group]`` f16)."""
     vg = v.float().unflatten(-1, (-1, group_size))
@@ -103,28 +106,41 @@ def quantize_kivi_values(v: torch.Tensor, bits: int, group_size: int
     return pack_codes(q.flatten(-2), bits), scale.squeeze(-1), zero.squeeze(-1)
 
 
-def dequantize_kivi_values(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                           group_size: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_kivi_values(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
     q = unpack_codes(packed, bits).float().unflatten(-1, (-1, group_size))
     return (q * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).flatten(-2).to(dtype)
 
 
 # ---- attention over a quantized paged cache ----------------------------------------------------
-def decode_attention_dense(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention_dense(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
     """query ``[S, Hq, D]`` against gathered, dequantized ``keys/values [S, L, Hkv, D]``."""
     max_len = keys.shape[1]
     positions = torch.arange(max_len, device=query.device)
     mask = (positions[None, :] < seq_lens[:, None].to(positions.dtype))[:, None, None, :]
     out = F.scaled_dot_product_attention(
-        query.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale,
+        query.unsqueeze(2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
         enable_gqa=query.shape[1] != keys.shape[2],
     )
     return out.squeeze(2)
 
 
-def attend_causal_kivi(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, exact_keys: torch.Tensor,
-                       exact_values: torch.Tensor, window_tokens: int, scale: float) -> torch.Tensor:
+def attend_causal_kivi(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    exact_keys: torch.Tensor,
+    exact_values: torch.Tensor,
+    window_tokens: int,
+    scale: float,
+) -> torch.Tensor:
     """Causal attention of the last ``len(query)`` positions as KIVI decoding would have seen them.
     The sequence's blocks form window groups of ``window_tokens`` (N blocks); a group is quantized
     by the token that completes it. So query ``p`` reads the tokens of its own group in full

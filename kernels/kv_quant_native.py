@@ -1,42 +1,36 @@
 """Native CPU decode attention over a quantized KV pool (C++ in kernels/cpu/kv_quant_attention.cpp),
-built once by the shared builder (``kernels/native_build.py``).
+compiled at install time into ``llmctl_kernels._C.kv_quant``.
 
-A module of its own, so the float kernels and this one build (or fail) independently. Optional:
-without a C++ compiler, or with ``LLMCTL_NATIVE_CPU_KERNELS=0``, the quantized pool keeps its torch
-reference (``llmctl/engine/kv_cache.py``: gather, dequantize, attend). One build holds a generic
-and an AVX2+FMA+F16C variant, picked at run time from the CPU's flags.
+Optional: where it was not built, the quantized pool keeps its torch reference
+(``llmctl/engine/kv_cache.py``: gather, dequantize, attend); whether to use it at all is llmctl's
+choice. It holds a generic and an AVX2+FMA+F16C variant, picked at run time from the CPU's level
+(``cpu_features.isa_level``, capped by ``set_isa_cap``).
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 
 from llmctl_kernels import kv_quant as kq
-from llmctl_kernels.cpu_features import supported_isa_levels
-from llmctl_kernels.native_build import LazyExtension, disabled_by
+from llmctl_kernels.cpu_features import isa_level, on_isa_cap_change
+from llmctl_kernels.native_module import NativeKernels
 
-NAME = "llmctl_kv_quant"
-SOURCE = Path(__file__).parent / "cpu" / "kv_quant_attention.cpp"
-HEADERS = [Path(__file__).parent / "cpu" / name
-           for name in ("kv_quant_attention_isa.h", "attention_tiles.h", "prefetch_cursor.h", "fast_exp.h")]
-CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
-LDFLAGS = ["-fopenmp"]
 KIND_CODES = {"fp8_e4m3": 0, "fp8_e5m2": 0, "int8": 1, "kivi2": 2, "kivi4": 2}
 _luts: dict[str, torch.Tensor] = {}
 
 
 def kernel_isa() -> str:
-    """``avx2`` where the CPU runs AVX2+FMA+F16C (any AVX-512 CPU does too), else ``generic``;
-    ``LLMCTL_CPU_ISA=generic`` forces the scalar variant (tests, A/B runs)."""
-    return "avx2" if "avx2" in supported_isa_levels() and os.environ.get("LLMCTL_CPU_ISA") != "generic" else "generic"
+    """``avx2`` where the CPU runs AVX2+FMA+F16C (any AVX-512 CPU does too) and the level is not
+    capped at ``generic`` (``set_isa_cap``: tests, A/B runs), else ``generic``."""
+    return "generic" if isa_level() == "generic" else "avx2"
 
 
-EXTENSION = LazyExtension(NAME, [SOURCE], CFLAGS, LDFLAGS, headers=HEADERS,
-                          precondition=lambda: disabled_by("LLMCTL_NATIVE_CPU_KERNELS"),
-                          on_load=lambda module: module.set_isa(kernel_isa()))
+def _select_variant(module) -> None:
+    module.set_isa(kernel_isa())
+    on_isa_cap_change(lambda: module.set_isa(kernel_isa()))
+
+
+EXTENSION = NativeKernels("kv_quant", on_load=_select_variant)
 native_unavailable_reason = EXTENSION.unavailable_reason
 load_kv_quant_native = EXTENSION.load  # the module with its ISA variant selected, or None
 
@@ -68,11 +62,24 @@ def quantized_decode_attention_native(
         k, v = k.view(torch.uint8), v.view(torch.uint8)
     is_kivi = kind in kq.KIVI_BITS
     return module.quantized_decode_attention(
-        query, KIND_CODES[kind], kq.KIVI_BITS.get(kind, 8), k, v, tensors["k_scale"], tensors["v_scale"],
-        tensors.get("k_zero"), tensors.get("v_zero"),
-        residual["k"] if is_kivi else None, residual["v"] if is_kivi else None,
-        residual_table if is_kivi else None, fp8_table(kind) if kind in kq.FP8_DTYPES else None,
-        block_tables.to(torch.int32), seq_lens.to(torch.int32), value_group, float(scale))
+        query,
+        KIND_CODES[kind],
+        kq.KIVI_BITS.get(kind, 8),
+        k,
+        v,
+        tensors["k_scale"],
+        tensors["v_scale"],
+        tensors.get("k_zero"),
+        tensors.get("v_zero"),
+        residual["k"] if is_kivi else None,
+        residual["v"] if is_kivi else None,
+        residual_table if is_kivi else None,
+        fp8_table(kind) if kind in kq.FP8_DTYPES else None,
+        block_tables.to(torch.int32),
+        seq_lens.to(torch.int32),
+        value_group,
+        float(scale),
+    )
 
 
 def kivi_store_native(
@@ -90,8 +97,26 @@ def kivi_store_native(
     module = EXTENSION.require()
     shape = (plan.finalize_blocks.numel(), *residual["k"].shape[1:])
     staging = {name: torch.empty(shape, dtype=torch.float32) for name in ("k", "v")}
-    module.kivi_store(key, value, bits, value_group, residual["k"], residual["v"], plan.residual_tokens,
-                      plan.residual_rows, plan.staging_tokens, plan.staging_rows, plan.staged_from,
-                      plan.finalize_blocks, staging["k"], staging["v"], tensors["k"], tensors["k_scale"],
-                      tensors["k_zero"], tensors["v"], tensors["v_scale"], tensors["v_zero"])
+    module.kivi_store(
+        key,
+        value,
+        bits,
+        value_group,
+        residual["k"],
+        residual["v"],
+        plan.residual_tokens,
+        plan.residual_rows,
+        plan.staging_tokens,
+        plan.staging_rows,
+        plan.staged_from,
+        plan.finalize_blocks,
+        staging["k"],
+        staging["v"],
+        tensors["k"],
+        tensors["k_scale"],
+        tensors["k_zero"],
+        tensors["v"],
+        tensors["v_scale"],
+        tensors["v_zero"],
+    )
     return staging

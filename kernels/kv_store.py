@@ -20,9 +20,7 @@ def reshape_and_cache_torch(
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     slots = slot_mapping.long()
     key_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
-    value_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(
-        0, slots, value.to(value_cache.dtype)
-    )
+    value_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
 
 
 def reshape_and_cache_triton(
@@ -46,11 +44,21 @@ def reshape_and_cache_triton(
     slot_mapping = slot_mapping.contiguous()
     block_h, block_d = next_pow2(num_kv_heads), next_pow2(head_dim)
     te._reshape_and_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
@@ -91,13 +99,36 @@ def quantize_and_cache_triton(
     key, value = last_dim_contiguous(key), last_dim_contiguous(value)
     block_h, block_d = next_pow2(num_kv_heads), next_pow2(head_dim)
     tq._quant_store_kernel[(num_tokens,)](
-        key, value, kc, ks, vc, vs, slot_mapping.contiguous(),
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1),
-        vc.stride(0), vc.stride(1), vc.stride(2), vs.stride(0), vs.stride(1),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_H=block_h, BLOCK_D=block_d,
-        QMAX=float(kq._qmax(kind)), FP8_MANT=mant, FP8_BIAS=bias, FP8_MAX_CODE=max_code,
+        key,
+        value,
+        kc,
+        ks,
+        vc,
+        vs,
+        slot_mapping.contiguous(),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        ks.stride(0),
+        ks.stride(1),
+        vc.stride(0),
+        vc.stride(1),
+        vc.stride(2),
+        vs.stride(0),
+        vs.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        QMAX=float(kq._qmax(kind)),
+        FP8_MANT=mant,
+        FP8_BIAS=bias,
+        FP8_MAX_CODE=max_code,
         num_warps=4 if block_h * block_d <= 2048 else 8,
     )
 
@@ -126,13 +157,37 @@ def kivi_quantize_blocks_triton(
     group = head_dim // vs.shape[-1]
     assert group % per_byte == 0, "a value group must fill whole bytes"
     tq._kivi_finalize_kernel[(blocks.shape[0], num_kv_heads)](
-        staging_key, staging_value, staging_index.contiguous(), blocks.contiguous(),
-        kc, ks, kz, vc, vs, vz,
-        staging_key.stride(0), staging_key.stride(1), staging_key.stride(2),
-        kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1),
-        vc.stride(0), vc.stride(1), vc.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
-        BITS=bits, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, GROUP_SIZE=group,
-        BLOCK_T=next_pow2(block_size), NB_P=next_pow2(head_dim // per_byte),
-        NG_P=next_pow2(head_dim // group), GB_P=next_pow2(group // per_byte),
+        staging_key,
+        staging_value,
+        staging_index.contiguous(),
+        blocks.contiguous(),
+        kc,
+        ks,
+        kz,
+        vc,
+        vs,
+        vz,
+        staging_key.stride(0),
+        staging_key.stride(1),
+        staging_key.stride(2),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        ks.stride(0),
+        ks.stride(1),
+        vc.stride(0),
+        vc.stride(1),
+        vc.stride(2),
+        vs.stride(0),
+        vs.stride(1),
+        vs.stride(2),
+        BITS=bits,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        GROUP_SIZE=group,
+        BLOCK_T=next_pow2(block_size),
+        NB_P=next_pow2(head_dim // per_byte),
+        NG_P=next_pow2(head_dim // group),
+        GB_P=next_pow2(group // per_byte),
         num_warps=4,
     )

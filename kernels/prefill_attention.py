@@ -102,7 +102,11 @@ def _launch_prefill(
 ) -> torch.Tensor:
     from llmctl_kernels import _triton_attention as tk
     from llmctl_kernels._triton_utils import (
-        cdiv, dots_in_fp32, fp32_dot_precision, last_dim_contiguous, next_pow2,
+        cdiv,
+        dots_in_fp32,
+        fp32_dot_precision,
+        last_dim_contiguous,
+        next_pow2,
     )
 
     num_tokens, num_q_heads, head_dim = query.shape
@@ -141,14 +145,22 @@ def _launch_prefill(
         table_stride = 0
 
     tk._prefill_kernel[(num_q_blocks, num_kv_heads, num_seqs)](
-        query, key, value, out, block_tables, query_start_loc, seq_lens,
+        query,
+        key,
+        value,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
         float(scale) * LOG2E,
         num_q_blocks,
-        query.stride(0), query.stride(1),
+        query.stride(0),
+        query.stride(1),
         *strides_k,
         *strides_v,
         table_stride,
-        out.stride(0), out.stride(1),
+        out.stride(0),
+        out.stride(1),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
@@ -180,8 +192,16 @@ def paged_prefill_attention_triton(
     block_n: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     return _launch_prefill(
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-        max_query_len, block_m, block_n,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        max_query_len,
+        block_m,
+        block_n,
     )
 
 
@@ -227,7 +247,12 @@ def paged_prefill_attention_quantized_triton(
     the group (``kv_quant.attend_causal_kivi``)."""
     from llmctl_kernels import _triton_kv_quant as tq
     from llmctl_kernels._triton_utils import (
-        cdiv, dots_in_fp32, fp32_dot_precision, interpreting, last_dim_contiguous, next_pow2,
+        cdiv,
+        dots_in_fp32,
+        fp32_dot_precision,
+        interpreting,
+        last_dim_contiguous,
+        next_pow2,
     )
 
     num_tokens, num_q_heads, head_dim = query.shape
@@ -253,17 +278,40 @@ def paged_prefill_attention_quantized_triton(
     window = window or block_size
     assert window % block_size == 0, "a window group is whole blocks"
     tq._quant_prefill_kernel[(num_q_blocks, num_kv_heads, num_seqs)](
-        query, *ptrs, *fp_ptrs, *res_ptrs, out, block_tables, query_start_loc, seq_lens,
-        float(scale) * LOG2E, num_q_blocks,
-        query.stride(0), query.stride(1),
-        *strides, *fp_strides, *res_strides,
+        query,
+        *ptrs,
+        *fp_ptrs,
+        *res_ptrs,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        float(scale) * LOG2E,
+        num_q_blocks,
+        query.stride(0),
+        query.stride(1),
+        *strides,
+        *fp_strides,
+        *res_strides,
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_Q=block_m // block_g, BLOCK_N=block_n,
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_G=block_g,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_m // block_g,
+        BLOCK_N=block_n,
         BLOCK_D=max(16, next_pow2(head_dim)),
-        **formats, HAS_FP=has_fp, HAS_RES=has_res, WINDOW=window,
-        DOT_FP32=dots_in_fp32(query.dtype), DOT_PREC=fp32_dot_precision(), EMULATE_RNE=interpreting(),
-        num_warps=num_warps, num_stages=num_stages,
+        **formats,
+        HAS_FP=has_fp,
+        HAS_RES=has_res,
+        WINDOW=window,
+        DOT_FP32=dots_in_fp32(query.dtype),
+        DOT_PREC=fp32_dot_precision(),
+        EMULATE_RNE=interpreting(),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from llmctl.layers.quantization.formats import PackedInt8, PackedWeight, dequantize
+from llmctl_kernels.packed_formats import PackedInt8, PackedWeight, dequantize
 
 ACTIVATION_BLOCK = 32  # inputs per dynamic int8 activation scale (the native integer path)
 

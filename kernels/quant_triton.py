@@ -1,5 +1,5 @@
 """Triton weight-only quantized GEMM for CUDA: ``y = x @ dequantize(packed)^T`` for the int4, int8
-and fp8 layouts of ``llmctl/layers/quantization/formats.py``.
+and fp8 layouts of ``kernels/packed_formats.py``.
 
 Each program computes a BLOCK_M x BLOCK_N tile of y: it loads a BLOCK_N x BLOCK_K tile of packed
 weights (a byte per two int4 weights: each nibble is picked by k's parity; fp8 bytes are decoded
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from llmctl_kernels._triton_utils import cdiv, dots_in_fp32, fp32_dot_precision, last_dim_contiguous
-from llmctl.layers.quantization.formats import PackedInt4, PackedInt8, PackedWeight
+from llmctl_kernels.packed_formats import PackedInt4, PackedInt8, PackedWeight
 
 INT4, INT8, FP8 = 0, 1, 2
 
@@ -32,13 +32,24 @@ def _fp8_e4m3_to_float(b):
 
 @triton.jit
 def _quant_linear_kernel(
-    x_ptr, q_ptr, s_ptr, mins_ptr, out_ptr,
-    M, N, K, stride_xm, stride_om,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    mins_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
     GROUP: tl.constexpr,  # inputs per scale (int4/int8); unused for fp8 (per-row scale)
     FORMAT: tl.constexpr,  # INT4 | INT8 | FP8
     HAS_MINS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,8 +81,11 @@ def _quant_linear_kernel(
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     if FORMAT == 2:
         acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
 
 
 def quant_linear_triton(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
@@ -88,9 +102,23 @@ def quant_linear_triton(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     group = packed.group_size if fmt != FP8 else k
     grid = (cdiv(m, block_m), cdiv(n, block_n))
     _quant_linear_kernel[grid](
-        x, packed.qweight, packed.scales, mins, out, m, n, k, x.stride(0), out.stride(0),
-        GROUP=group, FORMAT=fmt, HAS_MINS=fmt != FP8 and packed.mins is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_FP32=dots_in_fp32(x.dtype), DOT_PREC=fp32_dot_precision(),
+        x,
+        packed.qweight,
+        packed.scales,
+        mins,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        out.stride(0),
+        GROUP=group,
+        FORMAT=fmt,
+        HAS_MINS=fmt != FP8 and packed.mins is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_FP32=dots_in_fp32(x.dtype),
+        DOT_PREC=fp32_dot_precision(),
     )
     return out

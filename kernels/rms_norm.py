@@ -58,8 +58,15 @@ def rms_norm_triton(
     if rows:
         block = next_pow2(hidden)
         te._rms_norm_kernel[(rows,)](
-            x2, r2, weight.contiguous(), out, new_residual,
-            x2.stride(0), r2.stride(0), out.stride(0), new_residual.stride(0),
+            x2,
+            r2,
+            weight.contiguous(),
+            out,
+            new_residual,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            new_residual.stride(0),
             float(eps),
             HIDDEN=hidden,
             BLOCK=block,

@@ -15,8 +15,9 @@ def rotary_embedding_torch(
     return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
 
 
-def rotary_cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``[T, 1, rotary_dim]`` cos and sin rows of each position, cast to the activations' dtype
     (the same for every layer of a step, so callers may compute them once per step)."""
     cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [T, rotary_dim/2] each
@@ -60,11 +61,20 @@ def rotary_embedding_triton(
     half = rotary_dim // 2
     pass_dims = head_dim - rotary_dim
     te._rotary_kernel[(num_tokens,)](
-        positions.contiguous(), query, key, q_out, k_out, cos_sin_cache,
-        query.stride(0), query.stride(1),
-        key.stride(0), key.stride(1),
-        q_out.stride(0), q_out.stride(1),
-        k_out.stride(0), k_out.stride(1),
+        positions.contiguous(),
+        query,
+        key,
+        q_out,
+        k_out,
+        cos_sin_cache,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
         cos_sin_cache.stride(0),
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,

@@ -25,8 +25,9 @@ class HelpFormatter(_Formatter):
 
     def write_text(self, text: str) -> None:
         width = max(self.width - self.current_indent, 11)
-        paragraphs = ["\n".join(f"{'':>{self.current_indent}}{line}" for line in _wrap(p, width))
-                      for p in text.split("\n\n")]
+        paragraphs = [
+            "\n".join(f"{'':>{self.current_indent}}{line}" for line in _wrap(p, width)) for p in text.split("\n\n")
+        ]
         self.write("\n\n".join(paragraphs) + "\n")
 
     def write_dl(self, rows: Iterable[tuple[str, str]], col_max: int = 30, col_spacing: int = 2) -> None:

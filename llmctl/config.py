@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from llmctl.errors import ConfigError
@@ -55,6 +56,19 @@ def parse_size(text: str | int | None) -> int | None:
     return int(float(number) * (1024 ** " kmgt".index(unit or " ")))
 
 
+def check_calibration_applies(quantization: str, world_size: int = 1) -> None:
+    """``--calibration`` rounds what ``--quantization`` quantizes at load, on one rank. The loaders
+    ask too (``llmctl.models.calibration.check_calibration``): a library caller may load a model
+    without a config."""
+    if quantization not in QUANTIZED_AT_LOAD:
+        raise ConfigError(
+            f"--calibration applies to --quantization {' | '.join(QUANTIZED_AT_LOAD)} "
+            f"(weights quantized while loading), not {quantization!r}"
+        )
+    if world_size != 1:
+        raise ConfigError("--calibration runs on one rank: quantized weights are not sharded")
+
+
 @dataclass
 class EngineConfig:
     model: str = EMBEDDED_MODEL_NAME
@@ -62,70 +76,159 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = field(default="auto", metadata=cli("--dtype", "auto | float32 | bfloat16 | float16"))
     device: str = field(default="auto", metadata=cli("--device", "auto | cpu | cuda"))
-    attention_backend: str = field(default="auto", metadata=cli(
-        "--attention-backend", "auto | torch | triton (triton on a CPU runs Triton's interpreter)."))
-    max_model_len: int | None = field(default=None, metadata=cli(
-        "--max-model-len", "Context length limit, prompt + output (default: the model's, capped by the KV pool)."))
+    kernel_backend: str = field(
+        default="auto",
+        metadata=cli(
+            "--kernel-backend",
+            "auto | torch | triton: the kernels of every fused op (norms, rotary, SiLU, KV store, "
+            "attention). auto: triton on CUDA, torch elsewhere (with the native CPU kernels); triton on a CPU runs "
+            "Triton's interpreter.",
+        ),
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=cli(
+            "--max-model-len", "Context length limit, prompt + output (default: the model's, capped by the KV pool)."
+        ),
+    )
     max_num_seqs: int = field(default=256, metadata=cli("--max-num-seqs", "Most sequences in one batch."))
-    max_num_batched_tokens: int = field(default=2048, metadata=cli(
-        "--max-num-batched-tokens", "Token budget of one step."))
+    max_num_batched_tokens: int = field(
+        default=2048, metadata=cli("--max-num-batched-tokens", "Token budget of one step.")
+    )
     block_size: int = field(default=16, metadata=cli("--block-size", "Tokens per KV block: 8, 16, 32, 64 or 128."))
-    kv_cache_memory: int | None = field(default=None, metadata=cli(
-        "--kv-cache-memory", "KV pool size, e.g. 2GiB (default: 2 GiB or a fifth of free RAM on a CPU; "
-        "--memory-fraction of the GPU on CUDA).", parse=parse_size, cli_type=str))
-    memory_fraction: float = field(default=DEFAULT_CUDA_MEMORY_FRACTION, metadata=cli(
-        "--memory-fraction", "Share of GPU memory to use (CUDA)."))
-    enable_prefix_caching: bool = field(default=True, metadata=cli(
-        "--enable-prefix-caching/--no-prefix-caching", "Reuse KV blocks of shared prompt prefixes."))
-    enable_chunked_prefill: bool = field(default=True, metadata=cli(
-        "--enable-chunked-prefill/--no-chunked-prefill", "Split long prompts across steps."))
+    kv_cache_memory: int | None = field(
+        default=None,
+        metadata=cli(
+            "--kv-cache-memory",
+            "KV pool size, e.g. 2GiB (default: 2 GiB or a fifth of free RAM on a CPU; "
+            "--memory-fraction of the GPU on CUDA).",
+            parse=parse_size,
+            cli_type=str,
+        ),
+    )
+    memory_fraction: float = field(
+        default=DEFAULT_CUDA_MEMORY_FRACTION, metadata=cli("--memory-fraction", "Share of GPU memory to use (CUDA).")
+    )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata=cli("--enable-prefix-caching/--no-prefix-caching", "Reuse KV blocks of shared prompt prefixes."),
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata=cli("--enable-chunked-prefill/--no-chunked-prefill", "Split long prompts across steps.")
+    )
     seed: int = field(default=0, metadata=cli("--seed", "Seed for requests that do not bring their own."))
     skip_tokenizer: bool = False  # token-id prompts only (benchmarks, tests of raw models)
-    chat_template: str | None = field(default=None, metadata=cli(
-        "--chat-template", "A Jinja chat template to render conversations with instead of the model's own: a file, "
-        "or the template text."))
-    num_threads: int | None = field(default=None, metadata=cli(
-        "--threads", "CPU threads for torch (default: all cores)."))
-    quantization: str = field(default="auto", metadata=cli(
-        "--quantization", "auto | none | int8 | int4 | fp8. auto: a GGUF file keeps its quantized weights "
-        "packed, a float checkpoint stays float; none: GGUF weights are dequantized; int8/int4/fp8: "
-        "quantize a float checkpoint's linear layers while loading (the embedding stays float; with "
-        "int8/int4 the LM head computes logits from an int8 copy on a CPU)."))
-    quantization_group_size: int = field(default=64, metadata=cli(
-        "--quantization-group-size", "Inputs per int4 scale/zero group: 32, 64 or 128."))
-    calibration: str | None = field(default=None, metadata=cli(
-        "--calibration", "GPTQ for --quantization int8 | int4 | fp8: round each layer's weights so that its outputs "
-        "on this text stay closest to the float layer's (a UTF-8 text file, or 'builtin': six short English "
-        "stories shipped with llmctl). Loads slower; default: each weight rounded on its own."))
-    kv_cache_dtype: str = field(default="auto", metadata=cli(
-        "--kv-cache-dtype", "auto | fp8_e4m3 | fp8_e5m2 | int8 | kivi2 | kivi4. auto: the model dtype; fp8/int8: "
-        "a scale per token and KV head; kivi2/kivi4: KIVI 2/4-bit codes, keys per channel over each block, values "
-        "per token over --kv-quant-group-size channels, the last --kv-residual-length tokens at most in full "
-        "precision."))
-    kv_quant_group_size: int = field(default=32, metadata=cli(
-        "--kv-quant-group-size", "KIVI: value channels per scale/zero group (KIVI's default 32; capped at head_dim)."))
-    kv_residual_length: int = field(default=128, metadata=cli(
-        "--kv-residual-length", "KIVI: recent tokens kept in full precision (KIVI's R, default 128; a multiple of "
-        "--block-size; 0 = the open block only). They are quantized R at a time, as KIVI does with keys."))
+    chat_template: str | None = field(
+        default=None,
+        metadata=cli(
+            "--chat-template",
+            "A Jinja chat template to render conversations with instead of the model's own: a file, "
+            "or the template text.",
+        ),
+    )
+    num_threads: int | None = field(
+        default=None, metadata=cli("--threads", "CPU threads for torch (default: all cores).")
+    )
+    quantization: str = field(
+        default="auto",
+        metadata=cli(
+            "--quantization",
+            "auto | none | int8 | int4 | fp8. auto: a GGUF file keeps its quantized weights "
+            "packed, a float checkpoint stays float; none: GGUF weights are dequantized; int8/int4/fp8: "
+            "quantize a float checkpoint's linear layers while loading (the embedding stays float; with "
+            "int8/int4 the LM head computes logits from an int8 copy on a CPU).",
+        ),
+    )
+    quantization_group_size: int = field(
+        default=64, metadata=cli("--quantization-group-size", "Inputs per int4 scale/zero group: 32, 64 or 128.")
+    )
+    quant_exact_activations: bool = field(
+        default=False,
+        metadata=cli(
+            "--quant-exact-activations/--no-quant-exact-activations",
+            "int4/int8 weights on a CPU: multiply the "
+            "exact activations (dequantized weight slabs, torch's GEMM) instead of activations rounded to int16 per "
+            "block of 32 (integer dot products, a row's result independent of its batch; the default). Slower.",
+        ),
+    )
+    calibration: str | None = field(
+        default=None,
+        metadata=cli(
+            "--calibration",
+            "GPTQ for --quantization int8 | int4 | fp8: round each layer's weights so that its outputs "
+            "on this text stay closest to the float layer's (a UTF-8 text file, or 'builtin': six short English "
+            "stories shipped with llmctl). Loads slower; default: each weight rounded on its own.",
+        ),
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=cli(
+            "--kv-cache-dtype",
+            "auto | fp8_e4m3 | fp8_e5m2 | int8 | kivi2 | kivi4. auto: the model dtype; fp8/int8: "
+            "a scale per token and KV head; kivi2/kivi4: KIVI 2/4-bit codes, keys per channel over each block, values "
+            "per token over --kv-quant-group-size channels, the last --kv-residual-length tokens at most in full "
+            "precision.",
+        ),
+    )
+    kv_quant_group_size: int = field(
+        default=32,
+        metadata=cli(
+            "--kv-quant-group-size",
+            "KIVI: value channels per scale/zero group (KIVI's default 32; capped at head_dim).",
+        ),
+    )
+    kv_residual_length: int = field(
+        default=128,
+        metadata=cli(
+            "--kv-residual-length",
+            "KIVI: recent tokens kept in full precision (KIVI's R, default 128; a multiple of "
+            "--block-size; 0 = the open block only). They are quantized R at a time, as KIVI does with keys.",
+        ),
+    )
     # ---- speculative decoding (llmctl/spec/) ----
-    speculative_model: str | None = field(default=None, metadata=cli(
-        "--speculative-model", "Draft tokens to verify in one forward: 'ngram' (prompt lookup: the tokens that "
-        "followed the latest n-gram earlier in prompt + output), or a small draft model sharing the target's "
-        "tokenizer (a directory, .gguf file or short name). Greedy output is unchanged; sampling keeps its "
-        "distribution (rejection sampling)."))
-    num_speculative_tokens: int = field(default=4, metadata=cli(
-        "--num-speculative-tokens", "Draft tokens proposed per sequence per step (with --speculative-model)."))
-    ngram_prompt_lookup_max: int = field(default=4, metadata=cli(
-        "--ngram-prompt-lookup-max", "Longest n-gram matched by --speculative-model ngram (tried first)."))
-    ngram_prompt_lookup_min: int = field(default=2, metadata=cli(
-        "--ngram-prompt-lookup-min", "Shortest n-gram matched by --speculative-model ngram."))
-    tensor_parallel_size: int = field(default=1, metadata=cli(
-        "--tensor-parallel-size --tp", "Ranks that split every layer (attention heads, MLP, vocabulary); "
-        "llmctl starts them through torchrun (docs/parallelism.md)."))
-    pipeline_parallel_size: int = field(default=1, metadata=cli(
-        "--pipeline-parallel-size --pp", "Pipeline stages that split the layers; ranks = TP x PP."))
+    speculative_model: str | None = field(
+        default=None,
+        metadata=cli(
+            "--speculative-model",
+            "Draft tokens to verify in one forward: 'ngram' (prompt lookup: the tokens that "
+            "followed the latest n-gram earlier in prompt + output), or a small draft model sharing the target's "
+            "tokenizer (a directory, .gguf file or short name). Greedy output is unchanged; sampling keeps its "
+            "distribution (rejection sampling).",
+        ),
+    )
+    num_speculative_tokens: int = field(
+        default=4,
+        metadata=cli(
+            "--num-speculative-tokens", "Draft tokens proposed per sequence per step (with --speculative-model)."
+        ),
+    )
+    ngram_prompt_lookup_max: int = field(
+        default=4,
+        metadata=cli("--ngram-prompt-lookup-max", "Longest n-gram matched by --speculative-model ngram (tried first)."),
+    )
+    ngram_prompt_lookup_min: int = field(
+        default=2, metadata=cli("--ngram-prompt-lookup-min", "Shortest n-gram matched by --speculative-model ngram.")
+    )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=cli(
+            "--tensor-parallel-size --tp",
+            "Ranks that split every layer (attention heads, MLP, vocabulary); "
+            "llmctl starts them through torchrun (docs/parallelism.md).",
+        ),
+    )
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata=cli("--pipeline-parallel-size --pp", "Pipeline stages that split the layers; ranks = TP x PP."),
+    )
+    attention_backend: InitVar[str | None] = None  # the old name of kernel_backend, still accepted
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, attention_backend: str | None) -> None:
+        if attention_backend is not None:
+            warnings.warn(
+                "EngineConfig(attention_backend=...) is now kernel_backend=...", DeprecationWarning, stacklevel=3
+            )
+            self.kernel_backend = attention_backend
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ConfigError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -137,34 +240,42 @@ class EngineConfig:
         if self.quantization not in ("auto", "none", *QUANTIZED_AT_LOAD):
             raise ConfigError(f"unknown quantization {self.quantization!r}; choose auto, none, int8, int4 or fp8")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"unknown KV cache dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+            raise ConfigError(
+                f"unknown KV cache dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.kv_quant_group_size not in (8, 16, 32, 64, 128):
             raise ConfigError(f"KV quant group size must be 8, 16, 32, 64 or 128, got {self.kv_quant_group_size}")
         if self.kv_residual_length < 0 or self.kv_residual_length % self.block_size:
-            raise ConfigError(f"--kv-residual-length must be 0 or a multiple of --block-size ({self.block_size}), "
-                              f"got {self.kv_residual_length}")
+            raise ConfigError(
+                f"--kv-residual-length must be 0 or a multiple of --block-size ({self.block_size}), "
+                f"got {self.kv_residual_length}"
+            )
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ConfigError("tensor and pipeline parallel sizes must be at least 1")
         if self.kv_cache_dtype != "auto" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ConfigError("--kv-cache-dtype runs on one rank: it cannot be combined with tensor or pipeline "
-                              "parallelism yet")
+            raise ConfigError(
+                "--kv-cache-dtype runs on one rank: it cannot be combined with tensor or pipeline parallelism yet"
+            )
         if self.kv_cache_dtype.startswith("kivi") and self.speculative_model is not None:
-            raise ConfigError("--kv-cache-dtype kivi2/kivi4 cannot be combined with --speculative-model yet "
-                              "(a rejected draft may have completed, and so quantized, a block)")
+            raise ConfigError(
+                "--kv-cache-dtype kivi2/kivi4 cannot be combined with --speculative-model yet "
+                "(a rejected draft may have completed, and so quantized, a block)"
+            )
         if self.calibration is not None:
-            from llmctl.models.calibration import check_calibration  # the models import this module
-
-            check_calibration(self.quantization, self.world_size)
+            check_calibration_applies(self.quantization, self.world_size)
         if self.quantization_group_size not in (32, 64, 128):
             raise ConfigError(f"quantization group size must be 32, 64 or 128, got {self.quantization_group_size}")
         if self.speculative_model is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ConfigError("--speculative-model runs on one rank: it cannot be combined with tensor or "
-                              "pipeline parallelism yet")
+            raise ConfigError(
+                "--speculative-model runs on one rank: it cannot be combined with tensor or pipeline parallelism yet"
+            )
         if self.speculative_model is not None and self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max:
-            raise ConfigError("ngram prompt lookup needs 1 <= --ngram-prompt-lookup-min <= --ngram-prompt-lookup-max, "
-                              f"got {self.ngram_prompt_lookup_min} and {self.ngram_prompt_lookup_max}")
+            raise ConfigError(
+                "ngram prompt lookup needs 1 <= --ngram-prompt-lookup-min <= --ngram-prompt-lookup-max, "
+                f"got {self.ngram_prompt_lookup_min} and {self.ngram_prompt_lookup_max}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -200,7 +311,8 @@ def kv_pool_too_small(pool_bytes: int, block_bytes: int, block_size: int, max_mo
     return ConfigError(
         f"a KV pool of {format_size(pool_bytes)} cannot hold {what} ({format_size(block_bytes)} per block of "
         f"{block_size} tokens for this model): give --kv-cache-memory at least {format_size(needed)}"
-        + (" or lower --max-model-len" if max_model_len else ""))
+        + (" or lower --max-model-len" if max_model_len else "")
+    )
 
 
 def available_host_memory() -> int:

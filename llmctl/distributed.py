@@ -74,8 +74,10 @@ def split_layers(num_layers: int, num_stages: int, partition: str | None = None)
     if partition:
         counts = [int(c) for c in partition.split(",")]
         if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 1:
-            raise ValueError(f"layer partition {partition!r} must give {num_stages} positive counts summing to "
-                             f"the model's {num_layers} layers")
+            raise ValueError(
+                f"layer partition {partition!r} must give {num_stages} positive counts summing to "
+                f"the model's {num_layers} layers"
+            )
     else:
         if num_layers < num_stages:
             raise ValueError(f"{num_layers} layers cannot be split over pipeline-parallel size {num_stages}")

@@ -17,13 +17,23 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from llmctl.cli_options import ModelArg, config_for_model, engine_options, exit_on_error
+from llmctl.cli_options import (
+    BATCHING,
+    KV,
+    MODEL,
+    PARALLEL,
+    QUANTIZATION,
+    ModelArg,
+    config_for_model,
+    engine_options,
+    exit_on_error,
+)
 from llmctl.config import EngineConfig
 from llmctl.errors import InvalidRequestError
 
@@ -53,7 +63,7 @@ def windows(token_ids: list[int], window: int, stride: int) -> list[Window]:
         raise InvalidRequestError(f"need window >= 2 and 1 <= stride <= window, got window={window}, stride={stride}")
     result, scored_until = [], 1  # token 0 has no context anywhere
     for start in range(0, max(len(token_ids) - 1, 1), stride):
-        chunk = token_ids[start:start + window]
+        chunk = token_ids[start : start + window]
         if len(chunk) < 2 or start + len(chunk) <= scored_until:
             break
         result.append(Window(chunk, max(scored_until - start, 1)))
@@ -66,8 +76,9 @@ def window_nll(window: Window, prompt_logprobs: list[dict[int, float] | None]) -
     return [-prompt_logprobs[i][window.token_ids[i]] for i in range(window.first_scored, len(window.token_ids))]
 
 
-def perplexity(engine, token_ids: list[int], window: int, stride: int, progress: Progress | None = None
-               ) -> PerplexityResult:
+def perplexity(
+    engine, token_ids: list[int], window: int, stride: int, progress: Progress | None = None
+) -> PerplexityResult:
     """Score ``token_ids`` window by window; all windows are queued at once (continuous batching)."""
     from llmctl.sampling_params import SamplingParams
 
@@ -88,22 +99,35 @@ def perplexity(engine, token_ids: list[int], window: int, stride: int, progress:
                 if progress is not None:
                     progress.advance(task, len(out.prompt_token_ids))
     mean = math.fsum(nll) / len(nll)
-    return PerplexityResult(perplexity=math.exp(mean), mean_nll=mean, scored_tokens=len(nll),
-                            text_tokens=len(token_ids), windows=len(todo), window=window, stride=stride)
+    return PerplexityResult(
+        perplexity=math.exp(mean),
+        mean_nll=mean,
+        scored_tokens=len(nll),
+        text_tokens=len(token_ids),
+        windows=len(todo),
+        window=window,
+        stride=stride,
+    )
 
 
 def register_commands(app: typer.Typer) -> None:
     app.command(name="perplexity")(perplexity_command)
 
 
-@engine_options()
+# scoring samples nothing and renders no chat: no speculative decoding, seed or chat template
+@engine_options(groups=(MODEL, BATCHING, KV, QUANTIZATION, PARALLEL), exclude=("chat_template",))
 def perplexity_command(
     model: ModelArg,
     text: Annotated[Path, typer.Option("--text", help="UTF-8 text file to score.")],
-    window: Annotated[Optional[int], typer.Option(
-        "--window", help="Tokens per window (default: max_model_len - 1).")] = None,
-    stride: Annotated[Optional[int], typer.Option(
-        "--stride", help="Tokens between window starts (default: window - 1, so windows share one token).")] = None,
+    window: Annotated[
+        int | None, typer.Option("--window", help="Tokens per window (default: max_model_len - 1).")
+    ] = None,
+    stride: Annotated[
+        int | None,
+        typer.Option(
+            "--stride", help="Tokens between window starts (default: window - 1, so windows share one token)."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
     *,
     engine_config: EngineConfig,
@@ -123,15 +147,24 @@ def perplexity_command(
         token_ids = engine.tokenizer.encode(content)
         size = window or engine.max_model_len - 1
         if size > engine.max_model_len - 1:
-            raise InvalidRequestError(f"--window {size} is too long: at most max_model_len - 1 = "
-                                      f"{engine.max_model_len - 1} tokens (the engine samples one more)")
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                   TimeRemainingColumn())
+            raise InvalidRequestError(
+                f"--window {size} is too long: at most max_model_len - 1 = "
+                f"{engine.max_model_len - 1} tokens (the engine samples one more)"
+            )
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("tokens"),
+            TimeRemainingColumn(),
+        )
         with Progress(*columns, console=err, transient=True) as progress:
             result = perplexity(engine, token_ids, size, stride or size - 1, progress)
     if as_json:
         print(json.dumps({"model": model, "text": str(text), **asdict(result)}))
     else:
-        print(f"perplexity {result.perplexity:.4f} · mean NLL {result.mean_nll:.5f} · "
-              f"{result.scored_tokens} tokens scored of {result.text_tokens} · "
-              f"{result.windows} windows of {result.window} (stride {result.stride})")
+        print(
+            f"perplexity {result.perplexity:.4f} · mean NLL {result.mean_nll:.5f} · "
+            f"{result.scored_tokens} tokens scored of {result.text_tokens} · "
+            f"{result.windows} windows of {result.window} (stride {result.stride})"
+        )

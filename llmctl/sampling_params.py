@@ -68,10 +68,13 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed <= 2**64 - self.n):
             # sample i is seeded with seed + i, and torch's generators take [-2**63, 2**64)
             bad(f"seed must be an integer in [-2**63, 2**64 - n], got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
             bad(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (
-                not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
             bad(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a list of non-empty strings")
@@ -96,7 +99,8 @@ class SamplingParams:
             if not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 bad(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
         if self.allowed_token_ids is not None and (
-                not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
             bad("allowed_token_ids must be a non-empty list of token ids (non-negative integers)")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             bad("bad_words must be a list of non-empty strings")
@@ -119,8 +123,13 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Anything to do before the temperature: penalties, ``logit_bias``, ``min_tokens``,
         ``allowed_token_ids``, ``bad_words``."""
-        return (self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
-                or self.allowed_token_ids is not None or bool(self.bad_words_token_ids))
+        return (
+            self.has_penalties
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words_token_ids)
+        )
 
     def sample_seed(self, index: int) -> int | None:
         return None if self.seed is None else self.seed + index

@@ -22,7 +22,6 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from llmctl.errors import ConfigError, InvalidRequestError, ModelLoadError
 
-
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 # Chat-template variables llmctl sets itself (``apply_chat_template``, and the server's tools): a
 # request's or a flag's template variables cannot set them.
@@ -36,8 +35,13 @@ def _token_content(value: Any) -> str | None:
 
 
 class Tokenizer:
-    def __init__(self, backend: HFTokenizer, config: dict[str, Any] | None = None,
-                 generation_config: dict[str, Any] | None = None, source: str = "tokenizer") -> None:
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        config: dict[str, Any] | None = None,
+        generation_config: dict[str, Any] | None = None,
+        source: str = "tokenizer",
+    ) -> None:
         self.backend = backend
         self.config = config or {}
         self.source = source
@@ -99,8 +103,11 @@ class Tokenizer:
         (empty for other tokenizers, byte-level BPE included)."""
         if '"ByteFallback"' not in self._decoder_json:
             return {}
-        return {i: int(m.group(1), 16) for token, i in self.backend.get_vocab(with_added_tokens=False).items()
-                if (m := _BYTE_TOKEN.fullmatch(token))}
+        return {
+            i: int(m.group(1), 16)
+            for token, i in self.backend.get_vocab(with_added_tokens=False).items()
+            if (m := _BYTE_TOKEN.fullmatch(token))
+        }
 
     @cached_property
     def _decoder_json(self) -> str:
@@ -109,7 +116,9 @@ class Tokenizer:
     @cached_property
     def _byte_level_chars(self) -> dict[str, int] | None:
         """GPT-2's byte-to-character alphabet, inverted, when the decoder is byte-level."""
-        return {char: byte for byte, char in _bytes_to_unicode().items()} if '"ByteLevel"' in self._decoder_json else None
+        return (
+            {char: byte for byte, char in _bytes_to_unicode().items()} if '"ByteLevel"' in self._decoder_json else None
+        )
 
     @cached_property
     def _anchor(self) -> list[int]:
@@ -133,14 +142,20 @@ class Tokenizer:
             return bytes(chars[c] for c in token) if all(c in chars for c in token) else token.encode()
         before = self.decode(self._anchor, skip_special_tokens=False)
         after = self.decode([*self._anchor, token_id], skip_special_tokens=False)
-        return (after[len(before):] if after.startswith(before) else self.decode([token_id])).encode()
+        return (after[len(before) :] if after.startswith(before) else self.decode([token_id])).encode()
 
     def decode_stream(self, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_token_ids, skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
-                            continue_final_message: bool = False, chat_template: str | None = None,
-                            **extra: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        **extra: Any,
+    ) -> str:
         """Render the conversation to the prompt text; its special tokens are in the text, so encode it
         with ``add_special_tokens=False``. ``chat_template`` renders through that template instead of
         the model's; ``continue_final_message`` leaves the last message open (the text ends where its
@@ -155,8 +170,12 @@ class Tokenizer:
             raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true")
         try:
             text = compile_chat_template(source).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **extra,
+            )
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidRequestError(f"chat template refused the conversation: {exc}") from exc
         except Exception as exc:  # a template is code from the model or the request: its bugs are not ours
@@ -167,8 +186,7 @@ class Tokenizer:
 def _sandbox() -> ImmutableSandboxedEnvironment:
     """The environment ``transformers`` renders chat templates in: sandboxed, ``trim_blocks`` and
     ``lstrip_blocks``, loop controls, ``tojson``, ``raise_exception`` and ``strftime_now``."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
@@ -248,7 +266,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self._byte_tokens = tokenizer.byte_fallback_tokens
         self._skipped = tokenizer.special_token_ids if skip_special_tokens else frozenset()
-        self._ids: list[int] = list(prompt_token_ids[-self.PROMPT_CONTEXT:])
+        self._ids: list[int] = list(prompt_token_ids[-self.PROMPT_CONTEXT :])
         self._start = 0  # the window: ids[_start:]
         self._read = len(self._ids)  # ids[_start:_read] are consumed: prompt context or already emitted
         self._extra = 0  # characters emitted beyond the text of ids[_start:_read]
@@ -266,12 +284,13 @@ class IncrementalDetokenizer:
         try:
             return self.backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         except (OverflowError, TypeError):  # an id that is not a vocabulary index: shows as nothing
-            return self.backend.decode([i for i in ids if isinstance(i, int) and 0 <= i < 2**32],
-                                       skip_special_tokens=self.skip_special_tokens)
+            return self.backend.decode(
+                [i for i in ids if isinstance(i, int) and 0 <= i < 2**32], skip_special_tokens=self.skip_special_tokens
+            )
 
     def _emit(self, final: bool) -> str:
-        window = self._ids[self._start:]
-        consumed = self._shown_text(self._ids[self._start:self._read])
+        window = self._ids[self._start :]
+        consumed = self._shown_text(self._ids[self._start : self._read])
         text = self._decode(window)
         base = _common_prefix_len(consumed, text) + self._extra
         stable = len(text) if final else self._stable_len(text, window)

@@ -9,7 +9,7 @@
 #    never installs a CPU torch over it), 2. runs tests/kernels on the GPU (compiled kernels, no
 #    interpreter; test_triton_kv_quant.py there covers the quantized KV cache: every
 #    --kv-cache-dtype's store, decode and prefill against the torch references), 3. runs
-#    benchmarks/gpu_kernels.py (one table: decode GB/s vs peak, prefill vs SDPA, elementwise
+#    benchmarks/kernels/gpu_kernels.py (one table: decode GB/s vs peak, prefill vs SDPA, elementwise
 #    kernels, one decoder layer's decode step). Every stage runs even if an
 #    earlier one failed; the exit code is non-zero if any did. Each stage has its own timeout, so
 #    the whole check stays well under 10 minutes.
@@ -105,14 +105,14 @@ TEST_RC=${PIPESTATUS[0]}
 set -e
 echo "kernel tests exit code: $TEST_RC"
 
-section "microbenchmarks (benchmarks/gpu_kernels.py)"
+section "microbenchmarks (benchmarks/kernels/gpu_kernels.py)"
 BENCH_ARGS=(--json "$RESULTS/gpu_kernels.json")
 if [[ $DRY == 1 ]]; then
     BENCH_ARGS+=(--dry-run)
 fi
 set +e
 timeout --signal=INT --kill-after=20 "$BENCH_TIMEOUT" \
-    "$PY" benchmarks/gpu_kernels.py "${BENCH_ARGS[@]}" 2>&1 | tee "$RESULTS/gpu_kernels.log"
+    "$PY" -m benchmarks.kernels.gpu_kernels "${BENCH_ARGS[@]}" 2>&1 | tee "$RESULTS/gpu_kernels.log"
 BENCH_RC=${PIPESTATUS[0]}
 set -e
 echo "benchmarks exit code: $BENCH_RC"

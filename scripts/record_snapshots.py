@@ -50,8 +50,12 @@ def main() -> None:
 
 def record(args: argparse.Namespace) -> None:
 
-    engine = LLMEngine(kv_cache_memory=parse_size(args.kv_cache_memory), max_num_seqs=args.max_num_seqs,
-                       seed=args.seed, num_threads=args.threads)
+    engine = LLMEngine(
+        kv_cache_memory=parse_size(args.kv_cache_memory),
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+        num_threads=args.threads,
+    )
     mix = RequestMix(LoadProfile(seed=args.seed))
     rng = random.Random(args.seed)
     lines = []
@@ -70,8 +74,11 @@ def record(args: argparse.Namespace) -> None:
             snapshot = engine.stats_snapshot(max_steps=args.max_steps_kept)
             lines.append(json.dumps(snapshot, separators=(",", ":")))
             states = Counter(r["state"] for r in snapshot["requests"])
-            print(f"step {step}: {dict(states)}, kv {dict(Counter(snapshot['kv']['block_states']))}, "
-                  f"preemptions {snapshot['counters']['num_preemptions']}, {len(lines[-1]) / 1024:.1f} KiB", flush=True)
+            print(
+                f"step {step}: {dict(states)}, kv {dict(Counter(snapshot['kv']['block_states']))}, "
+                f"preemptions {snapshot['counters']['num_preemptions']}, {len(lines[-1]) / 1024:.1f} KiB",
+                flush=True,
+            )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text("\n".join(lines) + "\n")
     print(f"wrote {len(lines)} snapshots, {args.output.stat().st_size / 1024:.0f} KiB to {args.output}")

@@ -1,8 +1,29 @@
 #!/usr/bin/env bash
-# The test command: install (scripts/setup.sh), then run the whole suite.
+# The test command: install (scripts/setup.sh --dev), lint (ruff), the whole suite, then the tests marked `native`
+# (native CPU kernels, the decode loop, the dtype choice, exactness against transformers) twice more
+# with every kernel library's dispatch capped: as an AVX2-only CPU and as one without AVX2
+# (scripts/emulate_isa.sh). A path this machine's CPU would never take is still run and checked.
+#   scripts/test.sh              everything (what CI runs)
+#   scripts/test.sh --fast       the inner loop: no slow, subprocess or parallel tests, no capped runs
+#   scripts/test.sh PYTEST_ARGS  pytest with those arguments (a file, -k NAME, -m native ...), no capped runs
 # Kernel tests run Triton's interpreter on the CPU (TRITON_INTERPRET=1, also set by tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh --dev
 export TRITON_INTERPRET=1
-exec .venv/bin/python -m pytest -q "$@"
+PYTEST=(.venv/bin/python -m pytest -q)
+if [ "${1:-}" = --fast ]; then
+  shift
+  exec "${PYTEST[@]}" -m "not slow and not subprocess and not parallel" "$@"
+fi
+if [ $# -gt 0 ]; then
+  exec "${PYTEST[@]}" "$@"
+fi
+echo "== ruff: lint and format check"
+.venv/bin/ruff check --quiet .
+.venv/bin/ruff format --check --quiet .
+"${PYTEST[@]}"
+for level in avx2 generic; do
+  echo "== the native tests again, as a CPU whose best instruction set is $level (scripts/emulate_isa.sh)"
+  scripts/emulate_isa.sh "$level" "${PYTEST[@]}" -m native -p no:cacheprovider
+done

@@ -13,7 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # GPTQ results (--calibration) go to a folder of this session, not the user's cache: every test
-# run computes its own (tests/test_gptq.py checks the cache itself).
+# run computes its own (tests/layers/test_gptq.py checks the cache itself).
 os.environ.setdefault("LLMCTL_GPTQ_CACHE", tempfile.mkdtemp(prefix="llmctl-gptq-"))
 
 from pathlib import Path  # noqa: E402
@@ -21,10 +21,75 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from llmctl.platform import apply_isa_cap  # noqa: E402
+
+apply_isa_cap()  # LLMCTL_CPU_ISA (the emulated-CPU runs) caps the kernels of every test, engines or not
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STORIES_DIR = REPO_ROOT.parent / "shared" / "models" / "stories260k"
 
 torch.set_num_threads(int(os.environ.get("LLMCTL_TEST_THREADS", max(1, min(2, os.cpu_count() or 1)))))
+
+
+# Test tiers (scripts/test.sh), by where a test lives, so a new test in one of these places is
+# tiered too. `subprocess`: starts servers, CLIs or other Python processes; `parallel`: torchrun
+# ranks; `slow`: long in process; `native`: native CPU kernels and the paths that choose them, which
+# scripts/test.sh runs again with the ISA capped at AVX2 and at generic.
+TIERS: dict[str, tuple[str, ...]] = {
+    "subprocess": (
+        "server/",
+        "deploy/",
+        "router/test_router_e2e.py",
+        "bench/test_cli.py",
+        "bench/test_runner.py",
+        "chat/test_chat.py",
+        "hub/",
+        "test_main_cli.py",
+        "test_packaging.py",
+        "test_perplexity.py",
+        "tui/test_real_server.py",
+        "tui/test_reconnect.py",
+        "engine/test_host_malloc.py",
+        "kernels/test_native_module.py",
+        "models/test_stories.py",
+    ),
+    "parallel": ("parallel/",),
+    "slow": (
+        "models/test_gguf_smollm2.py",
+        "bench/test_baseline_hf.py",
+        "kernels/test_triton_",
+        "layers/test_triton_",
+        "layers/test_gptq.py",
+    ),
+    "native": (
+        "kernels/test_cpu_native.py",
+        "kernels/test_gemm_native.py",
+        "kernels/test_int8_gemm.py",
+        "kernels/test_kivi_store_native.py",
+        "kernels/test_kv_codes_native.py",
+        "kernels/test_kv_quant_native.py",
+        "kernels/test_quant_half_scales.py",
+        "kernels/test_quant_interleaved.py",
+        "kernels/test_quant_native.py",
+        "models/test_decode_loop.py",
+        "models/test_dtype_choice.py",
+        "models/test_models_exact.py",
+        "models/test_gguf_packed.py",
+        "engine/test_batching.py",
+        "engine/test_kv_quant_engine.py",
+        "layers/test_quantization.py",
+        "test_platform.py",
+    ),
+}
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        where = Path(item.fspath).resolve().relative_to(TESTS_DIR).as_posix()
+        for marker, places in TIERS.items():
+            if where.startswith(places):
+                item.add_marker(marker)
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +128,7 @@ def _sigint_left_as_found():
     """A test that leaves SIGINT ignored, handled or blocked in this process fails here, by name, and
     the disposition is put back. (A pytest started as a background job of a non-interactive shell
     has SIGINT ignored from the start: that is kept, not flagged. Children that must see Ctrl-C set
-    it to the default themselves, as tests/test_chat.py does.)"""
+    it to the default themselves, as tests/chat/test_chat.py does.)"""
     import signal
 
     handler, blocked = signal.getsignal(signal.SIGINT), signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
@@ -73,5 +138,7 @@ def _sigint_left_as_found():
     if handler_after is not handler or blocked_after != blocked:
         signal.signal(signal.SIGINT, handler)
         signal.pthread_sigmask(signal.SIG_BLOCK if blocked else signal.SIG_UNBLOCK, {signal.SIGINT})
-        pytest.fail(f"this test changed SIGINT in the pytest process: handler {handler!r} -> {handler_after!r}, "
-                    f"blocked {blocked} -> {blocked_after}")
+        pytest.fail(
+            f"this test changed SIGINT in the pytest process: handler {handler!r} -> {handler_after!r}, "
+            f"blocked {blocked} -> {blocked_after}"
+        )

@@ -18,21 +18,47 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import dequantize, quantize
 
 T = GGMLQuantizationType
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
-CORPUS = ("the quick brown fox jumps over the lazy dog while a small engine serves many stories "
-          "to readers who ask at the same time and it keeps its memory in pages")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+CORPUS = (
+    "the quick brown fox jumps over the lazy dog while a small engine serves many stories "
+    "to readers who ask at the same time and it keeps its memory in pages"
+)
 
 # Every type llmctl reads appears at least once, and the merged projections mix types.
 LAYER_TYPES = [
-    {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q8_0, "attn_output": T.Q5_0,
-     "ffn_gate": T.Q5_1, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K},
-    {"attn_q": T.Q4_K, "attn_k": T.Q5_K, "attn_v": T.Q6_K, "attn_output": T.F16,
-     "ffn_gate": T.BF16, "ffn_up": T.Q8_0, "ffn_down": T.Q5_K},
+    {
+        "attn_q": T.Q4_0,
+        "attn_k": T.Q4_1,
+        "attn_v": T.Q8_0,
+        "attn_output": T.Q5_0,
+        "ffn_gate": T.Q5_1,
+        "ffn_up": T.Q4_K,
+        "ffn_down": T.Q6_K,
+    },
+    {
+        "attn_q": T.Q4_K,
+        "attn_k": T.Q5_K,
+        "attn_v": T.Q6_K,
+        "attn_output": T.F16,
+        "ffn_gate": T.BF16,
+        "ffn_up": T.Q8_0,
+        "ffn_down": T.Q5_K,
+    },
 ]
-_HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+_HF_TO_GGUF = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
 
 
 def sentencepiece_vocab() -> tuple[list[str], list[float], list[int]]:
@@ -56,8 +82,10 @@ def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 def _random_k_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
-    half = lambda scale, n: (np.abs(rng.normal(scale, scale / 4, (raw.shape[0], n)))  # noqa: E731
-                             .astype(np.float16).view(np.uint8))
+
+    def half(scale: float, n: int) -> np.ndarray:
+        return np.abs(rng.normal(scale, scale / 4, (raw.shape[0], n))).astype(np.float16).view(np.uint8)
+
     if qtype == T.Q6_K:
         raw[:, 208:210] = half(0.05 / (127 * 32), 1)
     else:  # Q4_K, Q5_K: d and dmin
@@ -78,18 +106,34 @@ def decode_tensor(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return dequantize(data, qtype)
 
 
-def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str = "llama", tie: bool = False, seed: int = 0,
-                    layer_types: list[dict] = LAYER_TYPES) -> Path:
+def write_tiny_gguf(
+    path: Path,
+    hf_dir: Path,
+    *,
+    arch: str = "llama",
+    tie: bool = False,
+    seed: int = 0,
+    layer_types: list[dict] = LAYER_TYPES,
+) -> Path:
     """Write ``path`` (GGUF) and ``hf_dir`` (the transformers checkpoint with the same values)."""
     from model_factory import make_config
     from transformers import AutoModelForCausalLM
 
     tokens, scores, types = sentencepiece_vocab()
     family = "llama" if arch == "llama" else "qwen2"
-    config = make_config(family, vocab_size=len(tokens), hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=2,
-                         rope_scaling=None, tie_word_embeddings=tie, initializer_range=0.05,
-                         rms_norm_eps=1e-5)  # rope theta: the default 10000
+    config = make_config(
+        family,
+        vocab_size=len(tokens),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_scaling=None,
+        tie_word_embeddings=tie,
+        initializer_range=0.05,
+        rms_norm_eps=1e-5,
+    )  # rope theta: the default 10000
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     rng = np.random.default_rng(seed)
@@ -120,7 +164,8 @@ def write_tiny_gguf(path: Path, hf_dir: Path, *, arch: str = "llama", tie: bool 
         if gguf_name is None or (tie and name == "lm_head.weight"):  # tied: llama.cpp writes no output.weight
             continue
         heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(
-            gguf_name.split(".")[-2])
+            gguf_name.split(".")[-2]
+        )
         stored_w = _llama_cpp_permute(w, heads) if (arch == "llama" and heads) else w
         data = encode_tensor(stored_w, qtype, rng)
         writer.add_tensor(gguf_name, data, raw_dtype=qtype)

@@ -135,7 +135,8 @@ class HubServer:
         extra: dict[str, bytes] | None = None,
         gated_token: str | None = None,
     ) -> str:
-        """Serve the files of ``source`` (recursively, read in place) plus ``extra`` at ``revision``; return its commit."""
+        """Serve the files of ``source`` (recursively, read in place) plus ``extra`` at ``revision``;
+        return its commit."""
         files: dict[str, HubFile] = {}
         if source is not None:
             for path in sorted(source.rglob("*")):
@@ -196,7 +197,7 @@ class HubServer:
         host, port = self._httpd.server_address[:2]
         return f"http://{host}:{port}"
 
-    def start(self) -> "HubServer":
+    def start(self) -> HubServer:
         handler = type("BoundHubHandler", (_HubHandler,), {"hub": self})
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._httpd.daemon_threads = True
@@ -213,7 +214,7 @@ class HubServer:
             self._httpd.server_close()
             self._httpd = None
 
-    def __enter__(self) -> "HubServer":
+    def __enter__(self) -> HubServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -255,7 +256,9 @@ class _HubHandler(BaseHTTPRequestHandler):
     def _json(self, payload: object, head: bool) -> None:
         self._send(200, json.dumps(payload).encode(), {"Content-Type": "application/json"}, head)
 
-    def _error(self, status: int, code: str | None, message: str, head: bool, extra: dict[str, str] | None = None) -> None:
+    def _error(
+        self, status: int, code: str | None, message: str, head: bool, extra: dict[str, str] | None = None
+    ) -> None:
         headers = {"Content-Type": "application/json", "X-Error-Message": message}
         if code:
             headers["X-Error-Code"] = code
@@ -364,7 +367,14 @@ class _HubHandler(BaseHTTPRequestHandler):
                 folder = base + "/".join(parts[:depth])
                 if (recursive or depth == 1) and folder not in folders:
                     folders.add(folder)
-                    entries.append({"type": "directory", "oid": hashlib.sha1(folder.encode()).hexdigest(), "size": 0, "path": folder})
+                    entries.append(
+                        {
+                            "type": "directory",
+                            "oid": hashlib.sha1(folder.encode()).hexdigest(),
+                            "size": 0,
+                            "path": folder,
+                        }
+                    )
             if len(parts) > 1 and not recursive:
                 continue
             entry: dict[str, object] = {"type": "file", "oid": f.git_oid, "size": f.size, "path": f.path}

@@ -10,8 +10,7 @@ import pytest
 
 
 def llmctl(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmctl.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "llmctl.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_help_lists_every_command():
@@ -22,7 +21,7 @@ def test_help_lists_every_command():
 
 
 def test_generate_on_embedded_default_is_labelled_random():
-    proc = llmctl("generate", "tiny-random-llama", "Once upon a time", "--max-tokens", "12", "--sample-seed", "3")
+    proc = llmctl("generate", "tiny-random-llama", "Once upon a time", "--max-tokens", "12", "--seed", "3")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("Once upon a time")
     assert "RANDOM weights" in proc.stderr
@@ -39,7 +38,8 @@ def test_generate_on_embedded_default_is_labelled_random():
         (["--device", "tpu"], "unknown device 'tpu'"),
         (["--threads", "0"], "threads must be at least 1"),
         (["--dtype", "int3"], "unknown dtype 'int3'"),
-        (["--attention-backend", "cuda-magic"], "unknown attention backend 'cuda-magic'"),
+        (["--kernel-backend", "cuda-magic"], "backend 'cuda-magic'"),
+        (["--attention-backend", "cuda-magic"], "backend 'cuda-magic'"),  # the older name of --kernel-backend
         (["--temperature", "-1"], "temperature must be in [0, 100]"),
         (["--max-model-len", "999999"], "exceeds the model's limit 4096"),
     ],
@@ -59,8 +59,13 @@ def test_missing_model_directory_is_a_clear_error(tmp_path):
 
 
 def test_stdin_prompt_drops_the_trailing_newline(stories_dir):
-    proc = subprocess.run([sys.executable, "-m", "llmctl.cli", "generate", str(stories_dir), "-", "-n", "5", "-t", "0"],
-                          input="Once upon a time\n", capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmctl.cli", "generate", str(stories_dir), "-", "-n", "5", "-t", "0"],
+        input="Once upon a time\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "prompt 5 tokens" in proc.stderr
     assert proc.stdout.startswith("Once upon a time, there was")
@@ -75,9 +80,25 @@ def test_counts_are_singular_for_one():
 def test_stdin_prompt_on_a_terminal_says_it_is_waiting():
     """`generate MODEL -` on a terminal would wait in silence: it says it reads standard input."""
     pexpect = pytest.importorskip("pexpect")
-    child = pexpect.spawn(sys.executable, ["-m", "llmctl.cli", "generate", "tiny-random-llama", "-", "-n", "1",
-                                           "--threads", "1", "--kv-cache-memory", "64MiB"],
-                          encoding="utf-8", timeout=240, dimensions=(24, 200))
+    child = pexpect.spawn(
+        sys.executable,
+        [
+            "-m",
+            "llmctl.cli",
+            "generate",
+            "tiny-random-llama",
+            "-",
+            "-n",
+            "1",
+            "--threads",
+            "1",
+            "--kv-cache-memory",
+            "64MiB",
+        ],
+        encoding="utf-8",
+        timeout=240,
+        dimensions=(24, 200),
+    )
     try:
         child.expect_exact("reading the prompt from standard input: type it, then Ctrl-D")
         child.sendline("Once")
@@ -94,31 +115,57 @@ def test_kv_pool_too_small_names_the_minimum():
     from llmctl.config import kv_pool_too_small
 
     message = str(kv_pool_too_small(1024, 36864, 16, None))
-    assert message == ("a KV pool of 1KiB cannot hold a single KV block (36KiB per block of 16 tokens for this "
-                       "model): give --kv-cache-memory at least 36KiB")
+    assert message == (
+        "a KV pool of 1KiB cannot hold a single KV block (36KiB per block of 16 tokens for this "
+        "model): give --kv-cache-memory at least 36KiB"
+    )
     message = str(kv_pool_too_small(1 << 20, 36864, 16, 100))
     assert "cannot hold one sequence of max_model_len=100 tokens" in message
     assert "at least 252KiB or lower --max-model-len" in message  # ceil(100 / 16) = 7 blocks
 
 
+# the engine options a command leaves out, because they mean nothing to it
+NOT_OFFERED = {
+    "generate": {"--max-num-seqs", "--enable-prefix-caching", "--chat-template"},  # one raw prompt
+    "chat": {"--max-num-seqs", "--max-num-batched-tokens"},  # one conversation
+    "serve": set(),
+    "bench": {"--chat-template"},  # prompts as tokens or plain text; its own --seed seeds workload and engine
+    "perplexity": {
+        "--seed",
+        "--chat-template",
+        "--speculative-model",
+        "--num-speculative-tokens",
+        "--ngram-prompt-lookup-max",
+        "--ngram-prompt-lookup-min",
+    },  # scores, samples nothing
+    "top": {"--chat-template", "--tensor-parallel-size", "--pipeline-parallel-size"},  # one in-process engine
+}
+
+
 @pytest.mark.parametrize("columns", ["80", "200"])
-@pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench", "top"])
+@pytest.mark.parametrize("command", sorted(NOT_OFFERED))
 def test_help_shows_every_flag_whole(command, columns):
     """At 80 columns and piped, every flag appears whole (help text wraps instead), with no
-    `<bool>` metavar on flags, and the engine options come from EngineConfig."""
+    `<bool>` metavar on flags; the engine options come from EngineConfig, each command's only
+    those that mean something to it, grouped in panels."""
     import os
 
     from llmctl.cli_options import engine_option_list
 
-    proc = subprocess.run([sys.executable, "-m", "llmctl.cli", command, "--help"], capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, COLUMNS=columns))
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmctl.cli", command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, COLUMNS=columns),
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert max(len(line) for line in lines) <= max(80, int(columns))
     assert "<bool>" not in proc.stdout and "…" not in proc.stdout
-    flags = {flag for o in engine_option_list() for flag in o.cli.flag.replace("/", " ").split()}
-    excluded = {"generate": {"--max-num-seqs"}, "chat": {"--max-num-seqs", "--max-num-batched-tokens"},
-                "bench": {"--seed"}}.get(command, set())
-    words = set(proc.stdout.replace(",", " ").split())
-    assert flags - excluded <= words, flags - excluded - words
-    assert "Engine:" in lines or "Local engine (--local):" in lines
+    words = set(proc.stdout.replace(",", " ").replace("/", " ").split())
+    shown = {o.flag for o in engine_option_list() if o.flag in words}
+    expected = {o.flag for o in engine_option_list()} - NOT_OFFERED[command]
+    assert shown == expected, (expected - shown, shown - expected)
+    assert "--attention-backend" not in words and "--kernel-backend" in words  # the older name is hidden
+    assert any(line.startswith("KV cache") and line.endswith(":") for line in lines)

@@ -29,8 +29,12 @@ def wheel_names(tmp_path_factory) -> set[str]:
         shutil.copy(REPO_ROOT / name, source / name)
     for folder in ("llmctl", "kernels"):
         shutil.copytree(REPO_ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    str(source), "-w", str(out)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source), "-w", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = out.glob("llmctl-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         return set(archive.namelist())
@@ -38,8 +42,12 @@ def wheel_names(tmp_path_factory) -> set[str]:
 
 def _tree_files(folder: str, patterns: tuple[str, ...]) -> set[Path]:
     root = REPO_ROOT / folder
-    return {path.relative_to(root) for pattern in patterns for path in root.rglob(pattern)
-            if "__pycache__" not in path.parts}
+    return {
+        path.relative_to(root)
+        for pattern in patterns
+        for path in root.rglob(pattern)
+        if "__pycache__" not in path.parts
+    }
 
 
 def test_the_wheel_has_two_top_level_packages_and_no_kernels(wheel_names):

@@ -20,8 +20,9 @@ FABLES = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "fable
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmctl.cli", "perplexity", *args], capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "llmctl.cli", "perplexity", *args], capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.mark.parametrize(("n", "window", "stride"), [(10, 4, 3), (10, 4, 2), (11, 4, 4), (2, 8, 7), (100, 7, 1)])
@@ -29,7 +30,7 @@ def test_windows_score_each_token_at_most_once(n, window, stride):
     scored = []
     for w in windows(list(range(n)), window, stride):
         assert 2 <= len(w.token_ids) <= window and 1 <= w.first_scored < len(w.token_ids)
-        scored += w.token_ids[w.first_scored:]
+        scored += w.token_ids[w.first_scored :]
     if stride < window:  # overlapping windows: every token but the first
         assert scored == list(range(1, n))
     else:  # each window's first token has no context
@@ -53,7 +54,7 @@ def hf_perplexity(model_dir: Path, token_ids: list[int], window: int, stride: in
             logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
             targets = ids[0, 1:]
             picked = -logprobs[torch.arange(len(targets)), targets]
-            nll += picked[w.first_scored - 1:].tolist()
+            nll += picked[w.first_scored - 1 :].tolist()
     return math.exp(math.fsum(nll) / len(nll)), len(nll)
 
 
@@ -79,8 +80,10 @@ def test_plain_output_and_a_bad_path(stories_dir, tmp_path):
     assert done.returncode == 0 and done.stdout.startswith("perplexity ") and "windows of 256" in done.stdout
     too_long = run_cli(str(stories_dir), "--text", str(FABLES), "--window", "600")
     assert too_long.returncode == 1 and too_long.stderr.strip().splitlines() == [
-        "error: --window 600 is too long: at most max_model_len - 1 = 511 tokens (the engine samples one more)"]
+        "error: --window 600 is too long: at most max_model_len - 1 = 511 tokens (the engine samples one more)"
+    ]
     missing = run_cli(str(stories_dir), "--text", str(tmp_path / "missing.txt"))
     assert missing.returncode == 1 and missing.stdout == ""
-    assert missing.stderr.strip().splitlines() == [f"error: cannot read {tmp_path / 'missing.txt'}: "
-                                                   "No such file or directory"]
+    assert missing.stderr.strip().splitlines() == [
+        f"error: cannot read {tmp_path / 'missing.txt'}: No such file or directory"
+    ]

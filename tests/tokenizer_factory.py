@@ -14,8 +14,10 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llmctl.tokenizer import Tokenizer
 
-MIXED_TEXT = ("Once upon a time 你好世界，猫在桌子上睡觉。日本語のテキストです。 Emoji 🙂🐱🚀 and "
-              "café naïve façade — «quotes» 中文：猫 한국어 텍스트 ")
+MIXED_TEXT = (
+    "Once upon a time 你好世界，猫在桌子上睡觉。日本語のテキストです。 Emoji 🙂🐱🚀 and "
+    "café naïve façade — «quotes» 中文：猫 한국어 텍스트 "
+)
 
 # Qwen3's chat template in short: contents trimmed, and an empty think block after the generation
 # prompt when the caller turns thinking off (``enable_thinking=False``).
@@ -34,8 +36,12 @@ def _byte_level_json() -> str:
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=["<s>", "</s>", "<|im_end|>", "<|im_start|>"],
-                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=420,
+        special_tokens=["<s>", "</s>", "<|im_end|>", "<|im_start|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([MIXED_TEXT * 3] * 20, trainer=trainer)
     return tok.to_str()
 

@@ -174,8 +174,8 @@ void decode_tasks(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
 // - V: RP rows x CH vectors of dims in registers, one V load per RP FMAs.
 // Why: the decode-style kernel it replaces ran each query row alone against every K and V row
 // (a matrix-vector product per row): 7.2 ms a layer for 16 prompts x 128 tokens of the 246M
-// Llama on a 2-core AMX Xeon, ~18 % of a bf16 prefill chunk (docs/benchmarks.md, eighteenth
-// session). fp32 arithmetic throughout; the result of a query row depends only on its sequence.
+// Llama on a 2-core AMX Xeon, ~18 % of a bf16 prefill chunk (docs/benchmarks.md, "Prefill
+// attention"). fp32 arithmetic throughout; the result of a query row depends only on its sequence.
 template <typename T, typename C = T>
 struct PrefillArgs {
   const T* q;  // [num_tokens, num_q_heads, D]
@@ -227,7 +227,7 @@ struct Lanes8 {
     return 1.f / hsum8(vsum);
   }
 };
-#ifdef LLMCTL_ISA_HAS_AVX512
+#ifdef LLK_ISA_HAS_AVX512
 // exp8 (attention_tiles.h) on 16 lanes: the same operations lane by lane, 2^n by vscalefps.
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-86.f)), _mm512_set1_ps(89.f));

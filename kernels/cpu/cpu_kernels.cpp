@@ -1,4 +1,4 @@
-// Native CPU kernels, one translation unit (torch's headers dominate the build time):
+// Native CPU kernels (declared in cpu_kernels.h; bound for Python in bindings.cpp):
 //
 // - paged decode attention, the fused counterpart of kernels/decode_attention.py;
 // - RMSNorm with the residual add, SiLU-and-mul and rotary embedding, fused counterparts of
@@ -7,14 +7,13 @@
 //   torch reference produces a bf16 tensor), so they agree with them to the last bit or so;
 // - the KV store (one memcpy per token).
 //
-// Run-time ISA dispatch: the loops live in cpu_kernels_isa.h, compiled here once per instruction
-// set inside a `#pragma GCC target` region (generic x86-64, AVX2+FMA+F16C, AVX-512), plus an
-// AVX512-BF16 decode kernel. The build uses no -march flag, so one binary runs on any x86-64 CPU;
-// `set_isa` (called by kernels/cpu_native.py with the level read from /proc/cpuinfo) picks the
-// variant. Work is spread over torch's own thread pool (at::parallel_for), so it never competes
+// Run-time ISA dispatch (isa.h): the loops live in cpu_kernels_isa.h, compiled here once per
+// instruction set inside a `#pragma GCC target` region (generic x86-64, AVX2+FMA+F16C, AVX-512),
+// plus an AVX512-BF16 decode kernel; `set_isa` (called by kernels/cpu_native.py with the level
+// read from /proc/cpuinfo) picks the variant. Work is spread over torch's own thread pool (at::parallel_for), so it never competes
 // with a second OpenMP runtime.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <atomic>
@@ -27,44 +26,31 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_kernels.h"
+#include "isa.h"
+
+// A product and a sum round separately, as in torch's elementwise ops (rotary is then
+// bit-identical): only explicit FMAs fuse, in every variant.
+#pragma GCC optimize("fp-contract=off")
+
 namespace {
 
-// The 8-bit codes of a quantized KV pool (--kv-cache-dtype int8, fp8_e4m3, fp8_e5m2; layout and
-// torch reference in kernels/kv_quant.py): one byte per element, one float32 scale per (token, KV
-// head). Distinct types, so that a kernel templated on its cache's element type reads them right.
-struct Int8Code { int8_t bits; };
-struct Fp8E4m3Code { uint8_t bits; };
-struct Fp8E5m2Code { uint8_t bits; };
-template <typename C>
-constexpr bool kIsCode = std::is_same_v<C, Int8Code> || std::is_same_v<C, Fp8E4m3Code> || std::is_same_v<C, Fp8E5m2Code>;
-// The largest magnitude a code holds: a row's scale is its amax / this (kernels/kv_quant.py's _qmax).
-template <typename C>
-constexpr float kCodeMax = std::is_same_v<C, Int8Code> ? 127.f : std::is_same_v<C, Fp8E4m3Code> ? 448.f : 57344.f;
-
-// T: query and output; C: the cache's elements (T, or a code type with its scales).
-template <typename T, typename C = T>
-struct DecodeArgs {
-  const T* q;
-  const C* k_cache;
-  const C* v_cache;
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
-  T* out;
-  int64_t num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, heads_per_task;
-  float scale;
-  const float* k_scale = nullptr;  // codes only: [NB, BS, Hkv], a row's value = code * scale
-  const float* v_scale = nullptr;
-};
+using llk::Isa;
+using llk::cpu::DecodeArgs;
+using llk::cpu::Fp8E4m3Code;
+using llk::cpu::Fp8E5m2Code;
+using llk::cpu::Int8Code;
+using llk::cpu::kCodeMax;
+using llk::cpu::kIsCode;
 
 namespace generic {
 #include "cpu_kernels_isa.h"
 }  // namespace generic
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define LLMCTL_X86_VARIANTS 1
+#ifdef LLK_X86_VARIANTS
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-#define LLMCTL_ISA_HAS_AVX2 1  // the variants below may use AVX2+FMA intrinsics (attention_f32.h)
+#define LLK_ISA_HAS_AVX2 1  // the variants below may use AVX2+FMA intrinsics (attention_f32.h)
 namespace avx2 {
 #include "cpu_kernels_isa.h"
 }  // namespace avx2
@@ -72,12 +58,12 @@ namespace avx2 {
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512")
-#define LLMCTL_ISA_HAS_AVX512 1  // attention_f32.h's prefill tiles may use 512-bit vectors
+#define LLK_ISA_HAS_AVX512 1  // attention_f32.h's prefill tiles may use 512-bit vectors
 namespace avx512 {
 #include "cpu_kernels_isa.h"
 }  // namespace avx512
-#undef LLMCTL_ISA_HAS_AVX512
-#undef LLMCTL_ISA_HAS_AVX2
+#undef LLK_ISA_HAS_AVX512
+#undef LLK_ISA_HAS_AVX2
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -94,7 +80,7 @@ namespace avx512bf16 {
 // in registers over all the tokens. Why: the widening kernel of attention_f32.h (8 lanes) copies
 // every K and V row to fp32 in a buffer; on a 2-core Xeon with AMX (64 sequences x 192 tokens of
 // the 246M Llama, 16 layers) it took 1.10-1.19 ms a layer, this one 0.90-0.96 (docs/benchmarks.md,
-// seventeenth session), 0.68-0.69 with its prefetches spread (eighteenth). The arithmetic of a
+// "Decode attention"), 0.68-0.69 with its prefetches spread. The arithmetic of a
 // (sequence, head) depends on nothing else: batched == unbatched, whatever the task split or
 // thread count. Same result as the generic path up to fp32 summation order.
 constexpr int64_t kTile = 16;  // tokens per score tile
@@ -234,24 +220,23 @@ void decode_range(const DecodeArgs<at::BFloat16>& a, int64_t begin, int64_t end)
 #pragma GCC pop_options
 #endif
 
-enum class Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 Isa g_isa = Isa::kGeneric;
 
 // Calls NAME<T>(args...) in the namespace of the selected ISA; fp16 always takes the generic
 // variant (no CPU computes it natively, and it is never the auto dtype on a CPU).
-#ifdef LLMCTL_X86_VARIANTS
-#define LLMCTL_ISA_CALL(T, NAME, ...)                                                  \
+#ifdef LLK_X86_VARIANTS
+#define LLK_ISA_CALL(T, NAME, ...)                                                  \
   do {                                                                                 \
     if (!std::is_same_v<T, at::Half> && g_isa >= Isa::kAvx512) avx512::NAME<T>(__VA_ARGS__); \
     else if (!std::is_same_v<T, at::Half> && g_isa == Isa::kAvx2) avx2::NAME<T>(__VA_ARGS__); \
     else generic::NAME<T>(__VA_ARGS__);                                                \
   } while (0)
 #else
-#define LLMCTL_ISA_CALL(T, NAME, ...) generic::NAME<T>(__VA_ARGS__)
+#define LLK_ISA_CALL(T, NAME, ...) generic::NAME<T>(__VA_ARGS__)
 #endif
 
 // Runs the lambda (which uses ``scalar_t``) for the storage types the kernels take.
-#define LLMCTL_DISPATCH(TYPE, NAME, ...)                                                      \
+#define LLK_DISPATCH(TYPE, NAME, ...)                                                      \
   switch (TYPE) {                                                                            \
     case at::kFloat: { using scalar_t = float; __VA_ARGS__(); break; }                              \
     case at::kBFloat16: { using scalar_t = at::BFloat16; __VA_ARGS__(); break; }                    \
@@ -265,7 +250,7 @@ bool decode_with_avx512_bf16(const DecodeArgs<T>&, int64_t) {
   return false;
 }
 
-#ifdef LLMCTL_X86_VARIANTS
+#ifdef LLK_X86_VARIANTS
 template <>
 bool decode_with_avx512_bf16(const DecodeArgs<at::BFloat16>& args, int64_t num_seqs) {
   if (g_isa != Isa::kAvx512Bf16 || (args.head_dim != 64 && args.head_dim != 128)) return false;
@@ -278,27 +263,23 @@ bool decode_with_avx512_bf16(const DecodeArgs<at::BFloat16>& args, int64_t num_s
 
 }  // namespace
 
+namespace llk::cpu {
+
 std::string set_isa(const std::string& name) {
-  if (name == "generic") g_isa = Isa::kGeneric;
-#ifdef LLMCTL_X86_VARIANTS
-  else if (name == "avx2") g_isa = Isa::kAvx2;
-  else if (name == "avx512") g_isa = Isa::kAvx512;
-  else if (name == "avx512bf16") g_isa = Isa::kAvx512Bf16;
-#endif
-  else TORCH_CHECK(false, "unknown or not compiled ISA level: ", name);
+  TORCH_CHECK(llk::parse_isa(name, &g_isa), "unknown or not compiled ISA level: ", name);
   return name;
 }
 
 std::vector<std::string> compiled_isas() {
-#ifdef LLMCTL_X86_VARIANTS
+#ifdef LLK_X86_VARIANTS
   return {"generic", "avx2", "avx512", "avx512bf16"};
 #else
   return {"generic"};
 #endif
 }
 
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                     at::Tensor block_tables, at::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [S, Hq, D], cache [NB, BS, Hkv, D]");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables");
@@ -306,12 +287,12 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   auto bt = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const int64_t num_seqs = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_dim && num_q_heads % num_kv_heads == 0, "head shapes disagree");
   if (num_seqs == 0) return out;
-  LLMCTL_DISPATCH(q.scalar_type(), "paged_decode_attention", [&] {
+  LLK_DISPATCH(q.scalar_type(), "paged_decode_attention", [&] {
     using T = scalar_t;
     // Whole sequences per task when they alone keep every thread busy, else one KV head per task.
     const int64_t heads_per_task = num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
@@ -321,14 +302,14 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
     if (decode_with_avx512_bf16(args, num_seqs)) return;
     const int64_t tasks = num_seqs * (num_kv_heads / heads_per_task);
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-      LLMCTL_ISA_CALL(T, decode_range, args, begin, end);
+      LLK_ISA_CALL(T, decode_range, args, begin, end);
     });
   });
   return out;
 }
 
 // Runs the lambda (which uses ``code_t``) for the 8-bit KV code type of ``kind``.
-#define LLMCTL_CODE_DISPATCH(KIND, ...)                                                          \
+#define LLK_CODE_DISPATCH(KIND, ...)                                                          \
   do {                                                                                           \
     if (KIND == "int8") { using code_t = Int8Code; __VA_ARGS__(); }                              \
     else if (KIND == "fp8_e4m3") { using code_t = Fp8E4m3Code; __VA_ARGS__(); }                  \
@@ -343,8 +324,8 @@ bool decode_codes_supported(int64_t head_dim) {
 
 // query [tokens, Hq, D] against one layer of an 8-bit KV pool: codes [NB, BS, Hkv, D] as bytes,
 // float32 scales [NB, BS, Hkv].
-void check_code_pool(const torch::Tensor& query, const torch::Tensor& k_codes, const torch::Tensor& v_codes,
-                     const torch::Tensor& k_scale, const torch::Tensor& v_scale) {
+void check_code_pool(const at::Tensor& query, const at::Tensor& k_codes, const at::Tensor& v_codes,
+                     const at::Tensor& k_scale, const at::Tensor& v_scale) {
   TORCH_CHECK(query.dim() == 3 && k_codes.dim() == 4 && k_codes.element_size() == 1 &&
                   v_codes.sizes() == k_codes.sizes(), "query [T, Hq, D], codes [NB, BS, Hkv, D] bytes");
   TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_scale.is_contiguous() && v_scale.is_contiguous() &&
@@ -362,18 +343,18 @@ void check_code_pool(const torch::Tensor& query, const torch::Tensor& k_codes, c
 // at a time, the scales applied per (token, KV head) to the scores and the softmax weights. Same
 // result as dequantizing and attending (kernels/kv_quant.py) up to fp32 summation order; the native
 // decode loop calls the same code.
-torch::Tensor paged_decode_attention_codes(torch::Tensor query, const std::string& kind, torch::Tensor k_codes,
-                                           torch::Tensor v_codes, torch::Tensor k_scale, torch::Tensor v_scale,
-                                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+at::Tensor paged_decode_attention_codes(at::Tensor query, const std::string& kind, at::Tensor k_codes,
+                                           at::Tensor v_codes, at::Tensor k_scale, at::Tensor v_scale,
+                                           at::Tensor block_tables, at::Tensor seq_lens, double scale) {
   check_code_pool(query, k_codes, v_codes, k_scale, v_scale);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables");
   auto q = query.contiguous();
   auto bt = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const int64_t num_seqs = q.size(0), num_q_heads = q.size(1), num_kv_heads = k_codes.size(2);
   if (num_seqs == 0) return out;
-#ifdef LLMCTL_X86_VARIANTS
+#ifdef LLK_X86_VARIANTS
   const int64_t heads_per_task = num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t tasks = num_seqs * (num_kv_heads / heads_per_task);
   auto run = [&](auto query_tag, auto code_tag) {
@@ -389,7 +370,7 @@ torch::Tensor paged_decode_attention_codes(torch::Tensor query, const std::strin
       else avx2::decode_codes_range<T, C>(args, begin, end);
     });
   };
-  LLMCTL_CODE_DISPATCH(kind, [&] {
+  LLK_CODE_DISPATCH(kind, [&] {
     if (q.scalar_type() == at::kFloat) run(float{}, code_t{});
     else run(at::BFloat16{}, code_t{});
   });
@@ -400,8 +381,8 @@ torch::Tensor paged_decode_attention_codes(torch::Tensor query, const std::strin
 // Quantize-on-store of this step's K and V (float32 [T, Hkv, D], rows may be strided) into an
 // 8-bit pool through the slot mapping (-1 skipped): bit for bit kernels/kv_quant.py's
 // quantize_per_token, the torch reference.
-void store_kv_codes(torch::Tensor key, torch::Tensor value, const std::string& kind, torch::Tensor k_codes,
-                    torch::Tensor v_codes, torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor slot_mapping) {
+void store_kv_codes(at::Tensor key, at::Tensor value, const std::string& kind, at::Tensor k_codes,
+                    at::Tensor v_codes, at::Tensor k_scale, at::Tensor v_scale, at::Tensor slot_mapping) {
   TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat && key.dim() == 3 &&
                   value.sizes() == key.sizes(), "float32 K and V [T, Hkv, D]");
   TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_codes.element_size() == 1 &&
@@ -415,11 +396,11 @@ void store_kv_codes(torch::Tensor key, torch::Tensor value, const std::string& k
   const int64_t capacity = k_scale.numel() / heads;
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] < capacity, "slot ", slot[t], " outside the pool");
-  LLMCTL_CODE_DISPATCH(kind, [&] {
+  LLK_CODE_DISPATCH(kind, [&] {
     const float qmax = kCodeMax<code_t>;
-    auto quantize = [&](const torch::Tensor& x, torch::Tensor& codes, torch::Tensor& scales) {
+    auto quantize = [&](const at::Tensor& x, at::Tensor& codes, at::Tensor& scales) {
       TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == dim, "K/V heads must be contiguous within a token");
-      LLMCTL_ISA_CALL(code_t, quantize_rows, x.data_ptr<float>(), x.stride(0), heads, dim, slot, qmax,
+      LLK_ISA_CALL(code_t, quantize_rows, x.data_ptr<float>(), x.stride(0), heads, dim, slot, qmax,
                       static_cast<code_t*>(codes.data_ptr()), scales.data_ptr<float>(), 0, tokens);
     };
     quantize(key, k_codes, k_scale);
@@ -430,8 +411,8 @@ void store_kv_codes(torch::Tensor key, torch::Tensor value, const std::string& k
 // fp32 or bf16 caches, head_dim 64 or 128, an AVX2 or AVX-512 machine: the tiled kernel of
 // attention_f32.h in 8 or 16 lanes. Other shapes and dtypes keep torch's SDPA
 // (kernels/prefill_attention.py); the caller checks with prefill_attention_supported first.
-bool prefill_attention_supported(torch::Tensor query, torch::Tensor key_cache) {
-#ifdef LLMCTL_X86_VARIANTS
+bool prefill_attention_supported(at::Tensor query, at::Tensor key_cache) {
+#ifdef LLK_X86_VARIANTS
   const auto dtype = query.scalar_type();
   return g_isa != Isa::kGeneric && (dtype == at::kFloat || dtype == at::kBFloat16) &&
          key_cache.scalar_type() == dtype && (query.size(-1) == 64 || query.size(-1) == 128);
@@ -440,7 +421,7 @@ bool prefill_attention_supported(torch::Tensor query, torch::Tensor key_cache) {
 #endif
 }
 
-#ifdef LLMCTL_X86_VARIANTS
+#ifdef LLK_X86_VARIANTS
 // Tasks (sequence, KV head) handed out one at a time, largest first: chunks of very different
 // lengths still split evenly over the threads. Each thread keeps its own scratch.
 template <typename Args, typename Scratch>
@@ -455,9 +436,9 @@ void prefill_tasks_on_threads(const Args& args, void (*kernel)(const Args&, int6
 }
 
 template <typename T, typename C = T>
-void prefill_on_threads(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                        const torch::Tensor& bt, const torch::Tensor& starts, const torch::Tensor& lens,
-                        torch::Tensor& out, double scale, const float* k_scale = nullptr,
+void prefill_on_threads(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        const at::Tensor& bt, const at::Tensor& starts, const at::Tensor& lens,
+                        at::Tensor& out, double scale, const float* k_scale = nullptr,
                         const float* v_scale = nullptr) {
   const int64_t num_seqs = lens.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = key_cache.size(2);
@@ -483,8 +464,8 @@ void prefill_on_threads(const torch::Tensor& q, const torch::Tensor& key_cache, 
 }
 #endif
 
-torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                      torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
+at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                      at::Tensor block_tables, at::Tensor query_start_loc, at::Tensor seq_lens,
                                       double scale) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, Hq, D], cache [NB, BS, Hkv, D]");
   TORCH_CHECK(prefill_attention_supported(query, key_cache), "native prefill attention: fp32 or bf16, head_dim "
@@ -496,13 +477,13 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
   auto bt = block_tables.contiguous();
   auto starts = query_start_loc.contiguous();
   auto lens = seq_lens.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   TORCH_CHECK(key_cache.size(3) == q.size(2) && q.size(1) % key_cache.size(2) == 0, "head shapes disagree");
   TORCH_CHECK(starts.size(0) == lens.size(0) + 1 && bt.size(0) == lens.size(0),
               "one table row and one chunk per sequence");
   TORCH_CHECK(starts.data_ptr<int32_t>()[starts.size(0) - 1] == q.size(0),
               "query_start_loc must end at the number of query tokens");
-#ifdef LLMCTL_X86_VARIANTS
+#ifdef LLK_X86_VARIANTS
   if (q.scalar_type() == at::kFloat) prefill_on_threads<float>(q, key_cache, value_cache, bt, starts, lens, out, scale);
   else prefill_on_threads<at::BFloat16>(q, key_cache, value_cache, bt, starts, lens, out, scale);
 #endif
@@ -511,10 +492,10 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
 
 // Causal prefill / extend over an 8-bit KV pool: paged_prefill_attention on each task's K and V
 // dequantized once (code * scale in fp32, as kernels/kv_quant.py's dequantize_per_token).
-torch::Tensor paged_prefill_attention_codes(torch::Tensor query, const std::string& kind, torch::Tensor k_codes,
-                                            torch::Tensor v_codes, torch::Tensor k_scale, torch::Tensor v_scale,
-                                            torch::Tensor block_tables, torch::Tensor query_start_loc,
-                                            torch::Tensor seq_lens, double scale) {
+at::Tensor paged_prefill_attention_codes(at::Tensor query, const std::string& kind, at::Tensor k_codes,
+                                            at::Tensor v_codes, at::Tensor k_scale, at::Tensor v_scale,
+                                            at::Tensor block_tables, at::Tensor query_start_loc,
+                                            at::Tensor seq_lens, double scale) {
   check_code_pool(query, k_codes, v_codes, k_scale, v_scale);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
               seq_lens.scalar_type() == at::kInt, "int32 tables");
@@ -522,13 +503,13 @@ torch::Tensor paged_prefill_attention_codes(torch::Tensor query, const std::stri
   auto bt = block_tables.contiguous();
   auto starts = query_start_loc.contiguous();
   auto lens = seq_lens.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   TORCH_CHECK(starts.size(0) == lens.size(0) + 1 && bt.size(0) == lens.size(0),
               "one table row and one chunk per sequence");
   TORCH_CHECK(starts.data_ptr<int32_t>()[starts.size(0) - 1] == q.size(0),
               "query_start_loc must end at the number of query tokens");
-#ifdef LLMCTL_X86_VARIANTS
-  LLMCTL_CODE_DISPATCH(kind, [&] {
+#ifdef LLK_X86_VARIANTS
+  LLK_CODE_DISPATCH(kind, [&] {
     if (q.scalar_type() == at::kFloat)
       prefill_on_threads<float, code_t>(q, k_codes, v_codes, bt, starts, lens, out, scale, k_scale.data_ptr<float>(),
                                         v_scale.data_ptr<float>());
@@ -541,19 +522,19 @@ torch::Tensor paged_prefill_attention_codes(torch::Tensor query, const std::stri
 }
 
 // ---- RMSNorm (+ residual) ------------------------------------------------------------------------
-std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
-                                                  c10::optional<torch::Tensor> residual) {
+std::tuple<at::Tensor, at::Tensor> rms_norm(at::Tensor x, at::Tensor weight, double eps,
+                                                  c10::optional<at::Tensor> residual) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && x.size(1) == weight.size(0), "x [N, H], weight [H]");
   auto xc = x.contiguous();
   auto w = weight.contiguous().to(x.scalar_type());
-  auto out = torch::empty_like(xc);
-  auto new_residual = residual.has_value() ? torch::empty_like(xc) : xc;
+  auto out = at::empty_like(xc);
+  auto new_residual = residual.has_value() ? at::empty_like(xc) : xc;
   auto rc = residual.has_value() ? residual->contiguous() : xc;
   const int64_t rows = xc.size(0), hidden = xc.size(1);
-  LLMCTL_DISPATCH(xc.scalar_type(), "rms_norm", [&] {
+  LLK_DISPATCH(xc.scalar_type(), "rms_norm", [&] {
     const scalar_t* rp = residual.has_value() ? rc.data_ptr<scalar_t>() : nullptr;
     at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-      LLMCTL_ISA_CALL(scalar_t, rms_norm_rows, xc.data_ptr<scalar_t>(), rp, w.data_ptr<scalar_t>(),
+      LLK_ISA_CALL(scalar_t, rms_norm_rows, xc.data_ptr<scalar_t>(), rp, w.data_ptr<scalar_t>(),
                       out.data_ptr<scalar_t>(), new_residual.data_ptr<scalar_t>(), begin, end, hidden,
                       static_cast<float>(eps));
     });
@@ -562,30 +543,30 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor
 }
 
 // ---- SiLU-and-mul -------------------------------------------------------------------------------
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x [N, 2 * d]");
   auto xc = x.contiguous();
   const int64_t rows = xc.size(0), d = xc.size(1) / 2;
-  auto out = torch::empty({rows, d}, xc.options());
-  LLMCTL_DISPATCH(xc.scalar_type(), "silu_and_mul", [&] {
+  auto out = at::empty({rows, d}, xc.options());
+  LLK_DISPATCH(xc.scalar_type(), "silu_and_mul", [&] {
     at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-      LLMCTL_ISA_CALL(scalar_t, silu_and_mul_rows, xc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), begin, end, d);
+      LLK_ISA_CALL(scalar_t, silu_and_mul_rows, xc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), begin, end, d);
     });
   });
   return out;
 }
 
 // ---- rotary embedding (rotate-half layout) ------------------------------------------------------
-torch::Tensor rotate(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin_cache) {
+at::Tensor rotate(at::Tensor x, at::Tensor positions, at::Tensor cos_sin_cache) {
   // x [T, H, D] (any strides with a contiguous last dim) -> a new contiguous [T, H, D]
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x [T, H, D] with a contiguous last dim");
   auto pos = positions.to(at::kLong).contiguous();
   auto cache = cos_sin_cache.to(at::kFloat).contiguous();
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), rot = cache.size(1);
-  auto out = torch::empty({tokens, heads, dim}, x.options());
-  LLMCTL_DISPATCH(x.scalar_type(), "rotary", [&] {
+  auto out = at::empty({tokens, heads, dim}, x.options());
+  LLK_DISPATCH(x.scalar_type(), "rotary", [&] {
     at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-      LLMCTL_ISA_CALL(scalar_t, rotate_rows, x.data_ptr<scalar_t>(), x.stride(0), x.stride(1),
+      LLK_ISA_CALL(scalar_t, rotate_rows, x.data_ptr<scalar_t>(), x.stride(0), x.stride(1),
                       pos.data_ptr<int64_t>(), cache.data_ptr<float>(), out.data_ptr<scalar_t>(), begin, end,
                       heads, dim, rot);
     });
@@ -594,15 +575,15 @@ torch::Tensor rotate(torch::Tensor x, torch::Tensor positions, torch::Tensor cos
 }
 
 // ---- KV store --------------------------------------------------------------------------------
-void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
-                       torch::Tensor slot_mapping) {
+void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
+                       at::Tensor slot_mapping) {
   // key/value [T, Hkv, D] (rows may be strided, last two dims contiguous), caches [NB, BS, Hkv, D]
   TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
               "K/V and cache dtypes differ");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   auto slots = slot_mapping.to(at::kLong).contiguous();
   const int64_t tokens = key.size(0), row = key_cache.size(2) * key_cache.size(3);
-  auto copy = [&](const torch::Tensor& src, torch::Tensor& dst) {
+  auto copy = [&](const at::Tensor& src, at::Tensor& dst) {
     auto s2 = src.reshape({tokens, row});
     TORCH_CHECK(s2.stride(1) == 1, "K/V rows must be contiguous");
     const int64_t elem = s2.element_size(), stride = s2.stride(0);
@@ -616,20 +597,31 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
   copy(value, value_cache);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("set_isa", &set_isa, "Select the kernel variant: generic, avx2, avx512 or avx512bf16");
-  m.def("compiled_isas", &compiled_isas, "The kernel variants compiled into this module");
-  m.def("reshape_and_cache", &reshape_and_cache, "Write K/V into the paged cache through the slot mapping (CPU)");
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
-  m.def("decode_codes_supported", &decode_codes_supported, "Whether paged_decode_attention_codes takes this head_dim");
-  m.def("paged_decode_attention_codes", &paged_decode_attention_codes,
-        "Paged decode attention over an 8-bit KV pool (int8, fp8_e4m3, fp8_e5m2; CPU)");
-  m.def("paged_prefill_attention_codes", &paged_prefill_attention_codes,
-        "Causal paged prefill attention over an 8-bit KV pool (CPU)");
-  m.def("store_kv_codes", &store_kv_codes, "Quantize K/V per (token, KV head) into an 8-bit pool (CPU)");
-  m.def("prefill_attention_supported", &prefill_attention_supported, "Whether paged_prefill_attention takes these");
-  m.def("paged_prefill_attention", &paged_prefill_attention, "Causal paged prefill attention, fp32 or bf16 (CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm with optional fused residual add (CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
-  m.def("rotate", &rotate, "Rotary embedding, rotate-half layout (CPU)");
+#ifdef LLK_X86_VARIANTS
+Fp32Kernels fp32_kernels(bool wide) {
+  if (wide)
+    return {avx512::rms_norm_rows<float>, avx512::rotate_rows<float>, avx512::silu_and_mul_rows<float>,
+            avx512::decode_range<float>};
+  return {avx2::rms_norm_rows<float>, avx2::rotate_rows<float>, avx2::silu_and_mul_rows<float>,
+          avx2::decode_range<float>};
 }
+
+template <typename C>
+QuantizeRowsFn<C> quantize_rows_fn(bool wide) {
+  return wide ? avx512::quantize_rows<C> : avx2::quantize_rows<C>;
+}
+
+template <typename C>
+DecodeCodesFn<C> decode_codes_fn(bool wide) {
+  return wide ? avx512::decode_codes_range<float, C> : avx2::decode_codes_range<float, C>;
+}
+
+template QuantizeRowsFn<Int8Code> quantize_rows_fn<Int8Code>(bool);
+template QuantizeRowsFn<Fp8E4m3Code> quantize_rows_fn<Fp8E4m3Code>(bool);
+template QuantizeRowsFn<Fp8E5m2Code> quantize_rows_fn<Fp8E5m2Code>(bool);
+template DecodeCodesFn<Int8Code> decode_codes_fn<Int8Code>(bool);
+template DecodeCodesFn<Fp8E4m3Code> decode_codes_fn<Fp8E4m3Code>(bool);
+template DecodeCodesFn<Fp8E5m2Code> decode_codes_fn<Fp8E5m2Code>(bool);
+#endif
+
+}  // namespace llk::cpu

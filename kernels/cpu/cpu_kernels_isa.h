@@ -126,13 +126,13 @@ void decode_tasks(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
   }
 }
 
-#ifdef LLMCTL_ISA_HAS_AVX2
+#ifdef LLK_ISA_HAS_AVX2
 #include "attention_f32.h"
 #endif
 
 template <typename T>
 void decode_range(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
-#ifdef LLMCTL_ISA_HAS_AVX2
+#ifdef LLK_ISA_HAS_AVX2
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {  // the intrinsics kernel
     if (a.head_dim == 64) return f32attn::decode_tasks<T, 64>(a, begin, end);
     if (a.head_dim == 128) return f32attn::decode_tasks<T, 128>(a, begin, end);
@@ -143,7 +143,7 @@ void decode_range(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
   else decode_tasks<T, 0>(a, begin, end);
 }
 
-#ifdef LLMCTL_ISA_HAS_AVX2
+#ifdef LLK_ISA_HAS_AVX2
 // Decode attention over 8-bit codes (C = Int8Code, Fp8E4m3Code, Fp8E5m2Code), head_dim 64 or 128
 // (the caller checks): the intrinsics kernel with the rows' scales applied.
 template <typename T, typename C>
@@ -220,7 +220,7 @@ void rms_norm_rows(const T* x, const T* res, const T* w, T* out, T* new_res, int
   }
 }
 
-#ifdef LLMCTL_ISA_HAS_AVX512
+#ifdef LLK_ISA_HAS_AVX512
 // 16 lanes of bf16 as fp32 (exact), and back rounded as store() rounds (nearest even, NaN 0x7fc0).
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -249,10 +249,10 @@ void silu_and_mul_rows(const T* x, T* out, int64_t begin, int64_t end, int64_t d
     const T* up = gate + d;
     T* o = out + r * d;
     int64_t i = 0;
-#ifdef LLMCTL_ISA_HAS_AVX512
+#ifdef LLK_ISA_HAS_AVX512
     // bf16 in explicit 16-lane steps: the auto-vectorized loop spent most of its time converting
     // to and from bf16 (141 against 92 us for fp32 at 64 x 5,632 on a 2-core AMX Xeon; this: see
-    // docs/benchmarks.md, eighteenth session). Same operations; exp16 fuses its multiply-adds.
+    // docs/benchmarks.md, "Elementwise kernels"). Same operations; exp16 fuses its multiply-adds.
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       for (; i + 16 <= d; i += 16) {
         const __m512 g = load16(gate + i);

@@ -3,14 +3,12 @@
 // 1 each kernel runs for a few microseconds, and the Python around ~30 x 9 kernel calls a step
 // (module calls, argument conversion, tensor allocations) cost as much as the kernels themselves.
 //
-// Same kernels, same order, same rounding as the Python module path: this file compiles the
-// existing kernel sources into itself (cpu_kernels.cpp: RMSNorm, rotary, KV store, decode
-// attention, SiLU-and-mul; quant_kernels.cpp: the packed int4/int8 tiles) and calls their inner
-// row/tile functions directly. Each source keeps its own module's floating-point contraction:
-// the quantized kernels build with the flags of kernels/quant_native.py (this module's flags,
-// FMA contraction on), the others with -ffp-contract=off, as kernels/cpu_native.py builds them
-// (the `#pragma GCC optimize` region below). Their pybind11 module bodies become unused functions.
-// Result: logits bit-identical to the module path (tests/test_decode_loop.py).
+// Same kernels, same order, same rounding as the Python module path: this file calls the very
+// functions the module path runs (cpu_kernels.h: RMSNorm, rotary, KV store, decode attention,
+// SiLU-and-mul, as row kernels of the selected ISA variant; quant_kernels.h: the packed int4/int8
+// tiles; kv_quant_attention.h: the KIVI store and decode; gemm_kernels.h: the fp32 panels), linked
+// from their own translation units. Result: logits bit-identical to the module path
+// (tests/models/test_decode_loop.py).
 //
 // bf16 models (the dtype --dtype auto picks on CPUs with AVX512-BF16 or AMX) run the same loop over
 // the module path's own tensor-level functions (cpu_kernels.cpp's rms_norm, rotate,
@@ -20,9 +18,11 @@
 // Weights are bound once (DecodeLoop::add_layer), so a step passes only the step's tensors.
 // Threading: the GEMVs, attention and (for larger batches) the row-wise kernels split their work
 // with at::parallel_for exactly as the standalone kernels do.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <array>
@@ -31,33 +31,25 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <immintrin.h>
 #include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
 
-#pragma push_macro("PYBIND11_MODULE")
-#undef PYBIND11_MODULE
-#define PYBIND11_MODULE(name, variable) [[maybe_unused]] static void unused_bindings(pybind11::module_& variable)
+#include "cpu_kernels.h"
+#include "gemm_kernels.h"
+#include "isa.h"
+#include "kv_quant_attention.h"
+#include "quant_kernels.h"
 
-namespace cpuk {
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
-#include "cpu_kernels.cpp"
-#pragma GCC pop_options
-}  // namespace cpuk
+// The loop's own arithmetic is that of the quantized kernels' baseline: AVX2+FMA+F16C (the loader
+// checks the CPU for it before binding a loop).
+#pragma GCC target("avx2,fma,f16c")
 
-namespace quantk {
-#include "quant_kernels.cpp"
-}  // namespace quantk
-
-namespace kvqk {  // KIVI store and decode attention (kernels/kv_quant_native.py builds it alone with these flags)
-#include "kv_quant_attention.cpp"
-}  // namespace kvqk
-
-#pragma pop_macro("PYBIND11_MODULE")
-#include "gemm_kernels.h"  // fp32 weights packed in 16-column panels (kernels/fp32_linear.py)
+namespace cpuk = llk::cpu;
+namespace gemmk = llk::gemm;
+namespace kvqk = llk::kvq;
+namespace quantk = llk::quant;
 
 namespace {
 
@@ -95,7 +87,7 @@ Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<a
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous(), "bias must be contiguous float32");
     l.bias = *bias;
   }
-  if (kind == "panel") {  // fp32 panels [ceil(n / 16), k, 16], llmctl_gemm::linear as in the module path
+  if (kind == "panel") {  // fp32 panels [ceil(n / 16), k, 16], gemmk::linear as in the module path
     TORCH_CHECK(weight.has_value() && weight->scalar_type() == at::kFloat && weight->dim() == 3 &&
                 weight->size(1) == in_features && out_features > 0, "panel linear: a panel-packed float32 weight");
     l.kind = Linear::kPanel;
@@ -167,7 +159,7 @@ at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
     return mkldnn_linear(x, l.weight, at::Tensor()) + l.bias;
   }
   if (l.kind == Linear::kPanel)  // the bias is one add after the sum, in the kernel or after it alike
-    return llmctl_gemm::linear(x, l.weight, l.n, l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt);
+    return gemmk::linear(x, l.weight, l.n, l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt);
   if (l.kind == Linear::kDense) {
     if (l.bias_in_gemm) return at::linear(x, l.weight, l.bias);
     auto out = at::linear(x, l.weight);
@@ -178,8 +170,8 @@ at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
   const at::Tensor xp = l.k_packed == l.k ? x : at::constant_pad_nd(x, {0, l.k_packed - l.k});
   const bool int4 = l.kind == Linear::kInt4;
   auto out = at::empty({m, l.n}, x.options());
-  if (!int4 && quantk::int8g::per_channel(l.group, l.k_packed, l.mins.defined())) {  // per-token int16 (int8_gemm.h)
-    quantk::int8g::linear(xp.data_ptr<float>(), m, l.k_packed, l.qweight.data_ptr<int8_t>(), l.scales, l.n,
+  if (!int4 && quantk::int8_per_channel(l.group, l.k_packed, l.mins.defined())) {  // per-token int16 (int8_gemm.h)
+    quantk::int8_per_channel_linear(xp.data_ptr<float>(), m, l.k_packed, l.qweight.data_ptr<int8_t>(), l.scales, l.n,
                           out.data_ptr<float>());
     return l.bias.defined() ? out.add_(l.bias) : out;
   }
@@ -199,30 +191,16 @@ struct Layer {
 };
 
 using cpuk::DecodeArgs;
-using RmsNormFn = void (*)(const float*, const float*, const float*, float*, float*, int64_t, int64_t, int64_t, float);
-using RotateFn = void (*)(const float*, int64_t, int64_t, const int64_t*, const float*, float*, int64_t, int64_t,
-                          int64_t, int64_t, int64_t);
-using SiluFn = void (*)(const float*, float*, int64_t, int64_t, int64_t);
-using DecodeFn = void (*)(const DecodeArgs<float>&, int64_t, int64_t);
-
-struct IsaKernels {
-  RmsNormFn rms_norm;
-  RotateFn rotate;
-  SiluFn silu_and_mul;
-  DecodeFn decode;
-};
+using IsaKernels = cpuk::Fp32Kernels;
 
 IsaKernels kernels_for(const std::string& isa) {
-#ifdef LLMCTL_X86_VARIANTS
+#ifdef LLK_X86_VARIANTS
   if (isa == "avx512" || isa == "avx512bf16")  // fp32: AVX512-BF16 changes nothing (bf16 attention only)
-    return {cpuk::avx512::rms_norm_rows<float>, cpuk::avx512::rotate_rows<float>,
-            cpuk::avx512::silu_and_mul_rows<float>, cpuk::avx512::decode_range<float>};
-  if (isa == "avx2")
-    return {cpuk::avx2::rms_norm_rows<float>, cpuk::avx2::rotate_rows<float>, cpuk::avx2::silu_and_mul_rows<float>,
-            cpuk::avx2::decode_range<float>};
+    return cpuk::fp32_kernels(/*avx512=*/true);
+  if (isa == "avx2") return cpuk::fp32_kernels(/*avx512=*/false);
 #endif
-  // The generic variant is compiled here with this module's -mavx2 and would round differently
-  // from the cpu module's own generic build: refused, the Python path runs instead.
+  // The loop is bound only where the quantized kernels' AVX2 baseline runs: the Python path
+  // serves the generic level.
   TORCH_CHECK(false, "the native decode loop runs the avx2 or avx512 kernel variants, not ", isa);
 }
 
@@ -285,7 +263,7 @@ class DecodeLoop {
     if (storage_ == KvStorage::kKivi) {
       init_kivi(kv_kind == "kivi2" ? 2 : 4, k_scale, v_scale, k_zero, v_zero, residual_k, residual_v, value_group);
       TORCH_CHECK(final_norm_.scalar_type() == at::kFloat, "float32 final norm");
-      llmctl_gemm::set_isa(isa);
+      gemmk::set_isa(isa);
       return;
     }
     const bool codes = storage_ != KvStorage::kFloat;
@@ -304,7 +282,7 @@ class DecodeLoop {
       TORCH_CHECK(d_ == 64 || d_ == 128, "8-bit KV codes in the loop: head_dim 64 or 128");
     }
     TORCH_CHECK(final_norm_.scalar_type() == at::kFloat, "float32 final norm");
-    llmctl_gemm::set_isa(isa);  // the variant kernels/gemm_native.py selects: same bits as the module path
+    gemmk::set_isa(isa);  // the variant kernels/gemm_native.py selects: same bits as the module path
   }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, Linear qkv, Linear o, Linear gate_up, Linear down) {
@@ -414,7 +392,7 @@ class DecodeLoop {
     return normed;
   }
 
-  // Per-op wall time of the steps run since profiling was switched on (benchmarks/decode_breakdown.py):
+  // Per-op wall time of the steps run since profiling was switched on (benchmarks/features/decode_breakdown.py):
   // {op: total seconds, "steps": n}. Off by default: two clock reads per op otherwise.
   void set_profile(bool on) {
     profile_ = on;
@@ -534,7 +512,7 @@ class DecodeLoop {
       C* v_codes = static_cast<C*>(v_pool_.data_ptr()) + layer * per_layer();
       float* k_scales = k_scale_.data_ptr<float>() + layer * per_layer() / d_;
       float* v_scales = v_scale_.data_ptr<float>() + layer * per_layer() / d_;
-      auto quantize = avx512_ ? cpuk::avx512::quantize_rows<C> : cpuk::avx2::quantize_rows<C>;
+      const auto quantize = cpuk::quantize_rows_fn<C>(avx512_);
       at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
         quantize(key, key_stride, hkv_, d_, slot, qmax, k_codes, k_scales, begin, end);
         quantize(value, value_stride, hkv_, d_, slot, qmax, v_codes, v_scales, begin, end);
@@ -570,7 +548,7 @@ class DecodeLoop {
                                       hkv_, d_, block_size, tables.size(1), heads_per_task, scale_,
                                       k_scale_.data_ptr<float>() + layer * per_layer() / d_,
                                       v_scale_.data_ptr<float>() + layer * per_layer() / d_};
-      auto decode = avx512_ ? cpuk::avx512::decode_codes_range<float, C> : cpuk::avx2::decode_codes_range<float, C>;
+      const auto decode = cpuk::decode_codes_fn<C>(avx512_);
       at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) { decode(args, begin, end); });
     });
   }
@@ -658,7 +636,7 @@ class DecodeLoop {
                                  hq_, hkv_, d_, k_pool_.size(2), tables.size(1), kivi_.value_group, scale_};
     at::parallel_for(0, q.size(0) * hkv_, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
-      for (int64_t task = begin; task < end; ++task) kvqk::avx2::decode_task(a, task, scratch);
+      for (int64_t task = begin; task < end; ++task) kvqk::decode_task_avx2(a, task, scratch);
     });
   }
 
@@ -706,7 +684,10 @@ class DecodeLoop {
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+namespace llk::decode_loop {
+
+// The Python module `llmctl_kernels._C.decode_loop` (called by bindings.cpp): its classes live here.
+void bind(pybind11::module_& m) {
   pybind11::class_<Linear>(m, "Linear", "One bound linear layer (dense or panel float32, packed int4/int8, oneDNN)");
   m.def("make_linear", &make_linear, "Bind a linear layer's weights", pybind11::arg("kind"),
         pybind11::arg("in_features"), pybind11::arg("weight") = pybind11::none(),
@@ -733,3 +714,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("profile", &DecodeLoop::profile)
       .def("forward", &DecodeLoop::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
+
+}  // namespace llk::decode_loop

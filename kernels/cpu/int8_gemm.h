@@ -43,14 +43,8 @@ struct TokenX {
   std::vector<float> scale;  // [m]
 };
 
-// The scalar variant (LLMCTL_CPU_ISA=generic): the same integers, summed in int64.
-inline bool use_generic() {
-  static const bool generic = [] {
-    const char* isa = std::getenv("LLMCTL_CPU_ISA");
-    return isa != nullptr && std::string(isa) == "generic";
-  }();
-  return generic;
-}
+// The scalar variant (`set_isa("generic")`, quant_kernels.cpp): the same integers, summed in int64.
+inline bool use_generic() { return g_isa_cap.load(std::memory_order_relaxed) == static_cast<int>(llk::Isa::kGeneric); }
 
 __attribute__((target("avx2"))) inline void round_row_avx2(const float* x, int64_t k, float inv, int16_t* q) {
   const __m256 s = _mm256_set1_ps(inv);
@@ -506,12 +500,12 @@ struct VnniTile {
   static constexpr TileSumsFn fn = tile_sums_vnni<R, C>;
 };
 
-// The zmm tile where the CPU has AVX512-VNNI (and AVX512-BW for the widening), unless
-// LLMCTL_CPU_ISA lowers the level (avx512_allowed, quant_kernels.cpp).
+// The zmm tile where the CPU has AVX512-VNNI (and AVX512-BW for the widening), unless `set_isa`
+// lowers the level (avx512_allowed, quant_kernels.cpp).
 inline bool use_vnni() {
-  static const bool vnni = avx512_allowed() && __builtin_cpu_supports("avx512f") &&
-                           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
-  return vnni;
+  static const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vnni");
+  return vnni && avx512_allowed();
 }
 
 // One tile of sums: the variant's full tile or an edge tile from its table.

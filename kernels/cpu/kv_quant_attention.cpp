@@ -6,11 +6,11 @@
 // blocks still in the residual window (residual_table[block] >= 0) are read from the
 // full-precision residual pool.
 //
-// A module of its own (built by kernels/kv_quant_native.py through kernels/native_build.py), so it
-// builds and fails independently of the float kernels. Run-time ISA dispatch: the body in
-// kv_quant_attention_isa.h is compiled for generic x86-64 and for AVX2+FMA+F16C; `set_isa` picks.
+// Declared in kv_quant_attention.h (bound for Python in bindings.cpp). Run-time ISA dispatch
+// (isa.h): the body in kv_quant_attention_isa.h is compiled for generic x86-64 and for
+// AVX2+FMA+F16C; `set_isa` picks (avx512 and avx512bf16 run the AVX2 variant).
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
@@ -23,46 +23,29 @@
 #include <immintrin.h>
 #endif
 
+#include "isa.h"
+#include "kv_quant_attention.h"
+
 namespace {
 
-enum Kind : int { kFp8 = 0, kInt8 = 1, kKivi = 2 };
-
-template <typename T>
-struct KvqArgs {
-  int kind, bits;
-  const T* q;
-  const uint8_t* k;  // codes: fp8/int8 [NB, BS, H, D] bytes, KIVI [NB, BS, H, D*bits/8]
-  const uint8_t* v;
-  const float* k_scale;  // fp8/int8: [NB, BS, H]
-  const float* v_scale;
-  const at::Half* kivi_k_scale;  // KIVI: [NB, H, D]
-  const at::Half* kivi_k_zero;
-  const at::Half* kivi_v_scale;  // KIVI: [NB, BS, H, D / value_group]
-  const at::Half* kivi_v_zero;
-  const T* residual_k;  // KIVI: [slots, BS, H, D] in the model dtype
-  const T* residual_v;
-  const int64_t* residual_table;  // KIVI: [NB] residual slot of each block, -1 = quantized
-  const float* lut;               // fp8: value of each of the 256 codes
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
-  T* out;
-  int64_t num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, value_group;
-  float scale;
-};
+using llk::kvq::KiviStoreArgs;
+using llk::kvq::KvqArgs;
+using llk::kvq::kFp8;
+using llk::kvq::kInt8;
+using llk::kvq::kKivi;
 
 namespace generic {
 #include "kv_quant_attention_isa.h"
 }  // namespace generic
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define LLMCTL_KVQ_VARIANTS 1
+#ifdef LLK_X86_VARIANTS
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-#define LLMCTL_KVQ_AVX2 1
+#define LLK_KVQ_AVX2 1
 namespace avx2 {
 #include "kv_quant_attention_isa.h"
 }  // namespace avx2
-#undef LLMCTL_KVQ_AVX2
+#undef LLK_KVQ_AVX2
 #pragma GCC pop_options
 #endif
 
@@ -75,33 +58,6 @@ bool g_avx2 = false;
 // even before the codes are taken, codes rounded half to even. The step's plan (which token goes
 // to which residual row, which blocks are quantized from which residual slot) is the host's
 // (kv_cache.QuantizedKVCache.begin_step).
-struct KiviStoreArgs {
-  int bits;
-  int64_t heads, head_dim, block_size, value_group;
-  const float* key;  // this step's keys: row t at key + t * key_stride, heads * head_dim floats
-  int64_t key_stride;
-  const float* value;
-  int64_t value_stride;
-  float* residual_k;  // [slots, BS, H, D] float32, this layer
-  float* residual_v;
-  const int64_t* residual_tokens;  // [R] tokens written to a residual row
-  const int64_t* residual_rows;    // [R] their rows (slot * BS + offset)
-  int64_t num_residual;
-  const int64_t* staging_tokens;  // [S] tokens of the blocks quantized this step
-  const int64_t* staging_rows;    // [S] their staging rows (index * BS + offset)
-  int64_t num_staging;
-  const int64_t* staged_from;      // [F] residual slot holding each quantized block's earlier tokens, -1 none
-  const int64_t* finalize_blocks;  // [F] the pool blocks quantized this step
-  int64_t num_finalize;
-  float* staging_k;  // [F, BS, H, D]: the blocks' full-precision rows (an output: prefill reads them)
-  float* staging_v;
-  uint8_t* k_codes;  // [NB, BS, H, D * bits / 8]
-  at::Half* k_scale;  // [NB, H, D]
-  at::Half* k_zero;
-  uint8_t* v_codes;  // [NB, BS, H, D * bits / 8]
-  at::Half* v_scale;  // [NB, BS, H, D / value_group]
-  at::Half* v_zero;
-};
 
 // kv_quant._minmax_codes' scale and zero of a group with minimum lo and maximum hi, as stored
 // (float16) and as read back (float32); a zero scale divides by 1.
@@ -199,13 +155,15 @@ inline void quantize_value_block(const KiviStoreArgs& a, int64_t f, std::vector<
     }
 }
 
+}  // namespace
+
 // Every element of an int64 vector in [lo, hi): the plan's indices are checked before any write.
-inline bool all_within(const torch::Tensor& t, int64_t lo, int64_t hi) {
+bool llk::kvq::all_within(const at::Tensor& t, int64_t lo, int64_t hi) {
   const int64_t* p = t.data_ptr<int64_t>();
   return std::all_of(p, p + t.numel(), [&](int64_t x) { return x >= lo && x < hi; });
 }
 
-inline void kivi_store_run(const KiviStoreArgs& a) {
+void llk::kvq::kivi_store_run(const KiviStoreArgs& a) {
   stage_rows(a, a.key, a.key_stride, a.residual_k, a.staging_k);
   stage_rows(a, a.value, a.value_stride, a.residual_v, a.staging_v);
   at::parallel_for(0, a.num_finalize, 1, [&](int64_t begin, int64_t end) {
@@ -217,35 +175,41 @@ inline void kivi_store_run(const KiviStoreArgs& a) {
   });
 }
 
+namespace {
+
 template <typename T>
-const T* ptr_or_null(const c10::optional<torch::Tensor>& t) {
+const T* ptr_or_null(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->numel() ? t->data_ptr<T>() : nullptr;
 }
 
 }  // namespace
 
+namespace llk::kvq {
+
+// avx2 and above run the AVX2 variant (there is no wider one).
 std::string set_isa(const std::string& name) {
-#ifdef LLMCTL_KVQ_VARIANTS
-  if (name == "avx2") {
-    g_avx2 = true;
-    return name;
-  }
-#endif
-  TORCH_CHECK(name == "generic", "unknown or not compiled ISA level: ", name);
-  g_avx2 = false;
+  llk::Isa level;
+  TORCH_CHECK(llk::parse_isa(name, &level), "unknown or not compiled ISA level: ", name);
+  g_avx2 = level >= llk::Isa::kAvx2;
   return name;
 }
+
+#ifdef LLK_X86_VARIANTS
+void decode_task_avx2(const KvqArgs<float>& a, int64_t task, std::vector<float>& scratch) {
+  avx2::decode_task(a, task, scratch);
+}
+#endif
 
 std::string isa() { return g_avx2 ? "avx2" : "generic"; }
 
 // query [S, Hq, D]; codes/scales/zeros of one layer as kv_cache.KVFormat lays them out.
-torch::Tensor quantized_decode_attention(
-    torch::Tensor query, int64_t kind, int64_t bits, torch::Tensor k, torch::Tensor v,
-    c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
-    c10::optional<torch::Tensor> k_zero, c10::optional<torch::Tensor> v_zero,
-    c10::optional<torch::Tensor> residual_k, c10::optional<torch::Tensor> residual_v,
-    c10::optional<torch::Tensor> residual_table, c10::optional<torch::Tensor> lut,
-    torch::Tensor block_tables, torch::Tensor seq_lens, int64_t value_group, double scale) {
+at::Tensor quantized_decode_attention(
+    at::Tensor query, int64_t kind, int64_t bits, at::Tensor k, at::Tensor v,
+    c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale,
+    c10::optional<at::Tensor> k_zero, c10::optional<at::Tensor> v_zero,
+    c10::optional<at::Tensor> residual_k, c10::optional<at::Tensor> residual_v,
+    c10::optional<at::Tensor> residual_table, c10::optional<at::Tensor> lut,
+    at::Tensor block_tables, at::Tensor seq_lens, int64_t value_group, double scale) {
   TORCH_CHECK(query.dim() == 3 && k.dim() == 4, "query [S, Hq, D], codes [NB, BS, Hkv, *]");
   TORCH_CHECK(kind == kFp8 || kind == kInt8 || kind == kKivi, "kind: 0 fp8, 1 int8, 2 KIVI");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables");
@@ -253,7 +217,7 @@ torch::Tensor quantized_decode_attention(
   auto q = query.contiguous();
   auto bt = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const int64_t num_seqs = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k.size(1), num_kv_heads = k.size(2);
   TORCH_CHECK(num_q_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
@@ -294,7 +258,7 @@ torch::Tensor quantized_decode_attention(
     at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
       for (int64_t task = begin; task < end; ++task) {
-#ifdef LLMCTL_KVQ_VARIANTS
+#ifdef LLK_X86_VARIANTS
         if (g_avx2) {
           avx2::decode_task(a, task, scratch);
           continue;
@@ -315,12 +279,12 @@ torch::Tensor quantized_decode_attention(
 
 // One layer's KIVI store (float32 keys and values): see KiviStoreArgs. The plan's tensors are
 // kv_cache.StepPlan's; staging_k / staging_v [F, BS, H, D] receive the quantized blocks' rows.
-void kivi_store(torch::Tensor key, torch::Tensor value, int64_t bits, int64_t value_group, torch::Tensor residual_k,
-                torch::Tensor residual_v, torch::Tensor residual_tokens, torch::Tensor residual_rows,
-                torch::Tensor staging_tokens, torch::Tensor staging_rows, torch::Tensor staged_from,
-                torch::Tensor finalize_blocks, torch::Tensor staging_k, torch::Tensor staging_v, torch::Tensor k_codes,
-                torch::Tensor k_scale, torch::Tensor k_zero, torch::Tensor v_codes, torch::Tensor v_scale,
-                torch::Tensor v_zero) {
+void kivi_store(at::Tensor key, at::Tensor value, int64_t bits, int64_t value_group, at::Tensor residual_k,
+                at::Tensor residual_v, at::Tensor residual_tokens, at::Tensor residual_rows,
+                at::Tensor staging_tokens, at::Tensor staging_rows, at::Tensor staged_from,
+                at::Tensor finalize_blocks, at::Tensor staging_k, at::Tensor staging_v, at::Tensor k_codes,
+                at::Tensor k_scale, at::Tensor k_zero, at::Tensor v_codes, at::Tensor v_scale,
+                at::Tensor v_zero) {
   TORCH_CHECK(bits == 2 || bits == 4, "KIVI: 2 or 4 bits");
   TORCH_CHECK(residual_k.dim() == 4 && residual_k.scalar_type() == at::kFloat && residual_k.is_contiguous() &&
                   residual_v.sizes() == residual_k.sizes() && residual_v.scalar_type() == at::kFloat &&
@@ -370,10 +334,4 @@ void kivi_store(torch::Tensor key, torch::Tensor value, int64_t bits, int64_t va
   kivi_store_run(a);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("set_isa", &set_isa, "Select the kernel variant: generic or avx2");
-  m.def("isa", &isa, "The kernel variant in use");
-  m.def("quantized_decode_attention", &quantized_decode_attention,
-        "Paged decode attention over a quantized KV pool, dequantizing inside the kernel (CPU)");
-  m.def("kivi_store", &kivi_store, "One layer's KIVI store: residual rows, staging and the completed blocks' codes");
-}
+}  // namespace llk::kvq

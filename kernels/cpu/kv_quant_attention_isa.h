@@ -1,6 +1,6 @@
 // The per-ISA body of the quantized-KV decode kernel. kv_quant_attention.cpp includes this file
 // twice: in namespace `generic` (plain C++, any x86-64 or other CPU) and in namespace `avx2` under
-// `#pragma GCC target("avx2,fma,f16c")` with LLMCTL_KVQ_AVX2 defined, where the row helpers use
+// `#pragma GCC target("avx2,fma,f16c")` with LLK_KVQ_AVX2 defined, where the row helpers use
 // intrinsics. The module picks one at run time (kernels/kv_quant_native.py, from the CPU flags).
 //
 // The cache is never dequantized as a whole: each (sequence, KV head) task decodes one K or V row
@@ -13,7 +13,7 @@
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float sum = 0.f;
-#ifdef LLMCTL_KVQ_AVX2
+#ifdef LLK_KVQ_AVX2
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (; i + 16 <= n; i += 16) {
     acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
@@ -33,7 +33,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // y += p * x
 inline void axpy(float p, const float* x, float* y, int64_t n) {
   int64_t i = 0;
-#ifdef LLMCTL_KVQ_AVX2
+#ifdef LLK_KVQ_AVX2
   const __m256 pv = _mm256_set1_ps(p);
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
 #endif
@@ -44,7 +44,7 @@ inline void axpy(float p, const float* x, float* y, int64_t n) {
 inline void widen(const float* x, float* out, int64_t n) { std::memcpy(out, x, n * sizeof(float)); }
 inline void widen(const at::BFloat16* x, float* out, int64_t n) {
   int64_t i = 0;
-#ifdef LLMCTL_KVQ_AVX2
+#ifdef LLK_KVQ_AVX2
   for (; i + 8 <= n; i += 8) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
     _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
@@ -54,7 +54,7 @@ inline void widen(const at::BFloat16* x, float* out, int64_t n) {
 }
 inline void widen(const at::Half* x, float* out, int64_t n) {
   int64_t i = 0;
-#ifdef LLMCTL_KVQ_AVX2
+#ifdef LLK_KVQ_AVX2
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
 #endif
@@ -63,7 +63,7 @@ inline void widen(const at::Half* x, float* out, int64_t n) {
 
 // One float16 scale or zero (F16C where compiled in; c10's software conversion otherwise).
 inline float half_value(at::Half h) {
-#ifdef LLMCTL_KVQ_AVX2
+#ifdef LLK_KVQ_AVX2
   return _cvtsh_ss(h.x);
 #else
   return static_cast<float>(h);
@@ -73,7 +73,7 @@ inline float half_value(at::Half h) {
 // fp8 codes through the 256-entry table of their values (exact: every fp8 value is a float).
 inline void fp8_row(const uint8_t* codes, const float* lut, float* out, int64_t n) {
   int64_t i = 0;
-#ifdef LLMCTL_KVQ_AVX2
+#ifdef LLK_KVQ_AVX2
   for (; i + 8 <= n; i += 8) {
     const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
     _mm256_storeu_ps(out + i, _mm256_i32gather_ps(lut, idx, 4));
@@ -84,7 +84,7 @@ inline void fp8_row(const uint8_t* codes, const float* lut, float* out, int64_t 
 
 inline void int8_row(const int8_t* codes, float* out, int64_t n) {
   int64_t i = 0;
-#ifdef LLMCTL_KVQ_AVX2
+#ifdef LLK_KVQ_AVX2
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(out + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)))));
@@ -97,7 +97,7 @@ inline void unpack_row(const uint8_t* packed, int bits, float* out, int64_t n) {
   const int per_byte = 8 / bits;
   const uint32_t mask = (1u << bits) - 1;
   int64_t i = 0;
-#ifdef LLMCTL_KVQ_AVX2
+#ifdef LLK_KVQ_AVX2
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i shifts = _mm256_mullo_epi32(lanes, _mm256_set1_epi32(bits));
   const __m256i maskv = _mm256_set1_epi32(static_cast<int>(mask));
@@ -117,7 +117,7 @@ inline void unpack_row(const uint8_t* packed, int bits, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = static_cast<float>((packed[i / per_byte] >> ((i % per_byte) * bits)) & mask);
 }
 
-#ifdef LLMCTL_KVQ_AVX2
+#ifdef LLK_KVQ_AVX2
 #include "attention_tiles.h"
 
 // KIVI at head_dim D (64 or 128), block size and value group multiples of 8: the float kernels'
@@ -231,7 +231,7 @@ void decode_task(const KvqArgs<T>& a, int64_t task, std::vector<float>& scratch)
     for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(0.f);
     return;
   }
-#ifdef LLMCTL_KVQ_AVX2
+#ifdef LLK_KVQ_AVX2
   if (a.kind == kKivi && bs % kScoreTile == 0 && a.value_group % 8 == 0) {
     if (D == 64) return kivi_decode_task<T, 64>(a, task, scratch);
     if (D == 128) return kivi_decode_task<T, 128>(a, task, scratch);

@@ -5,7 +5,7 @@
 // prefetches can be spread over its compute (blocks sit anywhere in the pool, so the hardware
 // prefetcher loses the stream at every block boundary). Issued all at once they fill the line fill
 // buffers, the core stalls on them, and memory then idles while it computes (on a 2-core AMX Xeon
-// the times of the two added up; docs/benchmarks.md, eighteenth session). The next line is line l of the row
+// the times of the two added up; docs/benchmarks.md, "Decode attention"). The next line is line l of the row
 // of token t (t < end), a row being lines_per_row lines from cache + offset[t] elements.
 template <typename C>
 struct PrefetchCursor {

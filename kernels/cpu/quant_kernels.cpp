@@ -25,12 +25,13 @@
 // from 0.75 to 0.625 (Q8_0's from 1.125 to 1.0625). Each converts to the same float32, so the results
 // are bitwise those of the float32 scales.
 //
-// ISA: AVX2+FMA+F16C, what every x86-64 machine here has; the build checks for it (quant_native.py).
-// Functions for AVX-512 carry their own target attributes and are chosen at run time, with the same
-// bits as the AVX2 ones: per-channel int8's VNNI tile (int8_gemm.h, vpdpwssd) and the interleaved
-// int4/int8 tiles' zmm passes below.
+// ISA (isa.h): AVX2+FMA+F16C is the baseline of this file (the `#pragma GCC target` below; the
+// loader checks the CPU for it before any call). Functions for AVX-512 carry their own target
+// attributes and are chosen at run time, with the same bits as the AVX2 ones: per-channel int8's
+// VNNI tile (int8_gemm.h, vpdpwssd) and the interleaved int4/int8 tiles' zmm passes below.
+// `set_isa` caps them (avx2: no AVX-512 code; generic: also per-channel int8's scalar tile).
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
 
 #if !defined(__x86_64__)
 #error "the quantized CPU kernels need x86-64 (AVX2); other CPUs use the torch reference"
@@ -38,6 +39,7 @@
 #include <immintrin.h>
 
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -47,19 +49,29 @@
 #include <utility>
 #include <vector>
 
+#include "isa.h"
+#include "quant_kernels.h"
+
+#pragma GCC target("avx2,fma,f16c")
+
 namespace {
 
-constexpr int64_t QB = 32;  // activation quantization block (inputs)
+using llk::quant::QB;
+using llk::quant::QuantizedX;
+using llk::quant::RT;
+using llk::quant::TileLayout;
+using llk::quant::interleaved_gemm;
+using llk::quant::packed_gemm;
+using llk::quant::quantize_x;
+using llk::quant::tile_layout;
+
+// The highest variant `set_isa` allows (the CPU's own support is checked where a variant is picked).
+std::atomic<int> g_isa_cap{static_cast<int>(llk::Isa::kAvx512Bf16)};
+
 constexpr int64_t MT = 4;   // rows of x that share one pass over a weight row (fp8)
 constexpr float X_LEVELS = 32767.f;  // activations: int16, scale = max|x| / 32767 per 32-input block
 
 // ---- dynamic int16 activations ---------------------------------------------------------------
-struct QuantizedX {
-  int64_t m, k;
-  std::vector<int16_t> q;    // [M, K]; for int4 each 32-block is permuted to int4_tile_avx2's lane order
-  std::vector<float> scale;  // [M, K / 32]
-  std::vector<float> sum16;  // [M, K / 16] exact float sums of x (natural order), for the mins
-};
 
 // int4_tile_avx2 reads a block's 16 weight bytes as 8 16-bit words of 4 nibbles, word i = inputs
 // 4i .. 4i+3; its lanes want x as (4i+0 for each i, 4i+1 ..., 4i+2 ..., 4i+3 ...): position j of the
@@ -105,7 +117,9 @@ __attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float*
                         _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * i], q[2 * i + 1]), 0xD8));
 }
 
-QuantizedX quantize_x(const float* x, int64_t m, int64_t k, bool nibble_order) {
+}  // namespace
+
+QuantizedX llk::quant::quantize_x(const float* x, int64_t m, int64_t k, bool nibble_order) {
   QuantizedX r{m, k, std::vector<int16_t>(m * k), std::vector<float>(m * k / QB), std::vector<float>(m * k / 16)};
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -116,6 +130,8 @@ QuantizedX quantize_x(const float* x, int64_t m, int64_t k, bool nibble_order) {
   });
   return r;
 }
+
+namespace {
 
 // sum(x[row, g*G : (g+1)*G]) for every group g, from the 16-input partial sums.
 inline void group_sums(const QuantizedX& xq, int64_t row, int64_t group, float* out) {
@@ -160,7 +176,6 @@ __attribute__((target("avx2,fma,f16c"))) void fp8_row_avx2(const uint8_t* w, con
 // groups, then the blocks of a group: no division in the inner loop. Every row's arithmetic (the
 // per-block products, its own accumulator, hsum256, then the mins in group order) does not depend
 // on R, so a row's result does not depend on which tile, thread or batch it lands in.
-constexpr int64_t RT = 4;
 
 // One x row's quantized blocks, their scales and its exact group sums (for the mins).
 struct XRow {
@@ -301,8 +316,10 @@ void packed_gemm_as(const QuantizedX& xq, const uint8_t* w, bool int4, const voi
 
 // The integer path of a packed int4 (``int4``) or int8 weight [n, xq.k] against quantized x -> out [m, n].
 // ``scales`` and ``mins`` (undefined: none) are both float32 or both float16.
-void packed_gemm(const QuantizedX& xq, const uint8_t* w, bool int4, const at::Tensor& scales, const at::Tensor& mins,
-                 int64_t group, int64_t n, float* out) {
+}  // namespace
+
+void llk::quant::packed_gemm(const QuantizedX& xq, const uint8_t* w, bool int4, const at::Tensor& scales,
+                             const at::Tensor& mins, int64_t group, int64_t n, float* out) {
   const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK(half || scales.scalar_type() == at::kFloat, "scales must be float32 or float16");
   TORCH_CHECK(!mins.defined() || mins.scalar_type() == scales.scalar_type(), "mins and scales of one dtype");
@@ -310,6 +327,8 @@ void packed_gemm(const QuantizedX& xq, const uint8_t* w, bool int4, const at::Te
   if (half) packed_gemm_as<uint16_t>(xq, w, int4, scales.data_ptr(), mn, group, n, out);
   else packed_gemm_as<float>(xq, w, int4, scales.data_ptr(), mn, group, n, out);
 }
+
+namespace {
 
 // ---- tile-interleaved layout -----------------------------------------------------------------
 // The layout above has a tile read 12 places at once (RT rows' blocks, RT rows' scales, RT rows'
@@ -321,16 +340,10 @@ void packed_gemm(const QuantizedX& xq, const uint8_t* w, bool int4, const at::Te
 //   then, with mins:  for each group g the RT rows' mins of g.
 // Rows past n (in the last tile) are zero. Each row's arithmetic is that of the tiles above, in the
 // same order (the same products, accumulators, hsum256 and mins): the same bits.
-struct TileLayout {
-  int64_t groups, bpg, block_bytes, scale_bytes;
-  bool mins;
-  int64_t group_bytes() const { return RT * scale_bytes + bpg * RT * block_bytes; }
-  int64_t tile_bytes() const { return groups * group_bytes() + (mins ? groups * RT * scale_bytes : 0); }
-};
 
 // Each block asks for the bytes 2 KiB ahead of it in the tile's stream (one line a block for int4,
 // two for int8; past a tile's end, the next tile's): at one thread 8-25 % faster in
-// benchmarks/gemv_micro.py than leaving it to the hardware prefetchers (1 KiB and 4 KiB: less).
+// benchmarks/kernels/gemv_micro.py than leaving it to the hardware prefetchers (1 KiB and 4 KiB: less).
 constexpr int64_t TILE_PREFETCH = 2048;
 
 template <typename S>
@@ -490,9 +503,13 @@ __attribute__((target("avx2,fma,f16c"))) void tile_interleaved(const uint8_t* p,
     finish_rows<S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x[i].group_sums, acc[i], out + i * RT);
 }
 
-TileLayout tile_layout(int64_t k, int64_t group, bool int4, int64_t scale_bytes, bool mins) {
+}  // namespace
+
+TileLayout llk::quant::tile_layout(int64_t k, int64_t group, bool int4, int64_t scale_bytes, bool mins) {
   return {k / group, group / QB, int4 ? QB / 2 : QB, scale_bytes, mins};
 }
+
+namespace {
 
 // The mins of a pass of 2 * PAIRS x rows (see tile_interleaved_pairs' end), 16 lanes a vector:
 // a group's 4 mins repeated 4 times, times each row's group sum spread over its 4 lanes.
@@ -608,23 +625,18 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
   finish_rows<S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x->group_sums, rows, out);
 }
 
-// Whether LLMCTL_CPU_ISA lets AVX-512 code run (it may only lower the level: avx2 or generic keep
-// AVX2 or the scalar code, for tests and A/B runs); read once per process.
+// Whether `set_isa` lets AVX-512 code run (a cap below avx512 keeps AVX2 or the scalar code, for
+// tests and A/B runs).
 inline bool avx512_allowed() {
-  static const bool allowed = [] {
-    const char* isa = std::getenv("LLMCTL_CPU_ISA");
-    return isa == nullptr || (std::string(isa) != "avx2" && std::string(isa) != "generic");
-  }();
-  return allowed;
+  return g_isa_cap.load(std::memory_order_relaxed) >= static_cast<int>(llk::Isa::kAvx512);
 }
 
 // x rows per pass over a tile: 8, then 4, in zmm pairs with AVX-512 (F, VL, BW, DQ), 2 with AVX2's 16
 // registers.
 inline bool use_avx512() {
-  static const bool avx512 = avx512_allowed() && __builtin_cpu_supports("avx512f") &&
-                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
-                             __builtin_cpu_supports("avx512dq");
-  return avx512;
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+  return avx512 && avx512_allowed();
 }
 
 constexpr int64_t MAX_PASS_ROWS = 8;  // the most x rows a tile variant takes in one pass
@@ -687,29 +699,33 @@ void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, 
 }
 
 // packed_gemm on interleave_tiles' layout; ``half``: float16 scales and mins (else float32).
-void interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, bool int4, bool half, int64_t group, bool mins,
-                      int64_t n, float* out) {
+}  // namespace
+
+void llk::quant::interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, bool int4, bool half, int64_t group,
+                                  bool mins, int64_t n, float* out) {
   if (half) interleaved_gemm_as<uint16_t>(xq, tiles, int4, group, mins, n, out);
   else interleaved_gemm_as<float>(xq, tiles, int4, group, mins, n, out);
 }
 
+namespace llk::quant {
+
 // A packed int4 (uint8 [n, k / 2]) or int8 (int8 [n, k]) weight with its scales (and mins) [n, k /
 // group], float32 or float16, in the interleaved layout (uint8, flat). Group: a multiple of 32.
-torch::Tensor interleave_tiles(const torch::Tensor& qweight, const torch::Tensor& scales,
-                               const c10::optional<torch::Tensor>& mins, int64_t group) {
-  const bool int4 = qweight.scalar_type() == torch::kByte;
-  TORCH_CHECK((int4 || qweight.scalar_type() == torch::kChar) && qweight.dim() == 2 && qweight.is_contiguous(),
+at::Tensor interleave_tiles(const at::Tensor& qweight, const at::Tensor& scales,
+                               const c10::optional<at::Tensor>& mins, int64_t group) {
+  const bool int4 = qweight.scalar_type() == at::kByte;
+  TORCH_CHECK((int4 || qweight.scalar_type() == at::kChar) && qweight.dim() == 2 && qweight.is_contiguous(),
               "qweight: contiguous uint8 (int4) or int8 [n, packed k]");
   const int64_t n = qweight.size(0), row_bytes = qweight.size(1), k = int4 ? 2 * row_bytes : row_bytes;
   TORCH_CHECK(group % QB == 0 && k % group == 0, "interleaved tiles need a group that is a multiple of 32 dividing K");
-  TORCH_CHECK((scales.scalar_type() == torch::kFloat || scales.scalar_type() == torch::kHalf) && scales.is_contiguous() &&
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
                   scales.numel() == n * (k / group), "scales: contiguous float32 or float16 [n, k / group]");
   TORCH_CHECK(!mins.has_value() || (mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() &&
                                     mins->numel() == scales.numel()), "mins: like the scales");
   const int64_t sb = scales.element_size();
   const TileLayout l = tile_layout(k, group, int4, sb, mins.has_value());
   const int64_t tiles = (n + RT - 1) / RT, tile_bytes = l.tile_bytes(), bb = l.block_bytes;
-  auto out = torch::zeros({tiles * tile_bytes}, torch::kByte);
+  auto out = at::zeros({tiles * tile_bytes}, at::kByte);
   uint8_t* dst = out.data_ptr<uint8_t>();
   const uint8_t* q = static_cast<const uint8_t*>(qweight.data_ptr());
   const uint8_t* s = static_cast<const uint8_t*>(scales.data_ptr());
@@ -729,20 +745,24 @@ torch::Tensor interleave_tiles(const torch::Tensor& qweight, const torch::Tensor
 }
 
 // x [M, K] @ W^T -> [M, n] for W in interleave_tiles' layout (the integer path of int4/int8_linear).
-torch::Tensor interleaved_linear(const torch::Tensor& x_in, const torch::Tensor& tiles, bool int4, int64_t n,
+at::Tensor interleaved_linear(const at::Tensor& x_in, const at::Tensor& tiles, bool int4, int64_t n,
                                  int64_t group, bool half, bool mins) {
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
   const int64_t k = x_in.size(1);
   TORCH_CHECK(group % QB == 0 && k % group == 0, "group must be a multiple of 32 dividing K");
   const TileLayout l = tile_layout(k, group, int4, half ? 2 : 4, mins);
-  TORCH_CHECK(tiles.scalar_type() == torch::kByte && tiles.is_contiguous() &&
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
                   tiles.numel() == (n + RT - 1) / RT * l.tile_bytes(), "tiles do not match n, K and the group");
-  const auto x = x_in.to(torch::kFloat).contiguous();
+  const auto x = x_in.to(at::kFloat).contiguous();
   const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*nibble_order=*/int4);
-  auto out = torch::empty({x.size(0), n}, x.options());
+  auto out = at::empty({x.size(0), n}, x.options());
   interleaved_gemm(xq, tiles.data_ptr<uint8_t>(), int4, half, group, mins, n, out.data_ptr<float>());
   return out.to(x_in.scalar_type());
 }
+}  // namespace llk::quant
+
+namespace {
+
 #include "int8_gemm.h"  // per-channel int8: per-token int16 activations, exact int32/int64 sums
 
 // ---- dequantized slabs for prefill --------------------------------------------------------------
@@ -775,44 +795,65 @@ float fp8_value(uint8_t b) {
 
 // y = x @ W^T with W dequantized SLAB rows at a time (the weight is never whole in fp32).
 template <typename Dequant>
-torch::Tensor slab_gemm(const torch::Tensor& x, int64_t n, int64_t k, Dequant dequant) {
+at::Tensor slab_gemm(const at::Tensor& x, int64_t n, int64_t k, Dequant dequant) {
   constexpr int64_t SLAB = 256;
-  auto out = torch::empty({x.size(0), n}, x.options());
-  auto w = torch::empty({std::min(SLAB, n), k}, x.options());
+  auto out = at::empty({x.size(0), n}, x.options());
+  auto w = at::empty({std::min(SLAB, n), k}, x.options());
   for (int64_t n0 = 0; n0 < n; n0 += SLAB) {
     const int64_t rows = std::min(SLAB, n - n0);
     float* dst = w.data_ptr<float>();
     at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) dequant(n0 + j, dst + j * k);
     });
-    out.narrow(1, n0, rows).copy_(torch::mm(x, w.narrow(0, 0, rows).t()));
+    out.narrow(1, n0, rows).copy_(at::mm(x, w.narrow(0, 0, rows).t()));
   }
   return out;
 }
 
-void check_weight(const torch::Tensor& x, const torch::Tensor& scales, int64_t k_from_weight) {
+void check_weight(const at::Tensor& x, const at::Tensor& scales, int64_t k_from_weight) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k_from_weight, "x must be [M, ", k_from_weight, "]");
-  TORCH_CHECK((scales.scalar_type() == torch::kFloat || scales.scalar_type() == torch::kHalf) && scales.is_contiguous(),
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous(),
               "scales must be contiguous float32 (or float16 for int4/int8)");
 }
 
-torch::Tensor int4_linear(const torch::Tensor& x_in, const torch::Tensor& qweight, const torch::Tensor& scales,
-                          const torch::Tensor& mins, int64_t group, bool int_path) {
+}  // namespace
+
+namespace llk::quant {
+
+void int8_per_channel_linear(const float* x, int64_t m, int64_t k, const int8_t* w, const at::Tensor& scales,
+                             int64_t n, float* out) {
+  int8g::linear(x, m, k, w, scales, n, out);
+}
+
+std::string set_isa(const std::string& name) {
+  llk::Isa level;
+  TORCH_CHECK(llk::parse_isa(name, &level), "unknown or not compiled ISA level: ", name);
+  g_isa_cap.store(static_cast<int>(level), std::memory_order_relaxed);
+  return name;
+}
+
+std::string isa() {
+  if (g_isa_cap.load(std::memory_order_relaxed) == static_cast<int>(llk::Isa::kGeneric)) return "avx2, scalar int8";
+  return use_avx512() ? "avx512" : "avx2";
+}
+
+at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                          const at::Tensor& mins, int64_t group, bool int_path) {
   const int64_t n = qweight.size(0), k = qweight.size(1) * 2;
   check_weight(x_in, scales, k);
-  TORCH_CHECK(qweight.scalar_type() == torch::kByte && qweight.is_contiguous(), "qweight must be contiguous uint8");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous(), "qweight must be contiguous uint8");
   TORCH_CHECK(group % QB == 0 && k % group == 0, "int4 group must be a multiple of 32 dividing K");
   TORCH_CHECK(mins.is_contiguous(), "mins must be contiguous");
-  const auto x = x_in.to(torch::kFloat).contiguous();
+  const auto x = x_in.to(at::kFloat).contiguous();
   const uint8_t* q = qweight.data_ptr<uint8_t>();
   const int64_t groups = k / group;
-  torch::Tensor out;
+  at::Tensor out;
   if (int_path) {
     const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*nibble_order=*/true);
-    out = torch::empty({x.size(0), n}, x.options());
+    out = at::empty({x.size(0), n}, x.options());
     packed_gemm(xq, q, /*int4=*/true, scales, mins, group, n, out.data_ptr<float>());
   } else {
-    const auto scales32 = scales.to(torch::kFloat), mins32 = mins.to(torch::kFloat);
+    const auto scales32 = scales.to(at::kFloat), mins32 = mins.to(at::kFloat);
     const float *s = scales32.data_ptr<float>(), *mn = mins32.data_ptr<float>();
     out = slab_gemm(x, n, k, [&](int64_t j, float* dst) {
       dequant_int4_rows(q + j * (k / 2), s + j * groups, mn + j * groups, group, k, dst);
@@ -821,29 +862,29 @@ torch::Tensor int4_linear(const torch::Tensor& x_in, const torch::Tensor& qweigh
   return out.to(x_in.scalar_type());
 }
 
-torch::Tensor int8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight, const torch::Tensor& scales,
-                          const c10::optional<torch::Tensor>& mins, int64_t group, bool int_path) {
+at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                          const c10::optional<at::Tensor>& mins, int64_t group, bool int_path) {
   const int64_t n = qweight.size(0), k = qweight.size(1);
   check_weight(x_in, scales, k);
-  TORCH_CHECK(qweight.scalar_type() == torch::kChar && qweight.is_contiguous(), "qweight must be contiguous int8");
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.is_contiguous(), "qweight must be contiguous int8");
   TORCH_CHECK(k % QB == 0 && (group == 16 || group % QB == 0) && k % group == 0,
               "int8 group must be 16 or a multiple of 32 dividing K");
   TORCH_CHECK(!mins.has_value() || mins->is_contiguous(), "mins must be contiguous");
-  const auto x = x_in.to(torch::kFloat).contiguous();
+  const auto x = x_in.to(at::kFloat).contiguous();
   const int8_t* q = qweight.data_ptr<int8_t>();
   const int64_t groups = k / group;
-  torch::Tensor out;
+  at::Tensor out;
   if (int_path && int8g::per_channel(group, k, mins.has_value())) {
-    out = torch::empty({x.size(0), n}, x.options());
+    out = at::empty({x.size(0), n}, x.options());
     int8g::linear(x.data_ptr<float>(), x.size(0), k, q, scales, n, out.data_ptr<float>());
   } else if (int_path) {
     const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*nibble_order=*/false);
-    out = torch::empty({x.size(0), n}, x.options());
-    packed_gemm(xq, reinterpret_cast<const uint8_t*>(q), /*int4=*/false, scales, mins.value_or(torch::Tensor()), group,
+    out = at::empty({x.size(0), n}, x.options());
+    packed_gemm(xq, reinterpret_cast<const uint8_t*>(q), /*int4=*/false, scales, mins.value_or(at::Tensor()), group,
                 n, out.data_ptr<float>());
   } else {
-    const auto scales32 = scales.to(torch::kFloat);
-    const auto mins32 = mins.has_value() ? mins->to(torch::kFloat) : torch::Tensor();
+    const auto scales32 = scales.to(at::kFloat);
+    const auto mins32 = mins.has_value() ? mins->to(at::kFloat) : at::Tensor();
     const float* s = scales32.data_ptr<float>();
     const float* mn = mins32.defined() ? mins32.data_ptr<float>() : nullptr;
     out = slab_gemm(x, n, k, [&](int64_t j, float* dst) {
@@ -853,19 +894,19 @@ torch::Tensor int8_linear(const torch::Tensor& x_in, const torch::Tensor& qweigh
   return out.to(x_in.scalar_type());
 }
 
-torch::Tensor fp8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight, const torch::Tensor& scales,
+at::Tensor fp8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                          bool direct) {
   const int64_t n = qweight.size(0), k = qweight.size(1);
   check_weight(x_in, scales, k);
-  TORCH_CHECK(qweight.scalar_type() == torch::kByte && qweight.is_contiguous(), "qweight must be contiguous uint8");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous(), "qweight must be contiguous uint8");
   TORCH_CHECK(k % 16 == 0, "fp8 kernel needs K divisible by 16");
-  const auto x = x_in.to(torch::kFloat).contiguous();
+  const auto x = x_in.to(at::kFloat).contiguous();
   const uint8_t* q = qweight.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const int64_t m = x.size(0);
-  torch::Tensor out;
+  at::Tensor out;
   if (direct) {
-    out = torch::empty({m, n}, x.options());
+    out = at::empty({m, n}, x.options());
     const float* xp = x.data_ptr<float>();
     float* o = out.data_ptr<float>();
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
@@ -888,13 +929,4 @@ torch::Tensor fp8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight
   return out.to(x_in.scalar_type());
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_linear", &int4_linear, "x @ dequant(int4)^T from the packed nibbles");
-  m.def("int8_linear", &int8_linear, "x @ dequant(int8)^T from the packed bytes");
-  m.def("interleave_tiles", &interleave_tiles, "a packed int4/int8 weight in the tile-interleaved layout");
-  m.def("interleaved_linear", &interleaved_linear, "x @ dequant(W)^T from interleave_tiles' layout");
-  m.def("fp8_linear", &fp8_linear, "x @ dequant(fp8 e4m3)^T from the packed bytes");
-  m.def("isa", [] { return std::string("avx2"); }, "the instruction set the kernels use");
-}
+}  // namespace llk::quant

@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from llmctl_kernels.fp32_linear import unpack_panels
 from llmctl.bench.datasets import BenchRequest
 from llmctl.bench.metrics import RequestRecord
 from llmctl.bench.runner import RunResult
 from llmctl.errors import LlmctlError
 from llmctl.models.llama import LlamaForCausalLM
 from llmctl.tokenizer import Tokenizer
+from llmctl_kernels.fp32_linear import unpack_panels
 
 BASELINES = ("hf",)
 
@@ -44,8 +44,9 @@ def require_transformers() -> Any:
     try:
         import transformers
     except ImportError as exc:
-        raise BaselineError("--baseline hf needs the `transformers` package: pip install 'llmctl[dev]' "
-                            "(or pip install transformers)") from exc
+        raise BaselineError(
+            "--baseline hf needs the `transformers` package: pip install 'llmctl[dev]' (or pip install transformers)"
+        ) from exc
     return transformers
 
 
@@ -86,13 +87,15 @@ def to_hf_model(model: LlamaForCausalLM) -> Any:
     wanted = hf.state_dict()
     missing = sorted(set(wanted) - set(ours))
     if missing:
-        raise BaselineError(f"cannot map llmctl's weights onto transformers' {type(hf).__name__}: "
-                            f"missing {missing[:4]}")
+        raise BaselineError(
+            f"cannot map llmctl's weights onto transformers' {type(hf).__name__}: missing {missing[:4]}"
+        )
     with torch.no_grad():
         for name, tensor in wanted.items():
             if tensor.shape != ours[name].shape:
-                raise BaselineError(f"{name}: transformers expects {tuple(tensor.shape)}, llmctl has "
-                                    f"{tuple(ours[name].shape)}")
+                raise BaselineError(
+                    f"{name}: transformers expects {tuple(tensor.shape)}, llmctl has {tuple(ours[name].shape)}"
+                )
             tensor.copy_(ours[name])
     hf.generation_config.eos_token_id = None  # generate exactly the asked tokens (ignore EOS)
     return hf.eval()
@@ -120,8 +123,14 @@ def _prompt_ids(request: BenchRequest, tokenizer: Tokenizer | None) -> list[int]
     return tokenizer.encode(request.prompt)
 
 
-def run_static_batches(hf_model: Any, requests: Sequence[BenchRequest], batch_size: int, tokenizer: Tokenizer | None,
-                       pad_token_id: int = 0, on_done: Callable[[RequestRecord], None] | None = None) -> RunResult:
+def run_static_batches(
+    hf_model: Any,
+    requests: Sequence[BenchRequest],
+    batch_size: int,
+    tokenizer: Tokenizer | None,
+    pad_token_id: int = 0,
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> RunResult:
     """Run ``requests`` in consecutive left-padded batches; see the module docstring for timings."""
     from transformers.generation.streamers import BaseStreamer
 
@@ -129,25 +138,36 @@ def run_static_batches(hf_model: Any, requests: Sequence[BenchRequest], batch_si
     records: list[RequestRecord] = []
     started = time.perf_counter()
     for first in range(0, len(requests), batch_size):
-        batch = list(requests[first:first + batch_size])
+        batch = list(requests[first : first + batch_size])
         prompts = [_prompt_ids(r, tokenizer) for r in batch]
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
         max_new = max(r.output_len for r in batch)
         clock = clock_type()
         batch_start = time.perf_counter()
         with torch.inference_mode():
-            hf_model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new,
-                              do_sample=False, pad_token_id=pad_token_id, streamer=clock)
+            hf_model.generate(
+                input_ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=pad_token_id,
+                streamer=clock,
+            )
         batch_end = time.perf_counter()
         steps = clock.times[1:]
         for request, prompt in zip(batch, prompts):
-            record = RequestRecord(start=batch_start, end=batch_end, chunk_times=steps[:request.output_len],
-                                   prompt_tokens=len(prompt), output_tokens=min(request.output_len, len(steps)))
+            record = RequestRecord(
+                start=batch_start,
+                end=batch_end,
+                chunk_times=steps[: request.output_len],
+                prompt_tokens=len(prompt),
+                output_tokens=min(request.output_len, len(steps)),
+            )
             records.append(record)
             if on_done is not None:
                 on_done(record)

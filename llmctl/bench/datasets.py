@@ -121,8 +121,9 @@ def check_range_ratio(range_ratio: float) -> None:
         raise DatasetError(f"--range-ratio must be in [0, 1), got {range_ratio}")
 
 
-def random_requests(factory: PromptFactory, num_prompts: int, input_len: int, output_len: int,
-                    range_ratio: float, seed: int) -> list[BenchRequest]:
+def random_requests(
+    factory: PromptFactory, num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int
+) -> list[BenchRequest]:
     check_range_ratio(range_ratio)
     rng = random.Random(seed)
     requests = []
@@ -133,8 +134,16 @@ def random_requests(factory: PromptFactory, num_prompts: int, input_len: int, ou
     return requests
 
 
-def shared_prefix_requests(factory: PromptFactory, num_prompts: int, num_users: int, prefix_len: int,
-                           input_len: int, output_len: int, range_ratio: float, seed: int) -> list[BenchRequest]:
+def shared_prefix_requests(
+    factory: PromptFactory,
+    num_prompts: int,
+    num_users: int,
+    prefix_len: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    seed: int,
+) -> list[BenchRequest]:
     """Request ``i`` belongs to user ``i % num_users``; its prompt is that user's system prompt
     followed by ``input_len`` (± range ratio) random tokens."""
     check_range_ratio(range_ratio)
@@ -151,8 +160,9 @@ def shared_prefix_requests(factory: PromptFactory, num_prompts: int, num_users: 
         if isinstance(prefix, list):
             prompt, actual = prefix + suffix_ids, prefix_len + suffix_len
         else:
-            prompt, actual = factory.fit_text(suffix_ids, len(factory.tokenizer.encode(prefix)) + suffix_len, rng,
-                                              prefix=prefix)
+            prompt, actual = factory.fit_text(
+                suffix_ids, len(factory.tokenizer.encode(prefix)) + suffix_len, rng, prefix=prefix
+            )
         requests.append(BenchRequest(prompt, actual, out_len, user=f"user-{user}"))
     return requests
 
@@ -172,8 +182,14 @@ def _first_exchange(conversation: Iterable[dict]) -> tuple[str, str] | None:
     return None
 
 
-def sharegpt_requests(path: Path, tokenizer: Tokenizer | None, num_prompts: int, seed: int,
-                      output_len: int | None = None, max_model_len: int | None = None) -> list[BenchRequest]:
+def sharegpt_requests(
+    path: Path,
+    tokenizer: Tokenizer | None,
+    num_prompts: int,
+    seed: int,
+    output_len: int | None = None,
+    max_model_len: int | None = None,
+) -> list[BenchRequest]:
     """The first human/assistant exchange of each conversation, shuffled with ``seed``; exchanges
     with a prompt or reply under 4 tokens, a prompt over 1024 or a total over 2048 (or over
     ``max_model_len``) are skipped. ``output_len`` overrides the replies' lengths."""
@@ -185,9 +201,13 @@ def sharegpt_requests(path: Path, tokenizer: Tokenizer | None, num_prompts: int,
         raise DatasetError(f"{path}: cannot read a ShareGPT JSON file ({exc})") from exc
     if not isinstance(data, list):
         raise DatasetError(f"{path}: expected a JSON list of {{'conversations': [...]}} entries")
-    exchanges = [ex for entry in data if isinstance(entry, dict)
-                 and isinstance(entry.get("conversations"), list)
-                 and (ex := _first_exchange(entry["conversations"])) is not None]
+    exchanges = [
+        ex
+        for entry in data
+        if isinstance(entry, dict)
+        and isinstance(entry.get("conversations"), list)
+        and (ex := _first_exchange(entry["conversations"])) is not None
+    ]
     random.Random(seed).shuffle(exchanges)
     max_total = min(SHAREGPT_MAX_TOTAL_LEN, max_model_len or SHAREGPT_MAX_TOTAL_LEN)
     requests: list[BenchRequest] = []

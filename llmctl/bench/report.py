@@ -56,8 +56,13 @@ class Verdict:
 def verdicts(summary: Summary) -> list[Verdict]:
     return [
         Verdict("P99 TTFT", summary.ttft_ms.p99, GOAL_TTFT_P99_MS, False, "ms"),
-        Verdict("per-stream decode speed = 1 / P99 TPOT =", summary.stream_tokens_per_s_p99,
-                GOAL_STREAM_TOKENS_PER_S, True, "tok/s"),
+        Verdict(
+            "per-stream decode speed = 1 / P99 TPOT =",
+            summary.stream_tokens_per_s_p99,
+            GOAL_STREAM_TOKENS_PER_S,
+            True,
+            "tok/s",
+        ),
     ]
 
 
@@ -97,19 +102,42 @@ def _rows(sides: list[BenchReport]) -> list[_Row | None]:
         engine = [side.engine for side in sides]
         rows.append(_Row("KV cache usage mean (%)", [100 * e.kv_usage_mean if e else None for e in engine], "{:.1f}"))
         rows.append(_Row("KV cache usage peak (%)", [100 * e.kv_usage_peak if e else None for e in engine], "{:.1f}"))
-        rows.append(_Row("KV slot utilization (%)",
-                         [100 * e.token_slot_utilization if e and e.token_slot_utilization is not None else None
-                          for e in engine], "{:.1f}"))
-        rows.append(_Row("Prefix cache hit rate (%)",
-                         [100 * e.prefix_hit_rate if e and e.prefix_hit_rate is not None else None for e in engine],
-                         "{:.1f}"))
+        rows.append(
+            _Row(
+                "KV slot utilization (%)",
+                [
+                    100 * e.token_slot_utilization if e and e.token_slot_utilization is not None else None
+                    for e in engine
+                ],
+                "{:.1f}",
+            )
+        )
+        rows.append(
+            _Row(
+                "Prefix cache hit rate (%)",
+                [100 * e.prefix_hit_rate if e and e.prefix_hit_rate is not None else None for e in engine],
+                "{:.1f}",
+            )
+        )
         rows.append(_Row("Preemptions", [e.num_preemptions if e else None for e in engine], "{:.0f}"))
         if any(e and e.spec_num_drafts for e in engine):
-            rows.append(_Row("Spec. decode acceptance (%)",
-                             [100 * e.spec_acceptance_rate if e and e.spec_acceptance_rate is not None else None
-                              for e in engine], "{:.1f}"))
-            rows.append(_Row("Spec. decode tokens per verify",
-                             [e.spec_mean_accepted_length if e else None for e in engine], "{:.2f}"))
+            rows.append(
+                _Row(
+                    "Spec. decode acceptance (%)",
+                    [
+                        100 * e.spec_acceptance_rate if e and e.spec_acceptance_rate is not None else None
+                        for e in engine
+                    ],
+                    "{:.1f}",
+                )
+            )
+            rows.append(
+                _Row(
+                    "Spec. decode tokens per verify",
+                    [e.spec_mean_accepted_length if e else None for e in engine],
+                    "{:.2f}",
+                )
+            )
     return rows
 
 
@@ -133,16 +161,22 @@ def build_table(sides: list[BenchReport]) -> Table:
             continue
         cells = ["—" if v is None else row.fmt.format(v) for v in row.values]
         if len(sides) == 2:
-            ratio = advantage(row.values[0], row.values[1], row.higher_is_better) if row.higher_is_better is not None \
+            ratio = (
+                advantage(row.values[0], row.values[1], row.higher_is_better)
+                if row.higher_is_better is not None
                 else None
+            )
             cells.append("" if ratio is None else f"{ratio:.2f}×")
         table.add_row(row.label, *cells)
     return table
 
 
 def slo_text(slo: Slo) -> str:
-    parts = [f"{name} ≤ {round(value, 1):g} ms" for name, value in (("TTFT", slo.ttft_ms), ("TPOT", slo.tpot_ms))
-             if value is not None]
+    parts = [
+        f"{name} ≤ {round(value, 1):g} ms"
+        for name, value in (("TTFT", slo.ttft_ms), ("TPOT", slo.tpot_ms))
+        if value is not None
+    ]
     return ", ".join(parts) or "none (every successful request counts)"
 
 
@@ -151,8 +185,10 @@ def print_report(console: Console, sides: list[BenchReport], title: str, notes: 
     console.print(build_table(sides))
     console.print(f"[dim]goodput SLOs: {slo_text(sides[0].summary.slo)}[/]")
     if len(sides) == 2:
-        console.print(f"[dim]advantage: {sides[0].label} ÷ {sides[1].label} for throughputs, the inverse for "
-                      f"latencies; above 1× {sides[0].label} is better[/]")
+        console.print(
+            f"[dim]advantage: {sides[0].label} ÷ {sides[1].label} for throughputs, the inverse for "
+            f"latencies; above 1× {sides[0].label} is better[/]"
+        )
     for note in notes:
         console.print(f"[dim]{note}[/]")
     main = sides[0].summary
@@ -214,8 +250,11 @@ def report_dict(sides: list[BenchReport], config: dict[str, Any]) -> dict[str, A
         "result": side_to_dict(sides[0]),
         "goals": {
             "ttft_p99_ms": {"value": main.ttft_ms.p99, "goal": GOAL_TTFT_P99_MS, "met": verdicts(main)[0].met},
-            "stream_tokens_per_s": {"value": main.stream_tokens_per_s_p99, "goal": GOAL_STREAM_TOKENS_PER_S,
-                                    "met": verdicts(main)[1].met},
+            "stream_tokens_per_s": {
+                "value": main.stream_tokens_per_s_p99,
+                "goal": GOAL_STREAM_TOKENS_PER_S,
+                "met": verdicts(main)[1].met,
+            },
         },
         "baseline": None,
         "advantage": None,
@@ -227,9 +266,13 @@ def report_dict(sides: list[BenchReport], config: dict[str, Any]) -> dict[str, A
             "request_throughput": advantage(ours.request_throughput, theirs.request_throughput, True),
             "output_throughput": advantage(ours.output_throughput, theirs.output_throughput, True),
             "total_token_throughput": advantage(ours.total_token_throughput, theirs.total_token_throughput, True),
-            **{f"{name}_{stat}": advantage(getattr(getattr(ours, name), stat), getattr(getattr(theirs, name), stat),
-                                           False)
-               for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms") for stat in STATS},
+            **{
+                f"{name}_{stat}": advantage(
+                    getattr(getattr(ours, name), stat), getattr(getattr(theirs, name), stat), False
+                )
+                for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+                for stat in STATS
+            },
         }
     return data
 

@@ -95,7 +95,7 @@ class InProcessTarget:
                 if out.outputs[0].delta_token_ids:
                     record.chunk_times.append(now)
                 final = out
-        except Exception as exc:  # one failed request must not end the run; it is counted as failed
+        except Exception as exc:  # noqa: BLE001 - one failed request must not end the run; it is counted as failed
             record.ok, record.error = False, f"{type(exc).__name__}: {exc}"
         record.end = time.perf_counter()
         if final is not None:
@@ -118,16 +118,26 @@ class HttpTarget:
     a client would see them). Output tokens come from the final usage chunk
     (``stream_options.include_usage``); a server that sends none is counted one token per chunk."""
 
-    def __init__(self, url: str, *, model: str | None = None, ignore_eos: bool = True, api_key: str | None = None,
-                 timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str | None = None,
+        ignore_eos: bool = True,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
         base = url.rstrip("/")
         self.base_url = base[:-3] if base.endswith("/v1") else base
         self.model = model
         self.ignore_eos = ignore_eos
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.AsyncClient(base_url=self.base_url, headers=headers,
-                                        timeout=httpx.Timeout(timeout_s, connect=10.0),
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+        self.client = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
         self.label = url
 
     async def connect(self) -> str:
@@ -147,8 +157,12 @@ class HttpTarget:
 
     def payload(self, request: BenchRequest) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self.model, "prompt": request.prompt, "max_tokens": request.output_len,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+            "model": self.model,
+            "prompt": request.prompt,
+            "max_tokens": request.output_len,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
         }
         if self.ignore_eos:
             body["ignore_eos"] = True  # an extension vLLM, llama.cpp and llmctl read; others ignore it
@@ -178,7 +192,7 @@ class HttpTarget:
                         record.chunk_times.append(time.perf_counter())
                     if chunk.get("usage"):
                         usage = chunk["usage"]
-        except Exception as exc:  # counted as a failed request, the run goes on
+        except Exception as exc:  # noqa: BLE001 - counted as a failed request, the run goes on
             record.ok, record.error = False, f"{type(exc).__name__}: {exc}"
         record.end = time.perf_counter()
         if usage:
@@ -210,9 +224,15 @@ def arrival_gaps(num_requests: int, request_rate: float, seed: int) -> list[floa
     return [0.0] + [rng.expovariate(request_rate) for _ in range(num_requests - 1)]
 
 
-async def run_load(target: Target, requests: Sequence[BenchRequest], *, concurrency: int | None,
-                   request_rate: float = math.inf, seed: int = 0,
-                   on_done: Callable[[RequestRecord], None] | None = None) -> RunResult:
+async def run_load(
+    target: Target,
+    requests: Sequence[BenchRequest],
+    *,
+    concurrency: int | None,
+    request_rate: float = math.inf,
+    seed: int = 0,
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> RunResult:
     """Send every request under the arrival process and the concurrency cap; wait for all."""
     gaps = arrival_gaps(len(requests), request_rate, seed)
     slots = asyncio.Semaphore(concurrency) if concurrency else None

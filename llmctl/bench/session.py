@@ -16,10 +16,14 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from llmctl_kernels.cpu_features import native_bf16_units
 from llmctl.bench import DEFAULT_NUM_PROMPTS
 from llmctl.bench.datasets import (
-    DATASETS, BenchRequest, PromptFactory, random_requests, shared_prefix_requests, sharegpt_requests,
+    DATASETS,
+    BenchRequest,
+    PromptFactory,
+    random_requests,
+    shared_prefix_requests,
+    sharegpt_requests,
 )
 from llmctl.bench.metrics import RequestRecord, Slo, summarize
 from llmctl.bench.report import BenchReport, print_report, report_dict, write_json
@@ -29,6 +33,7 @@ from llmctl.config import EMBEDDED_MODEL_NAME, EngineConfig
 from llmctl.errors import LlmctlError
 from llmctl.models.gguf_files import default_model, resolve_gguf_spec
 from llmctl.tokenizer import Tokenizer
+from llmctl_kernels.cpu_features import native_bf16_units
 
 PROMPT_FORMATS = ("auto", "tokens", "text")
 DEFAULT_OUTPUT_LEN = 128
@@ -89,18 +94,28 @@ class BenchOptions:
         return self.prompt_format == "text" or (self.prompt_format == "auto" and self.url is not None)
 
 
-def build_requests(options: BenchOptions, tokenizer: Tokenizer | None, vocab_size: int | None,
-                   max_model_len: int | None = None) -> list[BenchRequest]:
+def build_requests(
+    options: BenchOptions, tokenizer: Tokenizer | None, vocab_size: int | None, max_model_len: int | None = None
+) -> list[BenchRequest]:
     """The warm-up requests followed by the timed ones, all drawn from one seeded stream."""
     total = options.num_prompts + options.warmup
     output_len = options.output_len or DEFAULT_OUTPUT_LEN
     if options.dataset == "sharegpt":
-        return sharegpt_requests(options.dataset_path, tokenizer, total, options.seed, options.output_len,
-                                 max_model_len)
+        return sharegpt_requests(
+            options.dataset_path, tokenizer, total, options.seed, options.output_len, max_model_len
+        )
     factory = PromptFactory(tokenizer, vocab_size, as_text=options.as_text())
     if options.dataset == "shared-prefix":
-        return shared_prefix_requests(factory, total, options.num_users, options.prefix_len, options.input_len,
-                                      output_len, options.range_ratio, options.seed)
+        return shared_prefix_requests(
+            factory,
+            total,
+            options.num_users,
+            options.prefix_len,
+            options.input_len,
+            output_len,
+            options.range_ratio,
+            options.seed,
+        )
     return random_requests(factory, total, options.input_len, output_len, options.range_ratio, options.seed)
 
 
@@ -117,8 +132,12 @@ def _batched_default_prefers_floats(options: BenchOptions, spec: str, config: En
     row, so at many rows a step (prefill, 64 streams) dequantized float weights and BLAS win on a
     CPU (SmolLM2-135M, 64 x 128 -> 128 on a 2-core Zen 3: 190.5 vs 76.8 output tok/s)."""
     many = options.concurrency == 0 or options.concurrency >= BATCHED_STREAMS
-    return (many and config.quantization == "auto" and config.resolve_device().type == "cpu"
-            and resolve_gguf_spec(spec) is not None)
+    return (
+        many
+        and config.quantization == "auto"
+        and config.resolve_device().type == "cpu"
+        and resolve_gguf_spec(spec) is not None
+    )
 
 
 def _tokenizer_for(spec: str) -> Tokenizer:
@@ -146,8 +165,9 @@ def _load_model_weights(spec: str, dtype: str) -> Any:
     if (gguf_file := resolve_gguf_spec(spec)) is not None:
         from llmctl.models.gguf import load_gguf
 
-        return load_gguf(gguf_file, dtype=dtype, device=cpu, ops=TorchOps(), with_tokenizer=False,
-                         quantization="none")[0]
+        return load_gguf(gguf_file, dtype=dtype, device=cpu, ops=TorchOps(), with_tokenizer=False, quantization="none")[
+            0
+        ]
     return load_model(Path(resolve_model(spec)), dtype=dtype, device=cpu, ops=TorchOps())
 
 
@@ -171,8 +191,14 @@ class _LiveProgress:
 
 
 def _progress(console: Console) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("{task.fields[rate]}"), console=console)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[rate]}"),
+        console=console,
+    )
 
 
 def _describe(options: BenchOptions, requests: list[BenchRequest]) -> str:
@@ -185,19 +211,32 @@ def _describe(options: BenchOptions, requests: list[BenchRequest]) -> str:
         if options.dataset == "shared-prefix":
             workload += f" users={options.num_users} prefix={options.prefix_len}"
     rate = "inf" if math.isinf(options.request_rate) else f"{options.request_rate:g}/s"
-    return (f"llmctl bench · {workload} · {len(requests)} requests · concurrency {options.concurrency or '∞'} · "
-            f"rate {rate}")
+    return (
+        f"llmctl bench · {workload} · {len(requests)} requests · concurrency {options.concurrency or '∞'} · rate {rate}"
+    )
 
 
-async def _run_phases(target: Target, warmup: list[BenchRequest], timed: list[BenchRequest], options: BenchOptions,
-                      err: Console) -> RunResult:
+async def _run_phases(
+    target: Target, warmup: list[BenchRequest], timed: list[BenchRequest], options: BenchOptions, err: Console
+) -> RunResult:
     concurrency = options.concurrency or None
     with _progress(err) as progress:
         if warmup:
-            await run_load(target, warmup, concurrency=concurrency, seed=options.seed,
-                           on_done=_LiveProgress(progress, "warm-up", len(warmup)))
-        return await run_load(target, timed, concurrency=concurrency, request_rate=options.request_rate,
-                              seed=options.seed, on_done=_LiveProgress(progress, "benchmark", len(timed)))
+            await run_load(
+                target,
+                warmup,
+                concurrency=concurrency,
+                seed=options.seed,
+                on_done=_LiveProgress(progress, "warm-up", len(warmup)),
+            )
+        return await run_load(
+            target,
+            timed,
+            concurrency=concurrency,
+            request_rate=options.request_rate,
+            seed=options.seed,
+            on_done=_LiveProgress(progress, "benchmark", len(timed)),
+        )
 
 
 async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, list[BenchRequest], dict[str, Any]]:
@@ -206,8 +245,12 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
     facts: dict[str, Any] = {"notes": []}
     spec = options.model or (EMBEDDED_MODEL_NAME if options.url is not None else default_bench_model())
     if options.url is not None:
-        target = HttpTarget(options.url, model=options.served_model_name, api_key=options.api_key,
-                            ignore_eos=options.effective_ignore_eos)
+        target = HttpTarget(
+            options.url,
+            model=options.served_model_name,
+            api_key=options.api_key,
+            ignore_eos=options.effective_ignore_eos,
+        )
         try:
             server_stats = await _probe_server(target)
             try:
@@ -216,17 +259,23 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
                 raise BenchError(str(exc)) from exc
             tokenizer = _tokenizer_for(spec)
             if options.model is None:
-                facts["notes"].append(f"prompts built with {EMBEDDED_MODEL_NAME}'s tokenizer; pass the served "
-                                      "model as MODEL for prompt lengths in its own tokens")
+                facts["notes"].append(
+                    f"prompts built with {EMBEDDED_MODEL_NAME}'s tokenizer; pass the served "
+                    "model as MODEL for prompt lengths in its own tokens"
+                )
             requests = build_requests(options, tokenizer, tokenizer.vocab_size)
-            warmup, timed = requests[:options.warmup], requests[options.warmup:]
+            warmup, timed = requests[: options.warmup], requests[options.warmup :]
             result = await _run_phases(target, warmup, timed, options, err)
         finally:
             await target.close()
-        facts.update(tokenizer=tokenizer, model_spec=spec, label="server",
-                     model_label=f"{target.model}, served at {target.base_url}",
-                     engine_options=server_stats["config"] if server_stats else None,
-                     settings=_server_settings(server_stats))
+        facts.update(
+            tokenizer=tokenizer,
+            model_spec=spec,
+            label="server",
+            model_label=f"{target.model}, served at {target.base_url}",
+            engine_options=server_stats["config"] if server_stats else None,
+            settings=_server_settings(server_stats),
+        )
         return result, timed, facts
 
     from llmctl.engine.async_engine import AsyncEngine
@@ -240,29 +289,42 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
             # 4-bit weights lose nothing measurable in bf16 (SmolLM2-135M Q4_1: perplexity +0.06 % and
             # -0.001 % on two texts), and bf16 matmuls run ~1.45x fp32 where the CPU has bf16 units
             config.dtype, float_kind = "bfloat16", f"bfloat16 (this CPU computes it natively: {', '.join(units)})"
-        facts["notes"].append(f"{spec}: packed weights dequantized to {float_kind} (--quantization none): with "
-                              f"{options.concurrency or 'all'} streams a step the float matmuls are faster on "
-                              "a CPU; --quantization auto keeps them packed (the faster choice for one stream)")
-    if (not options.as_text() and options.dataset != "sharegpt" and config.model != EMBEDDED_MODEL_NAME
-            and not (Path(config.model) / "tokenizer.json").is_file()):
+        facts["notes"].append(
+            f"{spec}: packed weights dequantized to {float_kind} (--quantization none): with "
+            f"{options.concurrency or 'all'} streams a step the float matmuls are faster on "
+            "a CPU; --quantization auto keeps them packed (the faster choice for one stream)"
+        )
+    if (
+        not options.as_text()
+        and options.dataset != "sharegpt"
+        and config.model != EMBEDDED_MODEL_NAME
+        and not (Path(config.model) / "tokenizer.json").is_file()
+    ):
         config.skip_tokenizer = True  # token-id prompts: a checkpoint without tokenizer files still benchmarks
     engine = LLMEngine(config)
     requests = build_requests(options, engine.tokenizer, engine.model.config.vocab_size, engine.max_model_len)
     too_long = max(r.prompt_len + r.output_len for r in requests)
     if too_long > engine.max_model_len:
-        raise BenchError(f"a request needs {too_long} tokens (prompt + output) but max_model_len is "
-                         f"{engine.max_model_len}: shorten --input-len/--output-len/--prefix-len")
+        raise BenchError(
+            f"a request needs {too_long} tokens (prompt + output) but max_model_len is "
+            f"{engine.max_model_len}: shorten --input-len/--output-len/--prefix-len"
+        )
     async_engine = AsyncEngine(engine).start()
     try:
         target = InProcessTarget(async_engine, ignore_eos=options.effective_ignore_eos)
-        warmup, timed = requests[:options.warmup], requests[options.warmup:]
+        warmup, timed = requests[: options.warmup], requests[options.warmup :]
         result = await _run_phases(target, warmup, timed, options, err)
     finally:
         async_engine.shutdown()
-    facts.update(tokenizer=engine.tokenizer, llmctl_model=engine.model, label="llmctl",
-                 model_label=engine.model_label,
-                 settings=f"torch threads: {torch.get_num_threads()} · {platform.machine()}",
-                 engine_options={o.name: getattr(config, o.name) for o in engine_option_list()}, model_spec=spec)
+    facts.update(
+        tokenizer=engine.tokenizer,
+        llmctl_model=engine.model,
+        label="llmctl",
+        model_label=engine.model_label,
+        settings=f"torch threads: {torch.get_num_threads()} · {platform.machine()}",
+        engine_options={o.name: getattr(config, o.name) for o in engine_option_list()},
+        model_spec=spec,
+    )
     return result, timed, facts
 
 
@@ -288,15 +350,18 @@ def _server_settings(stats: dict[str, Any] | None) -> str:
     if stats is None:
         return "server: not llmctl (no /v1/engine/stats), so its engine settings are not known"
     c = stats["config"]
-    return (f"server: llmctl · {c.get('dtype')} · {c.get('device')} · {c.get('attention_backend')} · "
-            f"max_num_seqs {c.get('max_num_seqs')} · max_num_batched_tokens {c.get('max_num_batched_tokens')} · "
-            f"{c.get('num_blocks')} KV blocks of {c.get('block_size')} · max_model_len {c.get('max_model_len')} · "
-            f"prefix caching {'on' if c.get('enable_prefix_caching') else 'off'} · "
-            f"chunked prefill {'on' if c.get('enable_chunked_prefill') else 'off'}")
+    return (
+        f"server: llmctl · {c.get('dtype')} · {c.get('device')} · {c.get('attention_backend')} · "
+        f"max_num_seqs {c.get('max_num_seqs')} · max_num_batched_tokens {c.get('max_num_batched_tokens')} · "
+        f"{c.get('num_blocks')} KV blocks of {c.get('block_size')} · max_model_len {c.get('max_model_len')} · "
+        f"prefix caching {'on' if c.get('enable_prefix_caching') else 'off'} · "
+        f"chunked prefill {'on' if c.get('enable_chunked_prefill') else 'off'}"
+    )
 
 
-def _run_baseline(options: BenchOptions, timed: list[BenchRequest], result: RunResult, facts: dict[str, Any],
-                  err: Console) -> RunResult:
+def _run_baseline(
+    options: BenchOptions, timed: list[BenchRequest], result: RunResult, facts: dict[str, Any], err: Console
+) -> RunResult:
     from llmctl.bench.baseline_hf import require_transformers, run_static_batches, to_hf_model
 
     require_transformers()
@@ -305,16 +370,18 @@ def _run_baseline(options: BenchOptions, timed: list[BenchRequest], result: RunR
         model = _load_model_weights(facts["model_spec"], options.engine_config.dtype)
     hf = to_hf_model(model)
     # the same work on both sides: each request generates what it generated in the timed run
-    same_work = [replace(r, output_len=rec.output_tokens) if rec.succeeded else r
-                 for r, rec in zip(timed, result.records)]
+    same_work = [
+        replace(r, output_len=rec.output_tokens) if rec.succeeded else r for r, rec in zip(timed, result.records)
+    ]
     batch = min(options.concurrency or len(same_work), len(same_work))
     tokenizer = facts["tokenizer"]
     pad = tokenizer.eos_token_id if tokenizer is not None and tokenizer.eos_token_id is not None else 0
     with _progress(err) as progress:
         warm = [replace(r, output_len=2) for r in same_work[:batch]]
         run_static_batches(hf, warm, batch, tokenizer, pad, _LiveProgress(progress, "hf warm-up", len(warm)))
-        return run_static_batches(hf, same_work, batch, tokenizer, pad,
-                                  _LiveProgress(progress, "hf static batching", len(same_work)))
+        return run_static_batches(
+            hf, same_work, batch, tokenizer, pad, _LiveProgress(progress, "hf static batching", len(same_work))
+        )
 
 
 def run_bench(options: BenchOptions, out: Console, err: Console) -> dict[str, Any]:
@@ -326,23 +393,36 @@ def run_bench(options: BenchOptions, out: Console, err: Console) -> dict[str, An
     result, timed, facts = asyncio.run(_run_target(options, err))
     slo = Slo(options.slo_ttft_ms, options.slo_tpot_ms)
     sides = [BenchReport(facts["label"], summarize(result.records, slo, result.duration_s), result.engine_stats)]
-    notes = [f"model: {facts['model_label']}", *facts["notes"], facts["settings"],
-             f"{options.warmup} warm-up request(s), not counted"]
+    notes = [
+        f"model: {facts['model_label']}",
+        *facts["notes"],
+        facts["settings"],
+        f"{options.warmup} warm-up request(s), not counted",
+    ]
     if options.baseline == "hf":
         base = _run_baseline(options, timed, result, facts, err)
         sides.append(BenchReport("hf static", summarize(base.records, slo, base.duration_s)))
-        notes.append(f"hf static: transformers generate(), static batches of "
-                     f"{min(options.concurrency or len(timed), len(timed))}, same weights and dtype, same "
-                     "output lengths; a request starts with its batch and ends when the batch returns")
+        notes.append(
+            f"hf static: transformers generate(), static batches of "
+            f"{min(options.concurrency or len(timed), len(timed))}, same weights and dtype, same "
+            "output lengths; a request starts with its batch and ends when the batch returns"
+        )
     title = _describe(options, timed)
     print_report(out, sides, title, notes)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()
-              if k not in ("api_key", "argv", "engine_config")}
+    config = {
+        k: (str(v) if isinstance(v, Path) else v)
+        for k, v in asdict(options).items()
+        if k not in ("api_key", "argv", "engine_config")
+    }
     config["engine_options"] = facts["engine_options"]
-    config.update(request_rate=None if math.isinf(options.request_rate) else options.request_rate,
-                  argv=options.argv, model_label=facts["model_label"],
-                  torch_threads=torch.get_num_threads() if options.url is None else None,
-                  ignore_eos=options.effective_ignore_eos, prompt_format="text" if options.as_text() else "tokens")
+    config.update(
+        request_rate=None if math.isinf(options.request_rate) else options.request_rate,
+        argv=options.argv,
+        model_label=facts["model_label"],
+        torch_threads=torch.get_num_threads() if options.url is None else None,
+        ignore_eos=options.effective_ignore_eos,
+        prompt_format="text" if options.as_text() else "tokens",
+    )
     data = report_dict(sides, config)
     if options.json_path is not None:
         write_json(options.json_path, data)

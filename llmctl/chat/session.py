@@ -41,8 +41,14 @@ class PreparedPrompt:
 class ChatSession:
     """Messages so far (alternating user/assistant), the system prompt, and prompt building."""
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, max_tokens: int,
-                 system_prompt: str | None = None, template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        max_tokens: int,
+        system_prompt: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         if max_model_len < 2:
             raise InvalidRequestError(f"max_model_len {max_model_len} leaves no room for a conversation")
         self.tokenizer = tokenizer
@@ -124,8 +130,9 @@ class ChatSession:
         full = ([Message("system", self.system_prompt)] if self.system_prompt else []) + list(messages)
         if self.plain_continuation:
             return plain_transcript(full)
-        return self.tokenizer.apply_chat_template([m.as_dict() for m in full],
-                                                  add_generation_prompt=generation_prompt, **self.template_kwargs)
+        return self.tokenizer.apply_chat_template(
+            [m.as_dict() for m in full], add_generation_prompt=generation_prompt, **self.template_kwargs
+        )
 
     def encode(self, messages: list[Message], *, generation_prompt: bool) -> list[int]:
         text = self.render(messages, generation_prompt=generation_prompt)

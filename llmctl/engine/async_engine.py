@@ -108,7 +108,7 @@ class AsyncEngine:
                 if not busy:
                     self._work.wait(timeout=0.5)
                     self._work.clear()
-        except BaseException as exc:  # surface to every waiting client, never hang them
+        except BaseException as exc:  # noqa: BLE001 - surface to every waiting client, never hang them
             # The traceback first, then the error: a server reports the failure (and exits) once
             # it sees the error, so the traceback always comes before that message, never after.
             traceback.print_exc()
@@ -124,8 +124,14 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
     # ---- requests ------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
-                    queue: asyncio.Queue, **kwargs: Any) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        loop: asyncio.AbstractEventLoop,
+        queue: asyncio.Queue,
+        **kwargs: Any,
+    ) -> str:
         """Validate and queue (raises ``InvalidRequestError`` at once); outputs will be put on
         ``queue`` through ``loop``. Blocks up to one engine step for the lock: call it from a
         worker thread, as ``generate`` does, not on the event loop."""
@@ -144,7 +150,9 @@ class AsyncEngine:
         self._work.set()
         return request_id
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, **kwargs: Any
+    ) -> AsyncIterator[RequestOutput]:
         """Yields each step's output for the request until it finishes. Closing the iterator early
         (a client that went away) aborts the request and frees its blocks (in a worker thread, so
         it takes effect within a step). The add itself runs in a worker thread too, so the event
@@ -156,7 +164,8 @@ class AsyncEngine:
             request_id = await asyncio.shield(adding)
         except asyncio.CancelledError:  # the caller left while the add was in flight: undo it once done
             adding.add_done_callback(
-                lambda f: f.cancelled() or f.exception() or loop.run_in_executor(None, self._discard, f.result()))
+                lambda f: f.cancelled() or f.exception() or loop.run_in_executor(None, self._discard, f.result())
+            )
             raise
         finished = False
         try:

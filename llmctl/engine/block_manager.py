@@ -41,10 +41,23 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 kv_cache_dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
+        *,
+        on_release: Callable[[int], None] | None = None,
+        cache_group: int = 1,
+    ) -> None:
+        """``on_release``: called with a block id when its last owner lets go (the quantized KV pool
+        frees the block's full-precision residual slot then, before the block can be handed out
+        again). ``cache_group``: blocks per prefix-cache unit (KIVI: the residual window's blocks)."""
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
+        if cache_group < 1:
+            raise ValueError("a prefix-cache group holds at least one block")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -56,10 +69,8 @@ class BlockManager:
         self.num_evictions = 0
         self.num_copies = 0
         self.kv_cache_dtype = kv_cache_dtype  # the prefix-cache hash chain starts from it
-        # Called with a block id when its last owner lets go (the quantized KV pool frees the block's
-        # full-precision residual slot then, before the block can be handed out again).
-        self.on_release: Callable[[int], None] | None = None
-        self.cache_group = 1  # blocks per prefix-cache unit (KIVI: the residual window's blocks)
+        self.on_release = on_release
+        self.cache_group = cache_group
 
     # ---- queries -----------------------------------------------------------------------------
     @property

@@ -5,7 +5,7 @@ A batched step allocates activations of tens of MB (a 2,048-token prefill chunk 
 from malloc). glibc serves blocks above its mmap threshold with a fresh ``mmap`` and gives them
 back with ``munmap``, and trims the heap top once 2x that threshold is free, so every step pays
 the page faults and the kernel's zeroing of the same pages again. Measured on a 2-core AMX Xeon,
-bf16 peer workload (docs/benchmarks.md, eighteenth session): the four prefill chunks took
+bf16 peer workload (docs/benchmarks.md, "Host memory and threads"): the four prefill chunks took
 2.25-2.60 s with glibc's defaults and 2.07-2.32 s with the thresholds set here.
 
 Set once per process through ``mallopt``: blocks up to 32 MB (glibc's largest mmap threshold on
@@ -38,8 +38,13 @@ def keep_large_allocations() -> bool:
         return False
     version.restype = ctypes.c_char_p
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = all(mallopt(param, value) == 1 for param, value in (
-        (M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES), (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
-        (M_TOP_PAD, TOP_PAD_BYTES)))
+    ok = all(
+        mallopt(param, value) == 1
+        for param, value in (
+            (M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
+            (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
+            (M_TOP_PAD, TOP_PAD_BYTES),
+        )
+    )
     log.debug("glibc %s malloc thresholds %s", version().decode(), "set" if ok else "refused")
     return ok

@@ -28,14 +28,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmctl.platform import kv_codes_native, kv_quant_cpu_kernels
 from llmctl_kernels import kv_quant as kq
-from llmctl_kernels.cpu_native import (decode_codes_native_supported, paged_decode_attention_codes_native,
-                                paged_prefill_attention_codes_native, store_kv_codes_native)
-from llmctl_kernels.kv_quant_native import kivi_store_native, load_kv_quant_native, quantized_decode_attention_native
+from llmctl_kernels.cpu_native import (
+    paged_decode_attention_codes_native,
+    paged_prefill_attention_codes_native,
+    store_kv_codes_native,
+)
+from llmctl_kernels.kv_quant_native import kivi_store_native, quantized_decode_attention_native
 from llmctl_kernels.prefill_attention import attend_causal
 
 if TYPE_CHECKING:
-    from llmctl.layers.ops import AttentionMetadata, TorchOps
+    from llmctl.layers.ops import AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,10 @@ class KVFormat:
         if self.kind not in kq.KV_CACHE_DTYPES:
             raise ValueError(f"unknown KV cache dtype {self.kind!r}; choose one of {', '.join(kq.KV_CACHE_DTYPES)}")
         if self.residual_tokens % self.block_size:
-            raise ValueError(f"the KIVI residual length ({self.residual_tokens}) must be a multiple of the block "
-                             f"size ({self.block_size})")
+            raise ValueError(
+                f"the KIVI residual length ({self.residual_tokens}) must be a multiple of the block "
+                f"size ({self.block_size})"
+            )
 
     def residual_blocks_per_seq(self) -> int:
         """KIVI: blocks of one window group (N = R / block_size, at least 1), the most a sequence
@@ -83,13 +89,22 @@ class KVFormat:
             return {"k": ((bs, h, d), self.model_dtype), "v": ((bs, h, d), self.model_dtype)}
         if not self.is_kivi:
             codes = kq.code_dtype(self.kind)
-            return {"k": ((bs, h, d), codes), "v": ((bs, h, d), codes),
-                    "k_scale": ((bs, h), torch.float32), "v_scale": ((bs, h), torch.float32)}
+            return {
+                "k": ((bs, h, d), codes),
+                "v": ((bs, h, d), codes),
+                "k_scale": ((bs, h), torch.float32),
+                "v_scale": ((bs, h), torch.float32),
+            }
         packed = d * self.bits // 8
         groups = d // self.value_group
-        return {"k": ((bs, h, packed), torch.uint8), "k_scale": ((h, d), torch.float16),
-                "k_zero": ((h, d), torch.float16), "v": ((bs, h, packed), torch.uint8),
-                "v_scale": ((bs, h, groups), torch.float16), "v_zero": ((bs, h, groups), torch.float16)}
+        return {
+            "k": ((bs, h, packed), torch.uint8),
+            "k_scale": ((h, d), torch.float16),
+            "k_zero": ((h, d), torch.float16),
+            "v": ((bs, h, packed), torch.uint8),
+            "v_scale": ((bs, h, groups), torch.float16),
+            "v_zero": ((bs, h, groups), torch.float16),
+        }
 
     def block_bytes(self) -> int:
         """Bytes one pool block takes over all layers, scales and zeros included."""
@@ -146,8 +161,10 @@ class QuantizedKVCache:
 
     def __init__(self, fmt: KVFormat, num_blocks: int, num_residual: int, device: torch.device) -> None:
         self.fmt, self.num_blocks, self.device = fmt, num_blocks, device
-        self.tensors = {name: torch.empty(fmt.num_layers, num_blocks, *shape, dtype=dtype, device=device)
-                        for name, (shape, dtype) in fmt.tensor_shapes().items()}
+        self.tensors = {
+            name: torch.empty(fmt.num_layers, num_blocks, *shape, dtype=dtype, device=device)
+            for name, (shape, dtype) in fmt.tensor_shapes().items()
+        }
         shape = (fmt.num_layers, num_residual, fmt.block_size, fmt.num_kv_heads, fmt.head_dim)
         self.residual = {name: torch.zeros(shape, dtype=fmt.model_dtype, device=device) for name in ("k", "v")}
         self.residual_of = [-1] * num_blocks
@@ -155,14 +172,13 @@ class QuantizedKVCache:
         self.free_residual = list(range(num_residual - 1, -1, -1))
         self.plan: StepPlan | None = None
         # decode attention: the native CPU kernel reads the pool in place where it is built, else
-        # the torch reference (gather, dequantize, attend)
-        self.native_decode = device.type == "cpu" and load_kv_quant_native() is not None
+        # the torch reference (gather, dequantize, attend); llmctl/platform.py says where they run
+        self.native_decode = device.type == "cpu" and kv_quant_cpu_kernels() is not None
         # 8-bit formats where the float kernels module takes them (AVX2 or better, head_dim 64/128):
         # its tiled decode kernel and quantize-on-store, which the native decode loop also runs
-        self.native_codes = (device.type == "cpu" and fmt.kind in kq.PER_TOKEN_DTYPES
-                             and decode_codes_native_supported(fmt.head_dim))
+        self.native_codes = device.type == "cpu" and fmt.kind in kq.PER_TOKEN_DTYPES and kv_codes_native(fmt.head_dim)
         # KIVI in a float32 model: the store in one native call (the decode loop calls it too)
-        self.native_kivi_store = (self.native_decode and fmt.is_kivi and fmt.model_dtype == torch.float32)
+        self.native_kivi_store = self.native_decode and fmt.is_kivi and fmt.model_dtype == torch.float32
 
     def layer(self, index: int) -> QuantizedLayerKV:
         return QuantizedLayerKV(self, index)
@@ -196,8 +212,9 @@ class QuantizedKVCache:
         slot = self.residual_of[block_id]
         if slot < 0:
             if not self.free_residual:
-                raise RuntimeError("KIVI residual slots exhausted: more blocks in residual windows than "
-                                   "N x max_num_seqs")
+                raise RuntimeError(
+                    "KIVI residual slots exhausted: more blocks in residual windows than N x max_num_seqs"
+                )
             slot = self.residual_of[block_id] = self.free_residual.pop()
             self.residual_table[block_id] = slot
         return slot
@@ -216,8 +233,9 @@ class QuantizedKVCache:
             tables += meta.decode_block_tables.tolist()
         self.begin_step(meta.slot_mapping.tolist(), positions.tolist(), tables)
 
-    def begin_step(self, slots: list[int], positions: list[int] | None = None,
-                   tables: list[list[int]] | None = None) -> None:
+    def begin_step(
+        self, slots: list[int], positions: list[int] | None = None, tables: list[list[int]] | None = None
+    ) -> None:
         """Plan this step's staging, which blocks it quantizes and where the others go (KIVI).
         ``positions`` and ``tables`` (each token's sequence block table) are needed when the
         residual window spans several blocks: the token that completes a window group's last
@@ -256,10 +274,17 @@ class QuantizedKVCache:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-        self.plan = StepPlan(tensor([i for i, _ in residual]), tensor([r for _, r in residual]),
-                             tensor([i for i, _ in staging]), tensor([r for _, r in staging]), tensor(staged_from),
-                             tensor(list(range(len(finalize)))), tensor(finalize), staging_of,
-                             self.residual_table.to(self.device))
+        self.plan = StepPlan(
+            tensor([i for i, _ in residual]),
+            tensor([r for _, r in residual]),
+            tensor([i for i, _ in staging]),
+            tensor([r for _, r in staging]),
+            tensor(staged_from),
+            tensor(list(range(len(finalize)))),
+            tensor(finalize),
+            staging_of,
+            self.residual_table.to(self.device),
+        )
 
 
 class QuantizedLayerKV:
@@ -311,8 +336,7 @@ class QuantizedLayerKV:
             plan.staging[name] = staging
         return plan
 
-    def gather(self, block_tables: torch.Tensor, max_len: int, dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, block_tables: torch.Tensor, max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values ``[num_seqs, max_len, Hkv, D]`` of the sequences' blocks
         (rows past a sequence's length are garbage for the caller to mask)."""
         fmt, t = self.fmt, self.t
@@ -324,8 +348,9 @@ class QuantizedLayerKV:
             values = kq.dequantize_per_token(t["v"][blocks], t["v_scale"][blocks], dtype)
         else:
             keys = kq.dequantize_kivi_keys(t["k"][blocks], t["k_scale"][blocks], t["k_zero"][blocks], fmt.bits, dtype)
-            values = kq.dequantize_kivi_values(t["v"][blocks], t["v_scale"][blocks], t["v_zero"][blocks],
-                                               fmt.bits, fmt.value_group, dtype)
+            values = kq.dequantize_kivi_values(
+                t["v"][blocks], t["v_scale"][blocks], t["v_zero"][blocks], fmt.bits, fmt.value_group, dtype
+            )
             slot = self.cache.plan.residual_table[blocks]  # [S, nb]: open blocks read the residual
             is_open = (slot >= 0)[..., None, None, None]
             keys = torch.where(is_open, self.residual["k"][slot.clamp(min=0)].to(dtype), keys)
@@ -333,8 +358,13 @@ class QuantizedLayerKV:
         shape = (num_seqs, nb * fmt.block_size, fmt.num_kv_heads, fmt.head_dim)
         return keys.reshape(shape)[:, :max_len], values.reshape(shape)[:, :max_len]
 
-    def gather_exact(self, block_table: list[int], max_len: int, dtype: torch.dtype,
-                     gathered: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_exact(
+        self,
+        block_table: list[int],
+        max_len: int,
+        dtype: torch.dtype,
+        gathered: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """KIVI: one sequence's keys and values ``[max_len, Hkv, D]`` in full precision wherever
         the cache has them this step: the blocks this step quantizes from staging, the others as
         ``gather`` reads them (``gathered``, when the caller has them already): from the residual
@@ -353,8 +383,9 @@ class QuantizedLayerKV:
                 values[i * bs : i * bs + n] = plan.staging["v"][index, :n]
         return keys, values
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata,
-               scale: float, ops: TorchOps) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         """Store this step's K/V, then attend over what the cache holds: prefill chunks causally
         over their sequence's blocks, decodes over theirs."""
         self.store(key, value, meta.slot_mapping)
@@ -363,13 +394,20 @@ class QuantizedLayerKV:
         if self.cache.native_codes:
             if n:
                 out[:n] = paged_prefill_attention_codes_native(
-                    query[:n], self.fmt.kind, self.t, meta.prefill_block_tables, meta.prefill_query_start_loc,
-                    meta.prefill_seq_lens, scale)
+                    query[:n],
+                    self.fmt.kind,
+                    self.t,
+                    meta.prefill_block_tables,
+                    meta.prefill_query_start_loc,
+                    meta.prefill_seq_lens,
+                    scale,
+                )
         else:
             self.prefill_reference(query, out, meta, scale)
         if meta.num_decodes:
-            out[n:] = self.decode(query[n:], meta.decode_block_tables, meta.decode_seq_lens, meta.max_decode_seq_len,
-                                  scale)
+            out[n:] = self.decode(
+                query[n:], meta.decode_block_tables, meta.decode_seq_lens, meta.max_decode_seq_len, scale
+            )
         return out
 
     def prefill_reference(self, query: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
@@ -382,23 +420,34 @@ class QuantizedLayerKV:
             table = meta.prefill_block_tables[i : i + 1]
             keys, values = self.gather(table, seq_len, query.dtype)
             if self.fmt.is_kivi:
-                exact_keys, exact_values = self.gather_exact(table[0].tolist(), seq_len, query.dtype,
-                                                             (keys[0], values[0]))
+                exact_keys, exact_values = self.gather_exact(
+                    table[0].tolist(), seq_len, query.dtype, (keys[0], values[0])
+                )
                 window = self.fmt.block_size * self.fmt.residual_blocks_per_seq()
-                out[start:end] = kq.attend_causal_kivi(query[start:end], keys[0], values[0], exact_keys,
-                                                       exact_values, window, scale)
+                out[start:end] = kq.attend_causal_kivi(
+                    query[start:end], keys[0], values[0], exact_keys, exact_values, window, scale
+                )
             else:
                 out[start:end] = attend_causal(query[start:end], keys[0], values[0], scale)
 
-    def decode(self, query: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-               scale: float) -> torch.Tensor:
+    def decode(
+        self, query: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, scale: float
+    ) -> torch.Tensor:
         """One query token per sequence over its blocks as the cache holds them."""
         if self.cache.native_codes:
             return paged_decode_attention_codes_native(query, self.fmt.kind, self.t, block_tables, seq_lens, scale)
         if self.cache.native_decode:
             plan = self.cache.plan
             return quantized_decode_attention_native(
-                query, self.fmt.kind, self.t, block_tables, seq_lens, scale, value_group=self.fmt.value_group,
-                residual=self.residual, residual_table=plan.residual_table if plan is not None else None)
+                query,
+                self.fmt.kind,
+                self.t,
+                block_tables,
+                seq_lens,
+                scale,
+                value_group=self.fmt.value_group,
+                residual=self.residual,
+                residual_table=plan.residual_table if plan is not None else None,
+            )
         keys, values = self.gather(block_tables, max_len, query.dtype)
         return kq.decode_attention_dense(query, keys, values, seq_lens, scale)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -36,12 +35,13 @@ from llmctl.engine.outputs import RequestMetrics, RequestOutput
 from llmctl.engine.sampler import Sampler
 from llmctl.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmctl.engine.sequence import FinishReason, Sequence
-from llmctl.engine.stats import EngineCounters, EngineStats, engine_counters, engine_snapshot
+from llmctl.engine.stats import EngineCounters, EngineStats, Speculation
 from llmctl.errors import ConfigError, InvalidRequestError, ModelLoadError
-from llmctl.layers.ops import select_ops
+from llmctl.layers.backends import build_ops
 from llmctl.models.embedded import EMBEDDED_LABEL, EMBEDDED_MODEL_NAME, load_embedded
 from llmctl.models.gguf_files import resolve_gguf_spec
 from llmctl.models.loader import load_model
+from llmctl.platform import select_kernels
 from llmctl.sampling_params import SamplingParams
 from llmctl.spec.speculator import build_speculator
 from llmctl.structured import CompiledGrammar, StructuredOutputManager
@@ -57,23 +57,41 @@ class LLMEngine:
             keep_large_allocations()
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
-        self.ops = select_ops(config.attention_backend, self.device)
+        self.kernels = select_kernels(
+            config.kernel_backend,
+            self.device,  # every kernel choice: llmctl/platform.py
+            quant_exact_activations=config.quant_exact_activations,
+        )
+        self.ops = build_ops(self.kernels)
         self.parallel = None  # rank 0 of a torchrun job: this engine drives the other ranks (llmctl.parallel)
         if config.world_size > 1:
             from llmctl.parallel.driver import start_parallel
 
             self.parallel = start_parallel(config)
         self.model, self.tokenizer, self.model_label = self._load(
-            config, self.ops, self.parallel.shard_kwargs() if self.parallel else {})
+            config, self.ops, self.parallel.shard_kwargs() if self.parallel else {}
+        )
         if config.chat_template and self.tokenizer is not None:
             self.tokenizer.chat_template = read_chat_template(config.chat_template)
         self.dtype = self.model.model.norm.weight.dtype  # the activation/KV dtype (weights may be packed)
-        self.kv_format = kv_format(self.model, config.block_size, self.dtype, config.kv_cache_dtype,
-                                   config.kv_quant_group_size, config.kv_residual_length)
+        self.kv_format = kv_format(
+            self.model,
+            config.block_size,
+            self.dtype,
+            config.kv_cache_dtype,
+            config.kv_quant_group_size,
+            config.kv_residual_length,
+        )
         num_blocks, num_residual, self.max_model_len = self._size_kv_pool()
-        self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=config.block_size,
-                                  device=self.device, kv_dtype=self.dtype, kv_format=self.kv_format,
-                                  num_residual_slots=num_residual)
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            device=self.device,
+            kv_dtype=self.dtype,
+            kv_format=self.kv_format,
+            num_residual_slots=num_residual,
+        )
         if self.parallel is not None:
             from llmctl.parallel.driver import ParallelRunner
 
@@ -85,31 +103,90 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos_token_ids |= self.tokenizer.eos_token_ids
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            enable_prefix_caching=config.enable_prefix_caching, eos_token_ids=self.eos_token_ids,
-            num_speculative_tokens=config.num_speculative_tokens if config.speculative_model else 0,
-            kv_cache_dtype=config.kv_cache_dtype))
+        # Each collaborator gets what it works with when it is built, in the order they need each
+        # other: the pool's block manager, the sampler, the speculator, then the scheduler.
         quantized_kv = getattr(self.runner, "quantized_kv", None)
-        if quantized_kv is not None:
-            self.block_manager.on_release = quantized_kv.release
-            self.block_manager.cache_group = max(1, self.kv_format.residual_blocks_per_seq())
-        self.sampler = Sampler(config.seed, self.device, frozenset(self.eos_token_ids))
-        self.speculator = build_speculator(self)  # --speculative-model (llmctl/spec/), else None
-        if self.speculator is not None:
-            self.scheduler.propose_drafts = self.speculator.lookahead
+        block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.kv_cache_dtype,
+            on_release=quantized_kv.release if quantized_kv is not None else None,
+            cache_group=max(1, self.kv_format.residual_blocks_per_seq()) if quantized_kv is not None else 1,
+        )
+        # The grammar engine for this model's vocabulary (it reads the vocabulary on first use).
+        self._structured_outputs = (
+            None
+            if self.tokenizer is None
+            else StructuredOutputManager.for_tokenizer(self.tokenizer, self.model.config.vocab_size)
+        )
+        self.sampler = Sampler(config.seed, self.device, self.eos_token_ids, self._structured_outputs)
+        # --speculative-model (llmctl/spec/), else None
+        self.speculator = build_speculator(
+            config,
+            self.sampler,
+            block_manager,
+            self.device,
+            self.model.config.vocab_size,
+            self.tokenizer,
+            functools.partial(self._load, ops=self.ops, shard={}),
+        )
+        pipelined = self.parallel is not None and self.parallel.pp_size > 1 and self.speculator is None
+        batches_in_flight = 1
+        if pipelined:
+            from llmctl.parallel.pipeline import batches_in_flight as pipeline_depth
+
+            batches_in_flight = pipeline_depth(self.parallel.pp_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=num_blocks,
+                block_size=config.block_size,
+                max_model_len=self.max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=budget,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                enable_prefix_caching=config.enable_prefix_caching,
+                eos_token_ids=self.eos_token_ids,
+                num_speculative_tokens=config.num_speculative_tokens if config.speculative_model else 0,
+                kv_cache_dtype=config.kv_cache_dtype,
+                batches_in_flight=batches_in_flight,
+            ),
+            block_manager,
+            propose_drafts=self.speculator.lookahead if self.speculator is not None else None,
+        )
         self.pipeline = None  # pipeline parallelism: batches in flight across steps (llmctl.parallel.pipeline)
-        if self.parallel is not None and self.parallel.pp_size > 1 and self.speculator is None:
+        if pipelined:
             from llmctl.parallel.pipeline import PipelinedSteps
 
             self.pipeline = PipelinedSteps(self.scheduler, self.runner)
-        self._structured_outputs: StructuredOutputManager | None = None
-        self._structured_lock = threading.Lock()
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.stats = EngineStats()
+        self.stats = EngineStats(
+            self.scheduler, model=self.model_label, settings=self._settings(), speculation=self._speculation()
+        )
         self._request_counter = itertools.count()
+
+    def _settings(self) -> dict[str, Any]:
+        """The stats snapshot's ``config`` section: what this engine runs with, fixed at start-up."""
+        config, bm = self.config, self.scheduler.block_manager
+        return {
+            "block_size": bm.block_size,
+            "num_blocks": bm.num_blocks,
+            "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "enable_prefix_caching": bm.enable_prefix_caching,
+            "enable_chunked_prefill": config.enable_chunked_prefill,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "kv_cache_dtype": config.kv_cache_dtype,
+            "kv_bytes_per_token": self.kv_format.bytes_per_token(),
+            "device": str(self.device),
+            "attention_backend": getattr(self.ops, "description", self.ops.name),
+        }
+
+    def _speculation(self) -> Speculation | None:
+        if self.speculator is None:
+            return None
+        return Speculation(self.speculator.method, self.config.num_speculative_tokens, self.speculator.counters)
 
     @property
     def dtype_description(self) -> str:
@@ -172,9 +249,15 @@ class LLMEngine:
         if (gguf_file := resolve_gguf_spec(config.model)) is not None:  # a .gguf file, a dir of one, a short name
             from llmctl.models.gguf import load_gguf
 
-            model, tokenizer = load_gguf(gguf_file, dtype=config.dtype, device=device, ops=ops,
-                                         with_tokenizer=not config.skip_tokenizer,
-                                         quantization=config.quantization, calibration=config.calibration)
+            model, tokenizer = load_gguf(
+                gguf_file,
+                dtype=config.dtype,
+                device=device,
+                ops=ops,
+                with_tokenizer=not config.skip_tokenizer,
+                quantization=config.quantization,
+                calibration=config.calibration,
+            )
             return model, tokenizer, config.model_name or str(config.model)
         model_dir = Path(config.model)
         if not model_dir.is_dir():
@@ -183,9 +266,17 @@ class LLMEngine:
                 f"*.safetensors, a pulled hub id, or the embedded default {EMBEDDED_MODEL_NAME!r})"
             )
         quantization = "none" if config.quantization == "auto" else config.quantization  # a float checkpoint
-        model = load_model(model_dir, dtype=config.dtype, device=device, ops=ops, quantization=quantization,
-                           quantization_group_size=config.quantization_group_size, calibration=config.calibration,
-                           tokenizer_dir=config.tokenizer and Path(config.tokenizer), **shard)
+        model = load_model(
+            model_dir,
+            dtype=config.dtype,
+            device=device,
+            ops=ops,
+            quantization=quantization,
+            quantization_group_size=config.quantization_group_size,
+            calibration=config.calibration,
+            tokenizer_dir=config.tokenizer and Path(config.tokenizer),
+            **shard,
+        )
         tokenizer = None if config.skip_tokenizer else Tokenizer.from_dir(Path(config.tokenizer or model_dir))
         return model, tokenizer, config.model_name or str(config.model)
 
@@ -208,7 +299,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this engine runs without one (use stop_token_ids)")
+            raise InvalidRequestError(
+                "stop strings need a tokenizer; this engine runs without one (use stop_token_ids)"
+            )
         token_ids, text = self._prompt_tokens(prompt)
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
@@ -219,10 +312,13 @@ class LLMEngine:
             raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         vocab = self.model.config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidRequestError(f"logit_bias token {max(params.logit_bias)} is out of the vocabulary [0, {vocab})")
+            raise InvalidRequestError(
+                f"logit_bias token {max(params.logit_bias)} is out of the vocabulary [0, {vocab})"
+            )
         if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
             raise InvalidRequestError(
-                f"allowed_token_ids token {max(params.allowed_token_ids)} is out of the vocabulary [0, {vocab})")
+                f"allowed_token_ids token {max(params.allowed_token_ids)} is out of the vocabulary [0, {vocab})"
+            )
         if params.bad_words:
             if self.tokenizer is None:
                 raise InvalidRequestError("bad_words need a tokenizer; this engine runs without one")
@@ -231,30 +327,33 @@ class LLMEngine:
         grammar = self.prepare(params).new_matcher() if params.structured_outputs is not None else None
         now = time.time() if arrival_time is None else arrival_time
         user = user or "default"
-        seq = Sequence(request_id, list(token_ids), len(token_ids), params, user=user, priority=priority,
-                       arrival_time=now, pending_forks=params.n - 1)
+        seq = Sequence(
+            request_id,
+            list(token_ids),
+            len(token_ids),
+            params,
+            user=user,
+            priority=priority,
+            arrival_time=now,
+            pending_forks=params.n - 1,
+        )
         seed = params.sample_seed(0)
         if seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(seed)
         seq.grammar = grammar
-        self.output_processor.add_request(RequestState(request_id, text, token_ids, params, user,
-                                                       RequestMetrics(now)), seq)
+        self.output_processor.add_request(
+            RequestState(request_id, text, token_ids, params, user, RequestMetrics(now)), seq
+        )
         self.stats.request_added(len(token_ids))
         self.scheduler.add(seq)
         return request_id
 
     @property
     def structured_outputs(self) -> StructuredOutputManager:
-        """The grammar engine for this model's vocabulary, built on first use (it reads the whole
-        vocabulary once)."""
-        with self._structured_lock:
-            if self._structured_outputs is None:
-                if self.tokenizer is None:
-                    raise InvalidRequestError("structured outputs need a tokenizer; this engine runs without one")
-                self._structured_outputs = StructuredOutputManager.for_tokenizer(
-                    self.tokenizer, self.model.config.vocab_size)
-                self.sampler.structured_outputs = self._structured_outputs
-            return self._structured_outputs
+        """The grammar engine for this model's vocabulary (the sampler masks logits with it)."""
+        if self._structured_outputs is None:
+            raise InvalidRequestError("structured outputs need a tokenizer; this engine runs without one")
+        return self._structured_outputs
 
     def prepare(self, params: SamplingParams) -> CompiledGrammar | None:
         """Compile the request's grammar (cached; on the manager's threads). ``AsyncEngine`` calls
@@ -319,14 +418,17 @@ class LLMEngine:
         else:
             self.scheduler.update_from_output(sched, sampled.token_ids)
         processed = self.output_processor.process(seqs, sampled, time.time())
+        for cut in processed.truncations:  # tokens after a stop string (speculative decoding)
+            self.scheduler.truncate(cut.seq, cut.num_tokens)
         for seq, reason in processed.to_finish:  # stop strings, and requests whose output failed
             self.scheduler.finish(seq, reason)
         self.stats.record_step(sched, processed.outputs, started, self.scheduler.num_requests(), len(seqs), kv_usage)
         return processed.outputs
 
     # ---- offline ------------------------------------------------------------------------------
-    def generate(self, prompts: Iterable[str | list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in prompt order."""
         prompts = list(prompts)
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -352,7 +454,7 @@ class LLMEngine:
         return [s for r in self.requests.values() for s in r.sequences() if not s.is_finished]
 
     def counters(self) -> EngineCounters:
-        return engine_counters(self)
+        return self.stats.counters(self.requests.values())
 
     def stats_snapshot(self, max_steps: int = 120) -> dict[str, Any]:
-        return engine_snapshot(self, max_steps)
+        return self.stats.snapshot(self.requests.values(), max_steps)

@@ -23,7 +23,8 @@ batch where nobody did pays one Python check per row.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence as Seq
+from collections.abc import Callable, Collection
+from collections.abc import Sequence as Seq
 
 import torch
 
@@ -47,8 +48,9 @@ def apply_repetition_penalty_(logits: torch.Tensor, seen: torch.Tensor, penalty:
     logits.copy_(torch.where(logits > 0, logits / factor, logits * factor))
 
 
-def apply_frequency_presence_penalties_(logits: torch.Tensor, output_counts: torch.Tensor,
-                                        frequency: torch.Tensor, presence: torch.Tensor) -> None:
+def apply_frequency_presence_penalties_(
+    logits: torch.Tensor, output_counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor
+) -> None:
     logits -= frequency[:, None] * output_counts + presence[:, None] * (output_counts > 0)
 
 
@@ -70,8 +72,11 @@ def apply_min_p_(logits: torch.Tensor, min_p: torch.Tensor) -> None:
 
 def _sparse_entries(entries: list[tuple[int, int, float]], device: torch.device) -> tuple[torch.Tensor, ...]:
     rows, tokens, values = zip(*entries)
-    return (torch.tensor(rows, device=device), torch.tensor(tokens, device=device),
-            torch.tensor(values, dtype=torch.float32, device=device))
+    return (
+        torch.tensor(rows, device=device),
+        torch.tensor(tokens, device=device),
+        torch.tensor(values, dtype=torch.float32, device=device),
+    )
 
 
 def bad_words_token_ids(encode: Callable[[str], list[int]], words: Seq[str]) -> list[list[int]]:
@@ -101,7 +106,7 @@ def _apply_allowed_and_bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> 
         output = seq.output_token_ids
         for word in params.bad_words_token_ids:
             prefix = word[:-1]
-            if word[-1] < vocab and len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
+            if word[-1] < vocab and len(prefix) <= len(output) and output[len(output) - len(prefix) :] == prefix:
                 banned.append((row, word[-1], 0.0))
     if banned:
         rows, tokens, _ = _sparse_entries(banned, logits.device)
@@ -141,7 +146,9 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     output_counts = token_counts([s.output_token_ids for s in picked], vocab, device)
     repetition = torch.tensor([s.params.repetition_penalty for s in picked], device=device)
     if (repetition != 1).any():
-        seen = (token_counts([s.token_ids[: s.num_prompt_tokens] for s in picked], vocab, device) > 0) | (output_counts > 0)
+        seen = (token_counts([s.token_ids[: s.num_prompt_tokens] for s in picked], vocab, device) > 0) | (
+            output_counts > 0
+        )
         apply_repetition_penalty_(sub, seen, repetition)
     frequency = torch.tensor([s.params.frequency_penalty for s in picked], device=device)
     presence = torch.tensor([s.params.presence_penalty for s in picked], device=device)

@@ -15,19 +15,50 @@ import torch
 from llmctl.engine.kv_cache import KVFormat, QuantizedKVCache
 from llmctl.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmctl.engine.sequence import Sequence
+from llmctl.layers.embedding import ParallelLMHead
 from llmctl.layers.ops import AttentionMetadata
-from llmctl.layers.quantization.matmul import bind_cpu_kernels
+from llmctl.layers.quantization.matmul import bound_cpu_kernel
+from llmctl.layers.quantization.methods import PackedLinearMethod
 from llmctl.models.llama import LlamaForCausalLM
 from llmctl.models.native_decode import build_native_decode
 
 
-def kv_format(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
-              group_size: int = 32, residual_tokens: int = 0) -> KVFormat:
+def bind_cpu_kernels(model: torch.nn.Module, *, exact_activations: bool = False) -> None:
+    """Bind every packed CPU layer's kernel at load instead of at its first call: the weight bytes
+    a start-up line reports are then those a request runs with (the tile-interleaved copies made,
+    the row layouts they replace released), and the first request does not pay for the binding.
+    Here, above the layers, because it needs to tell linear layers from the LM head."""
+    for module in model.modules():
+        qweight = module._parameters.get("qweight")
+        if qweight is None or qweight.device.type != "cpu":
+            continue
+        if isinstance(getattr(module, "method", None), PackedLinearMethod):
+            bound_cpu_kernel(module, release_rows=True, exact_activations=exact_activations)
+        elif isinstance(module, ParallelLMHead):  # keeps its rows: a tied embedding reads them
+            bound_cpu_kernel(module, exact_activations=exact_activations)
+
+
+def kv_format(
+    model: LlamaForCausalLM,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+    group_size: int = 32,
+    residual_tokens: int = 0,
+) -> KVFormat:
     """The KV storage of this model: the one place KV size is computed (from the attention layers
     as built, so a tensor-parallel shard counts only its own heads)."""
     attn = model.attention_layers()[0]
-    return KVFormat(kv_cache_dtype, len(model.attention_layers()), attn.num_kv_heads, attn.head_dim,
-                    block_size, dtype, group_size, residual_tokens)
+    return KVFormat(
+        kv_cache_dtype,
+        len(model.attention_layers()),
+        attn.num_kv_heads,
+        attn.head_dim,
+        block_size,
+        dtype,
+        group_size,
+        residual_tokens,
+    )
 
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -54,8 +85,17 @@ class ModelOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int, device: torch.device,
-                 kv_dtype: torch.dtype, kv_format: KVFormat | None = None, num_residual_slots: int = 0) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        kv_dtype: torch.dtype,
+        kv_format: KVFormat | None = None,
+        num_residual_slots: int = 0,
+    ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -70,13 +110,15 @@ class ModelRunner:
         # Allocated empty (a large pool commits no memory until used) and zeroed block by block as
         # the block manager first hands blocks out: masked lanes of a partially filled block are read
         # and weighted by 0, and 0 * NaN from uninitialised memory would poison the output.
-        self.kv_cache = torch.empty(2, len(layers), num_blocks, block_size, attn.num_kv_heads, attn.head_dim,
-                                    dtype=kv_dtype, device=device)
+        self.kv_cache = torch.empty(
+            2, len(layers), num_blocks, block_size, attn.num_kv_heads, attn.head_dim, dtype=kv_dtype, device=device
+        )
         self.num_blocks_zeroed = 0
         for i, layer in enumerate(layers):
             layer.key_cache, layer.value_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         if device.type == "cpu":
-            bind_cpu_kernels(model)
+            kernels = model.model.norm.ops.kernels  # the engine's (llmctl/platform.py); None without one
+            bind_cpu_kernels(model, exact_activations=kernels is not None and kernels.quant_exact_activations)
         # Decode-only steps in one native call where the model allows (else None); decode_path says which.
         self.native_decode, self.decode_path = build_native_decode(model, self.kv_cache, self.quantized_kv)
 
@@ -191,5 +233,6 @@ class ModelRunner:
 
     def block_table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
         width = max((len(t) for t in tables), default=0)
-        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                            device=self.device).view(len(tables), width)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=self.device).view(
+            len(tables), width
+        )

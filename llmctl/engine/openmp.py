@@ -5,7 +5,7 @@ each host thread that starts a parallel region owns a pool of its own. A server 
 the model in the main thread, then steps the engine in a background thread, so two pools exist;
 libgomp then counts more threads than CPUs and cuts the time its idle workers spin from ~3 ms to
 100 spins, so the engine thread's workers fall asleep between two kernels and are woken late for
-the next. Measured on a 2-core Zen 3 with SmolLM2-135M, 64 × 128 → 128 (benchmarks/engine_thread.py):
+the next. Measured on a 2-core Zen 3 with SmolLM2-135M, 64 × 128 → 128 (benchmarks/features/engine_thread.py):
 the loop in the main thread ran at 180-197 output tok/s, the same loop in a second thread at
 122-169, with the same CPU time.
 
@@ -24,32 +24,60 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 OMP_PAUSE_SOFT = 1  # free the threads, keep what can be kept (the OpenMP 5.0 enum's value)
-_RUNTIME_NAMES = ("libgomp", "libiomp5", "libomp")
+_TORCH_LIBRARY = "libtorch_cpu.so"
 
 
-def loaded_openmp_runtime() -> Path | None:
-    """The OpenMP runtime this process has mapped (torch's own ``libgomp`` on Linux), or None."""
+class _DlInfo(ctypes.Structure):
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
+
+
+def _mapped_path(file_name: str) -> Path | None:
+    """The path of a shared library this process has mapped whose file name is ``file_name``."""
     maps = Path("/proc/self/maps")
-    if not maps.exists():  # not Linux: the runtime cannot be located this way
+    if not maps.exists():  # not Linux: libraries cannot be located this way
         return None
     for line in maps.read_text().splitlines():
         fields = line.split(maxsplit=5)  # address, perms, offset, device, inode[, path]
-        name = Path(fields[5]).name if len(fields) == 6 else ""
-        if name.startswith(_RUNTIME_NAMES) and ".so" in name:
+        if len(fields) == 6 and Path(fields[5]).name == file_name:
             return Path(fields[5])
     return None
 
 
 @functools.cache
-def _pause_function() -> ctypes._CFuncPtr | None:
-    runtime = loaded_openmp_runtime()
-    if runtime is None:
+def _torch_openmp_symbol(name: str) -> ctypes._CFuncPtr | None:
+    """``name`` as torch's own CPU library resolves it. A process can hold several OpenMP runtimes
+    (scikit-learn vendors a libgomp of its own; lm-eval and others import it): looked up through
+    libtorch_cpu's handle, the dynamic linker searches that library's dependencies, so the symbol
+    is the one of the runtime whose pools torch's kernels use, not the first one mapped."""
+    torch_cpu = _mapped_path(_TORCH_LIBRARY)
+    if torch_cpu is None:
         return None
     try:
-        pause = ctypes.CDLL(str(runtime)).omp_pause_resource_all
-    except (OSError, AttributeError):  # an OpenMP older than 5.0
+        return getattr(ctypes.CDLL(str(torch_cpu)), name)
+    except (OSError, AttributeError):  # an OpenMP older than 5.0, or torch built without OpenMP
         return None
-    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+
+
+def loaded_openmp_runtime() -> Path | None:
+    """The OpenMP runtime torch computes on (its own ``libgomp`` on Linux), or None."""
+    function = _torch_openmp_symbol("omp_get_max_threads")
+    if function is None:
+        return None
+    info = _DlInfo()
+    if ctypes.CDLL(None).dladdr(ctypes.cast(function, ctypes.c_void_p), ctypes.byref(info)) == 0:
+        return None
+    return Path(info.dli_fname.decode())
+
+
+def _pause_function() -> ctypes._CFuncPtr | None:
+    pause = _torch_openmp_symbol("omp_pause_resource_all")
+    if pause is not None:
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
     return pause
 
 

@@ -3,7 +3,9 @@ hold-back, logprobs and ``RequestOutput`` building.
 
 The scheduler has already appended the tokens and ended sequences on EOS, stop token ids,
 ``max_tokens`` and ``max_model_len``; what needs text happens here, as in vLLM's OutputProcessor. A
-stop string ends a sequence from here: ``process`` hands it back for the engine to finish.
+stop string ends a sequence from here: ``process`` hands it back for the engine to finish, with the
+tokens to drop when the stop string came before the last of the tokens it got this step. The
+sequences' tokens are the scheduler's: this module reads them and never edits them.
 
 Faults are isolated per request: any exception while turning one request's tokens into output (a
 detokenizer that raises, a stop-string or logprobs bug) finishes that request alone with finish
@@ -39,10 +41,17 @@ class SampleState:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     ended: FinishReason | None = None  # ended here: a stop string (wins over "length") or an error
     stop_string: str | None = None
+    # A stop string ended it with tokens of the same step after it: only this many of the sequence's
+    # token ids count (prompt included), the rest were never generated.
+    num_tokens_kept: int | None = None
 
     @property
     def finish_reason(self) -> FinishReason | None:
         return self.ended or self.seq.finish_reason
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.seq.num_prompt_tokens : self.num_tokens_kept]
 
 
 @dataclass(eq=False)
@@ -67,10 +76,20 @@ class RequestState:
         return [s.seq for s in self.samples.values()]
 
 
+@dataclass(frozen=True)
+class Truncation:
+    """Keep only the first ``num_tokens`` token ids of ``seq``: a stop string ended it before the
+    last of the tokens it got this step (speculative decoding), so those after it were never generated."""
+
+    seq: Sequence
+    num_tokens: int
+
+
 @dataclass
 class ProcessedStep:
     outputs: list[RequestOutput]
     to_finish: list[tuple[Sequence, FinishReason]]  # ended here (stop strings, errors): free their blocks
+    truncations: list[Truncation] = field(default_factory=list)  # for the scheduler, before it finishes them
 
 
 class OutputProcessor:
@@ -110,15 +129,20 @@ class OutputProcessor:
             request = self.requests[seq.request_id]
             touched[request.request_id] = request
             self._guarded(request, touched, self._add_token, request, seq, i, later[i], sampled, now)
-        outputs, to_finish = [], []
+        outputs, to_finish, truncations = [], [], []
         for request in touched.values():
             output = self._output(request)
-            to_finish += [(s.seq, s.ended) for s in request.samples.values() if s.ended and not s.seq.is_finished]
+            for sample in request.samples.values():
+                seq, kept = sample.seq, sample.num_tokens_kept
+                if kept is not None and len(seq.token_ids) > kept:
+                    truncations.append(Truncation(seq, kept))
+                if sample.ended and not seq.is_finished:
+                    to_finish.append((seq, sample.ended))
             if output.finished:
                 request.metrics.finished_time = output.metrics.finished_time = now
                 del self.requests[request.request_id]
             outputs.append(output)
-        return ProcessedStep(outputs, to_finish)
+        return ProcessedStep(outputs, to_finish, truncations)
 
     def _guarded(self, request: RequestState, touched: dict[str, RequestState], work, *args) -> None:
         if request.error is not None:
@@ -144,8 +168,9 @@ class OutputProcessor:
         if skip >= 0:
             held.extend(chunk.logprobs[skip:])
 
-    def _add_token(self, request: RequestState, seq: Sequence, row: int, later: int, sampled: SampleResult,
-                   now: float) -> None:
+    def _add_token(
+        self, request: RequestState, seq: Sequence, row: int, later: int, sampled: SampleResult, now: float
+    ) -> None:
         metrics = request.metrics
         if metrics.last_token_time != now:  # the request's first token this step
             metrics.previous_token_time, metrics.last_token_time = metrics.last_token_time, now
@@ -176,7 +201,7 @@ class OutputProcessor:
         if seq.params.stop and not stopped_by_token:
             _check_stop_strings(sample, seq.params, previous)
             if sample.ended is not None and later:
-                del seq.token_ids[-later:]
+                sample.num_tokens_kept = len(seq.token_ids) - later
 
     # ---- outputs ---------------------------------------------------------------------------------
     def _output(self, request: RequestState) -> RequestOutput:
@@ -196,29 +221,34 @@ class OutputProcessor:
             visible = max(sample.sent_chars, len(sample.text) - holdback)
             delta_text = sample.text[sample.sent_chars : visible]
             sample.sent_chars = visible
-            out_ids = seq.output_token_ids
+            out_ids = sample.output_token_ids
             delta_ids = out_ids[sample.sent_tokens :]
             sample.sent_tokens = len(out_ids)
             want_logprobs = seq.params.logprobs is not None
-            outputs.append(CompletionOutput(
-                index=index,
-                text=sample.text[:visible],
-                token_ids=list(out_ids),
-                finish_reason=None if reason is None else reason.value,
-                stop_reason=sample.stop_string if sample.stop_string is not None else seq.stop_reason,
-                delta_text=delta_text,
-                delta_token_ids=delta_ids,
-                logprobs=list(sample.logprobs) if want_logprobs else None,
-                top_logprobs=list(sample.top_logprobs) if want_logprobs else None,
-            ))
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=sample.text[:visible],
+                    token_ids=list(out_ids),
+                    finish_reason=None if reason is None else reason.value,
+                    stop_reason=sample.stop_string if sample.stop_string is not None else seq.stop_reason,
+                    delta_text=delta_text,
+                    delta_token_ids=delta_ids,
+                    logprobs=list(sample.logprobs) if want_logprobs else None,
+                    top_logprobs=list(sample.top_logprobs) if want_logprobs else None,
+                )
+            )
         return self._request_output(request, outputs)
 
     def _error_output(self, request: RequestState) -> RequestOutput:
         """What is known to be good: the text already handed out, the tokens, the error."""
         outputs = [
-            CompletionOutput(index=index, text=sample.text[: sample.sent_chars],
-                             token_ids=list(sample.seq.output_token_ids),
-                             finish_reason=(sample.finish_reason or FinishReason.ERROR).value)
+            CompletionOutput(
+                index=index,
+                text=sample.text[: sample.sent_chars],
+                token_ids=list(sample.output_token_ids),
+                finish_reason=(sample.finish_reason or FinishReason.ERROR).value,
+            )
             for index, sample in sorted(request.samples.items())
         ]
         return self._request_output(request, outputs)

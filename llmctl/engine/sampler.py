@@ -41,12 +41,19 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu",
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        eos_token_ids: frozenset[int] = frozenset(),
+        structured_outputs: StructuredOutputManager | None = None,
+    ) -> None:
+        """``structured_outputs``: masks the rows of sequences with a grammar (None: an engine
+        without a tokenizer, whose requests cannot have one)."""
         # for unseeded requests; on the logits' device (a CUDA tensor needs a CUDA generator)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.eos_token_ids = eos_token_ids  # what min_tokens holds back
-        self.structured_outputs: StructuredOutputManager | None = None  # set with the first grammar
+        self.structured_outputs = structured_outputs
 
     def sample(self, output: ModelOutput, seqs: list[Sequence]) -> SampleResult:
         """One token per sequence from the step's logits, and the prompt logprobs asked for."""

@@ -51,6 +51,9 @@ class SchedulerConfig:
     eos_token_ids: frozenset[int] = frozenset()
     kv_cache_dtype: str = "auto"  # salts the prefix-cache keys
     num_speculative_tokens: int = 0  # most draft tokens a decode may verify per step (0: no speculation)
+    # Pipeline parallelism (llmctl/parallel/pipeline.py): batches in flight at once, which share the
+    # live sequences, each taking at most its share so that every stage has a batch to run.
+    batches_in_flight: int = 1
 
 
 @dataclass
@@ -122,10 +125,25 @@ def max_min_fair_shares(demands: dict[str, int], capacity: int) -> dict[str, int
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager | None = None,
+        *,
+        propose_drafts: Callable[[Sequence, int], int] | None = None,
+    ) -> None:
+        """``block_manager``: the pool's (None: a plain one from ``config``; the engine passes one
+        wired to its quantized KV pool). ``propose_drafts``: ``(seq, most) -> k`` draft tokens to
+        verify behind a decode (speculative decoding, llmctl/spec/); None: no speculation."""
+        if block_manager is None:
+            block_manager = BlockManager(
+                config.num_blocks, config.block_size, config.enable_prefix_caching, config.kv_cache_dtype
+            )
+        elif (block_manager.num_blocks, block_manager.block_size) != (config.num_blocks, config.block_size):
+            raise ValueError("the block manager's pool differs from the scheduler config's")
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          config.kv_cache_dtype)
+        self.block_manager = block_manager
+        self.propose_drafts = propose_drafts
         self.running: list[Sequence] = []  # admission order: the tail is preempted first
         self.waiting: dict[str, list[tuple[int, float, int, Sequence]]] = defaultdict(list)  # per-user heaps
         self.num_waiting = 0  # kept current so other threads may read it without walking the queues
@@ -133,13 +151,9 @@ class Scheduler:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.resumed_hit_tokens = 0  # tokens a preempted sequence found again in the cache on resuming
-        # Speculative decoding: ``(seq, most) -> k`` drafts for a decode (llmctl/spec/), set by the engine.
-        self.propose_drafts: Callable[[Sequence, int], int] | None = None
-        # Pipeline parallelism (llmctl/parallel/pipeline.py): the sequences of batches still in the
-        # pipeline, which are neither scheduled nor preempted; and how many batches share the live
-        # sequences, each taking at most its share so that every stage has a batch to run.
+        # Pipeline parallelism: the sequences of batches still in the pipeline, which are neither
+        # scheduled nor preempted (``mark_in_flight`` / ``mark_landed``).
         self.in_flight: set[int] = set()
-        self.pipeline_groups = 1
 
     # ---- queue management --------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -164,6 +178,21 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the first ``num_tokens`` of a sequence that is ending (a stop string found
+        before the last of the tokens it got this step: the ones after it were never generated)."""
+        if num_tokens < seq.num_prompt_tokens:
+            raise ValueError("a truncation cannot reach into the prompt")
+        del seq.token_ids[num_tokens:]
+
+    def mark_in_flight(self, sched: SchedulerOutput) -> None:
+        """Pipeline parallelism: ``sched`` was launched; its sequences wait for its tokens."""
+        self.in_flight.update(item.seq.seq_id for item in sched.scheduled)
+
+    def mark_landed(self, sched: SchedulerOutput) -> None:
+        """Pipeline parallelism: ``sched``'s results are back; its sequences may be scheduled again."""
+        self.in_flight.difference_update(item.seq.seq_id for item in sched.scheduled)
 
     def num_requests(self) -> tuple[int, int]:
         """(running, waiting) requests: a request is running while any of its sequences is in the
@@ -210,16 +239,21 @@ class Scheduler:
         """Most sequences in one batch: all of them, or with pipeline parallelism the batch's share
         of the live ones (those that could run: at most ``max_num_seqs``). Without pipeline
         parallelism there is no cap here: forked children (``n`` > 1) may outnumber the seats."""
-        if self.pipeline_groups == 1:
+        groups = self.config.batches_in_flight
+        if groups == 1:
             return sys.maxsize
         live = min(len(self.running) + self.num_waiting, self.config.max_num_seqs)
-        return max(1, -(-live // self.pipeline_groups))
+        return max(1, -(-live // groups))
 
     def _lookahead(self, seq: Sequence, budget: int) -> int:
         """Draft tokens to verify behind a decode's pending token: within the token budget, the
         context limit and the tokens ``max_tokens`` still allows after the next one."""
-        most = min(self.config.num_speculative_tokens, budget - 1, self.config.max_model_len - seq.num_tokens,
-                   seq.params.max_tokens - seq.num_output_tokens - 1)
+        most = min(
+            self.config.num_speculative_tokens,
+            budget - 1,
+            self.config.max_model_len - seq.num_tokens,
+            seq.params.max_tokens - seq.num_output_tokens - 1,
+        )
         if self.propose_drafts is None or most <= 0:
             return 0
         return self.propose_drafts(seq, most)
@@ -256,8 +290,12 @@ class Scheduler:
         for seq in list(self.running):
             if len(scheduled) >= limit:
                 return
-            if (seq.num_pending_tokens <= 1 or seq.seq_id in scheduled or seq.seq_id in self.in_flight
-                    or seq.status is not SequenceStatus.RUNNING):
+            if (
+                seq.num_pending_tokens <= 1
+                or seq.seq_id in scheduled
+                or seq.seq_id in self.in_flight
+                or seq.status is not SequenceStatus.RUNNING
+            ):
                 continue
             n = min(seq.num_pending_tokens, shares[seq.user], budget)
             if n <= 0 or (not chunked and n < seq.num_pending_tokens):
@@ -357,8 +395,16 @@ class Scheduler:
             return False
         # The victim's user keeps its fair share: a prompt that will fork (n > 1) holds several seats,
         # and taking it could leave its user below the share, free to take one back: round and round.
-        victim = next((s for s in reversed(self.running) if s.user == heaviest and s.seq_id not in self.in_flight
-                       and seats[heaviest] - 1 - s.pending_forks >= fair), None)
+        victim = next(
+            (
+                s
+                for s in reversed(self.running)
+                if s.user == heaviest
+                and s.seq_id not in self.in_flight
+                and seats[heaviest] - 1 - s.pending_forks >= fair
+            ),
+            None,
+        )
         if victim is None:  # all in the pipeline (their blocks are being written), or none can be spared
             return False
         self._preempt(victim, out, scheduled)
@@ -379,8 +425,9 @@ class Scheduler:
         self.add(seq)
 
     # ---- after the model ran -----------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int],
-                           verified_token_ids: list[list[int]] | None = None) -> None:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled_token_ids: list[int], verified_token_ids: list[list[int]] | None = None
+    ) -> None:
         """Book the step the model ran: the K/V it computed (newly full blocks go to the prefix
         cache), the ``n > 1`` forks, one sampled token per ``out.sampling`` sequence, the tokens
         each of ``out.verifies`` got (its accepted drafts and one more), and the end of those that

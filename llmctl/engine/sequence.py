@@ -64,9 +64,17 @@ class Sequence:
     def fork(self, index: int) -> Sequence:
         """Sample ``index`` of the same request: the same tokens so far, its own seed (``seed + index``)
         and no blocks yet (the block manager shares the parent's)."""
-        child = Sequence(self.request_id, list(self.token_ids), self.num_prompt_tokens, self.params,
-                         user=self.user, priority=self.priority, arrival_time=self.arrival_time, index=index,
-                         num_cached_tokens=self.num_cached_tokens)
+        child = Sequence(
+            self.request_id,
+            list(self.token_ids),
+            self.num_prompt_tokens,
+            self.params,
+            user=self.user,
+            priority=self.priority,
+            arrival_time=self.arrival_time,
+            index=index,
+            num_cached_tokens=self.num_cached_tokens,
+        )
         seed = self.params.sample_seed(index)
         if seed is not None and self.generator is not None:
             child.generator = torch.Generator(device=self.generator.device).manual_seed(seed)

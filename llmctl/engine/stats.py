@@ -4,9 +4,12 @@
 and calls step listeners (the server's Prometheus histograms) with a ``StepStats`` after every
 step. Readers take one of two views, both built here and nowhere else:
 
-- ``engine_counters(engine) -> EngineCounters``: a typed read of the gauges and counters
+- ``EngineStats.counters(requests) -> EngineCounters``: a typed read of the gauges and counters
   (``/metrics``, ``bench``);
-- ``engine_snapshot(engine) -> dict``: the JSON snapshot (``/v1/engine/stats``, ``llmctl top``).
+- ``EngineStats.snapshot(requests) -> dict``: the JSON snapshot (``/v1/engine/stats``, ``llmctl top``).
+
+What it reads is handed to its constructor (the scheduler, the start-up settings, the speculative
+decoding counters) or to the call (the unfinished requests), so it depends on nothing above it.
 
 "running" and "waiting" count **requests** everywhere: a request is running while any of its
 sequences is in the batch, and waiting (queued, or preempted and queued again) otherwise.
@@ -50,11 +53,11 @@ from typing import TYPE_CHECKING, Any
 
 from llmctl.engine.latency import LatencyWindow
 from llmctl.engine.outputs import RequestOutput
-from llmctl.engine.scheduler import SchedulerOutput
+from llmctl.engine.scheduler import Scheduler, SchedulerOutput
 from llmctl.engine.sequence import FinishReason, Sequence, SequenceStatus
 
-if TYPE_CHECKING:
-    from llmctl.engine.llm_engine import LLMEngine
+if TYPE_CHECKING:  # only annotated: the metrics and bench readers need not import the sampler and model
+    from llmctl.engine.output_processor import RequestState
 
 STATS_VERSION = 2
 STEP_HISTORY = 512
@@ -107,8 +110,49 @@ class EngineCounters:
     spec_num_accepted_tokens: int = 0
 
 
+@dataclass
+class SpecCounters:
+    """Speculative decoding since start: verify steps, draft tokens scored, and of those accepted."""
+
+    num_verifies: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted / self.num_drafted if self.num_drafted else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verify yields on average: its accepted drafts plus the one it always gets."""
+        return 1 + self.num_accepted / self.num_verifies if self.num_verifies else None
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What the stats show of speculative decoding: who drafts, how many tokens, and the counters
+    the speculator keeps."""
+
+    method: str
+    num_speculative_tokens: int
+    counters: SpecCounters
+
+
 class EngineStats:
-    def __init__(self, history: int = STEP_HISTORY) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        *,
+        model: str,
+        settings: dict[str, Any],
+        speculation: Speculation | None = None,
+        history: int = STEP_HISTORY,
+    ) -> None:
+        """``settings``: the snapshot's ``config`` section, fixed at start-up."""
+        self.scheduler = scheduler
+        self.model = model
+        self.settings = dict(settings)
+        self.speculation = speculation
         self.start_time = time.time()
         self.step_count = 0
         self.steps: deque[StepRecord] = deque(maxlen=history)
@@ -127,14 +171,29 @@ class EngineStats:
     def request_finished(self, reason: str) -> None:
         self.requests_finished[reason] += 1
 
-    def record_step(self, sched: SchedulerOutput, outputs: list[RequestOutput], started: float,
-                    num_requests: tuple[int, int], num_tokens: int | None = None, kv_usage: float = 0.0) -> None:
+    def record_step(
+        self,
+        sched: SchedulerOutput,
+        outputs: list[RequestOutput],
+        started: float,
+        num_requests: tuple[int, int],
+        num_tokens: int | None = None,
+        kv_usage: float = 0.0,
+    ) -> None:
         """``num_tokens``: tokens generated this step (default: one per sampling sequence)."""
         self.step_count += 1
         self.generation_tokens_total += len(sched.sampling) if num_tokens is None else num_tokens
-        record = StepRecord(self.step_count, started, time.time() - started, sched.num_prefill_tokens,
-                            sched.num_decode_tokens, len(sched.scheduled), *num_requests, len(sched.preempted),
-                            kv_usage)
+        record = StepRecord(
+            self.step_count,
+            started,
+            time.time() - started,
+            sched.num_prefill_tokens,
+            sched.num_decode_tokens,
+            len(sched.scheduled),
+            *num_requests,
+            len(sched.preempted),
+            kv_usage,
+        )
         self.steps.append(record)
         step = StepStats(record, outputs, [], [], [])
         for out in outputs:
@@ -152,6 +211,101 @@ class EngineStats:
         for listener in self.listeners:
             listener(step)
 
+    # ---- the two views ---------------------------------------------------------------------------
+    def counters(self, requests: Iterable[RequestState]) -> EngineCounters:
+        """``requests``: the unfinished ones (their live sequences' blocks give the token utilization)."""
+        sched = self.scheduler
+        bm = sched.block_manager
+        running, waiting = sched.num_requests()
+        return EngineCounters(
+            requests_running=running,
+            requests_waiting=waiting,
+            kv_num_blocks=bm.num_blocks,
+            kv_free_blocks=bm.num_free_blocks,
+            kv_usage=bm.usage,
+            kv_token_utilization=token_utilization(_live_sequences(requests), bm.block_size),
+            prefix_cache_queries=sched.prefix_query_tokens,
+            prefix_cache_hits=sched.prefix_hit_tokens,
+            num_preemptions=sched.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            requests_added_total=self.requests_added_total,
+            requests_finished=dict(self.requests_finished),
+            **self._spec_counters(),
+        )
+
+    def snapshot(self, requests: Iterable[RequestState], max_steps: int = 120) -> dict[str, Any]:
+        """The JSON snapshot (schema in the module docstring)."""
+        requests = list(requests)
+        now = time.time()
+        counters = self.counters(requests)
+        states = self.scheduler.block_manager.block_states()
+        rows = _request_rows(requests, now)
+        running_ids = {r["request_id"] for r in rows if r["state"] == "running"}
+        preempted_ids = {r["request_id"] for r in rows if r["state"] == "preempted"} - running_ids
+        for row in rows:
+            del row["request_id"]
+        queries, hits = counters.prefix_cache_queries, counters.prefix_cache_hits
+        return {
+            "version": STATS_VERSION,
+            "time": now,
+            "uptime_s": round(now - self.start_time, 3),
+            "model": self.model,
+            "step": self.step_count,
+            "config": dict(self.settings),
+            "kv": {
+                "num_blocks": counters.kv_num_blocks,
+                "free": states.count("."),
+                "cached": states.count("c"),
+                "used": states.count("u"),
+                "shared": states.count("s"),
+                "usage": counters.kv_usage,
+                "token_utilization": counters.kv_token_utilization,
+                "block_states": states,
+            },
+            "prefix_cache": {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else 0.0},
+            "counters": {
+                "num_preemptions": counters.num_preemptions,
+                "prompt_tokens_total": counters.prompt_tokens_total,
+                "generation_tokens_total": counters.generation_tokens_total,
+                "requests_added_total": counters.requests_added_total,
+                "requests_finished": counters.requests_finished,
+            },
+            "scheduler": {
+                "running": counters.requests_running,
+                "waiting": counters.requests_waiting,
+                "preempted_waiting": len(preempted_ids),
+            },
+            "requests": rows,
+            "steps": [asdict(s) for s in list(self.steps)[-max_steps:]],
+            "latency": self.latency.section(),
+            "spec_decode": self._spec_section(),
+        }
+
+    def _spec_counters(self) -> dict[str, int]:
+        if self.speculation is None:
+            return {}
+        c = self.speculation.counters
+        return {
+            "spec_num_drafts": c.num_verifies,
+            "spec_num_draft_tokens": c.num_drafted,
+            "spec_num_accepted_tokens": c.num_accepted,
+        }
+
+    def _spec_section(self) -> dict[str, Any] | None:
+        if self.speculation is None:
+            return None
+        c = self.speculation.counters
+        return {
+            "method": self.speculation.method,
+            "num_speculative_tokens": self.speculation.num_speculative_tokens,
+            "num_drafts": c.num_verifies,
+            "draft_tokens": c.num_drafted,
+            "accepted_tokens": c.num_accepted,
+            "acceptance_rate": c.acceptance_rate,
+            "mean_accepted_length": c.mean_accepted_length,
+        }
+
 
 def token_utilization(seqs: Iterable[Sequence], block_size: int) -> float | None:
     """Of the token slots in blocks that live sequences hold, the fraction holding a computed token
@@ -165,49 +319,13 @@ def token_utilization(seqs: Iterable[Sequence], block_size: int) -> float | None
     return sum(filled.values()) / slots if slots else None
 
 
-def engine_counters(engine: LLMEngine) -> EngineCounters:
-    sched, stats = engine.scheduler, engine.stats
-    bm = sched.block_manager
-    running, waiting = sched.num_requests()
-    return EngineCounters(
-        requests_running=running,
-        requests_waiting=waiting,
-        kv_num_blocks=bm.num_blocks,
-        kv_free_blocks=bm.num_free_blocks,
-        kv_usage=bm.usage,
-        kv_token_utilization=token_utilization(engine.live_sequences(), bm.block_size),
-        prefix_cache_queries=sched.prefix_query_tokens,
-        prefix_cache_hits=sched.prefix_hit_tokens,
-        num_preemptions=sched.num_preemptions,
-        prompt_tokens_total=stats.prompt_tokens_total,
-        generation_tokens_total=stats.generation_tokens_total,
-        requests_added_total=stats.requests_added_total,
-        requests_finished=dict(stats.requests_finished),
-        **_spec_counters(engine),
-    )
+def _live_sequences(requests: Iterable[RequestState]) -> list[Sequence]:
+    return [seq for request in requests for seq in request.sequences() if not seq.is_finished]
 
 
-def _spec_counters(engine: LLMEngine) -> dict[str, int]:
-    if engine.speculator is None:
-        return {}
-    c = engine.speculator.counters
-    return {"spec_num_drafts": c.num_verifies, "spec_num_draft_tokens": c.num_drafted,
-            "spec_num_accepted_tokens": c.num_accepted}
-
-
-def _spec_section(engine: LLMEngine) -> dict[str, Any] | None:
-    speculator = engine.speculator
-    if speculator is None:
-        return None
-    c = speculator.counters
-    return {"method": speculator.method, "num_speculative_tokens": engine.config.num_speculative_tokens,
-            "num_drafts": c.num_verifies, "draft_tokens": c.num_drafted, "accepted_tokens": c.num_accepted,
-            "acceptance_rate": c.acceptance_rate, "mean_accepted_length": c.mean_accepted_length}
-
-
-def _request_rows(engine: LLMEngine, now: float) -> list[dict[str, Any]]:
+def _request_rows(requests: Iterable[RequestState], now: float) -> list[dict[str, Any]]:
     rows = []
-    for request in engine.requests.values():
+    for request in requests:
         for seq in request.sequences():
             if seq.is_finished:
                 continue
@@ -215,79 +333,20 @@ def _request_rows(engine: LLMEngine, now: float) -> list[dict[str, Any]]:
                 state = "running"
             else:
                 state = "preempted" if seq.num_preemptions else "waiting"
-            rows.append({
-                "id": request.request_id if request.params.n == 1 else f"{request.request_id}#{seq.index}",
-                "request_id": request.request_id,
-                "user": seq.user,
-                "state": state,
-                "priority": seq.priority,
-                "prompt_tokens": seq.num_prompt_tokens,
-                "generated_tokens": seq.num_output_tokens,
-                "cached_tokens": seq.num_cached_tokens,
-                "blocks": list(seq.block_table),
-                "num_preemptions": seq.num_preemptions,
-                "age_s": round(now - request.metrics.arrival_time, 3),
-                "n": request.params.n,
-            })
+            rows.append(
+                {
+                    "id": request.request_id if request.params.n == 1 else f"{request.request_id}#{seq.index}",
+                    "request_id": request.request_id,
+                    "user": seq.user,
+                    "state": state,
+                    "priority": seq.priority,
+                    "prompt_tokens": seq.num_prompt_tokens,
+                    "generated_tokens": seq.num_output_tokens,
+                    "cached_tokens": seq.num_cached_tokens,
+                    "blocks": list(seq.block_table),
+                    "num_preemptions": seq.num_preemptions,
+                    "age_s": round(now - request.metrics.arrival_time, 3),
+                    "n": request.params.n,
+                }
+            )
     return rows
-
-
-def engine_snapshot(engine: LLMEngine, max_steps: int = 120) -> dict[str, Any]:
-    now = time.time()
-    counters = engine_counters(engine)
-    bm, stats, cfg = engine.scheduler.block_manager, engine.stats, engine.config
-    states = bm.block_states()
-    requests = _request_rows(engine, now)
-    running_ids = {r["request_id"] for r in requests if r["state"] == "running"}
-    preempted_ids = {r["request_id"] for r in requests if r["state"] == "preempted"} - running_ids
-    for row in requests:
-        del row["request_id"]
-    queries, hits = counters.prefix_cache_queries, counters.prefix_cache_hits
-    return {
-        "version": STATS_VERSION,
-        "time": now,
-        "uptime_s": round(now - stats.start_time, 3),
-        "model": engine.model_label,
-        "step": stats.step_count,
-        "config": {
-            "block_size": bm.block_size,
-            "num_blocks": bm.num_blocks,
-            "max_num_seqs": cfg.max_num_seqs,
-            "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
-            "max_model_len": engine.max_model_len,
-            "enable_prefix_caching": bm.enable_prefix_caching,
-            "enable_chunked_prefill": cfg.enable_chunked_prefill,
-            "dtype": str(engine.dtype).replace("torch.", ""),
-            "kv_cache_dtype": cfg.kv_cache_dtype,
-            "kv_bytes_per_token": engine.kv_format.bytes_per_token(),
-            "device": str(engine.device),
-            "attention_backend": getattr(engine.ops, "description", engine.ops.name),
-        },
-        "kv": {
-            "num_blocks": bm.num_blocks,
-            "free": states.count("."),
-            "cached": states.count("c"),
-            "used": states.count("u"),
-            "shared": states.count("s"),
-            "usage": counters.kv_usage,
-            "token_utilization": counters.kv_token_utilization,
-            "block_states": states,
-        },
-        "prefix_cache": {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else 0.0},
-        "counters": {
-            "num_preemptions": counters.num_preemptions,
-            "prompt_tokens_total": counters.prompt_tokens_total,
-            "generation_tokens_total": counters.generation_tokens_total,
-            "requests_added_total": counters.requests_added_total,
-            "requests_finished": counters.requests_finished,
-        },
-        "scheduler": {
-            "running": counters.requests_running,
-            "waiting": counters.requests_waiting,
-            "preempted_waiting": len(preempted_ids),
-        },
-        "requests": requests,
-        "steps": [asdict(s) for s in list(stats.steps)[-max_steps:]],
-        "latency": stats.latency.section(),
-        "spec_decode": _spec_section(engine),
-    }

@@ -20,7 +20,7 @@ class Checksum:
     value: str
     size: int | None
 
-    def new(self) -> "hashlib._Hash":
+    def new(self) -> hashlib._Hash:
         if self.kind == "sha256":
             return hashlib.sha256()
         h = hashlib.sha1()
@@ -102,4 +102,3 @@ def corrupted(repo_id: str, revision: str, filename: str, checksum: Checksum, go
         f"{checksum.value[:16]}…, got {got[:16]}…; the corrupted download was deleted, "
         f"run `llmctl pull {ref}` to fetch it again"
     )
-

@@ -47,7 +47,7 @@ def _cli_errors() -> Iterator[None]:
         raise typer.Exit(130) from None
 
 
-def register_hub_commands(app: "typer.Typer") -> None:
+def register_hub_commands(app: typer.Typer) -> None:
     """Add ``pull``, ``ls`` and ``rm`` to a typer app."""
     import typer
     from rich.console import Console
@@ -55,14 +55,21 @@ def register_hub_commands(app: "typer.Typer") -> None:
 
     @app.command("pull")
     def pull_command(
-        model: str = typer.Argument(..., metavar="REPO_ID[@REVISION][:TAG]", help="Hugging Face model id, e.g. "
-                                    "org/name@main; :TAG picks a GGUF file, e.g. org/name-GGUF:Q4_K_M."),
+        model: str = typer.Argument(
+            ...,
+            metavar="REPO_ID[@REVISION][:TAG]",
+            help="Hugging Face model id, e.g. org/name@main; :TAG picks a GGUF file, e.g. org/name-GGUF:Q4_K_M.",
+        ),
         token: str | None = typer.Option(
             None, "--token", help="Hugging Face token for gated/private repos (default: HF_TOKEN).", show_default=False
         ),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
-        include: str | None = typer.Option(None, "--include", help="The GGUF file to fetch, as a glob (e.g. "
-                                           "'*Q4_K_M.gguf'); the same as :TAG.", show_default=False),
+        include: str | None = typer.Option(
+            None,
+            "--include",
+            help="The GGUF file to fetch, as a glob (e.g. '*Q4_K_M.gguf'); the same as :TAG.",
+            show_default=False,
+        ),
     ) -> None:
         """Download a model into the Hugging Face cache: config, tokenizer and safetensors weights, or
         one GGUF file (a repo of GGUF files: its Q4_K_M one unless :TAG or --include says otherwise)."""
@@ -128,10 +135,11 @@ def register_hub_commands(app: "typer.Typer") -> None:
 
     @app.command("rm")
     def rm_command(
-        model: str = typer.Argument(..., metavar="REPO_ID[@REVISION]", help="Cached model (all revisions unless @REVISION)."),
+        model: str = typer.Argument(
+            ..., metavar="REPO_ID[@REVISION]", help="Cached model (all revisions unless @REVISION)."
+        ),
     ) -> None:
         """Delete a cached model, or one revision of it."""
         with _cli_errors():
             freed = remove(model)
         Console(soft_wrap=True).print(f"Removed {escape(model)} ({fmt_size(freed)} freed)", highlight=False)
-

@@ -36,8 +36,20 @@ from llmctl.errors import HubError, LlmctlError
 from llmctl.hub.checksums import HashingFile, corrupted, expected_checksum, hash_file
 from llmctl.hub.errors import is_unreachable, translate_error
 from llmctl.hub.layout import (
-    DEFAULT_REVISION, FULL_COMMIT, INDEX_FILE, gguf_files, hub_cache_dir, hub_endpoint, offline, repo_folder,
-    repo_storage, select_gguf_file, select_inference_files, snapshot_is_complete, user_agent, write_ref,
+    DEFAULT_REVISION,
+    FULL_COMMIT,
+    INDEX_FILE,
+    gguf_files,
+    hub_cache_dir,
+    hub_endpoint,
+    offline,
+    repo_folder,
+    repo_storage,
+    select_gguf_file,
+    select_inference_files,
+    snapshot_is_complete,
+    user_agent,
+    write_ref,
 )
 from llmctl.hub.progress import PullProgress, bar_class, fmt_size
 from llmctl.hub.refs import check_repo_id, find_cached_model, parse_model_ref, split_gguf_tag
@@ -62,7 +74,7 @@ def pull(
     ref: str,
     *,
     token: str | None = None,
-    console: "Console | None" = None,
+    console: Console | None = None,
     progress: bool = True,
     include: str | None = None,
 ) -> Path:
@@ -93,7 +105,9 @@ def pull(
         cached = find_cached_model(repo_id, revision, tag, include)
         if cached is not None:  # a commit never changes: nothing to ask the hub
             if progress:
-                console.print(f"{repo_id}@{revision[:12]} is already in the cache: {escape(str(cached))}", highlight=False)
+                console.print(
+                    f"{repo_id}@{revision[:12]} is already in the cache: {escape(str(cached))}", highlight=False
+                )
             return cached
 
     if offline():
@@ -112,14 +126,16 @@ def pull(
     from huggingface_hub import HfApi
 
     try:
-        info = HfApi(endpoint=endpoint, token=token, **user_agent()).model_info(repo_id, revision=rev, files_metadata=True)
+        info = HfApi(endpoint=endpoint, token=token, **user_agent()).model_info(
+            repo_id, revision=rev, files_metadata=True
+        )
     except Exception as exc:  # noqa: BLE001 - translated below
         if is_unreachable(exc):
             cached = find_cached_model(repo_id, revision, tag, include)
             if cached is not None:
+                reason = translate_error(exc, repo_id=repo_id, revision=revision, token=token)
                 console.print(
-                    f"[yellow]warning:[/yellow] {escape(str(translate_error(exc, repo_id=repo_id, revision=revision, token=token)))}; "
-                    f"using the cached snapshot {escape(str(cached))}",
+                    f"[yellow]warning:[/yellow] {escape(str(reason))}; using the cached snapshot {escape(str(cached))}",
                     highlight=False,
                     soft_wrap=True,
                 )
@@ -164,7 +180,8 @@ def pull(
         if cached_count:
             parts.append(f"{cached_count} already cached")
         console.print(
-            f"Pulling [bold]{repo_id}[/bold]@{escape(rev)} (commit {commit[:12]}) from {escape(endpoint)}: " + ", ".join(parts),
+            f"Pulling [bold]{repo_id}[/bold]@{escape(rev)} (commit {commit[:12]}) from {escape(endpoint)}: "
+            + ", ".join(parts),
             highlight=False,
             soft_wrap=True,
         )
@@ -181,12 +198,13 @@ def pull(
     return snapshot / wanted[0] if gguf_pull else snapshot
 
 
-def _safetensors_files(ctx: "_PullContext", siblings: dict[str, Any], snapshot: Path, console: "Console") -> list[str]:
+def _safetensors_files(ctx: _PullContext, siblings: dict[str, Any], snapshot: Path, console: Console) -> list[str]:
     """What a transformers-format repo needs: config, tokenizer, safetensors (the index read first)."""
     repo_id, rev = ctx.repo_id, ctx.revision
     if "config.json" not in siblings:
         raise HubError(
-            f"{repo_id}@{rev} has no config.json at its top level; it is not a transformers-format model llmctl can load"
+            f"{repo_id}@{rev} has no config.json at its top level; "
+            "it is not a transformers-format model llmctl can load"
         )
     # Sharded weights: the index names the shards to fetch (and nothing else, e.g. no consolidated.safetensors).
     weight_map_files: list[str] | None = None
@@ -240,7 +258,9 @@ class _PullContext:
         except Exception as exc:  # noqa: BLE001
             raise self._error(exc, name) from exc
         if not meta.etag:
-            raise HubError(f"{hub_endpoint()} sent no ETag for {name} of {self.repo_id}; is HF_ENDPOINT a Hugging Face hub?")
+            raise HubError(
+                f"{hub_endpoint()} sent no ETag for {name} of {self.repo_id}; is HF_ENDPOINT a Hugging Face hub?"
+            )
         etag = meta.etag
         size = meta.size
         if size is None:
@@ -284,9 +304,18 @@ class _PullContext:
         from huggingface_hub import hf_hub_download
 
         try:
-            return Path(hf_hub_download(self.repo_id, name, revision=self.commit, cache_dir=self.cache,
-                                        endpoint=hub_endpoint(), token=self.token,
-                                        tqdm_class=bar_class(on_progress), **user_agent()))
+            return Path(
+                hf_hub_download(
+                    self.repo_id,
+                    name,
+                    revision=self.commit,
+                    cache_dir=self.cache,
+                    endpoint=hub_endpoint(),
+                    token=self.token,
+                    tqdm_class=bar_class(on_progress),
+                    **user_agent(),
+                )
+            )
         except Exception as exc:  # noqa: BLE001
             raise self._error(exc, name) from exc
 
@@ -413,4 +442,3 @@ def _weight_map_files(index_path: Path) -> list[str]:
         return sorted(set(str(v) for v in weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise HubError(f"{index_path} is not a valid safetensors index: {exc}") from exc
-

@@ -92,9 +92,7 @@ def translate_error(
     if isinstance(exc, hfe.HfHubHTTPError):
         status = _status(exc)
         if status == 401:
-            return HubError(
-                f"{endpoint} refused the credentials for {what} (HTTP 401): check HF_TOKEN / --token"
-            )
+            return HubError(f"{endpoint} refused the credentials for {what} (HTTP 401): check HF_TOKEN / --token")
         if status == 403:
             return HubError(
                 f"{endpoint} denied access to {what} (HTTP 403): the token lacks permission; "
@@ -120,4 +118,3 @@ def translate_error(
     if isinstance(exc, OSError):
         return HubError(f"could not write {what} to the cache {hub_cache_dir()}: {exc}")
     return HubError(f"unexpected error while fetching {what} from {endpoint}: {type(exc).__name__}: {exc}")
-

@@ -116,8 +116,9 @@ def select_inference_files(filenames: list[str], weight_map_files: list[str] | N
 
 def gguf_files(filenames: list[str]) -> list[str]:
     """The top-level model GGUF files of a repo (vision projectors, ``mmproj*``, left out)."""
-    return sorted(f for f in filenames if "/" not in f and f.lower().endswith(GGUF_SUFFIX)
-                  and not f.lower().startswith("mmproj"))
+    return sorted(
+        f for f in filenames if "/" not in f and f.lower().endswith(GGUF_SUFFIX) and not f.lower().startswith("mmproj")
+    )
 
 
 def gguf_tag_matches(filename: str, tag: str) -> bool:
@@ -142,16 +143,22 @@ def select_gguf_file(filenames: list[str], tag: str | None, include: str | None,
         chosen = [f for f in candidates if gguf_tag_matches(f, tag)]
         asked = f"tag {tag!r}"
     else:
-        chosen = candidates if len(candidates) == 1 else [f for f in candidates if gguf_tag_matches(f, DEFAULT_GGUF_TAG)]
+        chosen = (
+            candidates if len(candidates) == 1 else [f for f in candidates if gguf_tag_matches(f, DEFAULT_GGUF_TAG)]
+        )
         asked = f"no tag (default {DEFAULT_GGUF_TAG})"
     if len(chosen) == 1:
         return chosen[0]
     listing = ", ".join(candidates[:12]) + (", ..." if len(candidates) > 12 else "")
     if not chosen:
-        raise ValueError(f"{where}: {asked} matches none of its GGUF files ({listing}); "
-                         "choose one with REPO:TAG (e.g. :Q4_K_M) or --include PATTERN")
-    raise ValueError(f"{where}: {asked} matches {len(chosen)} GGUF files ({', '.join(chosen[:6])}); "
-                     "llmctl loads one single-file GGUF: name it with REPO:TAG or --include PATTERN")
+        raise ValueError(
+            f"{where}: {asked} matches none of its GGUF files ({listing}); "
+            "choose one with REPO:TAG (e.g. :Q4_K_M) or --include PATTERN"
+        )
+    raise ValueError(
+        f"{where}: {asked} matches {len(chosen)} GGUF files ({', '.join(chosen[:6])}); "
+        "llmctl loads one single-file GGUF: name it with REPO:TAG or --include PATTERN"
+    )
 
 
 def snapshot_gguf_files(snapshot: Path) -> list[Path]:
@@ -194,4 +201,3 @@ def write_ref(storage: Path, revision: str, commit: str) -> None:
     tmp = ref_path.with_name(f"{ref_path.name}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.write_text(commit)
     os.replace(tmp, ref_path)
-

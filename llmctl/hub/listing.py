@@ -130,8 +130,12 @@ def _gguf_rows(base: dict[str, Any], snapshot: Path) -> list[CachedModel]:
     for path in snapshot_gguf_files(snapshot):
         try:
             facts = gguf_summary(path)
-            found = dict(architecture=facts.architecture, num_parameters=facts.num_parameters, dtype=facts.dtype,
-                         weight_bytes=facts.weight_bytes)
+            found = dict(
+                architecture=facts.architecture,
+                num_parameters=facts.num_parameters,
+                dtype=facts.dtype,
+                weight_bytes=facts.weight_bytes,
+            )
         except (LlmctlError, OSError, ValueError):
             found = dict(architecture=None, num_parameters=None, dtype=None)
         rows.append(CachedModel(**base, **found, complete=True, gguf_file=path.name))
@@ -180,14 +184,27 @@ def list_models() -> list[CachedModel]:
         if repo.repo_type != "model":
             continue
         for rev in repo.revisions:
-            base = dict(repo_id=repo.repo_id, commit=rev.commit_hash, refs=tuple(sorted(rev.refs)),
-                        size_on_disk=rev.size_on_disk, path=rev.snapshot_path)
+            base = dict(
+                repo_id=repo.repo_id,
+                commit=rev.commit_hash,
+                refs=tuple(sorted(rev.refs)),
+                size_on_disk=rev.size_on_disk,
+                path=rev.snapshot_path,
+            )
             if not (rev.snapshot_path / "config.json").is_file() and snapshot_gguf_files(rev.snapshot_path):
                 models.extend(_gguf_rows(base, rev.snapshot_path))
                 continue
             architecture, num_parameters, dtype, complete, weight_bytes = _model_facts(rev.snapshot_path)
-            models.append(CachedModel(**base, architecture=architecture, num_parameters=num_parameters, dtype=dtype,
-                                      complete=complete, weight_bytes=weight_bytes))
+            models.append(
+                CachedModel(
+                    **base,
+                    architecture=architecture,
+                    num_parameters=num_parameters,
+                    dtype=dtype,
+                    complete=complete,
+                    weight_bytes=weight_bytes,
+                )
+            )
     models.sort(key=lambda m: (m.name.lower(), m.revision))
     return models
 
@@ -205,4 +222,3 @@ def partial_downloads() -> dict[str, int]:
         except OSError:
             continue
     return out
-

@@ -55,7 +55,7 @@ def bar_class(on_progress: Callable[[int], None] | None) -> type:
         def close(self) -> None:
             pass
 
-        def __enter__(self) -> "_Bar":
+        def __enter__(self) -> _Bar:
             return self
 
         def __exit__(self, *exc: Any) -> bool:
@@ -67,7 +67,7 @@ def bar_class(on_progress: Callable[[int], None] | None) -> type:
 class PullProgress:
     """One rich bar per file plus an overall bar, in real bytes."""
 
-    def __init__(self, console: "Console", enabled: bool, title: str, total: int) -> None:
+    def __init__(self, console: Console, enabled: bool, title: str, total: int) -> None:
         self._done: dict[str, int] = {}
         self._progress = None
         self._overall = None
@@ -98,7 +98,7 @@ class PullProgress:
         )
         self._overall = self._progress.add_task(f"[bold]{escape(title)}", total=total or None, completed=0)
 
-    def __enter__(self) -> "PullProgress":
+    def __enter__(self) -> PullProgress:
         if self._progress is not None:
             self._progress.start()
             # http_get logs "Error while downloading ... Trying to resume download..." when a connection
@@ -156,4 +156,3 @@ class PullProgress:
                 self._progress.update(self._tasks[name], completed=size, total=size)
                 self._progress.update(self._overall, completed=sum(self._done.values()))
             self._progress.update(self._tasks[name], description=f"  [green]✓[/green] {escape(name)}")
-

@@ -6,7 +6,13 @@ from pathlib import Path
 
 from llmctl.errors import ModelNotFoundError
 from llmctl.hub.layout import (
-    COMMIT_PREFIX, DEFAULT_REVISION, FULL_COMMIT, REPO_ID, repo_storage, select_gguf_file, snapshot_gguf_files,
+    COMMIT_PREFIX,
+    DEFAULT_REVISION,
+    FULL_COMMIT,
+    REPO_ID,
+    repo_storage,
+    select_gguf_file,
+    snapshot_gguf_files,
     snapshot_is_complete,
 )
 
@@ -91,9 +97,9 @@ def find_cached_snapshot(repo_id: str, revision: str | None = None) -> Path | No
     return None
 
 
-
-def find_cached_model(repo_id: str, revision: str | None = None, tag: str | None = None,
-                      include: str | None = None) -> Path | None:
+def find_cached_model(
+    repo_id: str, revision: str | None = None, tag: str | None = None, include: str | None = None
+) -> Path | None:
     """Like ``find_cached_snapshot``; with a GGUF ``tag`` or ``include`` glob, the cached GGUF file
     they name (None when that file is not in the snapshot)."""
     snapshot = find_cached_snapshot(repo_id, revision)

@@ -23,7 +23,9 @@ def remove(ref: str) -> int:
     cache = hub_cache_dir()
     storage = repo_storage(repo_id, cache)
     if not storage.is_dir():
-        raise ModelNotFoundError(f"{repo_id} is not in the Hugging Face cache {cache} (`llmctl ls` lists cached models)")
+        raise ModelNotFoundError(
+            f"{repo_id} is not in the Hugging Face cache {cache} (`llmctl ls` lists cached models)"
+        )
     try:
         info = scan_cache_dir(cache)
     except CacheNotFound as exc:  # pragma: no cover - storage exists, so the cache does
@@ -46,11 +48,14 @@ def remove(ref: str) -> int:
     matches = [
         r
         for r in revisions
-        if revision in r.refs or r.commit_hash == revision or (COMMIT_PREFIX.match(revision) and r.commit_hash.startswith(revision))
+        if revision in r.refs
+        or r.commit_hash == revision
+        or (COMMIT_PREFIX.match(revision) and r.commit_hash.startswith(revision))
     ]
     if len(matches) != 1:
         cached = ", ".join(
-            f"{', '.join(sorted(r.refs)) or 'detached'} ({r.commit_hash[:12]})" for r in sorted(revisions, key=lambda r: r.commit_hash)
+            f"{', '.join(sorted(r.refs)) or 'detached'} ({r.commit_hash[:12]})"
+            for r in sorted(revisions, key=lambda r: r.commit_hash)
         )
         why = "is ambiguous" if matches else "is not in the cache"
         raise ModelNotFoundError(
@@ -71,4 +76,3 @@ def _regular_files_size(root: Path) -> int:
                 with contextlib.suppress(OSError):
                     total += path.stat().st_size
     return total
-

@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console
 
 
-def resolve_model_dir(spec: str, *, allow_pull: bool | None = None, console: "Console | None" = None) -> Path:
+def resolve_model_dir(spec: str, *, allow_pull: bool | None = None, console: Console | None = None) -> Path:
     """Turn a MODEL argument into a directory holding config.json and safetensors weights, or a GGUF
     file (or a snapshot holding one).
 
@@ -73,4 +73,3 @@ def resolve_model_dir(spec: str, *, allow_pull: bool | None = None, console: "Co
         f"model {text!r} is not a local directory and not in the Hugging Face cache ({hub_cache_dir()}); "
         f"run `llmctl pull {text}` first"
     )
-

@@ -27,8 +27,9 @@ class Attention(nn.Module):
         # (llmctl/engine/kv_cache.py), which stores and attends itself.
         self.quantized_kv: QuantizedLayerKV | None = None
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> ``[T, Hq * D]``."""
         if self.quantized_kv is not None:
             return self.ops.attend_quantized(self.quantized_kv, query, key, value, meta, self.scale).flatten(1)
@@ -43,8 +44,13 @@ class Attention(nn.Module):
         else:
             out = torch.empty_like(query)
             out[:num_prefill] = self.ops.prefill_attention(
-                query[:num_prefill], key[:num_prefill], value[:num_prefill],
-                self.key_cache, self.value_cache, meta, self.scale,
+                query[:num_prefill],
+                key[:num_prefill],
+                value[:num_prefill],
+                self.key_cache,
+                self.value_cache,
+                meta,
+                self.scale,
             )
             out[num_prefill:] = self.ops.decode_attention(
                 query[num_prefill:], self.key_cache, self.value_cache, meta, self.scale

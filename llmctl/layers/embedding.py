@@ -13,17 +13,18 @@ from torch import nn
 
 from llmctl.distributed import TensorParallel
 from llmctl.layers.linear import copy_checked, linear, prepack_for_cpu
-from llmctl.layers.quantization.formats import PackedInt8, PackedWeight, dequantize, take_rows
 from llmctl.layers.quantization.matmul import bound_cpu_kernel, quant_linear
 from llmctl.layers.quantization.params import attach_packed, read_packed
 from llmctl.layers.quantization.quantize import quantize_int8
+from llmctl_kernels.packed_formats import PackedInt8, PackedWeight, dequantize, take_rows
 
 
 class VocabParallelEmbedding(nn.Module):
     packed_format: str | None = None  # set by install_packed
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype,
-                 tp: TensorParallel = TensorParallel()) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, tp: TensorParallel = TensorParallel()
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
@@ -46,8 +47,9 @@ class VocabParallelEmbedding(nn.Module):
         if self.tp.size != 1:
             raise ValueError("a packed embedding needs tensor parallel size 1")
         if tuple(packed.shape) != (self.vocab_size, self.hidden_size):
-            raise ValueError(f"packed embedding has shape {tuple(packed.shape)}, "
-                             f"expected {(self.vocab_size, self.hidden_size)}")
+            raise ValueError(
+                f"packed embedding has shape {tuple(packed.shape)}, expected {(self.vocab_size, self.hidden_size)}"
+            )
         device = self.weight.device if "weight" in self._parameters else torch.device("cpu")
         attach_packed(self, packed, device)
 
@@ -106,7 +108,9 @@ class ParallelLMHead(VocabParallelEmbedding):
             flat = hidden.reshape(-1, hidden.shape[-1])
             logits = kernel(flat) if kernel is not None else quant_linear(flat, self.logits_packed)
             return logits.view(*hidden.shape[:-1], logits.shape[-1])  # not -1: a step may ask for no rows
-        logits = linear(hidden, self.weight if self.packed_weight is None else self.packed_weight, None, self.shard_size)
+        logits = linear(
+            hidden, self.weight if self.packed_weight is None else self.packed_weight, None, self.shard_size
+        )
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

@@ -10,7 +10,6 @@ without touching model code, because checkpoint tensors always arrive through
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Protocol
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmctl.distributed import TensorParallel
+from llmctl.platform import native_gemm
 
 
 class LinearMethod(Protocol):
@@ -38,36 +38,6 @@ class LinearMethod(Protocol):
 # 1,536 at batch 64 too.
 FP32_PREPACK_MIN_ELEMENTS = 1 << 22
 
-# CPUs (llmctl_kernels.cpu_features ISA levels) on which fp32 weights take the native panel GEMM
-# (kernels/cpu/gemm_kernels.cpp) by default. Measured (docs/benchmarks.md): on a 2-core Zen 3
-# (AVX2+FMA) faster than torch's (MKL / oneDNN) at every linear shape of the 246M Llama and
-# SmolLM2-135M at 1-64 rows, on par at 512; on a 2-core Zen 5 (AVX-512, AVX512-BF16) the AVX-512
-# variant (6 x 4-panel tiles) runs on par with oneDNN with the weight prepacked and 3-5x torch's
-# F.linear, which the smaller matrices took there; the 246M peer workload went from 210-225 to
-# 311-328 tok/s with it on (before the tile change).
-# ``LLMCTL_NATIVE_GEMM=0`` turns it off everywhere, ``1`` on everywhere.
-NATIVE_GEMM_ISAS = frozenset({"avx2", "avx512", "avx512bf16"})
-
-
-def native_gemm_wanted() -> bool:
-    """``LLMCTL_NATIVE_GEMM``: 1 = on, 0 = off, unset/auto = on where ``NATIVE_GEMM_ISAS`` says."""
-    from llmctl_kernels.cpu_features import isa_level
-
-    setting = os.environ.get("LLMCTL_NATIVE_GEMM", "auto")
-    if setting not in ("0", "1", "auto"):
-        raise ValueError(f"LLMCTL_NATIVE_GEMM={setting!r}: choose 0, 1 or auto")
-    return setting == "1" or (setting == "auto" and isa_level() in NATIVE_GEMM_ISAS)
-
-
-def _native_gemm() -> Callable[..., torch.Tensor] | None:
-    """The native kernel's entry point, or None where it is not wanted or cannot be built."""
-    if not native_gemm_wanted():
-        return None
-    from llmctl_kernels.gemm_native import load_gemm_native
-
-    module = load_gemm_native()
-    return None if module is None else module.linear
-
 
 def prepack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight in a layout that a CPU kernel multiplies faster, or None where none applies.
@@ -82,14 +52,16 @@ def prepack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     (the exactness tests against ``transformers`` run with it)."""
     if weight.device.type != "cpu":
         return None
-    if weight.dtype == torch.float32 and _native_gemm() is not None:
+    if weight.dtype == torch.float32 and native_gemm() is not None:  # where it runs: llmctl/platform.py
         from llmctl_kernels.fp32_linear import pack_panels
 
         return pack_panels(weight)
     if not torch.backends.mkldnn.is_available():
         return None
-    if not (weight.dtype == torch.bfloat16 or
-            (weight.dtype == torch.float32 and weight.numel() >= FP32_PREPACK_MIN_ELEMENTS)):
+    if not (
+        weight.dtype == torch.bfloat16
+        or (weight.dtype == torch.float32 and weight.numel() >= FP32_PREPACK_MIN_ELEMENTS)
+    ):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -97,8 +69,9 @@ def prepack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_features: int | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_features: int | None = None
+) -> torch.Tensor:
     """``F.linear`` that also accepts a weight prepacked by ``prepack_for_cpu`` (a panel-packed one
     needs ``out_features``: its last panel is zero-padded)."""
     if weight.dim() == 3:
@@ -112,7 +85,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _panel_gemm() -> Callable[..., torch.Tensor]:
     """The kernel for panel-packed weights, chosen once (~120 calls a decode step): the native one,
     or its torch reference should the native one be turned off after the weights were packed."""
-    native = _native_gemm()
+    native = native_gemm()
     if native is not None:
         return native
     from llmctl_kernels.fp32_linear import fp32_linear_torch
@@ -186,8 +159,16 @@ class LinearBase(nn.Module):
 class ColumnParallelLinear(LinearBase):
     tp_dim = 0
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = False, dtype: torch.dtype,
-                 tp: TensorParallel = TensorParallel(), method: LinearMethod | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = False,
+        dtype: torch.dtype,
+        tp: TensorParallel = TensorParallel(),
+        method: LinearMethod | None = None,
+    ) -> None:
         super().__init__(in_features, tp.shard(out_features, "output features"), bias, dtype, tp, method)
 
 
@@ -197,8 +178,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     Each rank holds its slice of every part, so the checkpoint's part ``i`` lands at
     ``sum(part_sizes[:i]) / tp`` in the rank-local output."""
 
-    def __init__(self, in_features: int, part_sizes: list[int], *, bias: bool = False, dtype: torch.dtype,
-                 tp: TensorParallel = TensorParallel(), method: LinearMethod | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        part_sizes: list[int],
+        *,
+        bias: bool = False,
+        dtype: torch.dtype,
+        tp: TensorParallel = TensorParallel(),
+        method: LinearMethod | None = None,
+    ) -> None:
         self.part_sizes = [tp.shard(s, "output features") for s in part_sizes]
         LinearBase.__init__(self, in_features, sum(self.part_sizes), bias, dtype, tp, method)
 
@@ -217,12 +206,24 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v projections in one matrix; KV heads are replicated when there are fewer than ranks."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, *, bias: bool = False,
-                 dtype: torch.dtype, tp: TensorParallel = TensorParallel(), method: LinearMethod | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        *,
+        bias: bool = False,
+        dtype: torch.dtype,
+        tp: TensorParallel = TensorParallel(),
+        method: LinearMethod | None = None,
+    ) -> None:
         self.num_heads = tp.shard(num_heads, "attention heads")
         if num_kv_heads % tp.size and tp.size % num_kv_heads:
-            raise ValueError(f"{num_kv_heads} KV heads cannot be split over tensor-parallel size {tp.size} "
-                             "(one must divide the other)")
+            raise ValueError(
+                f"{num_kv_heads} KV heads cannot be split over tensor-parallel size {tp.size} "
+                "(one must divide the other)"
+            )
         self.kv_replicas = max(1, tp.size // num_kv_heads)
         self.num_kv_heads = max(1, num_kv_heads // tp.size)
         self.head_dim = head_dim
@@ -241,8 +242,16 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     tp_dim = 1
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = False, dtype: torch.dtype,
-                 tp: TensorParallel = TensorParallel(), method: LinearMethod | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = False,
+        dtype: torch.dtype,
+        tp: TensorParallel = TensorParallel(),
+        method: LinearMethod | None = None,
+    ) -> None:
         super().__init__(tp.shard(in_features, "input features"), out_features, bias, dtype, tp, method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

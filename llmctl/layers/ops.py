@@ -2,7 +2,8 @@
 Triton's interpreter on a CPU for tests).
 
 A model receives one ops object (``TorchOps`` or a subclass) at construction and calls every fused op through it, so
-switching backends never touches model code and there is no global switch.
+switching backends never touches model code and there is no global switch. Which one an engine gets is
+decided in llmctl/platform.py and built by ``llmctl.layers.backends.build_ops``.
 """
 
 from __future__ import annotations
@@ -12,19 +13,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmctl.platform import cpu_isa, fused_cpu_kernels
 from llmctl_kernels.activation import silu_and_mul_torch
-from llmctl_kernels.cpu_native import load_native, native_isa
 from llmctl_kernels.decode_attention import paged_decode_attention_torch
 from llmctl_kernels.kv_store import reshape_and_cache_torch
 from llmctl_kernels.prefill_attention import attend_causal, paged_prefill_attention_torch
 from llmctl_kernels.rms_norm import rms_norm_torch
 from llmctl_kernels.rotary import apply_rotary, rotary_cos_sin
-from llmctl.errors import ConfigError
 
 if TYPE_CHECKING:
     from llmctl.engine.kv_cache import QuantizedLayerKV
+    from llmctl.platform import KernelSet
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -55,12 +55,18 @@ class AttentionMetadata:
         i32 = {"dtype": torch.int32, "device": device}
         num_blocks = -(-num_tokens // block_size)
         return cls(
-            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device), num_prefills=1,
-            num_prefill_tokens=num_tokens, num_decodes=0,
+            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
+            num_prefills=1,
+            num_prefill_tokens=num_tokens,
+            num_decodes=0,
             prefill_query_start_loc=torch.tensor([0, num_tokens], **i32),
             prefill_seq_lens=torch.tensor([num_tokens], **i32),
-            prefill_block_tables=torch.arange(num_blocks, **i32)[None], prefill_is_fresh=True,
-            decode_seq_lens=torch.zeros(0, **i32), decode_block_tables=torch.zeros(0, 1, **i32), max_decode_seq_len=0)
+            prefill_block_tables=torch.arange(num_blocks, **i32)[None],
+            prefill_is_fresh=True,
+            decode_seq_lens=torch.zeros(0, **i32),
+            decode_block_tables=torch.zeros(0, 1, **i32),
+            max_decode_seq_len=0,
+        )
 
 
 class TorchOps:
@@ -69,7 +75,8 @@ class TorchOps:
 
     name = "torch"
 
-    def __init__(self, native_cpu: bool = False) -> None:
+    def __init__(self, native_cpu: bool = False, kernels: KernelSet | None = None) -> None:
+        self.kernels = kernels  # the engine's kernel set (llmctl/platform.py); None for a model built without one
         # The fused C++ kernels of kernels/cpu_native.py take over on a CPU for fp32 and bf16 (and
         # decode attention for fp16 too): measured 2-50x faster per call than the torch op chains
         # at decode sizes (docs/kernels.md), and within float rounding of the references, which
@@ -77,7 +84,7 @@ class TorchOps:
         # The compiled module is bound here, once per model: every per-step call below goes straight
         # to it, without the ~3-18 us per call of the llmctl_kernels.cpu_native wrappers (module lookup
         # under a lock, reshape/view of 2-D tensors), ~175 calls per SmolLM2 decode step.
-        self._native = load_native() if native_cpu else None
+        self._native = fused_cpu_kernels() if native_cpu else None
         self.native = self._native is not None
         # (positions, cache, dtype) -> cos, sin of the current step: every layer rotates the same
         # positions, so the gather runs once per step instead of once per layer.
@@ -96,7 +103,8 @@ class TorchOps:
             return self._native.rms_norm(x, weight, eps, residual)
         shape, width = x.shape, x.shape[-1]
         out, new_residual = self._native.rms_norm(
-            x.reshape(-1, width), weight, eps, None if residual is None else residual.reshape(-1, width))
+            x.reshape(-1, width), weight, eps, None if residual is None else residual.reshape(-1, width)
+        )
         return out.view(shape), new_residual.view(shape)
 
     def rotary_embedding(
@@ -137,16 +145,27 @@ class TorchOps:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if (self.native and query.device.type == "cpu"
-                and self._native.prefill_attention_supported(query, key_cache)):  # fp32/bf16, AVX2: one call
+        if (
+            self.native and query.device.type == "cpu" and self._native.prefill_attention_supported(query, key_cache)
+        ):  # fp32/bf16, AVX2: one call
             return self._native.paged_prefill_attention(
-                query, key_cache, value_cache, meta.prefill_block_tables,
-                meta.prefill_query_start_loc, meta.prefill_seq_lens, scale,
+                query,
+                key_cache,
+                value_cache,
+                meta.prefill_block_tables,
+                meta.prefill_query_start_loc,
+                meta.prefill_seq_lens,
+                scale,
             )
         if not meta.prefill_is_fresh:
             return paged_prefill_attention_torch(
-                query, key_cache, value_cache, meta.prefill_block_tables,
-                meta.prefill_query_start_loc, meta.prefill_seq_lens, scale,
+                query,
+                key_cache,
+                value_cache,
+                meta.prefill_block_tables,
+                meta.prefill_query_start_loc,
+                meta.prefill_seq_lens,
+                scale,
             )
         # Fresh prompts: the context is exactly this step's K/V, so skip the gather from the pool.
         out = torch.empty_like(query)
@@ -168,26 +187,21 @@ class TorchOps:
             kernel = self._native.paged_decode_attention
         return kernel(query, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
 
-    def attend_quantized(self, kv: QuantizedLayerKV, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend_quantized(
+        self,
+        kv: QuantizedLayerKV,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """Store and attend over a quantized KV layer (``--kv-cache-dtype``): the torch reference
         of llmctl/engine/kv_cache.py here; ``TritonOps`` runs its Triton kernels instead."""
-        return kv.attend(query, key, value, meta, scale, self)
+        return kv.attend(query, key, value, meta, scale)
 
     @property
     def description(self) -> str:
-        return f"{self.name} + native CPU kernels ({native_isa()})" if self.native else self.name
-
-
-def select_ops(backend: str, device: torch.device) -> TorchOps:
-    """``auto`` picks Triton on CUDA and torch elsewhere; ``triton`` on a CPU needs
-    ``TRITON_INTERPRET=1`` set before the kernels are first compiled."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ConfigError(f"unknown attention backend {backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
-    if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "torch"
-    if backend == "torch":
-        return TorchOps(native_cpu=device.type == "cpu")
-    from llmctl.layers.triton_ops import TritonOps  # imported lazily: triton is heavy to import
-
-    return TritonOps()
+        if self.kernels is not None:
+            return self.kernels.description
+        return f"{self.name} + native CPU kernels ({cpu_isa()})" if self.native else self.name

@@ -46,13 +46,16 @@ def llama3_inverse_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any]) 
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, rotary_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None,
-                 *, ops: TorchOps) -> None:
+    def __init__(
+        self, rotary_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None, *, ops: TorchOps
+    ) -> None:
         super().__init__()
         self.ops = ops
         inv_freq = inverse_frequencies(rotary_dim, base, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.rotary_embedding(positions, query, key, self.cos_sin_cache)

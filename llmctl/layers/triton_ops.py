@@ -2,7 +2,7 @@
 
 On CUDA the kernels compile for the GPU; on a CPU they run under Triton's interpreter, which
 needs ``TRITON_INTERPRET=1`` in the environment before this module is first imported (tests do
-that in ``tests/conftest.py``). ``select_ops`` imports this module lazily.
+that in ``tests/conftest.py``). ``llmctl.layers.backends.build_ops`` imports this module lazily.
 """
 
 from __future__ import annotations
@@ -11,18 +11,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl_kernels.activation import silu_and_mul_triton
 from llmctl_kernels.decode_attention import paged_decode_attention_quantized_triton, paged_decode_attention_triton
 from llmctl_kernels.kv_store import kivi_quantize_blocks_triton, quantize_and_cache_triton, reshape_and_cache_triton
 from llmctl_kernels.prefill_attention import (
-    paged_prefill_attention_quantized_triton, paged_prefill_attention_triton, varlen_causal_attention_triton,
+    paged_prefill_attention_quantized_triton,
+    paged_prefill_attention_triton,
+    varlen_causal_attention_triton,
 )
 from llmctl_kernels.rms_norm import rms_norm_triton
 from llmctl_kernels.rotary import rotary_embedding_triton
-from llmctl.layers.ops import AttentionMetadata, TorchOps
 
 if TYPE_CHECKING:
     from llmctl.engine.kv_cache import QuantizedLayerKV, StepPlan
+    from llmctl.platform import KernelSet
 
 
 def _max_query_len(meta: AttentionMetadata) -> int:
@@ -39,8 +42,8 @@ class TritonOps(TorchOps):
 
     name = "triton"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, kernels: KernelSet | None = None) -> None:
+        super().__init__(kernels=kernels)
         self._staged: tuple[StepPlan, torch.Tensor] | None = None  # see _staging_table
 
     def rms_norm(
@@ -83,8 +86,13 @@ class TritonOps(TorchOps):
                 query, key, value, meta.prefill_query_start_loc, scale, max_query_len=max_query_len
             )
         return paged_prefill_attention_triton(
-            query, key_cache, value_cache, meta.prefill_block_tables,
-            meta.prefill_query_start_loc, meta.prefill_seq_lens, scale,
+            query,
+            key_cache,
+            value_cache,
+            meta.prefill_block_tables,
+            meta.prefill_query_start_loc,
+            meta.prefill_seq_lens,
+            scale,
             max_query_len=max_query_len,
         )
 
@@ -97,12 +105,24 @@ class TritonOps(TorchOps):
         scale: float,
     ) -> torch.Tensor:
         return paged_decode_attention_triton(
-            query, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+            query,
+            key_cache,
+            value_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            scale,
             max_seq_len=meta.max_decode_seq_len or None,
         )
 
-    def attend_quantized(self, kv: QuantizedLayerKV, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend_quantized(
+        self,
+        kv: QuantizedLayerKV,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """``QuantizedLayerKV.attend`` on the Triton kernels: quantize-on-store, then prefill chunks
         and decodes over the quantized blocks, dequantized inside the kernels. KIVI stages the
         step's blocks like the reference (``kv.stage``), quantizes the completed ones in a kernel,
@@ -112,25 +132,42 @@ class TritonOps(TorchOps):
         decode_fp, prefill_kivi = None, {}
         if fmt.is_kivi:
             plan = kv.stage(key, value)
-            kivi_quantize_blocks_triton(plan.staging["k"], plan.staging["v"], plan.finalize, plan.finalize_blocks,
-                                        kv.t, fmt.bits)
+            kivi_quantize_blocks_triton(
+                plan.staging["k"], plan.staging["v"], plan.finalize, plan.finalize_blocks, kv.t, fmt.bits
+            )
             decode_fp = (kv.residual["k"], kv.residual["v"], plan.residual_table)
             if meta.num_prefills:  # a query's own window group: this step's staging, else the residual
                 staging = (plan.staging["k"], plan.staging["v"], self._staging_table(plan, kv.cache.num_blocks))
-                prefill_kivi = {"full_precision": staging, "residual": decode_fp,
-                                "window": fmt.block_size * fmt.residual_blocks_per_seq()}
+                prefill_kivi = {
+                    "full_precision": staging,
+                    "residual": decode_fp,
+                    "window": fmt.block_size * fmt.residual_blocks_per_seq(),
+                }
         else:
             quantize_and_cache_triton(key, value, kv.t, fmt.kind, meta.slot_mapping)
         out = torch.empty_like(query)
         if meta.num_prefills:
             out[:n] = paged_prefill_attention_quantized_triton(
-                query[:n], kv.t, fmt.kind, meta.prefill_block_tables, meta.prefill_query_start_loc,
-                meta.prefill_seq_lens, scale, **prefill_kivi, max_query_len=_max_query_len(meta),
+                query[:n],
+                kv.t,
+                fmt.kind,
+                meta.prefill_block_tables,
+                meta.prefill_query_start_loc,
+                meta.prefill_seq_lens,
+                scale,
+                **prefill_kivi,
+                max_query_len=_max_query_len(meta),
             )
         if meta.num_decodes:
             out[n:] = paged_decode_attention_quantized_triton(
-                query[n:], kv.t, fmt.kind, meta.decode_block_tables, meta.decode_seq_lens, scale,
-                full_precision=decode_fp, max_seq_len=meta.max_decode_seq_len or None,
+                query[n:],
+                kv.t,
+                fmt.kind,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                scale,
+                full_precision=decode_fp,
+                max_seq_len=meta.max_decode_seq_len or None,
             )
         return out
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from llmctl.config import QUANTIZED_AT_LOAD, format_size
+from llmctl.config import check_calibration_applies, format_size
 from llmctl.errors import ConfigError
 from llmctl.layers.linear import LinearBase
 from llmctl.layers.ops import AttentionMetadata
@@ -32,13 +32,9 @@ SCRATCH_BLOCK_SIZE = 16  # tokens per block of the scratch KV cache the windows 
 
 
 def check_calibration(quantization: str, world_size: int = 1) -> None:
-    """``--calibration`` rounds what ``--quantization`` quantizes at load, on one rank (the engine's
-    config and the loaders both ask: a library caller may load a model without a config)."""
-    if quantization not in QUANTIZED_AT_LOAD:
-        raise ConfigError(f"--calibration applies to --quantization {' | '.join(QUANTIZED_AT_LOAD)} "
-                          f"(weights quantized while loading), not {quantization!r}")
-    if world_size != 1:
-        raise ConfigError("--calibration runs on one rank: quantized weights are not sharded")
+    """What the loaders check before reading a weight: the config's rule
+    (``check_calibration_applies``), and that the GPTQ cache's settings can be read."""
+    check_calibration_applies(quantization, world_size)
     if store.cache_dir() is not None:
         store.cache_size_limit()  # a value it cannot read fails now, not after the calibration
 
@@ -61,16 +57,21 @@ def calibration_tokens(source: str, tokenizer) -> list[int]:
     """The ``--calibration`` text as token ids, checked before any weight is loaded."""
     token_ids = tokenizer.encode(calibration_text(source))
     if len(token_ids) < MIN_CALIBRATION_TOKENS:
-        raise ConfigError(f"--calibration text is {len(token_ids)} tokens; GPTQ needs at least "
-                          f"{MIN_CALIBRATION_TOKENS} (a few thousand is better)")
+        raise ConfigError(
+            f"--calibration text is {len(token_ids)} tokens; GPTQ needs at least "
+            f"{MIN_CALIBRATION_TOKENS} (a few thousand is better)"
+        )
     return token_ids
 
 
 def calibration_windows(token_ids: list[int], max_len: int, window: int = CALIBRATION_WINDOW) -> list[list[int]]:
     """The calibration tokens cut into windows of at most ``window`` (and the model's length)."""
     size = min(window, max_len)
-    return [token_ids[start : start + size] for start in range(0, len(token_ids), size)
-            if len(token_ids[start : start + size]) >= 2]
+    return [
+        token_ids[start : start + size]
+        for start in range(0, len(token_ids), size)
+        if len(token_ids[start : start + size]) >= 2
+    ]
 
 
 def bind_scratch_kv(model, num_tokens: int, dtype: torch.dtype) -> None:
@@ -105,8 +106,11 @@ def calibrate_quantization(model, token_ids: list[int], model_files: list[Path] 
             return len(layers)
         _say(f"GPTQ calibration: ignoring an unreadable or mismatched cache file ({path})")
     produced: dict[LinearBase, object] = {}  # the packed weights, before a kernel binding frees their rows
-    quantized = calibrate_on_windows(model, calibration_windows(token_ids, model.config.max_position_embeddings),
-                                     produced.__setitem__ if path is not None else None)
+    quantized = calibrate_on_windows(
+        model,
+        calibration_windows(token_ids, model.config.max_position_embeddings),
+        produced.__setitem__ if path is not None else None,
+    )
     if path is not None:
         if reason := cache.save_cached({n: produced[m] for n, m in layers.items()}, path):
             _say(f"GPTQ calibration: not cached ({reason})")
@@ -114,9 +118,11 @@ def calibrate_quantization(model, token_ids: list[int], model_files: list[Path] 
             limit = store.cache_size_limit()
             deleted, freed = store.prune(path.parent, keep=path, limit=limit)
             if deleted:
-                _say(f"GPTQ calibration cache: removed {deleted} least recently used "
-                     f"entr{'y' if deleted == 1 else 'ies'} ({format_size(freed)}) to stay under "
-                     f"{format_size(limit)} (LLMCTL_GPTQ_CACHE_SIZE)")
+                _say(
+                    f"GPTQ calibration cache: removed {deleted} least recently used "
+                    f"entr{'y' if deleted == 1 else 'ies'} ({format_size(freed)}) to stay under "
+                    f"{format_size(limit)} (LLMCTL_GPTQ_CACHE_SIZE)"
+                )
     return quantized
 
 
@@ -136,9 +142,15 @@ def calibrate_on_windows(model, windows: list[list[int]], on_quantized=None) -> 
     try:
         # no_grad, not inference_mode: the packed weights made here must stay ordinary tensors
         with torch.no_grad():
-            states = [(torch.arange(len(ids), device=device),
-                       AttentionMetadata.single_prefill(len(ids), SCRATCH_BLOCK_SIZE, device),
-                       embed(torch.tensor(ids, device=device)), None) for ids in windows]
+            states = [
+                (
+                    torch.arange(len(ids), device=device),
+                    AttentionMetadata.single_prefill(len(ids), SCRATCH_BLOCK_SIZE, device),
+                    embed(torch.tensor(ids, device=device)),
+                    None,
+                )
+                for ids in windows
+            ]
             for index, layer in enumerate(layers):
                 if time.monotonic() - last_said >= PROGRESS_EVERY_S:
                     last_said = time.monotonic()
@@ -151,8 +163,10 @@ def calibrate_on_windows(model, windows: list[list[int]], on_quantized=None) -> 
                         on_quantized(linear, packed)
                 quantized += len(linears)
                 if index + 1 < len(layers):  # the next layer's inputs, through this quantized one
-                    states = [(positions, meta, *layer(positions, hidden, residual, meta))
-                              for positions, meta, hidden, residual in states]
+                    states = [
+                        (positions, meta, *layer(positions, hidden, residual, meta))
+                        for positions, meta, hidden, residual in states
+                    ]
     finally:
         unbind_kv(model)
         del states, hessians
@@ -177,6 +191,7 @@ def _layer_hessians(layer: torch.nn.Module, linears: list[LinearBase], states: l
         def hook(module, inputs):
             x = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
             hessians[index].addmm_(x.t(), x)
+
         return hook
 
     handles = [m.register_forward_pre_hook(accumulate(i)) for i, m in enumerate(linears)]

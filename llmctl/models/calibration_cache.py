@@ -42,12 +42,16 @@ CACHE_VERSION = 1  # bump when GPTQ's rounding changes, so that older entries mi
 def calibrated_layers(model) -> dict[str, LinearBase]:
     """The linear layers ``--calibration`` quantizes, by module name (taken before they are: a
     quantized layer's method is the packed one)."""
-    return {name: m for name, m in model.named_modules()
-            if isinstance(m, LinearBase) and isinstance(m.method, OnTheFlyQuantMethod)}
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, LinearBase) and isinstance(m.method, OnTheFlyQuantMethod)
+    }
 
 
-def cache_file(layers: dict[str, LinearBase], dtype: torch.dtype, model_files: list[Path],
-               token_ids: list[int]) -> Path | None:
+def cache_file(
+    layers: dict[str, LinearBase], dtype: torch.dtype, model_files: list[Path], token_ids: list[int]
+) -> Path | None:
     """Where this load's packed weights are kept, or None (cache off, no model files, nothing to quantize)."""
     folder = cache_dir()
     if folder is None or not model_files or not layers:
@@ -85,8 +89,9 @@ def _packed_from(f, name: str, layer: LinearBase, names: set[str]):
     """The packed weight stored for ``layer`` if it has the format, shapes and dtypes this layer's
     own quantization would give; else None."""
     method = layer.method
-    tensors = {field: f.get_tensor(f"{name}.{field}") for field in ("qweight", "scales", "mins")
-               if f"{name}.{field}" in names}
+    tensors = {
+        field: f.get_tensor(f"{name}.{field}") for field in ("qweight", "scales", "mins") if f"{name}.{field}" in names
+    }
     if "qweight" not in tensors or "scales" not in tensors:
         return None
     qweight, scales = tensors["qweight"], tensors["scales"]

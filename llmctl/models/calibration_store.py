@@ -5,31 +5,28 @@ that ``llmctl ls`` can show it.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmctl import envs
 from llmctl.config import parse_size
 from llmctl.errors import ConfigError
 
 KEY_CHARS = 40  # hex digits of the key in an entry's name
 ENTRY_NAME = re.compile(rf"[0-9a-f]{{{KEY_CHARS}}}(?:\.safetensors|(\.[0-9]+\.tmp))")  # group 1: a writer's temp file
-DEFAULT_CACHE_SIZE = "8GiB"
 STALE_TMP_SECONDS = 3600  # a temporary file this old belongs to a writer that is gone
 
 
 def cache_dir() -> Path | None:
-    setting = os.environ.get("LLMCTL_GPTQ_CACHE")
-    if setting == "0":
-        return None
-    return Path(setting) if setting else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmctl" / "gptq"
+    """``LLMCTL_GPTQ_CACHE`` (None: ``0``, no cache)."""
+    return envs.LLMCTL_GPTQ_CACHE
 
 
 def cache_size_limit() -> int:
     """``LLMCTL_GPTQ_CACHE_SIZE`` in bytes (a clear error for a value it cannot read)."""
-    setting = os.environ.get("LLMCTL_GPTQ_CACHE_SIZE") or DEFAULT_CACHE_SIZE
+    setting = envs.LLMCTL_GPTQ_CACHE_SIZE
     try:
         return parse_size(setting)
     except ConfigError as exc:

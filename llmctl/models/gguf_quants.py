@@ -1,7 +1,7 @@
 """GGUF tensor blocks -> llmctl's shared packed formats, exactly (no requantization).
 
 Every GGML block type llmctl reads is an affine map of small integers per group of 16 or 32
-weights, which is what ``PackedInt4`` / ``PackedInt8`` (llmctl/layers/quantization/formats.py)
+weights, which is what ``PackedInt4`` / ``PackedInt8`` (kernels/packed_formats.py)
 express, so the kernels need no GGML-specific code:
 
 ========  ======================================  ==========================================
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from llmctl.layers.quantization.formats import PackedInt4, PackedInt8, PackedWeight, dequantize, unpack_int4
+from llmctl_kernels.packed_formats import PackedInt4, PackedInt8, PackedWeight, dequantize, unpack_int4
 
 T = GGMLQuantizationType
 DENSE_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
@@ -109,7 +109,9 @@ def repack(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int])
     q, scales, mins, group = _decode(blocks, qtype)
     groups = cols // group
     scales_t = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32).reshape(rows, groups))
-    mins_t = None if mins is None else torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32).reshape(rows, groups))
+    mins_t = (
+        None if mins is None else torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32).reshape(rows, groups))
+    )
     if qtype in (T.Q4_0, T.Q4_1, T.Q4_K):
         qweight = torch.from_numpy(_pack_nibbles(q.reshape(rows, cols)))
         return PackedInt4(qweight, scales_t, mins_t, group)
@@ -143,14 +145,18 @@ def concat_parts(parts: list[PackedWeight]) -> PackedWeight | None:
     if not all(isinstance(p, (PackedInt4, PackedInt8)) for p in parts):
         return None
     first = parts[0]
-    same = all(type(p) is type(first) and p.group_size == first.group_size
-               and (p.mins is None) == (first.mins is None) for p in parts)
+    same = all(
+        type(p) is type(first) and p.group_size == first.group_size and (p.mins is None) == (first.mins is None)
+        for p in parts
+    )
     if not same:
         group = min(p.group_size for p in parts)
         parts = [_as_int8(p, group) for p in parts]
         first = parts[0]
+
     def cat(name: str) -> torch.Tensor:  # numpy's concatenate: no thread pool to wake for a copy at load time
         return torch.from_numpy(np.concatenate([getattr(p, name).numpy() for p in parts]))
+
     if isinstance(first, PackedInt4):
         return PackedInt4(cat("qweight"), cat("scales"), cat("mins"), first.group_size)
     return PackedInt8(cat("qweight"), cat("scales"), None if first.mins is None else cat("mins"), first.group_size)

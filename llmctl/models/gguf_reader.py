@@ -6,12 +6,11 @@ Kept free of torch and of the model code, so that ``llmctl ls`` stays cheap.
 
 from __future__ import annotations
 
+import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import struct
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
@@ -54,11 +53,17 @@ class CheckedReader(GGUFReader):
                 if len(items) != int(length[0]):
                     raise ValueError(f"an array at offset {orig_offs} runs past the end of the file")
                 parts = [item_type, length, *items.reshape(-1, 1)]
-                return 12 + int(items.nbytes), parts, list(range(2, len(parts))), [GGUFValueType.ARRAY,
-                                                                                    GGUFValueType(int(item_type[0]))]
+                return (
+                    12 + int(items.nbytes),
+                    parts,
+                    list(range(2, len(parts))),
+                    [GGUFValueType.ARRAY, GGUFValueType(int(item_type[0]))],
+                )
         return super()._get_field_parts(orig_offs, raw_type)
 
-    def _string_array_parts(self, orig_offs: int, item_type: np.ndarray) -> tuple[int, list[np.ndarray], list[int], list[Any]]:
+    def _string_array_parts(
+        self, orig_offs: int, item_type: np.ndarray
+    ) -> tuple[int, list[np.ndarray], list[int], list[Any]]:
         """[item type, length, (string length, string bytes) per item], as ``GGUFReader`` lays them."""
         plain = self._plain_data
         length = self._get(orig_offs + 4, np.uint64)
@@ -123,5 +128,9 @@ def gguf_summary(path: Path) -> GGUFSummary:
     counts: Counter[str] = Counter()
     for tensor in reader.tensors:
         counts[tensor.tensor_type.name] += int(tensor.n_elements)
-    return GGUFSummary(architecture, sum(counts.values()), sum(int(t.n_bytes) for t in reader.tensors),
-                       "+".join(name for name, _ in counts.most_common(3)) + ("+…" if len(counts) > 3 else ""))
+    return GGUFSummary(
+        architecture,
+        sum(counts.values()),
+        sum(int(t.n_bytes) for t in reader.tensors),
+        "+".join(name for name, _ in counts.most_common(3)) + ("+…" if len(counts) > 3 else ""),
+    )

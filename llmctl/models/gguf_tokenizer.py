@@ -23,10 +23,14 @@ from llmctl.tokenizer import Tokenizer
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # tokenizer.ggml.pre -> the split regexes applied in order (llama.cpp's llm_tokenizer_bpe table).
 _PRE_SPLITS: dict[str, list[str]] = {
     "default": [_GPT2_SPLIT],
@@ -55,8 +59,9 @@ def _byte_level_model(meta: dict[str, Any]) -> tuple[HFTokenizer, list[str]]:
     pre = meta.get("tokenizer.ggml.pre", "default")
     splits = _PRE_SPLITS.get(pre)
     if splits is None:
-        raise GGUFTokenizerError(f"tokenizer.ggml.pre {pre!r} is not a pre-tokenizer llmctl knows "
-                                 f"({', '.join(sorted(_PRE_SPLITS))})")
+        raise GGUFTokenizerError(
+            f"tokenizer.ggml.pre {pre!r} is not a pre-tokenizer llmctl knows ({', '.join(sorted(_PRE_SPLITS))})"
+        )
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
@@ -71,8 +76,7 @@ def _score_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str
     ids = {t: i for i, t in enumerate(tokens)}
     ranked = []
     for token, score in zip(tokens, scores):
-        local = [(token[:i], token[i:], score) for i in range(1, len(token))
-                 if token[:i] in ids and token[i:] in ids]
+        local = [(token[:i], token[i:], score) for i in range(1, len(token)) if token[:i] in ids and token[i:] in ids]
         ranked.extend(sorted(local, key=lambda m: (ids[m[0]], ids[m[1]])))
     ranked.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(left, right) for left, right, _ in ranked]
@@ -84,12 +88,18 @@ def _sentencepiece_model(meta: dict[str, Any]) -> tuple[HFTokenizer, list[str]]:
     if scores is None or len(scores) != len(tokens):
         raise GGUFTokenizerError("tokenizer.ggml.scores is missing or does not match tokenizer.ggml.tokens")
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-    bpe = models.BPE({t: i for i, t in enumerate(tokens)}, _score_merges(tokens, list(scores)),
-                     unk_token=tokens[unk_id] if unk_id is not None else None, fuse_unk=True, byte_fallback=True)
+    bpe = models.BPE(
+        {t: i for i, t in enumerate(tokens)},
+        _score_merges(tokens, list(scores)),
+        unk_token=tokens[unk_id] if unk_id is not None else None,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
     backend = HFTokenizer(bpe)
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
-                                                     split=False)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if prefix else "never", split=False
+    )
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
     return backend, tokens
@@ -101,11 +111,15 @@ def _add_special_tokens(backend: HFTokenizer, meta: dict[str, Any], tokens: list
     types = meta.get("tokenizer.ggml.token_type") or []
     alphabet = _byte_alphabet() if byte_level else None
     special_ids = {meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")}
-    special = [AddedToken(t, special=True, normalized=False) for i, (t, kind) in enumerate(zip(tokens, types))
-               if (kind == CONTROL or i in special_ids) and (alphabet is None or set(t) <= alphabet)]
+    special = [
+        AddedToken(t, special=True, normalized=False)
+        for i, (t, kind) in enumerate(zip(tokens, types))
+        if (kind == CONTROL or i in special_ids) and (alphabet is None or set(t) <= alphabet)
+    ]
     backend.add_special_tokens(special)
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, kind in zip(tokens, types) if kind == USER_DEFINED])
+    backend.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, types) if kind == USER_DEFINED]
+    )
 
 
 def _token(tokens: list[str], meta: dict[str, Any], key: str) -> str | None:
@@ -134,9 +148,16 @@ def build_gguf_tokenizer(meta: dict[str, Any], source: str) -> Tokenizer:
     if add_bos and bos is not None:
         bos_id = meta["tokenizer.ggml.bos_token_id"]
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
-    config = {"bos_token": bos, "eos_token": eos, "pad_token": _token(tokens, meta, "padding"),
-              "chat_template": meta.get("tokenizer.chat_template")}
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
+        )
+    config = {
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": _token(tokens, meta, "padding"),
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
     # llama.cpp also stops at end-of-turn / end-of-message tokens (Llama 3's <|eot_id|>, <|eom_id|>)
-    eos_ids = [meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom") if f"tokenizer.ggml.{k}_token_id" in meta]
+    eos_ids = [
+        meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom") if f"tokenizer.ggml.{k}_token_id" in meta
+    ]
     return Tokenizer(backend, config, {"eos_token_id": eos_ids}, source=source)

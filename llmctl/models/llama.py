@@ -19,15 +19,31 @@ StageOutput = tuple[torch.Tensor, torch.Tensor]  # (hidden, residual) handed to 
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel, ops: TorchOps,
-                 method: LinearMethod | None, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        ops: TorchOps,
+        method: LinearMethod | None,
+        rotary_emb: RotaryEmbedding,
+    ) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          bias=cfg.attention_bias, dtype=dtype, tp=tp, method=method)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            bias=cfg.attention_bias,
+            dtype=dtype,
+            tp=tp,
+            method=method,
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False,
-                                        dtype=dtype, tp=tp, method=method)
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False, dtype=dtype, tp=tp, method=method
+        )
         self.rotary_emb = rotary_emb  # one table shared by every layer
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, ops=ops)
@@ -51,30 +67,41 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel, ops: TorchOps,
-                 method: LinearMethod | None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel, ops: TorchOps, method: LinearMethod | None
+    ) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                                       bias=cfg.mlp_bias, dtype=dtype, tp=tp, method=method)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
-                                           dtype=dtype, tp=tp, method=method)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias, dtype=dtype, tp=tp, method=method
+        )
+        self.down_proj = RowParallelLinear(
+            cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype, tp=tp, method=method
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel, ops: TorchOps,
-                 method: LinearMethod | None, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        ops: TorchOps,
+        method: LinearMethod | None,
+        rotary_emb: RotaryEmbedding,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, ops=ops)
         self.self_attn = LlamaAttention(cfg, dtype, tp, ops, method, rotary_emb)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, ops=ops)
         self.mlp = LlamaMLP(cfg, dtype, tp, ops, method)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
@@ -82,22 +109,37 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel, ops: TorchOps,
-                 method: LinearMethod | None, stage: PipelineStage | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        ops: TorchOps,
+        method: LinearMethod | None,
+        stage: PipelineStage | None = None,
+    ) -> None:
         super().__init__()
         # A pipeline stage builds only its own layers; the others are empty placeholders, so that
         # checkpoint names (model.layers.<i>) keep their global index.
         self.stage = stage or PipelineStage.whole(cfg.num_layers)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, tp=tp)
-        rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-                                     ops=ops)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, tp, ops, method, rotary_emb)
-                                    if self.stage.owns_layer(i) else nn.Identity() for i in range(cfg.num_layers))
+        rotary_emb = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, ops=ops
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, dtype, tp, ops, method, rotary_emb) if self.stage.owns_layer(i) else nn.Identity()
+            for i in range(cfg.num_layers)
+        )
         self.stage_layers = list(self.layers)[self.stage.start : self.stage.end]  # a plain list: no per-step slicing
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, ops=ops)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate: StageOutput | None = None) -> torch.Tensor | StageOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        intermediate: StageOutput | None = None,
+    ) -> torch.Tensor | StageOutput:
         """The final hidden states; a pipeline stage other than the last returns ``(hidden, residual)``
         for the next stage, and a stage other than the first starts from the previous one's."""
         hidden, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
@@ -118,9 +160,16 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, ops: TorchOps,
-                 tp: TensorParallel = TensorParallel(), linear_method: LinearMethod | None = None,
-                 stage: PipelineStage | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        ops: TorchOps,
+        tp: TensorParallel = TensorParallel(),
+        linear_method: LinearMethod | None = None,
+        stage: PipelineStage | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, dtype, tp, ops, linear_method, stage)
@@ -129,8 +178,13 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate: StageOutput | None = None) -> torch.Tensor | StageOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        intermediate: StageOutput | None = None,
+    ) -> torch.Tensor | StageOutput:
         return self.model(input_ids, positions, meta, intermediate)
 
     def process_weights_after_loading(self) -> None:

@@ -51,11 +51,14 @@ def iterate_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor
                 for name in f.keys():
                     yield path, name, f.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-            raise ModelLoadError(f"{path}: cannot read safetensors file ({exc}); it may be corrupt or truncated") from exc
+            raise ModelLoadError(
+                f"{path}: cannot read safetensors file ({exc}); it may be corrupt or truncated"
+            ) from exc
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path,
-                 tensors: Iterator[tuple[Path, str, torch.Tensor]] | None = None) -> None:
+def load_weights(
+    model: LlamaForCausalLM, model_dir: Path, tensors: Iterator[tuple[Path, str, torch.Tensor]] | None = None
+) -> None:
     """Checkpoint tensors (by default the safetensors files in ``model_dir``; a GGUF loader passes
     its own, renamed) into the model's parameters, merged projections part by part."""
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -100,8 +103,12 @@ def expected_checkpoint_names(model: LlamaForCausalLM) -> set[str]:
     parts_of = {}
     for merged, part in model.packed_modules.values():
         parts_of.setdefault(merged, []).append(part)
-    installed = {f"{module_name}.{field}" for module_name, module in model.named_modules()
-                 if getattr(module, "packed_format", None) for field in ("qweight", "scales", "mins")}
+    installed = {
+        f"{module_name}.{field}"
+        for module_name, module in model.named_modules()
+        if getattr(module, "packed_format", None)
+        for field in ("qweight", "scales", "mins")
+    }
     for name, _ in model.named_parameters():  # tied weights appear once
         if name in installed:
             continue
@@ -110,18 +117,34 @@ def expected_checkpoint_names(model: LlamaForCausalLM) -> set[str]:
     return names
 
 
-def build_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, ops: TorchOps,
-                tp: TensorParallel = TensorParallel(), linear_method: LinearMethod | None = None,
-                stage: PipelineStage | None = None) -> LlamaForCausalLM:
+def build_model(
+    cfg: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    ops: TorchOps,
+    tp: TensorParallel = TensorParallel(),
+    linear_method: LinearMethod | None = None,
+    stage: PipelineStage | None = None,
+) -> LlamaForCausalLM:
     with torch.device(device):
         model = LlamaForCausalLM(cfg, dtype=dtype, ops=ops, tp=tp, linear_method=linear_method, stage=stage)
     return model.eval()
 
 
-def load_model(model_dir: Path, *, dtype: str, device: torch.device, ops: TorchOps,
-               tp: TensorParallel = TensorParallel(), quantization: str = "none",
-               quantization_group_size: int = 64, stage: PipelineStage | None = None,
-               calibration: str | None = None, tokenizer_dir: Path | None = None) -> LlamaForCausalLM:
+def load_model(
+    model_dir: Path,
+    *,
+    dtype: str,
+    device: torch.device,
+    ops: TorchOps,
+    tp: TensorParallel = TensorParallel(),
+    quantization: str = "none",
+    quantization_group_size: int = 64,
+    stage: PipelineStage | None = None,
+    calibration: str | None = None,
+    tokenizer_dir: Path | None = None,
+) -> LlamaForCausalLM:
     """``quantization`` (int8 | int4 | fp8) quantizes every linear layer once its float weights are
     loaded; the embedding stays in ``dtype``, the LM head too except with int8 and int4, where its
     logits come from a per-channel int8 copy (``ParallelLMHead.logits_quantization``).
@@ -142,8 +165,15 @@ def load_model(model_dir: Path, *, dtype: str, device: torch.device, ops: TorchO
             raise ModelLoadError(f"--calibration needs the model's tokenizer: {exc}") from None
         calibration_ids = calibration_tokens(calibration, tokenizer)
     cfg = ModelConfig.from_dir(model_dir)
-    model = build_model(cfg, dtype=cfg.resolve_dtype(dtype, device), device=device, ops=ops, tp=tp,
-                        linear_method=linear_method_for(quantization, quantization_group_size), stage=stage)
+    model = build_model(
+        cfg,
+        dtype=cfg.resolve_dtype(dtype, device),
+        device=device,
+        ops=ops,
+        tp=tp,
+        linear_method=linear_method_for(quantization, quantization_group_size),
+        stage=stage,
+    )
     with torch.no_grad():
         load_weights(model, model_dir)
     if calibration_ids is not None:

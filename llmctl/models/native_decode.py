@@ -8,16 +8,15 @@ the reference and runs prefill and mixed steps, and every model or setting the l
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from llmctl_kernels.cpu_features import isa_level
 from llmctl.layers.linear import LinearBase, RowParallelLinear, UnquantizedLinearMethod
 from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from llmctl.platform import cpu_isa, decode_loop_kernels, quant_native_takes, select_kernels
 
 if TYPE_CHECKING:
     from llmctl.engine.kv_cache import QuantizedKVCache
@@ -31,9 +30,10 @@ LOOP_DTYPES = (torch.float32, torch.bfloat16)
 class NativeDecode:
     """``(input_ids, positions, meta) -> final hidden states`` of a decode-only step."""
 
-    def __init__(self, loop: object, embed: Callable[[torch.Tensor], torch.Tensor],
-                 kivi: QuantizedKVCache | None = None) -> None:
-        self.loop = loop  # set_profile / profile: per-op times (benchmarks/decode_breakdown.py)
+    def __init__(
+        self, loop: object, embed: Callable[[torch.Tensor], torch.Tensor], kivi: QuantizedKVCache | None = None
+    ) -> None:
+        self.loop = loop  # set_profile / profile: per-op times (benchmarks/features/decode_breakdown.py)
         self._forward = loop.forward
         self._embed = embed
         self._kivi = kivi  # a KIVI pool: each step passes the plan its begin_batch made
@@ -41,54 +41,91 @@ class NativeDecode:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self._kivi is not None:
             plan = self._kivi.plan
-            self.loop.set_kivi_plan(plan.residual_tokens, plan.residual_rows, plan.staging_tokens, plan.staging_rows,
-                                    plan.staged_from, plan.finalize_blocks, plan.residual_table)
-        return self._forward(self._embed(input_ids), positions, meta.slot_mapping, meta.decode_block_tables,
-                             meta.decode_seq_lens)
+            self.loop.set_kivi_plan(
+                plan.residual_tokens,
+                plan.residual_rows,
+                plan.staging_tokens,
+                plan.staging_rows,
+                plan.staged_from,
+                plan.finalize_blocks,
+                plan.residual_table,
+            )
+        return self._forward(
+            self._embed(input_ids), positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens
+        )
 
 
-def build_native_decode(model: LlamaForCausalLM, kv_cache: torch.Tensor,
-                        quantized_kv: QuantizedKVCache | None = None) -> tuple[NativeDecode | None, str]:
+def build_native_decode(
+    model: LlamaForCausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCache | None = None
+) -> tuple[NativeDecode | None, str]:
     """The loop bound to ``model``'s weights and its KV pool: the float ``kv_cache`` [2, layers, ...],
     or a ``quantized_kv`` (int8, fp8, KIVI), and the decode path for start-up lines: ``ACTIVE``, or
     why the module path runs instead."""
     reason = why_not(model, kv_cache, quantized_kv)
     if reason is not None:
         return None, f"decode: Python modules ({reason})"
-    from llmctl_kernels.decode_loop import load_decode_loop, unavailable_reason
-
-    module = load_decode_loop()
+    module, unavailable = decode_loop_kernels()
     if module is None:
-        return None, f"decode: Python modules ({unavailable_reason()})"
+        return None, f"decode: Python modules ({unavailable})"
     layers = model.model.stage_layers
     attn = layers[0].self_attn
     if quantized_kv is None:
         pool = dict(kv_kind="auto", k_pool=kv_cache[0], v_pool=kv_cache[1])
     elif quantized_kv.fmt.is_kivi:
         t, residual = quantized_kv.tensors, quantized_kv.residual
-        pool = dict(kv_kind=quantized_kv.fmt.kind, k_pool=t["k"], v_pool=t["v"], k_scale=t["k_scale"],
-                    v_scale=t["v_scale"], k_zero=t["k_zero"], v_zero=t["v_zero"], residual_k=residual["k"],
-                    residual_v=residual["v"], value_group=quantized_kv.fmt.value_group)
+        pool = dict(
+            kv_kind=quantized_kv.fmt.kind,
+            k_pool=t["k"],
+            v_pool=t["v"],
+            k_scale=t["k_scale"],
+            v_scale=t["v_scale"],
+            k_zero=t["k_zero"],
+            v_zero=t["v_zero"],
+            residual_k=residual["k"],
+            residual_v=residual["v"],
+            value_group=quantized_kv.fmt.value_group,
+        )
     else:
         t = quantized_kv.tensors
-        pool = dict(kv_kind=quantized_kv.fmt.kind, k_pool=t["k"].view(torch.uint8), v_pool=t["v"].view(torch.uint8),
-                    k_scale=t["k_scale"], v_scale=t["v_scale"])
-    loop = module.DecodeLoop(isa_level(), attn.num_heads, attn.num_kv_heads, attn.head_dim, model.model.norm.eps,
-                             attn.attn.scale, attn.rotary_emb.cos_sin_cache, model.model.norm.weight, **pool)
+        pool = dict(
+            kv_kind=quantized_kv.fmt.kind,
+            k_pool=t["k"].view(torch.uint8),
+            v_pool=t["v"].view(torch.uint8),
+            k_scale=t["k_scale"],
+            v_scale=t["v_scale"],
+        )
+    loop = module.DecodeLoop(
+        cpu_isa(),
+        attn.num_heads,
+        attn.num_kv_heads,
+        attn.head_dim,
+        model.model.norm.eps,
+        attn.attn.scale,
+        attn.rotary_emb.cos_sin_cache,
+        model.model.norm.weight,
+        **pool,
+    )
     for layer in layers:
         a, mlp = layer.self_attn, layer.mlp
-        loop.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                       *(_bind_linear(module, linear) for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj,
-                                                                   mlp.down_proj)))
+        loop.add_layer(
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
+            *(_bind_linear(module, linear) for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+        )
     kivi = quantized_kv if quantized_kv is not None and quantized_kv.fmt.is_kivi else None
     return NativeDecode(loop, model.model.embed_tokens, kivi), ACTIVE
 
 
-def why_not(model: LlamaForCausalLM, kv_cache: torch.Tensor,
-            quantized_kv: QuantizedKVCache | None = None) -> str | None:
-    """Why this model and KV pool run decode on the module path (None: the loop takes them)."""
-    if os.environ.get("LLMCTL_DECODE_LOOP", "1") == "0":
-        return "LLMCTL_DECODE_LOOP=0"
+def why_not(
+    model: LlamaForCausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCache | None = None
+) -> str | None:
+    """Why this model and KV pool run decode on the module path (None: the loop takes them). The
+    engine's kernel set (llmctl/platform.py, ``ops.kernels``) has its say after the model's checks,
+    but for its switch, which comes first."""
+    # a model built without an engine has no kernel set: the one an engine on its device would get
+    kernels = model.model.norm.ops.kernels or select_kernels("torch", kv_cache.device)
+    if not kernels.decode_loop:
+        return kernels.decode_loop_why_not()
     stage, cfg = model.model.stage, model.config
     layers = model.model.stage_layers
     dtype = model.model.norm.weight.dtype  # of the activations
@@ -98,17 +135,23 @@ def why_not(model: LlamaForCausalLM, kv_cache: torch.Tensor,
         (not layers or not all(isinstance(layer, LlamaDecoderLayer) for layer in layers), "no decoder layers"),
         (dtype not in LOOP_DTYPES, f"{dtype} activations"),
         (dtype == torch.bfloat16 and quantized_kv is not None, f"{dtype} activations with a quantized KV cache"),
-        (quantized_kv is not None and not (quantized_kv.native_codes or quantized_kv.native_kivi_store),
-         _quantized_kv_why_not(quantized_kv)),
-        (quantized_kv is None and (kv_cache.dtype != dtype or kv_cache.numel() == 0
-                                   or kv_cache.shape[1] != len(layers)), f"KV cache not of the {dtype} activations"),
+        (
+            quantized_kv is not None and not (quantized_kv.native_codes or quantized_kv.native_kivi_store),
+            _quantized_kv_why_not(quantized_kv),
+        ),
+        (
+            quantized_kv is None
+            and (kv_cache.dtype != dtype or kv_cache.numel() == 0 or kv_cache.shape[1] != len(layers)),
+            f"KV cache not of the {dtype} activations",
+        ),
         (cfg.qk_norm, "per-head q/k norm"),
-        (isa_level() not in ("avx2", "avx512", "avx512bf16"), f"{isa_level()} kernel variant"),
-        (os.environ.get("LLMCTL_QUANT_EXACT_ACTIVATIONS") == "1", "LLMCTL_QUANT_EXACT_ACTIVATIONS=1"),
     ]
     for failed, reason in checks:
         if failed:
             return reason
+    reason = kernels.decode_loop_why_not()
+    if reason is not None:
+        return reason
     ops = layers[0].input_layernorm.ops
     if type(ops) is not TorchOps or not ops.native:
         return "native CPU kernels off"
@@ -130,7 +173,6 @@ def _quantized_kv_why_not(quantized_kv: QuantizedKVCache | None) -> str:
 
 
 def _linear_why_not(layer: LinearBase, dtype: torch.dtype) -> str | None:
-    from llmctl_kernels.quant_native import load_quant_native, supports
     from llmctl.layers.quantization.methods import PackedLinearMethod
     from llmctl.layers.quantization.params import read_packed
 
@@ -144,7 +186,7 @@ def _linear_why_not(layer: LinearBase, dtype: torch.dtype) -> str | None:
     if type(layer.method) is PackedLinearMethod:
         if layer.packed_format not in ("int4", "int8"):
             return f"{layer.packed_format} weights"
-        if not supports(read_packed(layer)) or load_quant_native() is None:
+        if not quant_native_takes(read_packed(layer)):
             return "packed weights on the torch reference"
         return None
     if type(layer.method) is UnquantizedLinearMethod:
@@ -161,14 +203,26 @@ def _bind_linear(module: object, layer: LinearBase) -> object:
     if type(layer.method) is UnquantizedLinearMethod:
         # panel (fp32) and mkldnn (bf16): llmctl.layers.linear.prepack_for_cpu
         kind = "mkldnn" if layer.weight.is_mkldnn else "panel" if layer.weight.dim() == 3 else "dense"
-        return module.make_linear(kind, layer.in_features, weight=layer.weight.data, bias=bias,
-                                  bias_in_gemm=bias_in_gemm, out_features=layer.out_features)
+        return module.make_linear(
+            kind,
+            layer.in_features,
+            weight=layer.weight.data,
+            bias=bias,
+            bias_in_gemm=bias_in_gemm,
+            out_features=layer.out_features,
+        )
     from llmctl.layers.quantization.matmul import bound_cpu_kernel
     from llmctl.layers.quantization.params import kernel_packed
 
     tiles = getattr(bound_cpu_kernel(layer, release_rows=True), "tiles", None)  # the module path's copy, shared
     packed = kernel_packed(layer)  # after binding: a released qweight passes as its meta shape only
-    return module.make_linear(layer.packed_format, layer.in_features, qweight=packed.qweight.data,
-                              scales=packed.scales.data, mins=None if packed.mins is None else packed.mins.data,
-                              group=layer.packed_group_size, bias=bias, tiles=tiles)
-
+    return module.make_linear(
+        layer.packed_format,
+        layer.in_features,
+        qweight=packed.qweight.data,
+        scales=packed.scales.data,
+        mins=None if packed.mins is None else packed.mins.data,
+        group=layer.packed_group_size,
+        bias=bias,
+        tiles=tiles,
+    )

@@ -22,8 +22,9 @@ def main(argv: list[str]) -> int:
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        sys.stderr.write(f"{exc.format_msg()}\nllmctl: rank {rank} failed first ({how}, pid {failure.pid}); "
-                         "every rank was stopped\n")
+        sys.stderr.write(
+            f"{exc.format_msg()}\nllmctl: rank {rank} failed first ({how}, pid {failure.pid}); every rank was stopped\n"
+        )
         return 1
     return 0
 

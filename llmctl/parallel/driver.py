@@ -10,7 +10,6 @@ parallelism the engine uses ``launch`` and ``collect`` instead, keeping batches 
 from __future__ import annotations
 
 import atexit
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,19 +19,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llmctl import envs
 from llmctl.config import EngineConfig
 from llmctl.engine.model_runner import ModelOutput, ModelRunner, PromptLogits
 from llmctl.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmctl.engine.sequence import Sequence
 from llmctl.models.config import ModelConfig
 from llmctl.parallel.stage import StageRun, receive_logits, run_stage
-from llmctl.parallel.topology import (
-    DEFAULT_MICRO_BATCH_MIN_TOKENS,
-    MICRO_BATCH_MIN_TOKENS_ENV,
-    MICRO_BATCHES_ENV,
-    ParallelContext,
-    init_parallel,
-)
+from llmctl.parallel.topology import ParallelContext, init_parallel
 from llmctl.parallel.watchdog import fatal
 from llmctl.parallel.wire import MicroBatch, StepMessage, encode_step
 
@@ -60,8 +54,12 @@ def split_micro_batches(sched: SchedulerOutput, count: int, min_tokens: int = 1)
         slices[-1].append(item)
         done += item.num_new_tokens
     prefills = {id(item) for item in sched.prefills}
-    return [SchedulerOutput(prefills=[s for s in part if id(s) in prefills],
-                            decodes=[s for s in part if id(s) not in prefills]) for part in slices]
+    return [
+        SchedulerOutput(
+            prefills=[s for s in part if id(s) in prefills], decodes=[s for s in part if id(s) not in prefills]
+        )
+        for part in slices
+    ]
 
 
 @dataclass
@@ -90,8 +88,8 @@ class ParallelRunner:
         # Micro-batches per step: as many as stages keeps every stage busy once the pipeline fills.
         # Only steps with enough tokens are split: a decode step is bound by reading the weights,
         # which each micro-batch does again, so splitting it costs more than the overlap gains.
-        self.micro_batches = int(os.environ.get(MICRO_BATCHES_ENV, ctx.pp_size))
-        self.micro_batch_min_tokens = int(os.environ.get(MICRO_BATCH_MIN_TOKENS_ENV, DEFAULT_MICRO_BATCH_MIN_TOKENS))
+        self.micro_batches = envs.LLMCTL_PP_MICRO_BATCHES or ctx.pp_size
+        self.micro_batch_min_tokens = envs.LLMCTL_PP_MICRO_BATCH_MIN_TOKENS
         atexit.register(self.shutdown)
 
     def __getattr__(self, name: str) -> Any:  # kv_cache, block_size, ... of rank 0's shard
@@ -109,8 +107,9 @@ class ParallelRunner:
         payload = encode_step(message)
         header = torch.tensor([CMD_STEP, payload.numel()], dtype=torch.int64)
         try:  # not waited for here: a worker still busy with the previous batch takes it when done
-            broadcasts = [dist.broadcast(t, src=0, group=self.ctx.control_group, async_op=True)
-                          for t in (header, payload)]
+            broadcasts = [
+                dist.broadcast(t, src=0, group=self.ctx.control_group, async_op=True) for t in (header, payload)
+            ]
             stage = run_stage(self.ctx, self.model, self.local, message)
         except RuntimeError as exc:  # a peer died or the ranks fell out of step: nothing can continue
             fatal(f"rank 0: a step failed across the ranks ({exc}); stopping every rank")
@@ -135,8 +134,12 @@ class ParallelRunner:
         return self._assemble(step.sched, step.micro_batches, logits, step.prompt_specs)
 
     @staticmethod
-    def _assemble(sched: SchedulerOutput, micro_batches: tuple[MicroBatch, ...], logits: list[torch.Tensor],
-                  prompt_specs: tuple[list[tuple[Sequence, int, int]], ...]) -> ModelOutput:
+    def _assemble(
+        sched: SchedulerOutput,
+        micro_batches: tuple[MicroBatch, ...],
+        logits: list[torch.Tensor],
+        prompt_specs: tuple[list[tuple[Sequence, int, int]], ...],
+    ) -> ModelOutput:
         """Each micro-batch's rows are its sampling rows, then its prompt-logprob rows."""
         sampling, prompt_logits = [], []
         for mb, mb_logits, specs in zip(micro_batches, logits, prompt_specs, strict=True):

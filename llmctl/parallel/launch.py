@@ -17,9 +17,10 @@ import os
 import sys
 from typing import NoReturn
 
+from llmctl import envs
 from llmctl.config import EMBEDDED_MODEL_NAME, EngineConfig
 from llmctl.errors import ConfigError
-from llmctl.parallel.topology import LAYER_PARTITION_ENV, leave_process_group, under_torchrun
+from llmctl.parallel.topology import leave_process_group, under_torchrun
 
 CLI_MODULE = "llmctl.cli"
 
@@ -52,17 +53,19 @@ def check_splittable(config: EngineConfig, model_spec: str | None) -> str:
     """The model directory, once it is known that TP x PP can split it; else a ``ConfigError``."""
     from pathlib import Path
 
-    from llmctl.cli_options import resolve_model
     from llmctl.distributed import split_layers
+    from llmctl.model_spec import resolve_model
     from llmctl.models.config import ModelConfig
 
     spec = model_spec or config.model
-    what = (f"--tensor-parallel-size {config.tensor_parallel_size} "
-            f"--pipeline-parallel-size {config.pipeline_parallel_size}")
+    what = (
+        f"--tensor-parallel-size {config.tensor_parallel_size} --pipeline-parallel-size {config.pipeline_parallel_size}"
+    )
     resolved = spec if spec == EMBEDDED_MODEL_NAME else resolve_model(spec)
     if resolved == EMBEDDED_MODEL_NAME or not Path(resolved).is_dir() or resolved.endswith(".gguf"):
-        raise ConfigError(f"{what}: needs a Hugging Face model directory (config.json + *.safetensors); "
-                          f"{spec!r} is not one")
+        raise ConfigError(
+            f"{what}: needs a Hugging Face model directory (config.json + *.safetensors); {spec!r} is not one"
+        )
     if config.quantization not in ("auto", "none"):
         raise ConfigError(f"{what}: --quantization {config.quantization} is not supported with parallelism yet")
     cfg = ModelConfig.from_dir(Path(resolved))
@@ -70,12 +73,13 @@ def check_splittable(config: EngineConfig, model_spec: str | None) -> str:
     if cfg.num_heads % tp:
         raise ConfigError(f"--tensor-parallel-size {tp} does not divide the model's {cfg.num_heads} attention heads")
     if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
-        raise ConfigError(f"--tensor-parallel-size {tp} and the model's {cfg.num_kv_heads} KV heads: "
-                          "one must divide the other")
+        raise ConfigError(
+            f"--tensor-parallel-size {tp} and the model's {cfg.num_kv_heads} KV heads: one must divide the other"
+        )
     if cfg.intermediate_size % tp:
         raise ConfigError(f"--tensor-parallel-size {tp} does not divide the MLP width {cfg.intermediate_size}")
     try:
-        split_layers(cfg.num_layers, config.pipeline_parallel_size, os.environ.get(LAYER_PARTITION_ENV))
+        split_layers(cfg.num_layers, config.pipeline_parallel_size, envs.LLMCTL_PP_LAYER_PARTITION)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return resolved
@@ -86,8 +90,21 @@ def relaunch_under_torchrun(world_size: int) -> None:
     local ranks. Never returns."""
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of oversubscribing them
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
-    argv = [sys.executable, "-m", "llmctl.parallel.agent", "--standalone", "--nnodes", "1",
-            "--nproc-per-node", str(world_size), "--max-restarts", "0", "-m", CLI_MODULE, *sys.argv[1:]]
+    argv = [
+        sys.executable,
+        "-m",
+        "llmctl.parallel.agent",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(world_size),
+        "--max-restarts",
+        "0",
+        "-m",
+        CLI_MODULE,
+        *sys.argv[1:],
+    ]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, argv)

@@ -21,22 +21,27 @@ see ``ParallelRunner``). Here rank 0 keeps up to ``depth`` (= S) batches in flig
 from __future__ import annotations
 
 import dataclasses
-import os
 
+from llmctl import envs
 from llmctl.engine.model_runner import ModelOutput
 from llmctl.engine.scheduler import Scheduler, SchedulerOutput
 from llmctl.parallel.driver import ParallelRunner
-from llmctl.parallel.topology import BATCHES_IN_FLIGHT_ENV
+
+
+def batches_in_flight(pp_size: int) -> int:
+    """How many batches the pipeline holds at once: one per stage (the scheduler is built with it
+    as ``SchedulerConfig.batches_in_flight``)."""
+    # 1: a step ends when its logits are back (no overlap across steps; for comparisons)
+    return envs.LLMCTL_PP_BATCHES_IN_FLIGHT or pp_size
 
 
 class PipelinedSteps:
-    """The engine's step with batches in flight: ``advance`` launches and collects."""
+    """The engine's step with batches in flight: ``advance`` launches and collects, as many at
+    once as the scheduler was configured to share its sequences between."""
 
     def __init__(self, scheduler: Scheduler, runner: ParallelRunner) -> None:
-        # 1: a step ends when its logits are back (no overlap across steps; for comparisons)
-        depth = int(os.environ.get(BATCHES_IN_FLIGHT_ENV, runner.ctx.pp_size))
-        self.scheduler, self.runner, self.depth = scheduler, runner, max(1, depth)
-        scheduler.pipeline_groups = self.depth
+        self.scheduler, self.runner = scheduler, runner
+        self.depth = scheduler.config.batches_in_flight
         self.overlapped_launches = 0  # batches launched while another was in flight (the overlap)
 
     @property
@@ -51,7 +56,7 @@ class PipelinedSteps:
         if len(self.runner.in_flight) < self.depth:
             sched = self.scheduler.schedule()
             if not sched.is_empty:
-                self.scheduler.in_flight.update(item.seq.seq_id for item in sched.scheduled)
+                self.scheduler.mark_in_flight(sched)
                 self.overlapped_launches += bool(self.runner.in_flight)
                 self.runner.launch(sched)
                 if len(self.runner.in_flight) < self.depth:
@@ -60,7 +65,7 @@ class PipelinedSteps:
             return None
         step = self.runner.in_flight[0]
         output = self.runner.collect(step)
-        self.scheduler.in_flight.difference_update(item.seq.seq_id for item in step.sched.scheduled)
+        self.scheduler.mark_landed(step.sched)
         return (*drop_finished(step.sched, output), step.launched_at)
 
 

@@ -23,17 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llmctl import envs
 from llmctl.config import EngineConfig
 from llmctl.distributed import PipelineStage, TensorParallel, split_layers
 from llmctl.errors import ConfigError
 from llmctl.parallel.watchdog import watch_parent
 
 CONTROL_TIMEOUT = timedelta(days=30)  # idle servers: workers wait this long for the next step
-LAYER_PARTITION_ENV = "LLMCTL_PP_LAYER_PARTITION"  # e.g. "3,2": layers per pipeline stage
-MICRO_BATCHES_ENV = "LLMCTL_PP_MICRO_BATCHES"  # micro-batches per step (default: the number of stages)
-MICRO_BATCH_MIN_TOKENS_ENV = "LLMCTL_PP_MICRO_BATCH_MIN_TOKENS"  # fewer tokens per micro-batch: fewer micro-batches
-DEFAULT_MICRO_BATCH_MIN_TOKENS = 256
-BATCHES_IN_FLIGHT_ENV = "LLMCTL_PP_BATCHES_IN_FLIGHT"  # pipelined batches at once (default: the number of stages)
 
 
 @dataclass
@@ -121,21 +117,28 @@ def init_parallel(config: EngineConfig, num_layers: int) -> ParallelContext:
     """Join the process group torchrun describes in the environment and build every subgroup
     (every rank creates every group, in the same order, as torch.distributed requires)."""
     if not under_torchrun():
-        raise ConfigError(f"{config.world_size} ranks need torchrun: run the llmctl command (it starts them), or "
-                          "this program under torchrun (docs/parallelism.md)")
+        raise ConfigError(
+            f"{config.world_size} ranks need torchrun: run the llmctl command (it starts them), or "
+            "this program under torchrun (docs/parallelism.md)"
+        )
     world_size = int(os.environ["WORLD_SIZE"])
     if world_size != config.world_size:
-        raise ConfigError(f"torchrun started {world_size} ranks but --tensor-parallel-size "
-                          f"{config.tensor_parallel_size} x --pipeline-parallel-size "
-                          f"{config.pipeline_parallel_size} = {config.world_size}")
+        raise ConfigError(
+            f"torchrun started {world_size} ranks but --tensor-parallel-size "
+            f"{config.tensor_parallel_size} x --pipeline-parallel-size "
+            f"{config.pipeline_parallel_size} = {config.world_size}"
+        )
     device = config.resolve_device()
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=CONTROL_TIMEOUT if backend == "gloo" else None,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            timeout=CONTROL_TIMEOUT if backend == "gloo" else None,
+            device_id=device if device.type == "cuda" else None,
+        )
         atexit.register(leave_process_group)  # runs after the driver's stop message (LIFO)
         watch_parent(int(os.environ.get("RANK", "0")))
     rank, tp_size, pp_size = dist.get_rank(), config.tensor_parallel_size, config.pipeline_parallel_size
@@ -147,10 +150,16 @@ def init_parallel(config: EngineConfig, num_layers: int) -> ParallelContext:
         if rank in ranks:
             tp_group = group
     stage_index = rank // tp_size
-    stages = split_layers(num_layers, pp_size, os.environ.get(LAYER_PARTITION_ENV))
-    ctx = ParallelContext(rank=rank, world_size=world_size,
-                          tp=TensorParallel(rank=rank % tp_size, size=tp_size, group=tp_group),
-                          pp_size=pp_size, stage_index=stage_index, stage=stages[stage_index],
-                          control_group=control, device=device)
+    stages = split_layers(num_layers, pp_size, envs.LLMCTL_PP_LAYER_PARTITION)
+    ctx = ParallelContext(
+        rank=rank,
+        world_size=world_size,
+        tp=TensorParallel(rank=rank % tp_size, size=tp_size, group=tp_group),
+        pp_size=pp_size,
+        stage_index=stage_index,
+        stage=stages[stage_index],
+        control_group=control,
+        device=device,
+    )
     _contexts.append(ctx)
     return ctx

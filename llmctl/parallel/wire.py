@@ -58,8 +58,12 @@ def _encode(value: object, out: list[torch.Tensor]) -> None:
 def encode_step(message: StepMessage) -> torch.Tensor:
     parts: list[torch.Tensor] = []
     copies = [i for pair in message.blocks_to_copy for i in pair]
-    parts.append(torch.tensor([message.num_blocks_touched, len(message.blocks_to_copy), *copies,
-                               len(message.micro_batches)], dtype=torch.int64))
+    parts.append(
+        torch.tensor(
+            [message.num_blocks_touched, len(message.blocks_to_copy), *copies, len(message.micro_batches)],
+            dtype=torch.int64,
+        )
+    )
     for mb in message.micro_batches:
         for value in (mb.input_ids, mb.positions, mb.logit_rows):
             _encode(value, parts)

@@ -8,27 +8,30 @@ import torch.distributed as dist
 
 from llmctl.config import EngineConfig, resolve_kv_cache_bytes
 from llmctl.engine.model_runner import ModelRunner, kv_block_bytes
-from llmctl.layers.ops import select_ops
+from llmctl.layers.backends import build_ops
 from llmctl.models.loader import load_model
 from llmctl.parallel.driver import CMD_STOP, start_parallel
 from llmctl.parallel.stage import run_stage
 from llmctl.parallel.watchdog import fatal
 from llmctl.parallel.wire import decode_step
+from llmctl.platform import select_kernels
 
 
 def run_worker(config: EngineConfig) -> None:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     ctx = start_parallel(config)
-    ops = select_ops(config.attention_backend, ctx.device)
+    ops = build_ops(
+        select_kernels(config.kernel_backend, ctx.device, quant_exact_activations=config.quant_exact_activations)
+    )
     model = load_model(config.model, dtype=config.dtype, device=ctx.device, ops=ops, **ctx.shard_kwargs())
     dtype = model.model.norm.weight.dtype
     # The same sizing as rank 0's engine, then the smallest pool over the ranks: rank 0's block
     # manager hands out block ids that every rank must hold.
-    num_blocks = ctx.agree_min(resolve_kv_cache_bytes(config, ctx.device)
-                               // kv_block_bytes(model, config.block_size, dtype))
-    runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, device=ctx.device,
-                         kv_dtype=dtype)
+    num_blocks = ctx.agree_min(
+        resolve_kv_cache_bytes(config, ctx.device) // kv_block_bytes(model, config.block_size, dtype)
+    )
+    runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, device=ctx.device, kv_dtype=dtype)
     header = torch.empty(2, dtype=torch.int64)
     try:
         while True:

@@ -36,22 +36,42 @@ class RouterSettings:
 
 
 def _unauthorized() -> JSONResponse:
-    body = {"error": {"message": "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
-                      "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+    body = {
+        "error": {
+            "message": "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
     return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
-def build_router_app(urls: list[str], policy: Policy, settings: RouterSettings, *,
-                     discover: str | None = None, health_interval: float = 2.0,
-                     max_backoff: float = 30.0, discovery_interval: float = 10.0,
-                     client: httpx.AsyncClient | None = None) -> FastAPI:
+def build_router_app(
+    urls: list[str],
+    policy: Policy,
+    settings: RouterSettings,
+    *,
+    discover: str | None = None,
+    health_interval: float = 2.0,
+    max_backoff: float = 30.0,
+    discovery_interval: float = 10.0,
+    client: httpx.AsyncClient | None = None,
+) -> FastAPI:
     """The app; its replica health/discovery task runs for the app's lifespan. ``client`` (the
     connection pool to the replicas) is made here unless given."""
     timeout = httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout)
-    client = client or httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
-                                                                              max_keepalive_connections=64))
-    replicas = ReplicaSet(client, urls, discover=discover, interval=health_interval, max_backoff=max_backoff,
-                          discovery_interval=discovery_interval)
+    client = client or httpx.AsyncClient(
+        timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    )
+    replicas = ReplicaSet(
+        client,
+        urls,
+        discover=discover,
+        interval=health_interval,
+        max_backoff=max_backoff,
+        discovery_interval=discovery_interval,
+    )
     metrics = RouterMetrics(replicas)
     forwarder = Forwarder(client, replicas, metrics, max_attempts=settings.max_attempts)
 
@@ -86,8 +106,9 @@ def build_router_app(urls: list[str], policy: Policy, settings: RouterSettings, 
             parsed = json.loads(body)
         except ValueError:
             parsed = None  # a replica answers the 400
-        key = prefix_key(routing_bytes(request.url.path, parsed), chunk_bytes=settings.chunk_bytes,
-                         ring_chunks=settings.ring_chunks)
+        key = prefix_key(
+            routing_bytes(request.url.path, parsed), chunk_bytes=settings.chunk_bytes, ring_chunks=settings.ring_chunks
+        )
 
         def choose(tried: set[str]) -> tuple[Replica, str] | None:
             candidates = [r for r in replicas.healthy() if r.url not in tried]
@@ -116,18 +137,33 @@ def build_router_app(urls: list[str], policy: Policy, settings: RouterSettings, 
     @app.get("/health")
     async def health() -> JSONResponse:
         up = len(replicas.healthy())
-        body = {"status": "ok" if up else "no_healthy_replica", "healthy_replicas": up,
-                "replicas": len(replicas.replicas), "policy": policy.name}
+        body = {
+            "status": "ok" if up else "no_healthy_replica",
+            "healthy_replicas": up,
+            "replicas": len(replicas.replicas),
+            "policy": policy.name,
+        }
         return JSONResponse(body, status_code=200 if up else 503)
 
     @app.get("/router/replicas")
     async def replica_table(request: Request) -> JSONResponse:
         if not authorized(request):
             return _unauthorized()
-        return JSONResponse({"policy": policy.name, "replicas": [
-            {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight,
-             "consecutive_failures": r.consecutive_failures, "last_error": r.last_error}
-            for r in replicas.all()]})
+        return JSONResponse(
+            {
+                "policy": policy.name,
+                "replicas": [
+                    {
+                        "url": r.url,
+                        "healthy": r.healthy,
+                        "in_flight": r.in_flight,
+                        "consecutive_failures": r.consecutive_failures,
+                        "last_error": r.last_error,
+                    }
+                    for r in replicas.all()
+                ],
+            }
+        )
 
     @app.get("/metrics")
     def prometheus_metrics() -> Response:

@@ -22,10 +22,14 @@ class _ReplicaCollector(Collector):
         self.replicas = replicas
 
     def collect(self) -> Iterator[Metric]:
-        healthy = GaugeMetricFamily("llmctl:router_replica_healthy", "1 while the replica is in rotation.",
-                                    labels=["replica"])
-        in_flight = GaugeMetricFamily("llmctl:router_replica_in_flight",
-                                      "Requests this router is proxying to the replica now.", labels=["replica"])
+        healthy = GaugeMetricFamily(
+            "llmctl:router_replica_healthy", "1 while the replica is in rotation.", labels=["replica"]
+        )
+        in_flight = GaugeMetricFamily(
+            "llmctl:router_replica_in_flight",
+            "Requests this router is proxying to the replica now.",
+            labels=["replica"],
+        )
         for replica in self.replicas.all():
             healthy.add_metric([replica.url], float(replica.healthy))
             in_flight.add_metric([replica.url], float(replica.in_flight))
@@ -36,18 +40,36 @@ class _ReplicaCollector(Collector):
 class RouterMetrics:
     def __init__(self, replicas: ReplicaSet) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("llmctl:router_requests", "Requests answered, by replica and HTTP status.",
-                                ["replica", "code"], registry=self.registry)
-        self.decisions = Counter("llmctl:router_routing_decisions", "Routing decisions, by why that replica.",
-                                 ["reason"], registry=self.registry)
-        self.retries = Counter("llmctl:router_retries", "Requests sent again to another replica, by what failed first.",
-                               ["reason"], registry=self.registry)
-        self.failures = Counter("llmctl:router_failures", "Requests the router could not complete, by cause.",
-                                ["reason"], registry=self.registry)
+        self.requests = Counter(
+            "llmctl:router_requests",
+            "Requests answered, by replica and HTTP status.",
+            ["replica", "code"],
+            registry=self.registry,
+        )
+        self.decisions = Counter(
+            "llmctl:router_routing_decisions",
+            "Routing decisions, by why that replica.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "llmctl:router_retries",
+            "Requests sent again to another replica, by what failed first.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.failures = Counter(
+            "llmctl:router_failures",
+            "Requests the router could not complete, by cause.",
+            ["reason"],
+            registry=self.registry,
+        )
         self.time_to_first_byte = Histogram(
             "llmctl:router_time_to_first_byte_seconds",
             "Arrival at the router to the first byte of the chosen replica's answer.",
-            buckets=TTFB_BUCKETS, registry=self.registry)
+            buckets=TTFB_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_ReplicaCollector(replicas))
 
     def exposition(self) -> bytes:

@@ -82,8 +82,7 @@ class PrefixAwarePolicy:
         self._ring = HashRing([])
         self._ring_generation = -1
 
-    def choose(self, key: PrefixKey, candidates: Sequence[Replica], members: Sequence[str],
-               generation: int) -> Choice:
+    def choose(self, key: PrefixKey, candidates: Sequence[Replica], members: Sequence[str], generation: int) -> Choice:
         """``candidates``: healthy replicas not yet tried for this request (not empty)."""
         if generation != self._ring_generation:
             self._ring, self._ring_generation = HashRing(members), generation
@@ -129,8 +128,7 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, key: PrefixKey, candidates: Sequence[Replica], members: Sequence[str],
-               generation: int) -> Choice:
+    def choose(self, key: PrefixKey, candidates: Sequence[Replica], members: Sequence[str], generation: int) -> Choice:
         ordered = sorted(candidates, key=lambda r: r.url)
         return Choice(ordered[next(self._counter) % len(ordered)], "round_robin")
 

@@ -42,14 +42,19 @@ def _hash(previous: bytes, chunk: bytes) -> bytes:
     return hashlib.blake2b(previous + chunk, digest_size=8).digest()
 
 
-def prefix_key(data: bytes, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_chunks: int = DEFAULT_MAX_CHUNKS,
-               ring_chunks: int = DEFAULT_RING_CHUNKS) -> PrefixKey:
+def prefix_key(
+    data: bytes,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    max_chunks: int = DEFAULT_MAX_CHUNKS,
+    ring_chunks: int = DEFAULT_RING_CHUNKS,
+) -> PrefixKey:
     """Chained hashes of the full leading chunks of ``data``. A prompt shorter than one chunk has
     no chain; its ring key is the hash of all of it."""
     digests: list[bytes] = []
     previous = b""
     for start in range(0, min(len(data) // chunk_bytes, max_chunks) * chunk_bytes, chunk_bytes):
-        previous = _hash(previous, data[start:start + chunk_bytes])
+        previous = _hash(previous, data[start : start + chunk_bytes])
         digests.append(previous)
     if digests:
         ring_digest = digests[min(ring_chunks, len(digests)) - 1]
@@ -62,8 +67,12 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # OpenAI content parts: keep text parts, others as their JSON
-        return "".join(part.get("text", "") if isinstance(part, dict) and part.get("type") == "text"
-                       else json.dumps(part, sort_keys=True) for part in content)
+        return "".join(
+            part.get("text", "")
+            if isinstance(part, dict) and part.get("type") == "text"
+            else json.dumps(part, sort_keys=True)
+            for part in content
+        )
     return "" if content is None else json.dumps(content, sort_keys=True)
 
 
@@ -81,8 +90,11 @@ def routing_bytes(path: str, body: Any) -> bytes:
         messages = body.get("messages")
         if not isinstance(messages, list):
             return b""
-        return b"".join(f"{m.get('role', '')}\x00{_content_text(m.get('content'))}".encode() + _MESSAGE_SEPARATOR
-                        for m in messages if isinstance(m, dict))
+        return b"".join(
+            f"{m.get('role', '')}\x00{_content_text(m.get('content'))}".encode() + _MESSAGE_SEPARATOR
+            for m in messages
+            if isinstance(m, dict)
+        )
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]  # a batch of prompts is one request, routed by its first prompt

@@ -28,9 +28,22 @@ log = logging.getLogger("llmctl.router")
 
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
 # hop-by-hop or recomputed headers, never copied between the two connections
-_DROP_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
-                           "upgrade", "proxy-authorization", "proxy-connection", "trailer",
-                           "date", "server"})  # the router's own server sets date and server
+_DROP_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-connection",
+        "trailer",
+        "date",
+        "server",
+    }
+)  # the router's own server sets date and server
 
 
 def openai_error(status: int, message: str, code: str, *, retry_after: int | None = None) -> JSONResponse:
@@ -64,8 +77,9 @@ Chooser = Callable[[set[str]], tuple[Replica, str] | None]
 
 
 class Forwarder:
-    def __init__(self, client: httpx.AsyncClient, replicas: ReplicaSet, metrics: RouterMetrics, *,
-                 max_attempts: int = 3) -> None:
+    def __init__(
+        self, client: httpx.AsyncClient, replicas: ReplicaSet, metrics: RouterMetrics, *, max_attempts: int = 3
+    ) -> None:
         self.client = client
         self.replicas = replicas
         self.metrics = metrics
@@ -96,8 +110,9 @@ class Forwarder:
         self.metrics.failures.labels("no_replica").inc()
         return openai_error(503, "no healthy replica to send the request to", "no_healthy_replica", retry_after=1)
 
-    async def _attempt(self, replica: Replica, upstream: Upstream, *, stream: bool,
-                       arrived: float) -> tuple[Response | None, str | None]:
+    async def _attempt(
+        self, replica: Replica, upstream: Upstream, *, stream: bool, arrived: float
+    ) -> tuple[Response | None, str | None]:
         """(answer, None) when done; (last answer or None, cause) when another replica should try."""
         url = f"{replica.url}{upstream.path}" + (f"?{upstream.query}" if upstream.query else "")
         request = self.client.build_request(upstream.method, url, content=upstream.body, headers=upstream.headers)
@@ -116,8 +131,9 @@ class Forwarder:
                 first = await anext(chunks, b"")
                 self.metrics.time_to_first_byte.observe(time.perf_counter() - arrived)
                 handed_over = True
-                return StreamingResponse(self._relay(replica, response, first, chunks), response.status_code,
-                                         _copy_headers(response.headers)), None
+                return StreamingResponse(
+                    self._relay(replica, response, first, chunks), response.status_code, _copy_headers(response.headers)
+                ), None
             body = await response.aread()
             self.metrics.time_to_first_byte.observe(time.perf_counter() - arrived)
             self.metrics.requests.labels(replica.url, str(response.status_code)).inc()
@@ -131,8 +147,9 @@ class Forwarder:
                 if response is not None:
                     await response.aclose()
 
-    async def _relay(self, replica: Replica, response: httpx.Response, first: bytes,
-                     chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, replica: Replica, response: httpx.Response, first: bytes, chunks: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
         """The replica's stream, byte for byte; closing it (the client left) aborts upstream."""
         code = str(response.status_code)
         try:

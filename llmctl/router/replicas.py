@@ -45,9 +45,17 @@ def _url(address: str, port: int) -> str:
 class ReplicaSet:
     """The replicas and the background task that keeps their health and membership current."""
 
-    def __init__(self, client: httpx.AsyncClient, urls: list[str], *, discover: str | None = None,
-                 interval: float = 2.0, max_backoff: float = 30.0, timeout: float = 2.0,
-                 discovery_interval: float = 10.0) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        urls: list[str],
+        *,
+        discover: str | None = None,
+        interval: float = 2.0,
+        max_backoff: float = 30.0,
+        timeout: float = 2.0,
+        discovery_interval: float = 10.0,
+    ) -> None:
         self.client = client
         self.interval = interval
         self.max_backoff = max_backoff

@@ -25,11 +25,22 @@ from llmctl.engine.async_engine import AsyncEngine, EngineDeadError
 from llmctl.errors import InvalidRequestError
 from llmctl.server.metrics import ServerMetrics
 from llmctl.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, bad_request,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    bad_request,
 )
 from llmctl.server.serving import ChatTemplatePolicy, OpenAIServing, ServerState, sse
-from llmctl.server.tokenization import (TOKENIZER_PATHS, DetokenizeRequest, TokenizeRequest, detokenize, tokenize,
-                                        tokenizer_info)
+from llmctl.server.tokenization import (
+    TOKENIZER_PATHS,
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+    tokenizer_info,
+)
 
 DEFAULT_MAX_QUEUE = 1024
 MAX_BODY_BYTES = 8 << 20  # larger bodies get a 413 (a full-context prompt as token ids is far smaller)
@@ -58,8 +69,12 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and guarded and scope["method"] != "OPTIONS":
             given = Headers(scope=scope).get("authorization", "").encode()
             if not secrets.compare_digest(given, self.expected):
-                error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
-                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                error = APIError(
+                    401,
+                    "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 await error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -95,14 +110,18 @@ async def read_body(request: Request) -> bytes:
                 raise body_too_large()
             chunks.append(chunk)
     except ClientDisconnect:
-        raise APIError(CLIENT_CLOSED_REQUEST, "the client closed the connection before sending its whole body",
-                       code="client_disconnected") from None
+        raise APIError(
+            CLIENT_CLOSED_REQUEST,
+            "the client closed the connection before sending its whole body",
+            code="client_disconnected",
+        ) from None
     return b"".join(chunks)
 
 
 def body_too_large() -> APIError:
-    return APIError(413, f"the request body is larger than the server's limit of {MAX_BODY_BYTES} bytes",
-                    code="request_too_large")
+    return APIError(
+        413, f"the request body is larger than the server's limit of {MAX_BODY_BYTES} bytes", code="request_too_large"
+    )
 
 
 async def parse_body(request: Request, model: type[Body]) -> Body:
@@ -120,8 +139,14 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
 def _request_schema(model: type[BaseModel]) -> dict[str, Any]:
     """OpenAPI body description for routes that parse their body themselves (its nested models
     are moved to ``components`` by ``_hoist_definitions``)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema(
-        ref_template="#/components/schemas/{model}")}}}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}
+            },
+        }
+    }
 
 
 def _hoist_definitions(app: FastAPI) -> None:
@@ -143,18 +168,29 @@ def _hoist_definitions(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def build_app(async_engine: AsyncEngine, *, served_model_name: str, model_aliases: Iterable[str] = (),
-              api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-              state: ServerState | None = None, chat_templates: ChatTemplatePolicy | None = None) -> FastAPI:
+def build_app(
+    async_engine: AsyncEngine,
+    *,
+    served_model_name: str,
+    model_aliases: Iterable[str] = (),
+    api_key: str | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    state: ServerState | None = None,
+    chat_templates: ChatTemplatePolicy | None = None,
+) -> FastAPI:
     """An app over a started ``AsyncEngine``; the caller owns the engine's lifetime. ``state``
     (shared with the process that runs the server) carries the drain flag."""
     state = state or ServerState()
-    serving = OpenAIServing(async_engine, served_model_name=served_model_name, model_aliases=set(model_aliases),
-                            state=state, chat_templates=chat_templates)
+    serving = OpenAIServing(
+        async_engine,
+        served_model_name=served_model_name,
+        model_aliases=set(model_aliases),
+        state=state,
+        chat_templates=chat_templates,
+    )
     metrics = ServerMetrics(async_engine, served_model_name)
     engine = async_engine.engine
-    app = FastAPI(title="llmctl", version=__version__,
-                  description=f"OpenAI-compatible server for {engine.model_label}")
+    app = FastAPI(title="llmctl", version=__version__, description=f"OpenAI-compatible server for {engine.model_label}")
     app.state.serving = serving
     app.state.metrics = metrics
     app.state.server_state = state
@@ -200,8 +236,12 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str, model_aliase
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = ModelCard(id=served_model_name, created=int(state.started), root=str(engine.config.model),
-                         max_model_len=engine.max_model_len)
+        card = ModelCard(
+            id=served_model_name,
+            created=int(state.started),
+            root=str(engine.config.model),
+            max_model_len=engine.max_model_len,
+        )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.post("/v1/completions", openapi_extra=_request_schema(CompletionRequest))
@@ -242,8 +282,9 @@ def build_app(async_engine: AsyncEngine, *, served_model_name: str, model_aliase
         return JSONResponse(await snapshot(max_steps))
 
     @app.get("/v1/engine/stats/stream")
-    async def engine_stats_stream(interval: float = Query(0.25, ge=STATS_MIN_INTERVAL_S, le=60.0),
-                                  max_steps: int = Query(120, ge=0, le=512)) -> StreamingResponse:
+    async def engine_stats_stream(
+        interval: float = Query(0.25, ge=STATS_MIN_INTERVAL_S, le=60.0), max_steps: int = Query(120, ge=0, le=512)
+    ) -> StreamingResponse:
         """The snapshot as server-sent events every ``interval`` seconds, until the client leaves or
         the server drains."""
 

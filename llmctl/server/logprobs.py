@@ -37,7 +37,7 @@ class TokenTexts:
     tokens_sent: int = 0
 
     def advance(self, c: CompletionOutput) -> None:
-        for token_id in c.token_ids[len(self.ends):]:
+        for token_id in c.token_ids[len(self.ends) :]:
             self.length += len(self.detokenizer.step(token_id))
             self.ends.append(self.length)
         if c.finished and not self.flushed and self.ends:
@@ -86,7 +86,7 @@ class LogprobsFormatter:
         last = len(c.token_ids) - 1
         for position in range(texts.tokens_sent, end):
             stop = len(c.text) if c.finished and position == last else min(texts.ends[position], len(c.text))
-            token = c.text[texts.chars_sent:max(texts.chars_sent, stop)]
+            token = c.text[texts.chars_sent : max(texts.chars_sent, stop)]
             result.tokens.append(token)
             result.token_logprobs.append(c.logprobs[position])
             result.top_logprobs.append({name: lp for name, _, lp in self._candidates(c, position)})
@@ -95,8 +95,13 @@ class LogprobsFormatter:
         texts.tokens_sent = end
         return result
 
-    def prompt(self, prompt_token_ids: list[int], prompt_logprobs: list[dict[int, float] | None], text: str,
-               skip_special_tokens: bool) -> CompletionLogprobs:
+    def prompt(
+        self,
+        prompt_token_ids: list[int],
+        prompt_logprobs: list[dict[int, float] | None],
+        text: str,
+        skip_special_tokens: bool,
+    ) -> CompletionLogprobs:
         """An echoed prompt in the completions format, as vLLM gives it: ``tokens`` join to
         ``text`` (the prompt as echoed), the first token's logprob is ``null`` (nothing predicts
         it) and each ``top_logprobs`` entry holds the prompt's own token and the top alternatives."""
@@ -125,12 +130,20 @@ class LogprobsFormatter:
             token_id = c.token_ids[position]
             raw: bytes | None = None if token_id in skipped else self.tokenizer.token_bytes(token_id)
             if raw is not None and limit is not None:
-                raw = raw[:max(0, limit - texts.bytes_sent)]
+                raw = raw[: max(0, limit - texts.bytes_sent)]
             texts.bytes_sent += len(raw or b"")
-            alternatives = [TopLogprob(token=name, logprob=lp, bytes=list(self.tokenizer.token_bytes(i)))
-                            for name, i, lp in self._candidates(c, position)
-                            if c.top_logprobs and i in c.top_logprobs[position]]
-            content.append(TokenLogprob(token=self.name(token_id), logprob=c.logprobs[position],
-                                        bytes=None if raw is None else list(raw), top_logprobs=alternatives))
+            alternatives = [
+                TopLogprob(token=name, logprob=lp, bytes=list(self.tokenizer.token_bytes(i)))
+                for name, i, lp in self._candidates(c, position)
+                if c.top_logprobs and i in c.top_logprobs[position]
+            ]
+            content.append(
+                TokenLogprob(
+                    token=self.name(token_id),
+                    logprob=c.logprobs[position],
+                    bytes=None if raw is None else list(raw),
+                    top_logprobs=alternatives,
+                )
+            )
         texts.tokens_sent = end
         return ChatLogprobs(content=content)

@@ -22,13 +22,82 @@ from llmctl.engine.stats import StepStats
 
 PREFIX = "llmctl:"
 # vLLM's buckets, with finer low ends: a CPU token can take a few milliseconds
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
 
 class _EngineCollector(Collector):
     """Gauges and counters read from the engine under its lock at each scrape."""
@@ -52,23 +121,27 @@ class _EngineCollector(Collector):
             return family
 
         yield gauge("num_requests_running", "Requests with a sequence in the running batch.", c.requests_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled (preempted ones included).",
-                    c.requests_waiting)
+        yield gauge(
+            "num_requests_waiting", "Requests waiting to be scheduled (preempted ones included).", c.requests_waiting
+        )
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by live sequences (1 = full).", c.kv_usage)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", c.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", c.prefix_cache_hits)
-        yield counter("num_preemptions", "Sequences preempted to free KV blocks or for fairness.",
-                      c.num_preemptions)
+        yield counter("num_preemptions", "Sequences preempted to free KV blocks or for fairness.", c.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens of all accepted requests.", c.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", c.generation_tokens_total)
-        yield counter("spec_decode_num_drafts", "Speculative decoding: verify steps of a sequence.",
-                      c.spec_num_drafts)
-        yield counter("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
-                      c.spec_num_draft_tokens)
-        yield counter("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
-                      c.spec_num_accepted_tokens)
-        success = CounterMetricFamily(PREFIX + "request_success", "Requests finished, by finish reason.",
-                                      labels=["model_name", "finished_reason"])
+        yield counter("spec_decode_num_drafts", "Speculative decoding: verify steps of a sequence.", c.spec_num_drafts)
+        yield counter(
+            "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.", c.spec_num_draft_tokens
+        )
+        yield counter(
+            "spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted.",
+            c.spec_num_accepted_tokens,
+        )
+        success = CounterMetricFamily(
+            PREFIX + "request_success", "Requests finished, by finish reason.", labels=["model_name", "finished_reason"]
+        )
         for reason, count in sorted(c.requests_finished.items()):
             success.add_metric([self.model_name, reason], count)
         yield success
@@ -83,12 +156,11 @@ class ServerMetrics:
             return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=self.registry).labels(model_name)
 
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between successive tokens of a request.",
-                             ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token of finished requests.",
-                             E2E_BUCKETS)
-        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step "
-                                          "(prefill + decode).", ITERATION_TOKEN_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between successive tokens of a request.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token of finished requests.", E2E_BUCKETS)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens computed per engine step (prefill + decode).", ITERATION_TOKEN_BUCKETS
+        )
         self.registry.register(_EngineCollector(async_engine, model_name))
         async_engine.add_step_listener(self._on_step)
 

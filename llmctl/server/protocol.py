@@ -19,7 +19,7 @@ drops its unset fields, so it carries just what changed.
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -35,8 +35,16 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 class APIError(Exception):
     """An error answered in OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
 
-    def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
@@ -46,8 +54,9 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                             code=self.code)).model_dump()
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        ).model_dump()
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -57,8 +66,8 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 class ErrorInfo(BaseModel):
     message: str
     type: str
-    param: Optional[str] = None
-    code: Optional[str] = None
+    param: str | None = None
+    code: str | None = None
 
 
 class ErrorResponse(BaseModel):
@@ -79,58 +88,61 @@ class ResponseFormat(BaseModel):
     model_config = STRICT
 
     type: str = "text"
-    json_schema: Optional[dict[str, Any]] = None
+    json_schema: dict[str, Any] | None = None
 
 
 class _Request(BaseModel):
     model_config = STRICT
 
-    model: Optional[str] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     n: int = 1
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator accepts
-    user: Optional[str] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator accepts
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling parameters
-    top_k: Optional[int] = None
+    top_k: int | None = None
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    repetition_penalty: Optional[float] = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
-    min_p: Optional[float] = None
-    allowed_token_ids: Optional[list[int]] = None
-    bad_words: Optional[list[str]] = None
-    truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens (-1: max_model_len)
+    min_p: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
     # vLLM's fields that would change the output in ways llmctl does not implement: refused, not ignored
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    prompt_logprobs: Optional[int] = None
+    prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool = False
-    logits_processors: Optional[list[Any]] = None
+    logits_processors: list[Any] | None = None
     # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
-    response_format: Optional[ResponseFormat] = None
-    guided_json: Optional[Union[str, dict[str, Any]]] = None
-    guided_regex: Optional[str] = None
-    guided_choice: Optional[list[str]] = None
-    guided_grammar: Optional[str] = None
-    structured_outputs: Optional[dict[str, Any]] = None
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         """Refuse parameters that would change the output in ways llmctl does not implement."""
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
-        if self.truncate_prompt_tokens is not None and (self.truncate_prompt_tokens == 0
-                                                         or self.truncate_prompt_tokens < -1):
-            raise bad_request("truncate_prompt_tokens must be a positive token count, or -1 for max_model_len",
-                              "truncate_prompt_tokens")
+        if self.truncate_prompt_tokens is not None and (
+            self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1
+        ):
+            raise bad_request(
+                "truncate_prompt_tokens must be a positive token count, or -1 for max_model_len",
+                "truncate_prompt_tokens",
+            )
         unsupported = {
             "use_beam_search": self.use_beam_search,
             "length_penalty": self.length_penalty != 1.0,  # a beam-search setting
@@ -140,8 +152,10 @@ class _Request(BaseModel):
         }
         for name, asked in unsupported.items():
             if asked:
-                hint = {"prompt_logprobs": " (completions score the prompt with echo: true and logprobs)",
-                        "length_penalty": " (it belongs to beam search)"}.get(name, "")
+                hint = {
+                    "prompt_logprobs": " (completions score the prompt with echo: true and logprobs)",
+                    "length_penalty": " (it belongs to beam search)",
+                }.get(name, "")
                 raise bad_request(f"{name} is not supported by llmctl{hint}", name)
 
     def truncated(self, prompt: list[int], max_model_len: int) -> list[int]:
@@ -149,7 +163,7 @@ class _Request(BaseModel):
         keep = self.truncate_prompt_tokens
         if keep is None:
             return prompt
-        return prompt[-(max_model_len if keep == -1 else keep):]
+        return prompt[-(max_model_len if keep == -1 else keep) :]
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """A 400 naming the field on out-of-range values."""
@@ -157,8 +171,9 @@ class _Request(BaseModel):
             return self._sampling_params(max_tokens, logprobs)
         except InvalidRequestError as exc:  # its message starts with the parameter's name
             name = str(exc).split(" ", 1)[0]
-            raise bad_request(str(exc), self.API_NAMES.get(name, name if name in type(self).model_fields else None)) \
-                from None
+            raise bad_request(
+                str(exc), self.API_NAMES.get(name, name if name in type(self).model_fields else None)
+            ) from None
 
     API_NAMES: ClassVar[dict[str, str]] = {"structured_outputs": "response_format"}  # SamplingParams -> request
 
@@ -167,9 +182,13 @@ class _Request(BaseModel):
         try:
             return spec_from_request(
                 response_format=self.response_format.model_dump() if self.response_format else None,
-                guided_json=self.guided_json, guided_regex=self.guided_regex, guided_choice=self.guided_choice,
-                guided_grammar=self.guided_grammar, structured_outputs=self.structured_outputs,
-                tool_choice_spec=tool_choice_spec)
+                guided_json=self.guided_json,
+                guided_regex=self.guided_regex,
+                guided_choice=self.guided_choice,
+                guided_grammar=self.guided_grammar,
+                structured_outputs=self.structured_outputs,
+                tool_choice_spec=tool_choice_spec,
+            )
         except InvalidRequestError as exc:
             raise bad_request(str(exc), "response_format") from None
 
@@ -214,12 +233,12 @@ class CompletionRequest(_Request):
     """``POST /v1/completions``. ``prompt`` is a text, a list of texts, a list of token ids or a list
     of token-id lists; each prompt gets ``n`` choices (choice index = prompt index * n + sample)."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = DEFAULT_COMPLETION_MAX_TOKENS
-    logprobs: Optional[int] = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
+    logprobs: int | None = None
     echo: bool = False
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    best_of: int | None = None
+    suffix: str | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -251,17 +270,17 @@ class ContentPart(BaseModel):
     model_config = STRICT
 
     type: str
-    text: Optional[str] = None
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = STRICT
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[ContentPart]]] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
-    tool_call_id: Optional[str] = None  # a tool result answers this call
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result answers this call
 
     def for_template(self) -> dict[str, Any]:
         """The message as the chat template sees it: text content only."""
@@ -270,8 +289,7 @@ class ChatMessage(BaseModel):
             texts = []
             for part in content:
                 if part.type != "text" or part.text is None:
-                    raise bad_request(f"content parts of type {part.type!r} are not supported (text only)",
-                                      "messages")
+                    raise bad_request(f"content parts of type {part.type!r} are not supported (text only)", "messages")
                 texts.append(part.text)
             content = "".join(texts)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
@@ -288,9 +306,9 @@ class FunctionDefinition(BaseModel):
     model_config = STRICT
 
     name: str
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class ToolDefinition(BaseModel):
@@ -319,11 +337,11 @@ class ChatTemplateFields(BaseModel):
 
     model_config = STRICT
 
-    tools: Optional[list[ToolDefinition]] = None
+    tools: list[ToolDefinition] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template: Optional[str] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def tool_list(self) -> list[dict[str, Any]]:
@@ -332,12 +350,18 @@ class ChatTemplateFields(BaseModel):
 
     def refuse_bad_template_fields(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
-            raise bad_request("continue_final_message needs add_generation_prompt: false (the last message is "
-                              "continued, not answered)", "continue_final_message")
+            raise bad_request(
+                "continue_final_message needs add_generation_prompt: false (the last message is "
+                "continued, not answered)",
+                "continue_final_message",
+            )
         taken = sorted(set(self.chat_template_kwargs or {}) & set(TEMPLATE_VARIABLES_SET_BY_LLMCTL))
         if taken:
-            raise bad_request(f"chat_template_kwargs cannot set {', '.join(taken)}: llmctl sets "
-                              f"{'it' if len(taken) == 1 else 'them'} from the request", "chat_template_kwargs")
+            raise bad_request(
+                f"chat_template_kwargs cannot set {', '.join(taken)}: llmctl sets "
+                f"{'it' if len(taken) == 1 else 'them'} from the request",
+                "chat_template_kwargs",
+            )
 
 
 class ChatCompletionRequest(ChatTemplateFields, _Request):
@@ -346,11 +370,11 @@ class ChatCompletionRequest(ChatTemplateFields, _Request):
 
     messages: list[ChatMessage]
     echo: bool = False  # vLLM's: the answer prepended with the last message; refused
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
-    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    top_logprobs: int | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     API_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
 
@@ -359,8 +383,9 @@ class ChatCompletionRequest(ChatTemplateFields, _Request):
         if not self.messages:
             raise bad_request("messages is empty", "messages")
         if self.echo:
-            raise bad_request("echo is not supported by llmctl's chat (continue_final_message continues a message)",
-                              "echo")
+            raise bad_request(
+                "echo is not supported by llmctl's chat (continue_final_message continues a message)", "echo"
+            )
         if self.tool_choice not in (None, "none") and not self.tools:
             raise bad_request("tool_choice needs tools", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
@@ -398,24 +423,24 @@ class Usage(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    prompt_tokens_details: Optional[PromptTokensDetails] = None
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(_Response):
     """OpenAI's legacy completions format: parallel lists, one entry per generated token."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
-    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
 class CompletionChoice(_Response):
     index: int
     text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class CompletionResponse(_Response):
@@ -424,38 +449,38 @@ class CompletionResponse(_Response):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
+    usage: Usage | None = None
 
 
 class TopLogprob(_Response):
     token: str
     logprob: float
-    bytes: Optional[list[int]] = None
+    bytes: list[int] | None = None
 
 
 class TokenLogprob(_Response):
     token: str
     logprob: float
-    bytes: Optional[list[int]] = None
+    bytes: list[int] | None = None
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChatLogprobs(_Response):
-    content: Optional[list[TokenLogprob]] = None
+    content: list[TokenLogprob] | None = None
 
 
 class AssistantMessage(_Response):
     role: str = "assistant"
-    content: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(_Response):
     index: int
     message: AssistantMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(_Response):
@@ -464,13 +489,13 @@ class ChatCompletionResponse(_Response):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
-    usage: Optional[Usage] = None
+    usage: Usage | None = None
 
 
 class DeltaMessage(_Response):
-    role: Optional[str] = None
-    content: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -480,9 +505,9 @@ class DeltaMessage(_Response):
 class ChatStreamChoice(_Response):
     index: int
     delta: DeltaMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(_Response):
@@ -491,7 +516,7 @@ class ChatCompletionChunk(_Response):
     created: int
     model: str
     choices: list[ChatStreamChoice]
-    usage: Optional[Usage] = None
+    usage: Usage | None = None
 
 
 class CompletionChunk(_Response):
@@ -500,7 +525,7 @@ class CompletionChunk(_Response):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
+    usage: Usage | None = None
 
 
 class ModelCard(_Response):
@@ -508,8 +533,8 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "llmctl"
-    root: Optional[str] = None
-    max_model_len: Optional[int] = None
+    root: str | None = None
+    max_model_len: int | None = None
 
 
 class ModelList(_Response):

@@ -34,10 +34,25 @@ from llmctl.errors import EngineBusyError, InvalidRequestError
 from llmctl.sampling_params import SamplingParams
 from llmctl.server.logprobs import LogprobsFormatter, TokenTexts
 from llmctl.server.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS, APIError, AssistantMessage, ChatChoice, ChatCompletionChunk,
-    ChatCompletionRequest, ChatCompletionResponse, ChatMessage, ChatStreamChoice, ChatTemplateFields,
-    CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
-    PromptTokensDetails, Usage, bad_request,
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatStreamChoice,
+    ChatTemplateFields,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    Usage,
+    bad_request,
 )
 from llmctl.structured.spec import StructuredOutputSpec
 from llmctl.structured.tool_calls import ParsedDelta, ReplyParser, reply_parser
@@ -50,18 +65,28 @@ RETRY_AFTER_S = 1
 
 
 def queue_full(detail: str) -> APIError:
-    return APIError(503, f"the server is overloaded: {detail} (--max-queue)", type="server_error",
-                    code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    return APIError(
+        503,
+        f"the server is overloaded: {detail} (--max-queue)",
+        type="server_error",
+        code="queue_full",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
 
 
 def request_failed(out: RequestOutput) -> APIError:
-    return APIError(500, f"this request failed while its output was produced: {out.error or 'unknown error'}",
-                    type="server_error", code="request_failed")
+    return APIError(
+        500,
+        f"this request failed while its output was produced: {out.error or 'unknown error'}",
+        type="server_error",
+        code="request_failed",
+    )
 
 
 def shutting_down(message: str) -> APIError:
-    return APIError(503, message, type="server_error", code="shutting_down",
-                    headers={"Retry-After": str(RETRY_AFTER_S)})
+    return APIError(
+        503, message, type="server_error", code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)}
+    )
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -104,8 +129,14 @@ class Generation:
     which closes the generators, which aborts whatever has not finished. ``cancel`` is synchronous
     so that it also works from a ``finally`` inside an already-cancelled stream."""
 
-    def __init__(self, async_engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
-                 request_id: str, user: str | None) -> None:
+    def __init__(
+        self,
+        async_engine: AsyncEngine,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: str,
+        user: str | None,
+    ) -> None:
         self.num_prompts = len(prompts)
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self.num_requests = self.num_prompts * params.n
@@ -113,8 +144,17 @@ class Generation:
         self._buffer: list[tuple[int, RequestOutput]] = []
         self.final: dict[int, RequestOutput] = {}
         self._tasks = [
-            asyncio.create_task(self._pump(i, async_engine.generate(
-                prompt, params, request_id=f"{request_id}-{i}" if self.num_prompts > 1 else request_id, user=user)))
+            asyncio.create_task(
+                self._pump(
+                    i,
+                    async_engine.generate(
+                        prompt,
+                        params,
+                        request_id=f"{request_id}-{i}" if self.num_prompts > 1 else request_id,
+                        user=user,
+                    ),
+                )
+            )
             for i, prompt in enumerate(prompts)
         ]
 
@@ -122,7 +162,7 @@ class Generation:
         try:
             async for out in outputs:
                 self._queue.put_nowait((index, out))
-        except Exception as exc:  # handed to the consumer, which raises it in the request's context
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it in the request's context
             self._queue.put_nowait((index, exc))
 
     async def _next(self) -> tuple[int, RequestOutput]:
@@ -177,8 +217,12 @@ class Generation:
         prompt = sum(len(out.prompt_token_ids) for out in self.final.values())
         completion = sum(len(c.token_ids) for out in self.final.values() for c in out.outputs)
         cached = sum(out.num_cached_tokens for out in self.final.values())
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
 
 
 async def _errors_as_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -200,8 +244,9 @@ class EngineStreamResponse(StreamingResponse):
     finished, client gone (Starlette cancels the body), or never started."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -253,8 +298,15 @@ class ChatTemplatePolicy:
 
 
 class OpenAIServing:
-    def __init__(self, async_engine: AsyncEngine, *, served_model_name: str, model_aliases: set[str],
-                 state: ServerState, chat_templates: ChatTemplatePolicy | None = None) -> None:
+    def __init__(
+        self,
+        async_engine: AsyncEngine,
+        *,
+        served_model_name: str,
+        model_aliases: set[str],
+        state: ServerState,
+        chat_templates: ChatTemplatePolicy | None = None,
+    ) -> None:
         engine = async_engine.engine
         if engine.tokenizer is None:
             raise ValueError("the server needs a tokenizer (the engine was built with skip_tokenizer)")
@@ -271,8 +323,12 @@ class OpenAIServing:
     # ---- checks --------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_aliases:
-            raise APIError(404, f"The model `{model}` does not exist (this server serves "
-                                f"`{self.served_model_name}`)", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist (this server serves `{self.served_model_name}`)",
+                param="model",
+                code="model_not_found",
+            )
 
     def check_capacity(self) -> None:
         if self.state.draining:
@@ -288,7 +344,9 @@ class OpenAIServing:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for "
-                f"the completion). Please reduce the length of the prompt or of {param}.", param)
+                f"the completion). Please reduce the length of the prompt or of {param}.",
+                param,
+            )
         return requested
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
@@ -303,9 +361,16 @@ class OpenAIServing:
         return list(prompt)
 
     # ---- running -------------------------------------------------------------------------------
-    async def _run(self, request: Request, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                   user: str | None, respond: Callable[[Generation], Any],
-                   stream: Callable[[Generation], AsyncIterator[str]] | None) -> Any:
+    async def _run(
+        self,
+        request: Request,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: str,
+        user: str | None,
+        respond: Callable[[Generation], Any],
+        stream: Callable[[Generation], AsyncIterator[str]] | None,
+    ) -> Any:
         self.check_capacity()
         generation = Generation(self.async_engine, prompts, params, request_id, user)
         self.state.live.add(generation)
@@ -349,8 +414,9 @@ class OpenAIServing:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         for prompt in prompts:
             self._max_tokens(len(prompt), max_tokens, "max_tokens")
-        params = _constrained(req.sampling_params(1 if req.prompt_only else max_tokens, req.logprobs),
-                              req.output_spec())
+        params = _constrained(
+            req.sampling_params(1 if req.prompt_only else max_tokens, req.logprobs), req.output_spec()
+        )
         if req.echo and req.logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -364,19 +430,27 @@ class OpenAIServing:
                 for c in out.outputs:
                     if req.prompt_only:
                         c = _prompt_only(c)
-                    choices.append(CompletionChoice(index=i * req.n + c.index, text=echo.get(i, "") + c.text,
-                                                    logprobs=self._completion_logprobs(req, out, c, echo.get(i)),
-                                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-            return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                      usage=_completion_usage(generation, req)).model_dump()
+                    choices.append(
+                        CompletionChoice(
+                            index=i * req.n + c.index,
+                            text=echo.get(i, "") + c.text,
+                            logprobs=self._completion_logprobs(req, out, c, echo.get(i)),
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                    )
+            return CompletionResponse(
+                id=request_id, created=created, model=model, choices=choices, usage=_completion_usage(generation, req)
+            ).model_dump()
 
         async def stream(generation: Generation) -> AsyncIterator[str]:
             choices: dict[int, _ChoiceStream] = {}
             async for i, out in generation.outputs():
                 for c in out.outputs:
                     index = i * req.n + c.index
-                    state = choices.get(index) or choices.setdefault(index, _ChoiceStream(
-                        self.logprobs.texts(out.prompt_token_ids, params.skip_special_tokens)))
+                    state = choices.get(index) or choices.setdefault(
+                        index, _ChoiceStream(self.logprobs.texts(out.prompt_token_ids, params.skip_special_tokens))
+                    )
                     if req.prompt_only:  # the one token sampled is left out: the prompt, once it is scored
                         if not c.finished:
                             continue
@@ -393,38 +467,62 @@ class OpenAIServing:
                         generated = self.logprobs.completion(c, state.texts, len(c.token_ids))
                         logprobs = self._echoed_logprobs(out, echoed, generated, len(echo.get(i, "")))
                     state.started, state.finished = True, c.finished
-                    chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[CompletionChoice(
-                        index=index, text=(echoed or "") + c.delta_text, logprobs=logprobs,
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                    chunk = CompletionChunk(
+                        id=request_id,
+                        created=created,
+                        model=model,
+                        choices=[
+                            CompletionChoice(
+                                index=index,
+                                text=(echoed or "") + c.delta_text,
+                                logprobs=logprobs,
+                                finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason,
+                            )
+                        ],
+                    )
                     yield sse(chunk.to_json())
             if req.include_usage:
-                yield sse(CompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                          usage=_completion_usage(generation, req)).to_json())
+                yield sse(
+                    CompletionChunk(
+                        id=request_id,
+                        created=created,
+                        model=model,
+                        choices=[],
+                        usage=_completion_usage(generation, req),
+                    ).to_json()
+                )
             yield SSE_DONE
 
-        return await self._run(request, prompts, params, request_id, req.user, respond,
-                               stream if req.stream else None)
+        return await self._run(request, prompts, params, request_id, req.user, respond, stream if req.stream else None)
 
-    def _completion_logprobs(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput,
-                             echoed: str | None) -> CompletionLogprobs | None:
+    def _completion_logprobs(
+        self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, echoed: str | None
+    ) -> CompletionLogprobs | None:
         """A whole choice's logprobs (with ``echo``, the prompt's first)."""
         if req.logprobs is None:
             return None
-        generated = self.logprobs.completion(c, self.logprobs.texts(out.prompt_token_ids, req.skip_special_tokens),
-                                             len(c.token_ids))
+        generated = self.logprobs.completion(
+            c, self.logprobs.texts(out.prompt_token_ids, req.skip_special_tokens), len(c.token_ids)
+        )
         return self._echoed_logprobs(out, echoed, generated, len(echoed or ""))
 
-    def _echoed_logprobs(self, out: RequestOutput, echoed: str | None, generated: CompletionLogprobs,
-                         echo_len: int) -> CompletionLogprobs:
+    def _echoed_logprobs(
+        self, out: RequestOutput, echoed: str | None, generated: CompletionLogprobs, echo_len: int
+    ) -> CompletionLogprobs:
         """``generated`` behind the echoed prompt's own logprobs (vLLM's order, when ``echoed`` is
         given); generated offsets count from the start of the echoed text."""
-        prompt = CompletionLogprobs() if echoed is None else \
-            self.logprobs.prompt(out.prompt_token_ids, out.prompt_logprobs, echoed, True)
+        prompt = (
+            CompletionLogprobs()
+            if echoed is None
+            else self.logprobs.prompt(out.prompt_token_ids, out.prompt_logprobs, echoed, True)
+        )
         return CompletionLogprobs(
             tokens=prompt.tokens + generated.tokens,
             token_logprobs=prompt.token_logprobs + generated.token_logprobs,
             top_logprobs=prompt.top_logprobs + generated.top_logprobs,
-            text_offset=prompt.text_offset + [echo_len + offset for offset in generated.text_offset])
+            text_offset=prompt.text_offset + [echo_len + offset for offset in generated.text_offset],
+        )
 
     def _prompt_text(self, prompt_ids: list[int]) -> str:
         return self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
@@ -436,14 +534,22 @@ class OpenAIServing:
         ``chat_template_kwargs`` over them, and the tools."""
         fields.refuse_bad_template_fields()
         if fields.chat_template is not None and not self.chat_templates.trust_request_chat_template:
-            raise bad_request("a request's chat_template runs only on a server started with "
-                              "--trust-request-chat-template", "chat_template")
-        variables = {**self.chat_templates.default_kwargs, **(fields.chat_template_kwargs or {}),
-                     **template_variables(fields.tool_list)}
+            raise bad_request(
+                "a request's chat_template runs only on a server started with --trust-request-chat-template",
+                "chat_template",
+            )
+        variables = {
+            **self.chat_templates.default_kwargs,
+            **(fields.chat_template_kwargs or {}),
+            **template_variables(fields.tool_list),
+        }
         return self.tokenizer.apply_chat_template(
             messages_for_template([m.for_template() for m in messages]),
-            add_generation_prompt=fields.add_generation_prompt, continue_final_message=fields.continue_final_message,
-            chat_template=fields.chat_template, **variables)
+            add_generation_prompt=fields.add_generation_prompt,
+            continue_final_message=fields.continue_final_message,
+            chat_template=fields.chat_template,
+            **variables,
+        )
 
     async def create_chat_completion(self, req: ChatCompletionRequest, request: Request) -> Any:
         self.check_model(req.model)
@@ -455,11 +561,14 @@ class OpenAIServing:
         forced = tool_choice_spec(tools, tool_choice) if tools else None  # required / named: a grammar
         spec = req.output_spec(forced)
         text = self.render_chat(req.messages, req)
-        prompt = req.truncated(self.tokenizer.encode(text, add_special_tokens=False),  # the template wrote them
-                               self.max_model_len)
+        prompt = req.truncated(
+            self.tokenizer.encode(text, add_special_tokens=False),  # the template wrote them
+            self.max_model_len,
+        )
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        params = dataclasses.replace(params, max_tokens=self._max_tokens(len(prompt), requested, param),
-                                     structured_outputs=spec)
+        params = dataclasses.replace(
+            params, max_tokens=self._max_tokens(len(prompt), requested, param), structured_outputs=spec
+        )
         skip = params.skip_special_tokens
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -470,27 +579,40 @@ class OpenAIServing:
             choices = []
             for c in out.outputs:
                 message, finish_reason = _assistant_message(c.text, reply_parser(tools, tool_choice), c.finish_reason)
-                choices.append(ChatChoice(
-                    index=c.index, message=message,
-                    logprobs=self.logprobs.chat(c, self.logprobs.texts(out.prompt_token_ids, skip),
-                                                len(c.token_ids), skip) if req.logprobs else None,
-                    finish_reason=finish_reason, stop_reason=c.stop_reason))
-            return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                          usage=generation.usage()).model_dump()
+                choices.append(
+                    ChatChoice(
+                        index=c.index,
+                        message=message,
+                        logprobs=self.logprobs.chat(
+                            c, self.logprobs.texts(out.prompt_token_ids, skip), len(c.token_ids), skip
+                        )
+                        if req.logprobs
+                        else None,
+                        finish_reason=finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+            return ChatCompletionResponse(
+                id=request_id, created=created, model=model, choices=choices, usage=generation.usage()
+            ).model_dump()
 
         async def stream(generation: Generation) -> AsyncIterator[str]:
             def chunk(choice: ChatStreamChoice) -> str:
                 return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]).to_json())
 
             for index in range(req.n):
-                yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""),
-                                             logprobs=None, finish_reason=None))
+                yield chunk(
+                    ChatStreamChoice(
+                        index=index, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None
+                    )
+                )
             choices: dict[int, _ChoiceStream] = {}
             parsers: dict[int, ReplyParser | None] = {}
             async for _, out in generation.outputs():
                 for c in out.outputs:
-                    state = choices.get(c.index) or choices.setdefault(c.index, _ChoiceStream(
-                        self.logprobs.texts(out.prompt_token_ids, params.skip_special_tokens)))
+                    state = choices.get(c.index) or choices.setdefault(
+                        c.index, _ChoiceStream(self.logprobs.texts(out.prompt_token_ids, params.skip_special_tokens))
+                    )
                     newly_finished = c.finished and not state.finished
                     if not c.delta_text and not c.delta_token_ids and not newly_finished:
                         continue
@@ -500,21 +622,39 @@ class OpenAIServing:
                     state.finished = c.finished
                     parser = parsers.setdefault(c.index, reply_parser(tools, tool_choice))
                     delta, finish_reason = _stream_delta(parser, c.delta_text, c.finish_reason, state)
-                    yield chunk(ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
-                                                 finish_reason=finish_reason, stop_reason=c.stop_reason))
+                    yield chunk(
+                        ChatStreamChoice(
+                            index=c.index,
+                            delta=delta,
+                            logprobs=logprobs,
+                            finish_reason=finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                    )
             if req.include_usage:
-                yield sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                              usage=generation.usage()).to_json())
+                yield sse(
+                    ChatCompletionChunk(
+                        id=request_id, created=created, model=model, choices=[], usage=generation.usage()
+                    ).to_json()
+                )
             yield SSE_DONE
 
-        return await self._run(request, [prompt], params, request_id, req.user, respond,
-                               stream if req.stream else None)
+        return await self._run(request, [prompt], params, request_id, req.user, respond, stream if req.stream else None)
 
 
 def _prompt_only(c: CompletionOutput) -> CompletionOutput:
     """A choice of a ``max_tokens: 0`` request: the token the engine sampled is left out."""
-    return dataclasses.replace(c, text="", delta_text="", token_ids=[], delta_token_ids=[], logprobs=[],
-                               top_logprobs=None, finish_reason="length", stop_reason=None)
+    return dataclasses.replace(
+        c,
+        text="",
+        delta_text="",
+        token_ids=[],
+        delta_token_ids=[],
+        logprobs=[],
+        top_logprobs=None,
+        finish_reason="length",
+        stop_reason=None,
+    )
 
 
 def _completion_usage(generation: Generation, req: CompletionRequest) -> Usage:
@@ -534,18 +674,23 @@ def _tool_finish(finish_reason: str | None, made_calls: bool) -> str | None:
     return "tool_calls" if made_calls and finish_reason == "stop" else finish_reason
 
 
-def _assistant_message(text: str, parser: ReplyParser | None, finish_reason: str | None
-                       ) -> tuple[AssistantMessage, str | None]:
+def _assistant_message(
+    text: str, parser: ReplyParser | None, finish_reason: str | None
+) -> tuple[AssistantMessage, str | None]:
     if parser is None:
         return AssistantMessage(content=text), finish_reason
     parsed = parser.whole(text)
-    return (AssistantMessage(content=parsed.content or (None if parsed.tool_calls else ""),
-                             tool_calls=parsed.tool_calls or None),
-            _tool_finish(finish_reason, bool(parsed.tool_calls)))
+    return (
+        AssistantMessage(
+            content=parsed.content or (None if parsed.tool_calls else ""), tool_calls=parsed.tool_calls or None
+        ),
+        _tool_finish(finish_reason, bool(parsed.tool_calls)),
+    )
 
 
-def _stream_delta(parser: ReplyParser | None, text: str, finish_reason: str | None,
-                  state: _ChoiceStream) -> tuple[DeltaMessage, str | None]:
+def _stream_delta(
+    parser: ReplyParser | None, text: str, finish_reason: str | None, state: _ChoiceStream
+) -> tuple[DeltaMessage, str | None]:
     """One chunk's delta: content, and tool-call deltas (a new call's index, id and name; then its
     arguments as they are written)."""
     if parser is None:

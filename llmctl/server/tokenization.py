@@ -8,7 +8,7 @@ GGUF file included. They sit beside ``/v1`` as in vLLM, behind ``--api-key`` lik
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -24,9 +24,9 @@ class TokenizeRequest(ChatTemplateFields):
 
     model_config = STRICT
 
-    model: Optional[str] = None
-    prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
@@ -34,7 +34,7 @@ class TokenizeRequest(ChatTemplateFields):
 class DetokenizeRequest(BaseModel):
     model_config = STRICT
 
-    model: Optional[str] = None
+    model: str | None = None
     tokens: list[int]
 
 
@@ -64,7 +64,13 @@ def detokenize(serving: OpenAIServing, req: DetokenizeRequest) -> dict[str, Any]
 def tokenizer_info(serving: OpenAIServing) -> dict[str, Any]:
     """What a client needs to tokenize like the server: special tokens and the chat template."""
     tokenizer = serving.tokenizer
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eos_token,
-            "bos_token": tokenizer.bos_token, "pad_token": None, "eos_token_id": tokenizer.eos_token_id,
-            "chat_template": tokenizer.chat_template, "model_max_length": serving.max_model_len,
-            "vocab_size": tokenizer.vocab_size}
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": tokenizer.eos_token,
+        "bos_token": tokenizer.bos_token,
+        "pad_token": None,
+        "eos_token_id": tokenizer.eos_token_id,
+        "chat_template": tokenizer.chat_template,
+        "model_max_length": serving.max_model_len,
+        "vocab_size": tokenizer.vocab_size,
+    }

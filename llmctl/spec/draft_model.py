@@ -54,8 +54,9 @@ class DraftModelProposer:
         """Set each verify's ``draft_token_ids`` (and ``draft_probs`` for sampled sequences)."""
         seqs = [item.seq for item in items]
         ks = [item.num_spec_tokens for item in items]
-        views = [_DraftView(list(s.token_ids), min(s.num_draft_computed, s.num_computed_tokens), s.block_table)
-                 for s in seqs]
+        views = [
+            _DraftView(list(s.token_ids), min(s.num_draft_computed, s.num_computed_tokens), s.block_table) for s in seqs
+        ]
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for step in range(max(ks)):
@@ -88,8 +89,9 @@ class DraftModelProposer:
         prefills = [c for c in chunks if c.num_new_tokens > 1]
         decodes = [c for c in chunks if c.num_new_tokens == 1]
         order = prefills + decodes
-        sched = SchedulerOutput(prefills=prefills, decodes=decodes,
-                                num_blocks_touched=self.block_manager.num_blocks_touched)
+        sched = SchedulerOutput(
+            prefills=prefills, decodes=decodes, num_blocks_touched=self.block_manager.num_blocks_touched
+        )
         sched.sampling = [c.seq for c in order]
         sched.logits_rows = list(range(len(order)))
         logits = self.runner.execute(sched).logits

@@ -25,8 +25,9 @@ def accept_greedy(draft_token_ids: list[int], target_token_ids: list[int]) -> li
     return draft_token_ids[:accepted] + [target_token_ids[accepted]]
 
 
-def accept_sampled(draft_token_ids: list[int], target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                   generator: torch.Generator) -> list[int]:
+def accept_sampled(
+    draft_token_ids: list[int], target_probs: torch.Tensor, draft_probs: torch.Tensor | None, generator: torch.Generator
+) -> list[int]:
     """``target_probs``: ``[k + 1, vocab]``; ``draft_probs``: ``[k, vocab]`` or None (one-hot drafts).
     Returns the accepted drafts followed by one token drawn from the residual or the bonus row."""
     k = len(draft_token_ids)

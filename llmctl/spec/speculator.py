@@ -19,22 +19,23 @@ that may be rejected); they decode one token per step next to those that do.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
+from llmctl.config import EngineConfig
+from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.model_runner import ModelRunner
-from llmctl.engine.sampler import SampleResult, Sampler
+from llmctl.engine.sampler import Sampler, SampleResult
 from llmctl.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmctl.engine.sequence import Sequence
+from llmctl.engine.stats import SpecCounters
 from llmctl.errors import ConfigError
 from llmctl.spec.draft_model import DraftModelProposer
 from llmctl.spec.ngram import propose_ngram
 from llmctl.spec.verifier import Verified, verify
-
-if TYPE_CHECKING:
-    from llmctl.engine.llm_engine import LLMEngine
+from llmctl.tokenizer import Tokenizer
 
 NGRAM = "ngram"
 
@@ -54,24 +55,6 @@ class NgramProposer:
 
     def propose(self, items: list[ScheduledSeq]) -> None:
         """Already proposed while scheduling."""
-
-
-@dataclass
-class SpecCounters:
-    """Since start: verify steps, draft tokens scored, and of those accepted."""
-
-    num_verifies: int = 0
-    num_drafted: int = 0
-    num_accepted: int = 0
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.num_accepted / self.num_drafted if self.num_drafted else None
-
-    @property
-    def mean_accepted_length(self) -> float | None:
-        """Tokens a verify yields on average: its accepted drafts plus the one it always gets."""
-        return 1 + self.num_accepted / self.num_verifies if self.num_verifies else None
 
 
 class Speculator:
@@ -100,8 +83,9 @@ class Speculator:
         self.counters.num_accepted += verified.num_accepted
         return verified
 
-    def rows(self, sched: SchedulerOutput, sampled: SampleResult,
-             verified: Verified) -> tuple[list[Sequence], SampleResult]:
+    def rows(
+        self, sched: SchedulerOutput, sampled: SampleResult, verified: Verified
+    ) -> tuple[list[Sequence], SampleResult]:
         """After the scheduler booked the step: the sampling sequences' rows, then one row per
         token each verify kept (fewer than it got when EOS, a stop id or a limit came first)."""
         seqs = list(sched.sampling)
@@ -119,31 +103,56 @@ class Speculator:
         return seqs, dataclasses.replace(sampled, token_ids=token_ids, logprobs=logprobs, top_logprobs=top)
 
 
-def build_speculator(engine: LLMEngine) -> Speculator | None:
-    """The engine's speculator from its config (None without ``--speculative-model``)."""
-    config = engine.config
+# Loads a model from a config: (model, tokenizer or None, label). The engine's own loader.
+LoadModel = Callable[[EngineConfig], tuple[Any, Tokenizer | None, str]]
+
+
+def build_speculator(
+    config: EngineConfig,
+    sampler: Sampler,
+    block_manager: BlockManager,
+    device: torch.device,
+    target_vocab_size: int,
+    target_tokenizer: Tokenizer | None,
+    load_model: LoadModel,
+) -> Speculator | None:
+    """The engine's speculator from its config (None without ``--speculative-model``). A draft
+    model is loaded whole on this rank with ``load_model``, its KV pool addressed by the target's
+    ``block_manager``."""
     if config.speculative_model is None:
         return None
     if config.speculative_model == NGRAM:
         proposer: Proposer = NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
-        return Speculator(proposer, engine.sampler, NGRAM)
-    draft_config = dataclasses.replace(config, model=config.speculative_model, model_name=None, tokenizer=None,
-                                       speculative_model=None)
-    draft, draft_tokenizer, label = engine._load(draft_config, engine.ops, {})  # the whole model, one rank
-    _check_vocabulary(engine, draft, draft_tokenizer, label)
-    runner = ModelRunner(draft, num_blocks=engine.block_manager.num_blocks, block_size=config.block_size,
-                         device=engine.device, kv_dtype=draft.model.norm.weight.dtype)
-    proposer = DraftModelProposer(runner, engine.sampler, engine.block_manager)
-    return Speculator(proposer, engine.sampler, f"draft model {label}")
+        return Speculator(proposer, sampler, NGRAM)
+    draft_config = dataclasses.replace(
+        config, model=config.speculative_model, model_name=None, tokenizer=None, speculative_model=None
+    )
+    draft, draft_tokenizer, label = load_model(draft_config)
+    _check_vocabulary(target_vocab_size, target_tokenizer, draft, draft_tokenizer, label)
+    runner = ModelRunner(
+        draft,
+        num_blocks=block_manager.num_blocks,
+        block_size=config.block_size,
+        device=device,
+        kv_dtype=draft.model.norm.weight.dtype,
+    )
+    proposer = DraftModelProposer(runner, sampler, block_manager)
+    return Speculator(proposer, sampler, f"draft model {label}")
 
 
-def _check_vocabulary(engine: LLMEngine, draft, draft_tokenizer, label: str) -> None:
+def _check_vocabulary(
+    target_vocab: int, target_tokenizer: Tokenizer | None, draft: Any, draft_tokenizer: Tokenizer | None, label: str
+) -> None:
     """A draft's token ids must mean the target's: the same vocabulary, token for token."""
-    target_vocab, draft_vocab = engine.model.config.vocab_size, draft.config.vocab_size
+    draft_vocab = draft.config.vocab_size
     if target_vocab != draft_vocab:
-        raise ConfigError(f"speculative model {label}: its vocabulary has {draft_vocab} tokens, the target's "
-                          f"{target_vocab}; a draft model must share the target's tokenizer")
-    if engine.tokenizer is not None and draft_tokenizer is not None:
-        if engine.tokenizer.backend.get_vocab() != draft_tokenizer.backend.get_vocab():
-            raise ConfigError(f"speculative model {label}: its tokenizer differs from the target's; "
-                              "a draft model must share the target's tokenizer")
+        raise ConfigError(
+            f"speculative model {label}: its vocabulary has {draft_vocab} tokens, the target's "
+            f"{target_vocab}; a draft model must share the target's tokenizer"
+        )
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        if target_tokenizer.backend.get_vocab() != draft_tokenizer.backend.get_vocab():
+            raise ConfigError(
+                f"speculative model {label}: its tokenizer differs from the target's; "
+                "a draft model must share the target's tokenizer"
+            )

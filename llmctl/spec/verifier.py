@@ -63,8 +63,9 @@ def verify(sampler: Sampler, items: list[ScheduledSeq], logits: torch.Tensor) ->
     return Verified(tokens, logprobs, top, num_drafted, sum(len(t) - 1 for t in tokens))
 
 
-def _logprobs(items: list[ScheduledSeq], logits: torch.Tensor,
-              tokens: list[list[int]]) -> tuple[list[list[float]] | None, list[list[dict[int, float]]] | None]:
+def _logprobs(
+    items: list[ScheduledSeq], logits: torch.Tensor, tokens: list[list[int]]
+) -> tuple[list[list[float]] | None, list[list[dict[int, float]]] | None]:
     if all(item.seq.params.logprobs is None for item in items):
         return None, None
     logprobs = torch.log_softmax(logits, dim=-1)

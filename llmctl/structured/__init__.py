@@ -5,5 +5,14 @@ from llmctl.structured.bitmask import allocate_bitmask, apply_bitmask_, bitmask_
 from llmctl.structured.manager import StructuredOutputManager
 from llmctl.structured.spec import StructuredOutputSpec
 
-__all__ = ["CompiledGrammar", "GrammarBackend", "GrammarMatcher", "StructuredOutputManager",
-           "StructuredOutputSpec", "allocate_bitmask", "apply_bitmask_", "bitmask_bias", "unpack_bitmask"]
+__all__ = [
+    "CompiledGrammar",
+    "GrammarBackend",
+    "GrammarMatcher",
+    "StructuredOutputManager",
+    "StructuredOutputSpec",
+    "allocate_bitmask",
+    "apply_bitmask_",
+    "bitmask_bias",
+    "unpack_bitmask",
+]

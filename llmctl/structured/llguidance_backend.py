@@ -12,6 +12,7 @@ JSON) in Rust with the GIL released, in parallel over the batch.
 from __future__ import annotations
 
 import logging
+import threading
 
 import llguidance
 import torch
@@ -99,9 +100,31 @@ class LLGuidanceGrammar:
 
 
 class LLGuidanceBackend:
+    """Reads the vocabulary and starts its thread pool on first use, not when built: an engine builds
+    its backend at start-up, and most engines never see a grammar (nor should their threads)."""
+
     def __init__(self, tokenizer: Tokenizer, vocab_size: int | None = None, num_threads: int | None = None) -> None:
-        self._tokenizer = build_ll_tokenizer(tokenizer, vocab_size)
-        self._executor = llguidance.LLExecutor(num_threads)
+        self._source, self._model_vocab_size = tokenizer, vocab_size
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._num_threads = num_threads
+        self._mask_executor: llguidance.LLExecutor | None = None
+
+    @property
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        if self._ll_tokenizer is not None:
+            return self._ll_tokenizer
+        with self._lock:  # compilations run on several threads
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = build_ll_tokenizer(self._source, self._model_vocab_size)
+            return self._ll_tokenizer
+
+    @property
+    def _executor(self) -> llguidance.LLExecutor:
+        with self._lock:
+            if self._mask_executor is None:
+                self._mask_executor = llguidance.LLExecutor(self._num_threads)
+            return self._mask_executor
 
     @property
     def vocab_size(self) -> int:
@@ -114,8 +137,9 @@ class LLGuidanceBackend:
             raise InvalidRequestError(f"invalid {spec.kind} for structured output: {exc}") from exc
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
         if is_error:
-            raise InvalidRequestError(f"invalid or unsupported {spec.kind} for structured output: "
-                                      f"{_one_line(messages[0])}")
+            raise InvalidRequestError(
+                f"invalid or unsupported {spec.kind} for structured output: {_one_line(messages[0])}"
+            )
         for warning in messages:
             logger.info("structured output %s: %s", spec, warning)
         start = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
@@ -127,8 +151,9 @@ class LLGuidanceBackend:
         if not bitmask.is_contiguous() or bitmask.dtype != torch.int32 or bitmask.device.type != "cpu":
             raise ValueError("the bitmask must be a contiguous CPU int32 tensor")
         rows, words = bitmask.shape
-        self._executor.unsafe_compute_mask_ptr([(m._matcher, row) for m, row in matchers],
-                                               bitmask.data_ptr(), words * 4, rows)
+        self._executor.unsafe_compute_mask_ptr(
+            [(m._matcher, row) for m, row in matchers], bitmask.data_ptr(), words * 4, rows
+        )
 
 
 def _one_line(message: str, limit: int = 300) -> str:

@@ -31,7 +31,9 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers=compile_workers, thread_name_prefix="llmctl-grammar")
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int | None = None, **kwargs: int) -> StructuredOutputManager:
+    def for_tokenizer(
+        cls, tokenizer: Tokenizer, vocab_size: int | None = None, **kwargs: int
+    ) -> StructuredOutputManager:
         from llmctl.structured.llguidance_backend import LLGuidanceBackend
 
         return cls(LLGuidanceBackend(tokenizer, vocab_size), **kwargs)

@@ -27,16 +27,25 @@ def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputSp
         if not isinstance(body, dict) or "schema" not in body:
             raise InvalidRequestError("response_format json_schema needs json_schema.schema (the JSON schema)")
         return StructuredOutputSpec.json_schema(body["schema"])
-    raise InvalidRequestError(f"response_format type {kind!r} is not supported "
-                              "(use 'text', 'json_object' or 'json_schema')")
+    raise InvalidRequestError(
+        f"response_format type {kind!r} is not supported (use 'text', 'json_object' or 'json_schema')"
+    )
 
 
 def _from_structured_outputs(options: dict[str, Any]) -> StructuredOutputSpec | None:
-    unknown = sorted(k for k, v in options.items() if v not in (None, False) and k not in STRUCTURED_OUTPUT_KEYS
-                     and not k.startswith("disable_") and k not in ("whitespace_pattern",))
+    unknown = sorted(
+        k
+        for k, v in options.items()
+        if v not in (None, False)
+        and k not in STRUCTURED_OUTPUT_KEYS
+        and not k.startswith("disable_")
+        and k not in ("whitespace_pattern",)
+    )
     if unknown:
-        raise InvalidRequestError(f"structured_outputs {', '.join(unknown)} is not supported by llmctl "
-                                  f"(supported: {', '.join(STRUCTURED_OUTPUT_KEYS)})")
+        raise InvalidRequestError(
+            f"structured_outputs {', '.join(unknown)} is not supported by llmctl "
+            f"(supported: {', '.join(STRUCTURED_OUTPUT_KEYS)})"
+        )
     given = {k: options[k] for k in STRUCTURED_OUTPUT_KEYS if options.get(k) not in (None, False)}
     if len(given) > 1:
         raise InvalidRequestError(f"structured_outputs takes one constraint, got {', '.join(given)}")
@@ -58,17 +67,27 @@ def _make(key: str, value: Any) -> StructuredOutputSpec:
     return StructuredOutputSpec.grammar(value)
 
 
-def spec_from_request(*, response_format: dict[str, Any] | None = None, guided_json: Any = None,
-                      guided_regex: str | None = None, guided_choice: list[str] | None = None,
-                      guided_grammar: str | None = None, structured_outputs: dict[str, Any] | None = None,
-                      tool_choice_spec: StructuredOutputSpec | None = None) -> StructuredOutputSpec | None:
+def spec_from_request(
+    *,
+    response_format: dict[str, Any] | None = None,
+    guided_json: Any = None,
+    guided_regex: str | None = None,
+    guided_choice: list[str] | None = None,
+    guided_grammar: str | None = None,
+    structured_outputs: dict[str, Any] | None = None,
+    tool_choice_spec: StructuredOutputSpec | None = None,
+) -> StructuredOutputSpec | None:
     """The one constraint a request asks for, or None; ``InvalidRequestError`` if it asks for two or
     for something malformed."""
     candidates: dict[str, StructuredOutputSpec] = {}
     if response_format is not None and (spec := _from_response_format(response_format)) is not None:
         candidates["response_format"] = spec
-    for name, key, value in (("guided_json", "json", guided_json), ("guided_regex", "regex", guided_regex),
-                             ("guided_choice", "choice", guided_choice), ("guided_grammar", "grammar", guided_grammar)):
+    for name, key, value in (
+        ("guided_json", "json", guided_json),
+        ("guided_regex", "regex", guided_regex),
+        ("guided_choice", "choice", guided_choice),
+        ("guided_grammar", "grammar", guided_grammar),
+    ):
         if value is not None:
             candidates[name] = _make(key, value)
     if structured_outputs is not None and (spec := _from_structured_outputs(structured_outputs)) is not None:

@@ -49,8 +49,7 @@ class StructuredOutputSpec:
 
     @classmethod
     def choice(cls, choices: list[str]) -> StructuredOutputSpec:
-        if (not isinstance(choices, (list, tuple)) or not choices
-                or not all(isinstance(c, str) and c for c in choices)):
+        if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) and c for c in choices):
             raise InvalidRequestError("a choice constraint must be a non-empty list of non-empty strings")
         return cls("choice", json.dumps(list(choices), ensure_ascii=False))
 

@@ -51,9 +51,11 @@ def merge_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for delta in deltas:
         call = calls.get(delta["index"])
         if call is None:
-            calls[delta["index"]] = {"id": delta["id"], "type": delta["type"],
-                                     "function": {"name": delta["function"]["name"],
-                                                  "arguments": delta["function"]["arguments"]}}
+            calls[delta["index"]] = {
+                "id": delta["id"],
+                "type": delta["type"],
+                "function": {"name": delta["function"]["name"], "arguments": delta["function"]["arguments"]},
+            }
         else:
             call["function"]["arguments"] += delta["function"]["arguments"]
     return [calls[index] for index in sorted(calls)]
@@ -164,7 +166,7 @@ class _CallObject:
                 arguments.append(char)
                 self._in_arguments = self._depth > 1 or self._in_string
             if self._depth <= 0:
-                return "".join(arguments), text[i + 1:]
+                return "".join(arguments), text[i + 1 :]
         return "".join(arguments), None
 
 
@@ -193,8 +195,14 @@ class _Calls:
         """A new call (``name`` given) or more arguments for the current one; fragments of one call
         within one delta are joined."""
         if name is not None:
-            out.tool_calls.append({"index": self.num_calls, "id": new_call_id(), "type": "function",
-                                   "function": {"name": name, "arguments": arguments}})
+            out.tool_calls.append(
+                {
+                    "index": self.num_calls,
+                    "id": new_call_id(),
+                    "type": "function",
+                    "function": {"name": name, "arguments": arguments},
+                }
+            )
             self.num_calls += 1
         elif arguments:
             last = out.tool_calls[-1] if out.tool_calls else None
@@ -261,7 +269,7 @@ class CallList(_Calls):
         if self.state in ("open", "between"):
             mark = ("[" if self.bracketed else PYTHON_TAG) if self.state == "open" else ("," if self.bracketed else ";")
             if head.startswith(mark):
-                self.state, self.buffer = "next", head[len(mark):]
+                self.state, self.buffer = "next", head[len(mark) :]
                 return True
             if mark.startswith(head):
                 return False  # may be the mark, cut
@@ -298,7 +306,7 @@ class CallList(_Calls):
 def _json_calls(text: str, names: set[str]) -> list[tuple[str, str]] | None:
     """Llama 3 JSON judged whole: the text is one or more ``;``-separated call objects, else None."""
     body = text.strip()
-    body = body[len(PYTHON_TAG):].lstrip() if body.startswith(PYTHON_TAG) else body
+    body = body[len(PYTHON_TAG) :].lstrip() if body.startswith(PYTHON_TAG) else body
     decoder, calls, pos = json.JSONDecoder(), [], 0
     while pos < len(body):
         try:
@@ -392,14 +400,14 @@ class ToolCallParser(_Calls):
                 if end < 0 and not final:
                     return
                 block = self.buffer if end < 0 else self.buffer[: end + len(HERMES_CLOSE)]
-                self.buffer = "" if end < 0 else self.buffer[end + len(HERMES_CLOSE):]
+                self.buffer = "" if end < 0 else self.buffer[end + len(HERMES_CLOSE) :]
                 self._emit_block(block, out)
                 self.state, self.after_call = "prose", True
                 continue
             if self.state == "closing":  # after a call's object: its closing tag, normally
                 head = self.buffer.lstrip()
                 if head.startswith(HERMES_CLOSE):
-                    self.buffer, self.state, self.after_call = head[len(HERMES_CLOSE):], "prose", True
+                    self.buffer, self.state, self.after_call = head[len(HERMES_CLOSE) :], "prose", True
                     continue
                 if HERMES_CLOSE.startswith(head) and not final:
                     return
@@ -408,7 +416,7 @@ class ToolCallParser(_Calls):
             start = self.buffer.find(HERMES_OPEN)
             if start >= 0:
                 self._emit_prose(self.buffer[:start].rstrip(), out)  # the layout before a call is not content
-                self.buffer = self.buffer[start + len(HERMES_OPEN):]
+                self.buffer = self.buffer[start + len(HERMES_OPEN) :]
                 self.state, self.call = "object", _CallObject(ANY_KEY, None)
                 continue
             if final:
@@ -416,7 +424,7 @@ class ToolCallParser(_Calls):
                 self.buffer = ""
             else:  # hold back what may yet be the whitespace before, or the start of, "<tool_call>"
                 keep = _held_tail(self.buffer)
-                text, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+                text, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
             self._emit_prose(text, out)
             return
 
@@ -427,7 +435,7 @@ class ToolCallParser(_Calls):
         out.content += text
 
     def _emit_block(self, block: str, out: ParsedDelta) -> None:
-        inner = block[len(HERMES_OPEN):]
+        inner = block[len(HERMES_OPEN) :]
         inner = inner[: -len(HERMES_CLOSE)] if inner.endswith(HERMES_CLOSE) else inner
         try:
             call = _call_from_json(json.loads(inner), None)

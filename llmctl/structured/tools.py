@@ -47,7 +47,9 @@ def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
         try:
             function["arguments"] = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as exc:
-            raise InvalidRequestError(f"tool_calls arguments of {function.get('name')!r} are not valid JSON: {exc}") from exc
+            raise InvalidRequestError(
+                f"tool_calls arguments of {function.get('name')!r} are not valid JSON: {exc}"
+            ) from exc
     return {**call, "function": function}
 
 
@@ -59,8 +61,10 @@ def forced_tool(tools: list[dict[str, Any]], tool_choice: Any) -> dict[str, Any]
     for tool in tools:
         if tool["function"]["name"] == name:
             return tool["function"]
-    raise InvalidRequestError(f"tool_choice names function {name!r}, which is not among the tools "
-                              f"({', '.join(tool_names(tools)) or 'none given'})")
+    raise InvalidRequestError(
+        f"tool_choice names function {name!r}, which is not among the tools "
+        f"({', '.join(tool_names(tools)) or 'none given'})"
+    )
 
 
 def tool_choice_spec(tools: list[dict[str, Any]], tool_choice: Any) -> StructuredOutputSpec | None:
@@ -70,8 +74,16 @@ def tool_choice_spec(tools: list[dict[str, Any]], tool_choice: Any) -> Structure
         return StructuredOutputSpec.json_schema(function.get("parameters") or EMPTY_PARAMETERS)
     if tool_choice != "required":
         return None
-    one_call = [{"type": "object",
-                 "properties": {"name": {"enum": [t["function"]["name"]]},
-                                "parameters": t["function"].get("parameters") or EMPTY_PARAMETERS},
-                 "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    one_call = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"enum": [t["function"]["name"]]},
+                "parameters": t["function"].get("parameters") or EMPTY_PARAMETERS,
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
     return StructuredOutputSpec.json_schema({"type": "array", "minItems": 1, "items": {"anyOf": one_call}})

@@ -33,7 +33,7 @@ def group_states(states: str, group_size: int) -> str:
     if group_size <= 1:
         return states
     rank = IMPORTANCE.__getitem__
-    return "".join(max(states[i:i + group_size], key=rank) for i in range(0, len(states), group_size))
+    return "".join(max(states[i : i + group_size], key=rank) for i in range(0, len(states), group_size))
 
 
 def highlighted_cells(blocks: Iterable[int], group_size: int) -> set[int]:
@@ -117,7 +117,7 @@ class BlockMap(Widget):
             return Strip.blank(self.size.width)
         per_row = self.cells_per_row
         start = y // self.row_pitch * per_row
-        row = self.cells[start:start + per_row]
+        row = self.cells[start : start + per_row]
         if not row:
             return Strip.blank(self.size.width)
         pad = " " * (self.cell_width - 1)

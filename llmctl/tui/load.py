@@ -95,8 +95,9 @@ class RequestMix:
             kind = "short"
             prompt = self._words(3, 8)
             max_tokens = rng.randint(4, 24)
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, ignore_eos=True,
-                                seed=rng.randrange(1 << 30))
+        params = SamplingParams(
+            n=n, max_tokens=max_tokens, temperature=1.0, ignore_eos=True, seed=rng.randrange(1 << 30)
+        )
         hang_up = rng.randint(1, max(1, max_tokens // 2)) if rng.random() < 0.03 else None
         return RequestSpec(kind, user, prompt, params, hang_up)
 

@@ -53,21 +53,34 @@ class KvPanel(Vertical):
             config = snap["config"]
             self.border_title += f" · {config['kv_cache_dtype']}, {config['kv_bytes_per_token']:g} B/token"
         summary = Text.assemble(
-            ("usage ", "bold"), f"{100 * kv['usage']:.1f}%  ",
-            (f"{kv['used']:,} used", STATE_COLORS[USED]), " · ",
-            (f"{kv['shared']:,} shared", STATE_COLORS[SHARED]), " · ",
-            (f"{kv['cached']:,} cached", STATE_COLORS[CACHED]), " · ",
-            (f"{kv['free']:,} free", STATE_COLORS[FREE]), "   ",
-            ("prefix hit ", "bold"), f"{100 * prefix['hit_rate']:.1f}% ",
+            ("usage ", "bold"),
+            f"{100 * kv['usage']:.1f}%  ",
+            (f"{kv['used']:,} used", STATE_COLORS[USED]),
+            " · ",
+            (f"{kv['shared']:,} shared", STATE_COLORS[SHARED]),
+            " · ",
+            (f"{kv['cached']:,} cached", STATE_COLORS[CACHED]),
+            " · ",
+            (f"{kv['free']:,} free", STATE_COLORS[FREE]),
+            "   ",
+            ("prefix hit ", "bold"),
+            f"{100 * prefix['hit_rate']:.1f}% ",
             (f"({prefix['hits']:,}/{prefix['queries']:,} tokens)", "dim"),
         )
         block_map = self.query_one(BlockMap)
         block_map.update_map(kv["block_states"], selected["blocks"] if selected else (), stale=not state.connected)
         self.query_one("#kv-summary", Line).show(summary)
         legend = Text.assemble(
-            (GLYPHS[USED], STATE_COLORS[USED]), " used  ", (GLYPHS[SHARED], STATE_COLORS[SHARED]), " shared  ",
-            (GLYPHS[CACHED], STATE_COLORS[CACHED]), " cached  ", (GLYPHS[FREE], STATE_COLORS[FREE]), " free  ",
-            (" ■ ", f"black on {HIGHLIGHT_BG}"), " selected",
+            (GLYPHS[USED], STATE_COLORS[USED]),
+            " used  ",
+            (GLYPHS[SHARED], STATE_COLORS[SHARED]),
+            " shared  ",
+            (GLYPHS[CACHED], STATE_COLORS[CACHED]),
+            " cached  ",
+            (GLYPHS[FREE], STATE_COLORS[FREE]),
+            " free  ",
+            (" ■ ", f"black on {HIGHLIGHT_BG}"),
+            " selected",
         )
         if selected:
             legend.append(f": {selected['id']} holds {len(selected['blocks'])} blocks")
@@ -92,9 +105,14 @@ class BatchPanel(Vertical):
         self.border_title = "Batch composition"
         sched, counters = snap["scheduler"], snap["counters"]
         summary = Text.assemble(
-            ("running ", "bold"), (f"{sched['running']}", "green3"), " · ",
-            ("waiting ", "bold"), (f"{max(0, sched['waiting'] - sched['preempted_waiting'])}", "yellow3"), " · ",
-            ("preempted ", "bold"), (f"{sched['preempted_waiting']}", "red1"),
+            ("running ", "bold"),
+            (f"{sched['running']}", "green3"),
+            " · ",
+            ("waiting ", "bold"),
+            (f"{max(0, sched['waiting'] - sched['preempted_waiting'])}", "yellow3"),
+            " · ",
+            ("preempted ", "bold"),
+            (f"{sched['preempted_waiting']}", "red1"),
             (f" ({counters['num_preemptions']:,} in all)", "dim"),
         )
         summary.append_text(spec_decode_text(snap.get("spec_decode")))
@@ -111,12 +129,17 @@ class BatchPanel(Vertical):
         self.query_one("#batch-summary", Line).show(summary)
         bars = self.query_one(StepBars)
         bars.update_steps(steps, stale=not state.connected)
-        self.query_one("#batch-legend", Line).show(Text.assemble(
-            ("█", PREFILL_COLOR), " prefill  ", ("█", DECODE_COLOR), " decode tokens per step",
-            (f"  (top = {max((s['prefill_tokens'] + s['decode_tokens'] for s in steps), default=0):,})", "dim"),
-            "\nsequences per step",
-            (f"  (max {max((s['num_seqs'] for s in steps), default=0)})", "dim"),
-        ))
+        self.query_one("#batch-legend", Line).show(
+            Text.assemble(
+                ("█", PREFILL_COLOR),
+                " prefill  ",
+                ("█", DECODE_COLOR),
+                " decode tokens per step",
+                (f"  (top = {max((s['prefill_tokens'] + s['decode_tokens'] for s in steps), default=0):,})", "dim"),
+                "\nsequences per step",
+                (f"  (max {max((s['num_seqs'] for s in steps), default=0)})", "dim"),
+            )
+        )
         self.query_one("#seqs-sparkline", Sparkline).data = [s["num_seqs"] for s in steps] or [0]
 
 
@@ -165,8 +188,9 @@ def spec_decode_text(spec: dict[str, Any] | None) -> Text:
 
 def latency_text(latency: dict[str, Any] | None) -> Text:
     if not latency:
-        return Text.assemble(("TTFT n/a · TPOT n/a", "bold"),
-                             ("\n(the server's snapshot has no latency section)", "dim"))
+        return Text.assemble(
+            ("TTFT n/a · TPOT n/a", "bold"), ("\n(the server's snapshot has no latency section)", "dim")
+        )
     text = Text.assemble(("        p50       p90       p99", "bold"))
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E ")):
         values = latency.get(key) or {}

@@ -40,8 +40,9 @@ def _field(name: str) -> Callable[[dict[str, Any]], Any]:
 COLUMNS = (
     Column("id", "id", _field("id"), lambda r: _natural(r["id"])),
     Column("user", "user", _field("user"), _field("user")),
-    Column("state", "state", lambda r: Text(r["state"], style=STATE_STYLES.get(r["state"], "")), _field("state"),
-           width=9),
+    Column(
+        "state", "state", lambda r: Text(r["state"], style=STATE_STYLES.get(r["state"], "")), _field("state"), width=9
+    ),
     Column("prompt", "prompt", _field("prompt_tokens"), _field("prompt_tokens"), width=8),
     Column("generated", "gen", _field("generated_tokens"), _field("generated_tokens"), width=5),
     Column("blocks", "blocks", lambda r: len(r["blocks"]), lambda r: len(r["blocks"]), width=8),
@@ -82,7 +83,7 @@ def shorten_id(request_id: str, width: int) -> str:
     if len(request_id) <= width:
         return request_id
     tail = (width - 1) // 2
-    return request_id[:width - 1 - tail] + "…" + request_id[len(request_id) - tail:]
+    return request_id[: width - 1 - tail] + "…" + request_id[len(request_id) - tail :]
 
 
 class RequestsTable(DataTable):
@@ -116,8 +117,11 @@ class RequestsTable(DataTable):
         if width <= 0:
             return
         requests = self._requests.values()
-        fit = fit_columns(width, max((len(r["id"]) for r in requests), default=0),
-                          max((len(str(r["user"])) for r in requests), default=0))
+        fit = fit_columns(
+            width,
+            max((len(r["id"]) for r in requests), default=0),
+            max((len(str(r["user"])) for r in requests), default=0),
+        )
         shown, id_width, user_width = fit
         if fit == self._fitted:
             return
@@ -160,8 +164,9 @@ class RequestsTable(DataTable):
             self.move_cursor(row=self.get_row_index(cursor_key), scroll=False)
 
     def _cells(self, request: dict[str, Any]) -> tuple:
-        return tuple(self._id_cell(request["id"]) if key == "id" else BY_KEY[key].value(request)
-                     for key in self.shown_columns)
+        return tuple(
+            self._id_cell(request["id"]) if key == "id" else BY_KEY[key].value(request) for key in self.shown_columns
+        )
 
     def _id_cell(self, request_id: str) -> str | Text:
         """The selected request's id is drawn in the map's highlight colour; a long id is shortened."""

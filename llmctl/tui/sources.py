@@ -42,8 +42,13 @@ class HttpSource:
     """Polls ``GET {url}/v1/engine/stats`` of a running ``llmctl serve``; a server without it (vLLM,
     or anything exporting vLLM's metric names) is drawn from ``GET {url}/metrics`` instead."""
 
-    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 2.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        timeout_s: float = 2.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.label = self.url
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -72,8 +77,11 @@ class HttpSource:
             self._metrics = VllmMetrics()
             self.label = f"{self.url} (vLLM /metrics)"
             return self._metrics.snapshot(response.text)
-        raise SourceError(f"{self.url} is not an llmctl server: it has no {STATS_PATH}, and no vLLM metrics "
-                          f"at {METRICS_PATH} (HTTP {response.status_code}); nothing to draw", "not llmctl")
+        raise SourceError(
+            f"{self.url} is not an llmctl server: it has no {STATS_PATH}, and no vLLM metrics "
+            f"at {METRICS_PATH} (HTTP {response.status_code}); nothing to draw",
+            "not llmctl",
+        )
 
     async def _get(self, path: str) -> httpx.Response:
         try:
@@ -81,8 +89,11 @@ class HttpSource:
         except httpx.HTTPError as exc:
             raise SourceError(f"{type(exc).__name__}: {exc or 'no answer'}") from exc
         if response.status_code in (401, 403):
-            raise SourceError(f"HTTP {response.status_code} from {self.url}{path}: wrong or missing API key "
-                              "(pass --api-key or set LLMCTL_API_KEY)", "unauthorized")
+            raise SourceError(
+                f"HTTP {response.status_code} from {self.url}{path}: wrong or missing API key "
+                "(pass --api-key or set LLMCTL_API_KEY)",
+                "unauthorized",
+            )
         return response
 
     async def _get_text(self, path: str) -> str:

@@ -53,25 +53,51 @@ class VllmMetrics:
         self._previous = {"prompt": prompt, "generated": generated, "time": now}
         hits, queries = total("prefix_cache_hits_total"), total("prefix_cache_queries_total")
         return {
-            "version": 1, "time": now, "uptime_s": now - self.started, "step": self.scrapes, "note": NOTE,
+            "version": 1,
+            "time": now,
+            "uptime_s": now - self.started,
+            "step": self.scrapes,
+            "note": NOTE,
             "model": next((d["model_name"] for d in labels.values() if "model_name" in d), "?"),
             "config": {"block_size": int(float(cache.get("block_size") or 0)) or "?", "num_blocks": num_blocks},
-            "kv": {"num_blocks": num_blocks, "free": num_blocks - used, "cached": 0, "used": used, "shared": 0,
-                   "usage": usage, "block_states": "u" * used + "." * (num_blocks - used)},
-            "prefix_cache": {"queries": int(queries), "hits": int(hits), "hit_rate": hits / queries if queries else 0.0},
+            "kv": {
+                "num_blocks": num_blocks,
+                "free": num_blocks - used,
+                "cached": 0,
+                "used": used,
+                "shared": 0,
+                "usage": usage,
+                "block_states": "u" * used + "." * (num_blocks - used),
+            },
+            "prefix_cache": {
+                "queries": int(queries),
+                "hits": int(hits),
+                "hit_rate": hits / queries if queries else 0.0,
+            },
             "counters": {
                 "num_preemptions": int(total("num_preemptions_total")),
-                "prompt_tokens_total": int(prompt), "generation_tokens_total": int(generated),
+                "prompt_tokens_total": int(prompt),
+                "generation_tokens_total": int(generated),
                 "requests_added_total": 0,
-                "requests_finished": {k: int(v) for k, v in _by_label(text, "request_success_total",
-                                                                      "finished_reason").items()},
+                "requests_finished": {
+                    k: int(v) for k, v in _by_label(text, "request_success_total", "finished_reason").items()
+                },
             },
             "scheduler": {"running": running, "waiting": waiting, "preempted_waiting": 0},
             "requests": [],
-            "steps": [{"step": self.scrapes, "time": now, "duration_s": now - previous["time"],
-                       "prefill_tokens": int(prompt - previous["prompt"]),
-                       "decode_tokens": int(generated - previous["generated"]),
-                       "num_seqs": running, "num_running": running, "num_waiting": waiting, "num_preempted": 0}],
+            "steps": [
+                {
+                    "step": self.scrapes,
+                    "time": now,
+                    "duration_s": now - previous["time"],
+                    "prefill_tokens": int(prompt - previous["prompt"]),
+                    "decode_tokens": int(generated - previous["generated"]),
+                    "num_seqs": running,
+                    "num_running": running,
+                    "num_waiting": waiting,
+                    "num_preempted": 0,
+                }
+            ],
             "latency": _latency(buckets),
             "spec_decode": _spec_decode(total),
         }
@@ -83,9 +109,14 @@ def _spec_decode(total: Callable[[str], float]) -> dict[str, Any] | None:
     if not draft_tokens:
         return None
     accepted = total("spec_decode_num_accepted_tokens_total")
-    return {"method": "server", "num_drafts": int(drafts), "draft_tokens": int(draft_tokens),
-            "accepted_tokens": int(accepted), "acceptance_rate": accepted / draft_tokens,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+    return {
+        "method": "server",
+        "num_drafts": int(drafts),
+        "draft_tokens": int(draft_tokens),
+        "accepted_tokens": int(accepted),
+        "acceptance_rate": accepted / draft_tokens,
+        "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+    }
 
 
 def _parse(text: str) -> tuple[dict[str, float], dict[str, dict[str, str]], dict[str, list[tuple[float, float]]]]:
@@ -134,12 +165,16 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
 
 
 def _latency(buckets: dict[str, list[tuple[float, float]]]) -> dict[str, Any] | None:
-    families = {"ttft_s": "time_to_first_token_seconds", "tpot_s": "time_per_output_token_seconds",
-                "e2e_s": "e2e_request_latency_seconds"}
+    families = {
+        "ttft_s": "time_to_first_token_seconds",
+        "tpot_s": "time_per_output_token_seconds",
+        "e2e_s": "e2e_request_latency_seconds",
+    }
     section: dict[str, Any] = {"window": "since start", "count": 0}
     for key, family in families.items():
-        found = buckets.get(PREFIX + family) or (buckets.get(PREFIX + "inter_token_latency_seconds")
-                                                if key == "tpot_s" else None)
+        found = buckets.get(PREFIX + family) or (
+            buckets.get(PREFIX + "inter_token_latency_seconds") if key == "tpot_s" else None
+        )
         section[key] = {f"p{int(q * 100)}": histogram_quantile(q, found) for q in (0.5, 0.9, 0.99)} if found else None
         if key == "e2e_s" and found:
             section["count"] = int(sum(count for bound, count in found if math.isinf(bound)))

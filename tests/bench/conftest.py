@@ -22,9 +22,26 @@ def live_server() -> Iterator[str]:
     """The base URL (``http://127.0.0.1:PORT``) of ``llmctl serve tiny-random-llama``."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llmctl.cli", "serve", "tiny-random-llama", "--port", "0", "--threads", "1",
-         "--kv-cache-memory", "256MiB", "--log-level", "warning", "--no-access-log"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "llmctl.cli",
+            "serve",
+            "tiny-random-llama",
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--kv-cache-memory",
+            "256MiB",
+            "--log-level",
+            "warning",
+            "--no-access-log",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
     lines: list[str] = []
     found: list[str] = []

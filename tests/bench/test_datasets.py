@@ -7,7 +7,11 @@ import json
 import pytest
 
 from llmctl.bench.datasets import (
-    DatasetError, PromptFactory, random_requests, shared_prefix_requests, sharegpt_requests,
+    DatasetError,
+    PromptFactory,
+    random_requests,
+    shared_prefix_requests,
+    sharegpt_requests,
 )
 from llmctl.models.embedded import embedded_tokenizer
 from llmctl.tokenizer import Tokenizer
@@ -61,8 +65,9 @@ def test_text_prompts_for_a_sentencepiece_tokenizer(stories_dir):
 @pytest.mark.parametrize("as_text", [False, True])
 def test_shared_prefix_users_share_their_system_prompt(tokenizer, as_text):
     factory = PromptFactory(tokenizer, as_text=as_text)
-    requests = shared_prefix_requests(factory, 12, num_users=3, prefix_len=48, input_len=16, output_len=8,
-                                      range_ratio=0.0, seed=1)
+    requests = shared_prefix_requests(
+        factory, 12, num_users=3, prefix_len=48, input_len=16, output_len=8, range_ratio=0.0, seed=1
+    )
     assert [r.user for r in requests[:4]] == ["user-0", "user-1", "user-2", "user-0"]
     ids = [tokenizer.encode(r.prompt) if as_text else r.prompt for r in requests]
     by_user: dict[str, list[list[int]]] = {}
@@ -83,15 +88,25 @@ def test_shared_prefix_users_share_their_system_prompt(tokenizer, as_text):
 def test_sharegpt_parsing_and_filters(tmp_path, tokenizer):
     long_reply = "the engine wrote a long story about dragons and trains " * 4
     data = [
-        {"conversations": [{"from": "human", "value": "Tell me a story about the moon and a river"},
-                           {"from": "gpt", "value": long_reply}]},
+        {
+            "conversations": [
+                {"from": "human", "value": "Tell me a story about the moon and a river"},
+                {"from": "gpt", "value": long_reply},
+            ]
+        },
         {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": long_reply}]},  # short prompt
-        {"conversations": [{"from": "gpt", "value": "I start"}, {"from": "human", "value": "Who asked you?"},
-                           {"from": "gpt", "value": "Nobody asked me, but the engine likes questions"}]},
+        {
+            "conversations": [
+                {"from": "gpt", "value": "I start"},
+                {"from": "human", "value": "Who asked you?"},
+                {"from": "gpt", "value": "Nobody asked me, but the engine likes questions"},
+            ]
+        },
         {"conversations": [{"from": "human", "value": "A question with no answer at all"}]},  # no reply
         {"id": "no conversations"},
-        {"conversations": [{"from": "human", "value": "Short answer please, engine"},
-                           {"from": "gpt", "value": "ok"}]},  # reply under 4 tokens
+        {
+            "conversations": [{"from": "human", "value": "Short answer please, engine"}, {"from": "gpt", "value": "ok"}]
+        },  # reply under 4 tokens
     ]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(data))

@@ -1,22 +1,16 @@
-"""benchmarks/issue_goals.py reads one run's result files into goal verdicts: a goal is met only
+"""benchmarks/peers/issue_goals.py reads one run's result files into goal verdicts: a goal is met only
 by the figures its issue names, and a goal without its files is "not measured", never met."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "issue_goals.py"
-
 
 def _module():
-    spec = importlib.util.spec_from_file_location("issue_goals", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.peers.issue_goals")
 
 
 def _write(folder: Path, name: str, data: dict) -> None:
@@ -39,8 +33,9 @@ def test_goal_verdicts_from_result_files(tmp_path):
     _write(tmp_path, "peer/hf_float32.json", {"out_tok_s": 80.0, "out_ids": ids[:3] + [[9, 9, 9]]})
     _write(tmp_path, "peer/llmctl_float32.json", {"out_tok_s": 135.0, "out_ids": ids})
     _write(tmp_path, "peer/llmctl_nopreload_float32.json", {"out_tok_s": 128.0, "out_ids": ids})
-    _write(tmp_path, "spec_ngram.json", {"plain_tok_s": 80, "spec_tok_s": 200, "speedup": 2.5,
-                                         "identical_output": False})
+    _write(
+        tmp_path, "spec_ngram.json", {"plain_tok_s": 80, "spec_tok_s": 200, "speedup": 2.5, "identical_output": False}
+    )
     _write(tmp_path, "bench_readme.json", {"result": {"duration_s": 12.0, "output_throughput": 600.0}})
     verdicts = {g.name: g for g in goals(tmp_path)}
     assert verdicts["SmolLM2 one stream: llmctl (same Q4_1 file) vs llama.cpp"].met is True

@@ -35,8 +35,9 @@ class RecordingTarget:
         await asyncio.sleep(self.delay_s)
         self.in_flight -= 1
         end = time.perf_counter()
-        return RequestRecord(start=start, end=end, chunk_times=[end], prompt_tokens=request.prompt_len,
-                             output_tokens=request.output_len)
+        return RequestRecord(
+            start=start, end=end, chunk_times=[end], prompt_tokens=request.prompt_len, output_tokens=request.output_len
+        )
 
 
 def requests(n: int) -> list[BenchRequest]:
@@ -83,15 +84,15 @@ def engine() -> LLMEngine:
 
 def test_in_process_target_timelines_and_engine_stats(engine):
     factory = PromptFactory(engine.tokenizer, engine.model.config.vocab_size)
-    workload = shared_prefix_requests(factory, 8, num_users=2, prefix_len=64, input_len=16, output_len=6,
-                                      range_ratio=0.0, seed=0)
+    workload = shared_prefix_requests(
+        factory, 8, num_users=2, prefix_len=64, input_len=16, output_len=6, range_ratio=0.0, seed=0
+    )
     too_long = BenchRequest(list(range(10, 10 + 300)), 300, 4)
 
     async def run():
         async_engine = AsyncEngine(engine).start()
         try:
-            return await run_load(InProcessTarget(async_engine, ignore_eos=True), [*workload, too_long],
-                                  concurrency=4)
+            return await run_load(InProcessTarget(async_engine, ignore_eos=True), [*workload, too_long], concurrency=4)
         finally:
             async_engine.shutdown()
 
@@ -122,8 +123,10 @@ def test_http_target_against_live_server(live_server):
         target = HttpTarget(live_server + "/v1/", ignore_eos=True)
         try:
             assert await target.connect() == "tiny-random-llama"
-            prompts = [BenchRequest("Once upon a time the engine", 7, 5, user="alice"),
-                       BenchRequest([11, 12, 13, 14], 4, 3)]
+            prompts = [
+                BenchRequest("Once upon a time the engine", 7, 5, user="alice"),
+                BenchRequest([11, 12, 13, 14], 4, 3),
+            ]
             result = await run_load(target, prompts, concurrency=2)
             wrong = HttpTarget(live_server, model="no-such-model")
             try:

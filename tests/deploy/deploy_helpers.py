@@ -32,8 +32,9 @@ def kustomize_command() -> list[str]:
 
 
 def render(overlay: str) -> str:
-    result = subprocess.run([*kustomize_command(), str(KUBERNETES_DIR / "overlays" / overlay)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [*kustomize_command(), str(KUBERNETES_DIR / "overlays" / overlay)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -53,6 +54,7 @@ def checkov_binary() -> Path:
     binary = CHECKOV_VENV / "bin" / "checkov"
     if not binary.exists():
         subprocess.run([sys.executable, "-m", "venv", str(CHECKOV_VENV)], check=True, timeout=120)
-        subprocess.run([str(CHECKOV_VENV / "bin" / "pip"), "install", "-q", f"checkov=={CHECKOV_VERSION}"],
-                       check=True, timeout=900)
+        subprocess.run(
+            [str(CHECKOV_VENV / "bin" / "pip"), "install", "-q", f"checkov=={CHECKOV_VERSION}"], check=True, timeout=900
+        )
     return binary

@@ -50,8 +50,12 @@ def _raw_request(sock: socket.socket, request: bytes) -> bytes:
 def _late_request(server_url: str, keep_alive: socket.socket) -> bytes:
     host = server_url.removeprefix("http://").split(":")[0]
     body = json.dumps({"prompt": "new work", "max_tokens": 4}).encode()
-    return _raw_request(keep_alive, f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
-                                    f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    return _raw_request(
+        keep_alive,
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+        f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body,
+    )
 
 
 def _open_idle_connection(server_url: str) -> socket.socket:

@@ -68,20 +68,51 @@ def _run_entrypoint(tmp_path: Path, *args: str, env: dict[str, str] | None = Non
     stub.write_text('#!/bin/sh\nfor arg in "$@"; do echo "$arg"; done\n')
     stub.chmod(0o755)
     clean = {k: v for k, v in os.environ.items() if not k.startswith("LLMCTL_")}
-    result = subprocess.run([str(ENTRYPOINT), *args], env={**clean, "LLMCTL_BIN": str(stub), **(env or {})},
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [str(ENTRYPOINT), *args],
+        env={**clean, "LLMCTL_BIN": str(stub), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout.splitlines()
 
 
 def test_entrypoint_turns_environment_into_serve_flags(tmp_path):
-    argv = _run_entrypoint(tmp_path, "serve", "--seed", "7", env={
-        "LLMCTL_MODEL": "Qwen/Qwen2.5-0.5B-Instruct", "LLMCTL_DRAIN_TIMEOUT": "60", "LLMCTL_THREADS": "8",
-        "LLMCTL_KV_CACHE_MEMORY": "8GiB", "LLMCTL_SERVED_MODEL_NAME": "qwen small",
-        "LLMCTL_EXTRA_ARGS": "--no-access-log"})
-    assert argv == ["serve", "Qwen/Qwen2.5-0.5B-Instruct", "--host", "0.0.0.0", "--port", "8000",
-                    "--served-model-name", "qwen small", "--drain-timeout", "60", "--kv-cache-memory", "8GiB",
-                    "--threads", "8", "--seed", "7", "--no-access-log"]
+    argv = _run_entrypoint(
+        tmp_path,
+        "serve",
+        "--seed",
+        "7",
+        env={
+            "LLMCTL_MODEL": "Qwen/Qwen2.5-0.5B-Instruct",
+            "LLMCTL_DRAIN_TIMEOUT": "60",
+            "LLMCTL_THREADS": "8",
+            "LLMCTL_KV_CACHE_MEMORY": "8GiB",
+            "LLMCTL_SERVED_MODEL_NAME": "qwen small",
+            "LLMCTL_EXTRA_ARGS": "--no-access-log",
+        },
+    )
+    assert argv == [
+        "serve",
+        "Qwen/Qwen2.5-0.5B-Instruct",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+        "--served-model-name",
+        "qwen small",
+        "--drain-timeout",
+        "60",
+        "--kv-cache-memory",
+        "8GiB",
+        "--threads",
+        "8",
+        "--seed",
+        "7",
+        "--no-access-log",
+    ]
     assert _run_entrypoint(tmp_path)[:2] == ["serve", "tiny-random-llama"]  # no arguments: serve
 
 
@@ -93,8 +124,13 @@ def test_entrypoint_router_mode_and_api_key_file(tmp_path):
     assert argv == ["router", "--host", "0.0.0.0", "--port", "9000", "--policy", "round-robin"]
     stub.write_text('#!/bin/sh\necho "$LLMCTL_API_KEY"\n')
     clean = {k: v for k, v in os.environ.items() if not k.startswith("LLMCTL_")}
-    result = subprocess.run([str(ENTRYPOINT), "router"], capture_output=True, text=True, timeout=30,
-                            env={**clean, "LLMCTL_BIN": str(stub), "LLMCTL_API_KEY_FILE": str(key)})
+    result = subprocess.run(
+        [str(ENTRYPOINT), "router"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**clean, "LLMCTL_BIN": str(stub), "LLMCTL_API_KEY_FILE": str(key)},
+    )
     assert result.stdout.strip() == "s3cret"
 
 
@@ -104,8 +140,11 @@ def test_entrypoint_pull_mode_skips_the_embedded_model(tmp_path):
 
 
 def test_entrypoint_runs_the_real_llmctl():
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(REPO_ROOT)}
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO_ROOT),
+    }
     if not shutil.which("llmctl", path=env["PATH"]):
         pytest.fail("llmctl is not installed next to this Python")
     result = subprocess.run([str(ENTRYPOINT), "--version"], env=env, capture_output=True, text=True, timeout=120)
@@ -128,8 +167,9 @@ def test_healthcheck_script_exits_0_only_when_health_answers():
     thread.start()
     try:
         port = server.server_address[1]
-        ok = subprocess.run([sys.executable, str(HEALTHCHECK)], env={**os.environ, "LLMCTL_PORT": str(port)},
-                            timeout=30)
+        ok = subprocess.run(
+            [sys.executable, str(HEALTHCHECK)], env={**os.environ, "LLMCTL_PORT": str(port)}, timeout=30
+        )
         assert ok.returncode == 0
     finally:
         server.shutdown()
@@ -137,6 +177,7 @@ def test_healthcheck_script_exits_0_only_when_health_answers():
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
         closed = probe.getsockname()[1]
-    down = subprocess.run([sys.executable, str(HEALTHCHECK)], env={**os.environ, "LLMCTL_PORT": str(closed)},
-                          timeout=30)
+    down = subprocess.run(
+        [sys.executable, str(HEALTHCHECK)], env={**os.environ, "LLMCTL_PORT": str(closed)}, timeout=30
+    )
     assert down.returncode == 1

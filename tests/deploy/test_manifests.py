@@ -31,8 +31,15 @@ def test_the_overlays_are_cpu_gpu_and_keda():
 def test_every_resource_of_every_overlay_is_valid(rendered, version):
     for overlay, docs in rendered.items():
         kinds = {d["kind"] for d in docs}
-        assert {"Deployment", "Service", "PersistentVolumeClaim", "PodDisruptionBudget", "ServiceMonitor",
-                "NetworkPolicy", "ConfigMap"} <= kinds, overlay
+        assert {
+            "Deployment",
+            "Service",
+            "PersistentVolumeClaim",
+            "PodDisruptionBudget",
+            "ServiceMonitor",
+            "NetworkPolicy",
+            "ConfigMap",
+        } <= kinds, overlay
         for doc in docs:
             if (doc["apiVersion"], doc["kind"]) in CUSTOM_KINDS:
                 continue
@@ -41,8 +48,9 @@ def test_every_resource_of_every_overlay_is_valid(rendered, version):
 
 def test_custom_resources_have_the_fields_their_operators_need(rendered):
     monitor = find(rendered["cpu"], "ServiceMonitor", "llmctl")
-    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s",
-                                             "scrapeTimeout": "10s"}]
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "http", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
+    ]
     scaled = find(rendered["cpu-keda"], "ScaledObject", "llmctl")
     assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "llmctl"}
     (trigger,) = scaled["spec"]["triggers"]
@@ -57,9 +65,22 @@ def test_checkov_finds_no_failed_check_and_every_skip_says_why(rendered, tmp_pat
         target.write_text(render(overlay))
         targets += ["-f", str(target)]
     result = subprocess.run(
-        [str(checkov_binary()), *targets, "-f", str(REPO_ROOT / "Dockerfile"), "--framework", "kubernetes",
-         "dockerfile", "--skip-download", "--output", "json"],
-        capture_output=True, text=True, timeout=600)
+        [
+            str(checkov_binary()),
+            *targets,
+            "-f",
+            str(REPO_ROOT / "Dockerfile"),
+            "--framework",
+            "kubernetes",
+            "dockerfile",
+            "--skip-download",
+            "--output",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     reports = json.loads(result.stdout)
     reports = reports if isinstance(reports, list) else [reports]
     assert {r["check_type"] for r in reports} == {"kubernetes", "dockerfile"}
@@ -120,7 +141,9 @@ def test_hpa_asks_for_the_metric_the_adapter_rule_serves_and_keda_matches_it(ren
     assert scaled["spec"]["triggers"][0]["metadata"]["threshold"] == metric["pods"]["target"]["averageValue"]
     assert "llmctl:num_requests_waiting" in scaled["spec"]["triggers"][0]["metadata"]["query"]
     assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (
-        hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"])
+        hpa["spec"]["minReplicas"],
+        hpa["spec"]["maxReplicas"],
+    )
 
 
 def test_router_discovers_the_headless_service_of_the_server_pods(rendered):

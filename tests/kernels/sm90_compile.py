@@ -56,7 +56,9 @@ def _resource_usage(cubin: bytes) -> str:
     fields = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text))
     if not fields:
         return ""
-    return f"regs={fields.get('REG')} smem={fields.get('SHARED')} stack={fields.get('STACK')} local={fields.get('LOCAL')}"
+    return (
+        f"regs={fields.get('REG')} smem={fields.get('SHARED')} stack={fields.get('STACK')} local={fields.get('LOCAL')}"
+    )
 
 
 def _compile_launch(self: JITFunction, *args, grid, warmup, **kwargs):
@@ -70,7 +72,10 @@ def _compile_launch(self: JITFunction, *args, grid, warmup, **kwargs):
     kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
     usage = _resource_usage(kernel.asm["cubin"])
     shown = {self.arg_names[k[0]]: v for k, v in constexprs.items() if self.arg_names[k[0]].isupper()}
-    line = f"{self.__name__:<26} {usage} dyn_smem={kernel.metadata.shared} warps={options.num_warps} stages={options.num_stages} {shown}"
+    line = (
+        f"{self.__name__:<26} {usage} dyn_smem={kernel.metadata.shared} "
+        f"warps={options.num_warps} stages={options.num_stages} {shown}"
+    )
     RESULTS.append(line)
     if kernel.metadata.shared > MAX_DYNAMIC_SMEM:
         raise RuntimeError(f"{line}: needs {kernel.metadata.shared} B of shared memory, sm_90 has {MAX_DYNAMIC_SMEM}")
@@ -122,7 +127,10 @@ def main() -> int:
         rotary_embedding_triton(pos, torch.empty(4, 8, 64, dtype=dtype), torch.empty(4, 2, 64, dtype=dtype), cs[:, :32])
         kc = torch.empty(8, 16, 8, 128, dtype=dtype)
         reshape_and_cache_triton(
-            torch.empty(4, 8, 128, dtype=dtype), torch.empty(4, 8, 128, dtype=dtype), kc, kc,
+            torch.empty(4, 8, 128, dtype=dtype),
+            torch.empty(4, 8, 128, dtype=dtype),
+            kc,
+            kc,
             torch.zeros(4, dtype=torch.int64),
         )
     _compile_quantized_kv(QUICK)
@@ -133,10 +141,10 @@ def main() -> int:
 def _compile_quantized_kv(quick: bool) -> None:
     """The kernels over the quantized KV cache (--kv-cache-dtype): every format's store, decode
     (split and not) and prefill, at a Llama-8B-like GQA shape (32q/8kv, D=128), bf16 (and fp32)."""
+    from llmctl.engine.kv_cache import KVFormat
     from llmctl_kernels.decode_attention import paged_decode_attention_quantized_triton
     from llmctl_kernels.kv_store import kivi_quantize_blocks_triton, quantize_and_cache_triton
     from llmctl_kernels.prefill_attention import paged_prefill_attention_quantized_triton
-    from llmctl.engine.kv_cache import KVFormat
 
     hq, hkv, d, bs = 32, 8, 128, 16
     kinds = ("fp8_e4m3", "int8", "kivi2") if quick else ("fp8_e4m3", "fp8_e5m2", "int8", "kivi2", "kivi4")
@@ -150,13 +158,25 @@ def _compile_quantized_kv(quick: bool) -> None:
         bt = torch.zeros(2, 4, dtype=torch.int32)
         sl = torch.tensor([64, 10], dtype=torch.int32)
         for splits in (1, 4):
-            paged_decode_attention_quantized_triton(q, cache, kind, bt, sl, 0.1, full_precision=fp,
-                                                    max_seq_len=4096, num_splits=splits)
+            paged_decode_attention_quantized_triton(
+                q, cache, kind, bt, sl, 0.1, full_precision=fp, max_seq_len=4096, num_splits=splits
+            )
         qp = torch.empty(40, hq, d, dtype=dtype)
-        kivi = dict(full_precision=(residual, residual, torch.zeros(8, dtype=torch.int32)), residual=fp,
-                    window=8 * bs) if fmt.is_kivi else {}  # KIVI: a 128-token residual window
-        paged_prefill_attention_quantized_triton(qp, cache, kind, bt, torch.tensor([0, 30, 40], dtype=torch.int32),
-                                                 torch.tensor([50, 10], dtype=torch.int32), 0.1, **kivi)
+        kivi = (
+            dict(full_precision=(residual, residual, torch.zeros(8, dtype=torch.int32)), residual=fp, window=8 * bs)
+            if fmt.is_kivi
+            else {}
+        )  # KIVI: a 128-token residual window
+        paged_prefill_attention_quantized_triton(
+            qp,
+            cache,
+            kind,
+            bt,
+            torch.tensor([0, 30, 40], dtype=torch.int32),
+            torch.tensor([50, 10], dtype=torch.int32),
+            0.1,
+            **kivi,
+        )
         kv = torch.empty(4, hkv, d, dtype=dtype)
         if fmt.is_kivi:
             index = torch.zeros(2, dtype=torch.int64)

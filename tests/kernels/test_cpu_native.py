@@ -43,8 +43,9 @@ def test_matches_reference(isa, dtype, num_q_heads, num_kv_heads, head_dim, bloc
     num_blocks = 40
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    lens = torch.tensor([1, 5, block_size, block_size + 1, 3 * block_size - 2, 70, 2, 33, 4 * block_size][:num_seqs],
-                        dtype=torch.int32).clamp(max=4 * block_size)
+    lens = torch.tensor(
+        [1, 5, block_size, block_size + 1, 3 * block_size - 2, 70, 2, 33, 4 * block_size][:num_seqs], dtype=torch.int32
+    ).clamp(max=4 * block_size)
     max_blocks = 4
     # scattered, shuffled block tables; padding entries point at a real block
     block_tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * max_blocks].view(num_seqs, max_blocks)
@@ -130,7 +131,10 @@ def test_rms_norm_matches_reference(isa, dtype, with_residual, rows):
     x = torch.randn(rows, hidden, generator=gen).to(dtype)
     residual = torch.randn(rows, hidden, generator=gen).to(dtype) if with_residual else None
     weight = torch.randn(hidden, generator=gen).to(dtype)
-    (out, res), (ref_out, ref_res) = rms_norm_native(x, weight, 1e-5, residual), rms_norm_torch(x, weight, 1e-5, residual)
+    (out, res), (ref_out, ref_res) = (
+        rms_norm_native(x, weight, 1e-5, residual),
+        rms_norm_torch(x, weight, 1e-5, residual),
+    )
     assert torch.equal(res, ref_res)  # the residual add rounds exactly like torch's add
     # the fp32 sum of squares is accumulated in another order: at most one bf16 ulp, rarely; in
     # fp32 a few ulps of the normalisation factor
@@ -212,10 +216,16 @@ def test_prefill_matches_reference(isa, dtype, num_q_heads, num_kv_heads, head_d
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     # a chunk's result does not depend on the other chunks of the batch
-    alone = paged_prefill_attention_native(query[int(starts[6]):int(starts[7])], key_cache, value_cache,
-                                           tables[6:7], torch.tensor([0, chunks[6][0]], dtype=torch.int32),
-                                           lens[6:7], head_dim**-0.5)
-    assert torch.equal(alone, got[int(starts[6]):int(starts[7])])
+    alone = paged_prefill_attention_native(
+        query[int(starts[6]) : int(starts[7])],
+        key_cache,
+        value_cache,
+        tables[6:7],
+        torch.tensor([0, chunks[6][0]], dtype=torch.int32),
+        lens[6:7],
+        head_dim**-0.5,
+    )
+    assert torch.equal(alone, got[int(starts[6]) : int(starts[7])])
 
 
 def test_prefill_refuses_chunks_that_overrun_the_queries():
@@ -232,7 +242,10 @@ def test_prefill_refuses_chunks_that_overrun_the_queries():
 def test_prefill_declines_other_dtypes_and_head_sizes():
     from llmctl_kernels.cpu_native import prefill_attention_native_supported
 
-    assert not prefill_attention_native_supported(torch.zeros(2, 4, 64, dtype=torch.float16),
-                                                  torch.zeros(1, 16, 4, 64, dtype=torch.float16))
-    assert not prefill_attention_native_supported(torch.zeros(2, 4, 64), torch.zeros(1, 16, 4, 64, dtype=torch.bfloat16))
+    assert not prefill_attention_native_supported(
+        torch.zeros(2, 4, 64, dtype=torch.float16), torch.zeros(1, 16, 4, 64, dtype=torch.float16)
+    )
+    assert not prefill_attention_native_supported(
+        torch.zeros(2, 4, 64), torch.zeros(1, 16, 4, 64, dtype=torch.bfloat16)
+    )
     assert not prefill_attention_native_supported(torch.zeros(2, 4, 8), torch.zeros(1, 16, 4, 8))

@@ -65,8 +65,8 @@ def test_matches_the_torch_reference(isa, n, k, bias):
         exact = F.linear(x.double(), w.double(), b.double() if bias else None)
         # fp32 sums of k terms: the error of either order grows like sqrt(k) * eps * |terms|
         scale = (x.abs().double() @ w.abs().double().t()).max().item()
-        assert (got.double() - exact).abs().max().item() <= 4e-7 * scale * k ** 0.5 + 1e-6
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * scale ** 0.5)
+        assert (got.double() - exact).abs().max().item() <= 4e-7 * scale * k**0.5 + 1e-6
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * scale**0.5)
 
 
 @pytest.mark.parametrize(("n", "k"), [(17, 33), (100, 300), (250, 600)])
@@ -119,7 +119,9 @@ def test_any_leading_shape_and_strided_input():
     assert y.shape == (3, 4, 40)
     assert torch.equal(y.view(12, 40), fp32_linear_native(x, packed, 40))
     wide = torch.randn(12, 128)
-    assert torch.equal(fp32_linear_native(wide[:, ::2], packed, 40), fp32_linear_native(wide[:, ::2].contiguous(), packed, 40))
+    assert torch.equal(
+        fp32_linear_native(wide[:, ::2], packed, 40), fp32_linear_native(wide[:, ::2].contiguous(), packed, 40)
+    )
     assert fp32_linear_native(x[:0], packed, 40).shape == (0, 40)
 
 
@@ -160,8 +162,9 @@ def test_bad_arguments_are_one_line_errors():
 
 def test_linear_layers_take_it_and_can_turn_it_off(monkeypatch):
     """fp32 linear layers pack their weight at load where the native GEMM is wanted (the rule in
-    llmctl/layers/linear.py), ``LLMCTL_NATIVE_GEMM=0`` keeps torch's GEMM."""
-    from llmctl.layers.linear import MergedColumnParallelLinear, native_gemm_wanted
+    llmctl/platform.py), ``LLMCTL_NATIVE_GEMM=0`` keeps torch's GEMM."""
+    from llmctl.layers.linear import MergedColumnParallelLinear
+    from llmctl.platform import native_gemm_wanted
 
     def build() -> MergedColumnParallelLinear:
         layer = MergedColumnParallelLinear(64, [40, 40], dtype=torch.float32)

@@ -3,26 +3,21 @@ torch statement of the same arithmetic (``per_channel_int8_reference``): bit for
 dot product is an exact integer and the float steps are the same. So a row's result depends on
 neither the batch (M), the tile it lands in (a full assembly tile, 6 x 4 with AVX512-VNNI or 6 x 2
 with AVX2, an overlapping last tile, or an edge tile), the threads, nor the variant (VNNI, AVX2 or
-the scalar one, chosen by the CPU and lowered by LLMCTL_CPU_ISA)."""
+the scalar one, chosen by the CPU and lowered by ``cpu_features.set_isa_cap``)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from llmctl.layers.quantization.quantize import quantize_int8
+from llmctl_kernels.cpu_features import set_isa_cap
+from llmctl_kernels.packed_formats import PackedInt8
 from llmctl_kernels.quant_linear import is_per_channel_int8, per_channel_int8_reference, quantize_tokens_torch
 from llmctl_kernels.quant_native import native_unavailable_reason, quant_linear_native
-from llmctl.layers.quantization.formats import PackedInt8
-from llmctl.layers.quantization.quantize import quantize_int8
 
 pytestmark = pytest.mark.no_device  # CPU kernels
 
-ROOT = Path(__file__).resolve().parents[2]
 needs_native = pytest.mark.skipif(native_unavailable_reason() is not None, reason=str(native_unavailable_reason()))
 
 
@@ -110,34 +105,31 @@ def _lower_variant_inputs(m: int, n: int, k: int, seed: int) -> tuple[torch.Tens
 
 @needs_native
 @pytest.mark.parametrize("isa", ["generic", "avx2"])
-def test_lower_variants_compute_the_same_integers(tmp_path, isa):
-    """LLMCTL_CPU_ISA=generic: the scalar variant; =avx2: the AVX2 tile where this CPU would take
-    the AVX512-VNNI one (the choice is read once per process, so in a child process): full tiles
-    written straight to the output (K <= KC), overlapping and edge tiles, rows longer than KC."""
-    script = (
-        "import torch, sys; sys.path.insert(0, 'tests/kernels');"
-        "from test_int8_gemm import LOWER_VARIANT_CASES, _lower_variant_inputs;"
-        "from llmctl_kernels.quant_native import quant_linear_native;"
-        "torch.save([quant_linear_native(*_lower_variant_inputs(*c)) for c in LOWER_VARIANT_CASES], sys.argv[1])"
-    )
-    out = tmp_path / f"{isa}.pt"
-    env = {**os.environ, "LLMCTL_CPU_ISA": isa, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-c", script, str(out)], cwd=ROOT, env=env, check=True, timeout=600)
-    for case, lower in zip(LOWER_VARIANT_CASES, torch.load(out), strict=True):
+def test_lower_variants_compute_the_same_integers(isa):
+    """``set_isa_cap("generic")``: the scalar variant; ``"avx2"``: the AVX2 tile where this CPU would
+    take the AVX512-VNNI one (the cap applies to the loaded kernels at once): full tiles written
+    straight to the output (K <= KC), overlapping and edge tiles, rows longer than KC."""
+    best = [quant_linear_native(*_lower_variant_inputs(*case)) for case in LOWER_VARIANT_CASES]
+    set_isa_cap(isa)
+    try:
+        lowered = [quant_linear_native(*_lower_variant_inputs(*case)) for case in LOWER_VARIANT_CASES]
+    finally:
+        set_isa_cap(None)
+    for case, lower, top in zip(LOWER_VARIANT_CASES, lowered, best, strict=True):
         x, packed = _lower_variant_inputs(*case)
         assert torch.equal(lower, per_channel_int8_reference(x, packed)), case
-        assert torch.equal(lower, quant_linear_native(x, packed)), case
+        assert torch.equal(lower, top), case
 
 
 def test_cpu_fallback_without_native_kernels_computes_the_same_integers(monkeypatch):
     """A CPU where the native kernels are not available (no AVX2, no compiler, switched off) runs
     the torch statement of the same arithmetic: the same bits as the kernel."""
-    import llmctl.layers.quantization.matmul as matmul
     from llmctl.layers.quantization.matmul import quant_linear
 
     x, packed = _case(5, 24, 192, seed=12)
-    monkeypatch.setattr(matmul, "_native_takes", lambda packed: False)
+    monkeypatch.setenv("LLMCTL_NATIVE_CPU_KERNELS", "0")  # llmctl/platform.py then loads none
     fallback = quant_linear(x, packed)
+    monkeypatch.delenv("LLMCTL_NATIVE_CPU_KERNELS")
     assert torch.equal(fallback, per_channel_int8_reference(x, packed))
     if native_unavailable_reason() is None:
         assert torch.equal(fallback, quant_linear_native(x, packed))

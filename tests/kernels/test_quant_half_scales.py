@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from llmctl_kernels.quant_native import bind_native, native_unavailable_reason
-from llmctl.layers.quantization.formats import PackedInt4, PackedInt8
 from llmctl.layers.quantization.params import attach_packed, kernel_packed, weight_bytes
 from llmctl.layers.quantization.quantize import quantize_int4
+from llmctl_kernels.packed_formats import PackedInt4, PackedInt8
+from llmctl_kernels.quant_native import bind_native, native_unavailable_reason
 
 pytestmark = pytest.mark.no_device
 

@@ -6,14 +6,12 @@ layout itself must put every byte where the kernel reads it (a hand-built tile).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from llmctl.layers.quantization.quantize import quantize_int4, quantize_int8
+from llmctl_kernels.cpu_features import set_isa_cap
+from llmctl_kernels.packed_formats import PackedInt4, PackedInt8
 from llmctl_kernels.quant_linear import int_path_reference
 from llmctl_kernels.quant_native import (
     InterleavedKernel,
@@ -23,8 +21,6 @@ from llmctl_kernels.quant_native import (
     native_unavailable_reason,
     quant_linear_native,
 )
-from llmctl.layers.quantization.formats import PackedInt4, PackedInt8
-from llmctl.layers.quantization.quantize import quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.no_device
 
@@ -55,7 +51,9 @@ def _packed(kind: str, n: int, k: int, seed: int, half: bool):
 
 @pytest.mark.parametrize("kind", ["int4g32", "int4g64", "int4g128", "int8g32", "int8-mins"])
 @pytest.mark.parametrize("half", [False, True])
-@pytest.mark.parametrize("m", [1, 3, 5, 8, 14, 33])  # passes of 8 and 4 (AVX-512 pairs) or 2 (AVX2) x rows, then single rows
+@pytest.mark.parametrize(
+    "m", [1, 3, 5, 8, 14, 33]
+)  # passes of 8 and 4 (AVX-512 pairs) or 2 (AVX2) x rows, then single rows
 @pytest.mark.parametrize(("n", "k"), [(24, 256), (30, 384), (9, 1536)])  # 30, 9: a partial last tile
 def test_interleaved_gives_the_row_layout_bits(kind, half, m, n, k):
     packed, twin = _packed(kind, n, k, seed=n + k + m, half=half)
@@ -70,23 +68,20 @@ def test_interleaved_gives_the_row_layout_bits(kind, half, m, n, k):
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
 
 
-def test_the_avx2_passes_give_the_same_bits(tmp_path):
-    """LLMCTL_CPU_ISA=avx2 (read once per process, so in a child): the AVX2 passes of 2 x rows where
+def test_the_avx2_passes_give_the_same_bits():
+    """``set_isa_cap("avx2")``, applied to the loaded kernels at once: the AVX2 passes of 2 x rows where
     this CPU would take the AVX-512 pairs; both must give the row layout's bits."""
-    root = Path(__file__).resolve().parents[2]
-    script = (
-        "import sys, torch; sys.path.insert(0, 'tests/kernels');"
-        "from test_quant_interleaved import _packed; from llmctl_kernels.quant_native import bind_native;"
-        "p, _ = _packed('int4g32', 30, 384, seed=7, half=True);"
-        "torch.save(bind_native(p)(torch.randn(19, 384, generator=torch.Generator().manual_seed(1))), sys.argv[1])"
-    )
-    out = tmp_path / "avx2.pt"
-    env = {**os.environ, "LLMCTL_CPU_ISA": "avx2", "PYTHONPATH": str(root)}
-    subprocess.run([sys.executable, "-c", script, str(out)], cwd=root, env=env, check=True, timeout=600)
     packed, _ = _packed("int4g32", 30, 384, seed=7, half=True)
     x = torch.randn(19, 384, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(torch.load(out), quant_linear_native(x, packed, INT_PATH))
-    assert torch.equal(torch.load(out), bind_native(packed)(x))
+    best = bind_native(packed)(x)
+    set_isa_cap("avx2")
+    try:
+        assert load_quant_native().isa() == "avx2"
+        lowered = bind_native(packed)(x)
+    finally:
+        set_isa_cap(None)
+    assert torch.equal(lowered, quant_linear_native(x, packed, INT_PATH))
+    assert torch.equal(lowered, best)
 
 
 def test_tile_bytes_are_where_the_kernel_reads_them():
@@ -97,21 +92,24 @@ def test_tile_bytes_are_where_the_kernel_reads_them():
     scales = torch.arange(n * 2, dtype=torch.float16).reshape(n, 2) + 1
     mins = -scales
     tiles = load_quant_native().interleave_tiles(q, scales, mins, 32)
-    halves = lambda t: t.contiguous().view(torch.uint8).flatten()
-    expected = torch.cat([halves(scales[:, 0]), q[:, :16].flatten(), halves(scales[:, 1]), q[:, 16:].flatten(),
-                          halves(mins.t())])
+
+    def halves(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(torch.uint8).flatten()
+
+    expected = torch.cat(
+        [halves(scales[:, 0]), q[:, :16].flatten(), halves(scales[:, 1]), q[:, 16:].flatten(), halves(mins.t())]
+    )
     assert torch.equal(tiles, expected)
 
 
-def test_per_channel_int8_and_the_switch_keep_the_row_layout(monkeypatch):
+def test_per_channel_int8_and_the_switch_keep_the_row_layout():
     w = torch.randn(8, 128, generator=torch.Generator().manual_seed(2))
     assert not interleaves(quantize_int8(w))  # group == K: int8_linear's own per-channel path
     packed = quantize_int4(w, 32)
-    monkeypatch.setenv("LLMCTL_QUANT_INTERLEAVE", "0")
-    assert not interleaves(packed) and not isinstance(bind_native(packed), InterleavedKernel)
-    monkeypatch.setenv("LLMCTL_QUANT_EXACT_ACTIVATIONS", "1")
-    monkeypatch.delenv("LLMCTL_QUANT_INTERLEAVE")
-    assert not isinstance(bind_native(packed), InterleavedKernel)  # the slab path reads the rows
+    assert interleaves(packed) and isinstance(bind_native(packed), InterleavedKernel)
+    assert not interleaves(packed, interleave=False)
+    assert not isinstance(bind_native(packed, interleave=False), InterleavedKernel)
+    assert not isinstance(bind_native(packed, exact_activations=True), InterleavedKernel)  # the slab path reads rows
 
 
 def test_mismatched_tiles_are_refused():
@@ -152,8 +150,12 @@ def test_a_released_linear_layer_holds_its_bytes_once_and_computes_the_same(kind
     layer = nn.Module()
     packed, _ = _packed(kind, 30, 128, seed=5, half=False)
     if exact_half:  # float32 scales that are exact float16 values (GGUF's): kernel_packed keeps float16 copies
-        packed = type(packed)(packed.qweight, packed.scales.half().float(),
-                              None if packed.mins is None else packed.mins.half().float(), packed.group_size)
+        packed = type(packed)(
+            packed.qweight,
+            packed.scales.half().float(),
+            None if packed.mins is None else packed.mins.half().float(),
+            packed.group_size,
+        )
     attach_packed(layer, packed, torch.device("cpu"))
     x = torch.randn(3, 128)
     expected = bound_cpu_kernel(layer)(x)

@@ -3,8 +3,9 @@
 Tolerances: the slab (prefill) path and the fp8 kernel compute exactly the reference's products in
 float32, so they differ only by summation order (~1e-5 of the output scale). The integer path
 rounds the activations to int16 per 32-input block (per token for per-channel int8);
-against ``int_path_reference`` (the same rounding in torch) it again differs only by summation order, and against the plain reference by at most the
-rounding bound sum_k |w[n, k]| * scale_x(block of k) / 2, which the test computes and checks.
+against ``int_path_reference`` (the same rounding in torch) it again differs only by summation order,
+and against the plain reference by at most the rounding bound sum_k |w[n, k]| * scale_x(block of k) / 2,
+which the test computes and checks.
 """
 
 from __future__ import annotations
@@ -12,11 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmctl_kernels.quant_linear import ACTIVATION_BLOCK, ACTIVATION_LEVELS, int_path_reference, quant_linear_torch
-from llmctl_kernels.quant_linear import is_per_channel_int8
-from llmctl_kernels.quant_native import bind_native, native_unavailable_reason, quant_linear_native
-from llmctl.layers.quantization.formats import PackedInt4, PackedInt8, dequantize
 from llmctl.layers.quantization.quantize import quantize_fp8, quantize_int4, quantize_int8
+from llmctl_kernels.packed_formats import PackedInt4, PackedInt8, dequantize
+from llmctl_kernels.quant_linear import (
+    ACTIVATION_BLOCK,
+    ACTIVATION_LEVELS,
+    int_path_reference,
+    is_per_channel_int8,
+    quant_linear_torch,
+)
+from llmctl_kernels.quant_native import bind_native, native_unavailable_reason, quant_linear_native
 
 pytestmark = pytest.mark.no_device  # CPU kernels: run whatever the Triton test device is
 
@@ -41,7 +47,9 @@ def _packed(kind: str, w: torch.Tensor):
         return quantize_int8(w, int(kind[5:]))
     if kind == "int8-mins":  # an asymmetric int8 layout (what GGUF's Q5_K becomes)
         sym = quantize_int8(w, 32)
-        return PackedInt8(sym.qweight, sym.scales, torch.randn(n, k // 32, generator=torch.Generator().manual_seed(1)) * 0.1, 32)
+        return PackedInt8(
+            sym.qweight, sym.scales, torch.randn(n, k // 32, generator=torch.Generator().manual_seed(1)) * 0.1, 32
+        )
     return quantize_fp8(w)
 
 
@@ -82,8 +90,9 @@ def test_slab_path_matches_reference(kind, m):
     packed = _packed(kind, _weights(n, k, seed=3))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     expected = quant_linear_torch(x, packed)
-    torch.testing.assert_close(quant_linear_native(x, packed, SLAB_PATH), expected,
-                               atol=2e-5 * expected.abs().max().item(), rtol=1e-5)
+    torch.testing.assert_close(
+        quant_linear_native(x, packed, SLAB_PATH), expected, atol=2e-5 * expected.abs().max().item(), rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -137,13 +146,12 @@ def test_int4_rejects_odd_groups():
         quant_linear_native(torch.randn(1, 64), bad)
 
 
-def test_bound_kernel_computes_what_the_per_call_path_does(monkeypatch):
-    """``bind_native`` (what a layer keeps) fixes the path when bound: the environment is read then."""
+def test_bound_kernel_computes_what_the_per_call_path_does():
+    """``bind_native`` (what a layer keeps) fixes the path when bound."""
     packed = _packed("int4g32", _weights(40, 128, seed=9))
     x = torch.randn(3, 128)
     assert torch.equal(bind_native(packed)(x), quant_linear_native(x, packed, INT_PATH))
-    monkeypatch.setenv("LLMCTL_QUANT_EXACT_ACTIVATIONS", "1")
-    assert torch.equal(bind_native(packed)(x), quant_linear_native(x, packed, SLAB_PATH))
+    assert torch.equal(bind_native(packed, exact_activations=True)(x), quant_linear_native(x, packed, SLAB_PATH))
     fp8 = _packed("fp8", _weights(40, 128, seed=9))
     assert torch.equal(bind_native(fp8)(x), quant_linear_native(x, fp8))
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from kernel_testing import DEVICE
 
+from llmctl.layers.quantization.quantize import quantize_fp8, quantize_int4, quantize_int8
+from llmctl_kernels.packed_formats import PackedInt8
 from llmctl_kernels.quant_linear import quant_linear_torch
 from llmctl_kernels.quant_triton import quant_linear_triton
-from llmctl.layers.quantization.formats import PackedInt8
-from llmctl.layers.quantization.quantize import quantize_fp8, quantize_int4, quantize_int8
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
@@ -56,7 +56,7 @@ def test_fp8_decoding_covers_every_byte():
     k = 16 * ((finite.numel() + 15) // 16)
     q = torch.zeros(1, k, dtype=torch.uint8)
     q[0, : finite.numel()] = finite
-    from llmctl.layers.quantization.formats import PackedFp8
+    from llmctl_kernels.packed_formats import PackedFp8
 
     packed = PackedFp8(q.repeat(16, 1).to(DEVICE), torch.ones(16, device=DEVICE))
     eye = torch.eye(k, device=DEVICE)  # x = identity: y[i, n] = w[n, i]

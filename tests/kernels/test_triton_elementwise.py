@@ -16,9 +16,7 @@ from llmctl_kernels.kv_store import reshape_and_cache_torch, reshape_and_cache_t
 from llmctl_kernels.rms_norm import rms_norm_torch, rms_norm_triton
 from llmctl_kernels.rotary import rotary_embedding_torch, rotary_embedding_triton
 
-DTYPES = pytest.mark.parametrize(
-    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
-)
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 ULP_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 4e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}  # ~2 ulps
 
 

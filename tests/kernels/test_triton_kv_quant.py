@@ -16,12 +16,12 @@ import pytest
 import torch
 from kernel_testing import DEVICE, assert_close
 
+from llmctl.engine.kv_cache import KVFormat, QuantizedKVCache
+from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl_kernels import kv_quant as kq
 from llmctl_kernels.decode_attention import paged_decode_attention_quantized_triton
 from llmctl_kernels.kv_store import kivi_quantize_blocks_triton, quantize_and_cache_triton
 from llmctl_kernels.prefill_attention import paged_prefill_attention_quantized_triton
-from llmctl.engine.kv_cache import KVFormat, QuantizedKVCache
-from llmctl.layers.ops import AttentionMetadata, TorchOps
 
 QUANTIZED = [k for k in kq.KV_CACHE_DTYPES if k != "auto"]
 
@@ -41,8 +41,20 @@ class Scene:
     """A quantized one-layer pool holding ``history[i]`` tokens of sequence ``i`` (written by the
     reference store ``chunk`` tokens per step), and the step that writes ``new[i]`` more."""
 
-    def __init__(self, kind, history, new, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
-                 group_size=32, chunk=5, num_prefills=None):
+    def __init__(
+        self,
+        kind,
+        history,
+        new,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        group_size=32,
+        chunk=5,
+        num_prefills=None,
+    ):
         self.kind, self.dtype, self.block_size = kind, dtype, block_size
         self.num_prefills = len(new) if num_prefills is None else num_prefills
         self.seq_lens = [h + n for h, n in zip(history, new)]
@@ -74,8 +86,10 @@ class Scene:
     def _write(self, positions) -> None:
         slots = self._slots(positions)
         fmt = self.cache.fmt
-        k, v = _kv(len(slots), fmt.num_kv_heads, fmt.head_dim, self.dtype), _kv(len(slots), fmt.num_kv_heads,
-                                                                                fmt.head_dim, self.dtype)
+        k, v = (
+            _kv(len(slots), fmt.num_kv_heads, fmt.head_dim, self.dtype),
+            _kv(len(slots), fmt.num_kv_heads, fmt.head_dim, self.dtype),
+        )
         self.cache.begin_step(slots)
         self.cache.layer(0).store(k, v, torch.tensor(slots, device=DEVICE))
 
@@ -88,11 +102,16 @@ class Scene:
         lens = torch.tensor(self.seq_lens, dtype=torch.int32, device=DEVICE)
         tables = self.tables.to(DEVICE)
         return AttentionMetadata(
-            slot_mapping=torch.tensor(self.slots, device=DEVICE), num_prefills=p, num_prefill_tokens=loc[-1],
+            slot_mapping=torch.tensor(self.slots, device=DEVICE),
+            num_prefills=p,
+            num_prefill_tokens=loc[-1],
             num_decodes=len(self.seq_lens) - p,
             prefill_query_start_loc=torch.tensor(loc, dtype=torch.int32, device=DEVICE),
-            prefill_seq_lens=lens[:p], prefill_block_tables=tables[:p], prefill_is_fresh=False,
-            decode_seq_lens=lens[p:], decode_block_tables=tables[p:],
+            prefill_seq_lens=lens[:p],
+            prefill_block_tables=tables[:p],
+            prefill_is_fresh=False,
+            decode_seq_lens=lens[p:],
+            decode_block_tables=tables[p:],
             max_decode_seq_len=max(self.seq_lens[p:], default=0),
         )
 
@@ -119,8 +138,11 @@ def test_store_per_token_matches_reference_bit_for_bit(kind, num_kv_heads, head_
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("head_dim,group,block_size,heads", [(64, 32, 16, 2), (16, 8, 8, 3), (32, 32, 12, 1)],
-                         ids=["d64g32", "d16g8", "d32bs12"])
+@pytest.mark.parametrize(
+    "head_dim,group,block_size,heads",
+    [(64, 32, 16, 2), (16, 8, 8, 3), (32, 32, 12, 1)],
+    ids=["d64g32", "d16g8", "d32bs12"],
+)
 def test_kivi_block_quantization_matches_reference_bit_for_bit(bits, head_dim, group, block_size, heads):
     fmt = KVFormat(f"kivi{bits}", 1, heads, head_dim, block_size, torch.float32, group)
     cache = QuantizedKVCache(fmt, 5, 1, DEVICE)
@@ -132,8 +154,10 @@ def test_kivi_block_quantization_matches_reference_bit_for_bit(bits, head_dim, g
     index, blocks = torch.tensor([3, 1, 0], device=DEVICE), torch.tensor([4, 0, 2], device=DEVICE)
     kivi_quantize_blocks_triton(staging_k, staging_v, index, blocks, cache.layer(0).t, bits)
     t = cache.layer(0).t
-    expected = (*kq.quantize_kivi_keys(staging_k[index], bits),
-                *kq.quantize_kivi_values(staging_v[index], bits, fmt.value_group))
+    expected = (
+        *kq.quantize_kivi_keys(staging_k[index], bits),
+        *kq.quantize_kivi_values(staging_v[index], bits, fmt.value_group),
+    )
     names = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
     for name, want in zip(names, expected):
         assert torch.equal(t[name][blocks], want), name
@@ -152,8 +176,8 @@ def _decode_triton(scene: Scene, query: torch.Tensor, **kw) -> torch.Tensor:
     meta, layer, plan = scene.meta(), scene.cache.layer(0), scene.cache.plan
     fp = (layer.residual["k"], layer.residual["v"], plan.residual_table) if scene.cache.fmt.is_kivi else None
     return paged_decode_attention_quantized_triton(
-        query, layer.t, scene.kind, meta.decode_block_tables, meta.decode_seq_lens, scene.scale,
-        full_precision=fp, **kw)
+        query, layer.t, scene.kind, meta.decode_block_tables, meta.decode_seq_lens, scene.scale, full_precision=fp, **kw
+    )
 
 
 @pytest.mark.parametrize("kind", QUANTIZED)
@@ -221,8 +245,16 @@ def _prefill_triton(scene: Scene, **kw) -> torch.Tensor:
         kw["residual"] = (layer.residual["k"], layer.residual["v"], plan.residual_table)
     n = meta.num_prefill_tokens
     return paged_prefill_attention_quantized_triton(
-        scene.query[:n], layer.t, scene.kind, meta.prefill_block_tables, meta.prefill_query_start_loc,
-        meta.prefill_seq_lens, scene.scale, full_precision=fp, **kw)
+        scene.query[:n],
+        layer.t,
+        scene.kind,
+        meta.prefill_block_tables,
+        meta.prefill_query_start_loc,
+        meta.prefill_seq_lens,
+        scene.scale,
+        full_precision=fp,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("kind", QUANTIZED)
@@ -304,14 +336,25 @@ def test_prefill_with_a_multi_block_residual_window(kind):
                 staging.append(exact[:, rows])
         q = torch.randn(q_len, hq, dim)
         queries.append(q)
-        expected.append(kq.attend_causal_kivi(q, cached[0, :seq_len], cached[1, :seq_len], exact[0, :seq_len],
-                                              exact[1, :seq_len], window, dim**-0.5))
+        expected.append(
+            kq.attend_causal_kivi(
+                q, cached[0, :seq_len], cached[1, :seq_len], exact[0, :seq_len], exact[1, :seq_len], window, dim**-0.5
+            )
+        )
     staged = torch.stack(staging, 1)
     loc = torch.tensor([0, *itertools.accumulate(q for _, q in cases)], dtype=torch.int32)
     actual = paged_prefill_attention_quantized_triton(
-        torch.cat(queries).to(DEVICE), {n: x.to(DEVICE) for n, x in t.items()}, kind, tables.to(DEVICE),
-        loc.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), dim**-0.5,
+        torch.cat(queries).to(DEVICE),
+        {n: x.to(DEVICE) for n, x in t.items()},
+        kind,
+        tables.to(DEVICE),
+        loc.to(DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        dim**-0.5,
         full_precision=(staged[0].to(DEVICE), staged[1].to(DEVICE), staging_table.to(DEVICE)),
         residual=(residual[0].to(DEVICE), residual[1].to(DEVICE), residual_table.to(DEVICE)),
-        window=window, block_m=16, block_n=16)
+        window=window,
+        block_m=16,
+        block_n=16,
+    )
     assert_close(actual, torch.cat(expected).to(DEVICE), torch.float32)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from kernel_testing import DEVICE, assert_close
 
-from llmctl.layers.ops import AttentionMetadata, TorchOps, select_ops
+from llmctl.layers.backends import select_ops
+from llmctl.layers.ops import AttentionMetadata, TorchOps
 
 
 @pytest.mark.no_device
@@ -29,8 +30,9 @@ def test_select_ops():
         select_ops("cutlass", torch.device("cpu"))
 
 
-def _step(ctx_lens, q_lens, decode_lens, block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=32,
-          dtype=torch.float32):
+def _step(
+    ctx_lens, q_lens, decode_lens, block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32
+):
     """One engine step: prefill chunks (with cached prefixes ``ctx_lens``) then decodes.
 
     Returns the inputs and metadata plus caches already holding every prefix token."""
@@ -70,8 +72,14 @@ def _step(ctx_lens, q_lens, decode_lens, block_size=16, num_q_heads=4, num_kv_he
         decode_block_tables=tables[n_pre:],
         max_decode_seq_len=max(decode_lens, default=0),
     )
-    for name in ("slot_mapping", "prefill_query_start_loc", "prefill_seq_lens", "prefill_block_tables",
-                 "decode_seq_lens", "decode_block_tables"):
+    for name in (
+        "slot_mapping",
+        "prefill_query_start_loc",
+        "prefill_seq_lens",
+        "prefill_block_tables",
+        "decode_seq_lens",
+        "decode_block_tables",
+    ):
         setattr(meta, name, getattr(meta, name).to(DEVICE))
     total = num_tokens + 1
     query = torch.randn(total, num_q_heads, head_dim).to(dtype).to(DEVICE)

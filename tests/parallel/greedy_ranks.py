@@ -42,8 +42,12 @@ def main() -> None:
             run_worker(config)
             continue
         engine = LLMEngine(config)
-        params = [SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True,
-                                 prompt_logprobs=1 if i == 0 else None) for i in range(len(spec["prompts"]))]
+        params = [
+            SamplingParams(
+                temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True, prompt_logprobs=1 if i == 0 else None
+            )
+            for i in range(len(spec["prompts"]))
+        ]
         outputs = engine.generate(spec["prompts"], params)
         results[model_dir] = {
             "tokens": [o.outputs[0].token_ids for o in outputs],

@@ -34,11 +34,15 @@ def single_process(model_dirs) -> dict[str, dict]:
     for model_dir in model_dirs:
         # the suite's thread count stays as it is: only the ranks run one thread each
         engine = LLMEngine(EngineConfig(model=model_dir, skip_tokenizer=True, **{**ENGINE, "num_threads": None}))
-        params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                 prompt_logprobs=1 if i == 0 else None) for i in range(len(PROMPTS))]
+        params = [
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=1 if i == 0 else None)
+            for i in range(len(PROMPTS))
+        ]
         outputs = engine.generate(PROMPTS, params)
-        results[model_dir] = {"tokens": [o.outputs[0].token_ids for o in outputs],
-                              "prompt_logprobs": outputs[0].prompt_logprobs}
+        results[model_dir] = {
+            "tokens": [o.outputs[0].token_ids for o in outputs],
+            "prompt_logprobs": outputs[0].prompt_logprobs,
+        }
     return results
 
 
@@ -46,11 +50,20 @@ def single_process(model_dirs) -> dict[str, dict]:
 def test_greedy_tokens_match_one_process(tmp_path, model_dirs, single_process, tp, pp):
     spec = tmp_path / "spec.json"
     out = tmp_path / "out.json"
-    spec.write_text(json.dumps({"models": model_dirs, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-                                "engine": {**ENGINE, "tensor_parallel_size": tp, "pipeline_parallel_size": pp}}))
+    spec.write_text(
+        json.dumps(
+            {
+                "models": model_dirs,
+                "prompts": PROMPTS,
+                "max_tokens": MAX_TOKENS,
+                "engine": {**ENGINE, "tensor_parallel_size": tp, "pipeline_parallel_size": pp},
+            }
+        )
+    )
     # every step with two sequences or more is split into micro-batches, however few its tokens
-    torchrun(str(HERE / "greedy_ranks.py"), str(spec), str(out), nproc=tp * pp,
-             env={"LLMCTL_PP_MICRO_BATCH_MIN_TOKENS": "1"})
+    torchrun(
+        str(HERE / "greedy_ranks.py"), str(spec), str(out), nproc=tp * pp, env={"LLMCTL_PP_MICRO_BATCH_MIN_TOKENS": "1"}
+    )
     results = json.loads(out.read_text())
     for model_dir in model_dirs:
         expected, got = single_process[model_dir], results[model_dir]

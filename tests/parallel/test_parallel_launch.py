@@ -20,8 +20,14 @@ PROMPT = "Once upon a time"
 
 
 def llmctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmctl.cli", *args], cwd=REPO_ROOT, env=rank_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "llmctl.cli", *args],
+        cwd=REPO_ROOT,
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_tp_size_that_does_not_divide_the_heads_is_a_clear_error(stories_dir):
@@ -47,14 +53,44 @@ def free_port() -> int:
 
 def test_two_nodes_give_the_single_process_tokens(stories_dir):
     port = free_port()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
-               "--max-restarts", "0", "-m", "llmctl.cli", "generate", str(stories_dir), PROMPT, "-n", "24", "-t", "0",
-               "--tensor-parallel-size", "2", "--kv-cache-memory", "16MiB"]
-    nodes = [subprocess.Popen(command, cwd=REPO_ROOT, env=rank_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "two-nodes",
+        "--max-restarts",
+        "0",
+        "-m",
+        "llmctl.cli",
+        "generate",
+        str(stories_dir),
+        PROMPT,
+        "-n",
+        "24",
+        "-t",
+        "0",
+        "--tensor-parallel-size",
+        "2",
+        "--kv-cache-memory",
+        "16MiB",
+    ]
+    nodes = [
+        subprocess.Popen(
+            command, cwd=REPO_ROOT, env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     outputs = [node.communicate(timeout=240) for node in nodes]
-    for node, (out, err) in zip(nodes, outputs):
+    for node, (_out, err) in zip(nodes, outputs):
         assert node.returncode == 0, err
     engine = LLMEngine(EngineConfig(model=str(stories_dir), kv_cache_memory=16 << 20))
     expected = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text

@@ -16,25 +16,32 @@ from llmctl.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, Sc
 from llmctl.engine.sequence import FinishReason, Sequence, SequenceStatus
 from llmctl.layers.ops import AttentionMetadata
 from llmctl.parallel.driver import split_micro_batches
-from llmctl.parallel.pipeline import PipelinedSteps, drop_finished
+from llmctl.parallel.pipeline import PipelinedSteps, batches_in_flight, drop_finished
 from llmctl.parallel.wire import MicroBatch, StepMessage, decode_step, encode_step
 from llmctl.sampling_params import SamplingParams
 
 
 def metadata(num_decodes: int) -> AttentionMetadata:
     return AttentionMetadata(
-        slot_mapping=torch.arange(5 + num_decodes), num_prefills=1, num_prefill_tokens=5, num_decodes=num_decodes,
+        slot_mapping=torch.arange(5 + num_decodes),
+        num_prefills=1,
+        num_prefill_tokens=5,
+        num_decodes=num_decodes,
         prefill_query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
         prefill_seq_lens=torch.tensor([5], dtype=torch.int32),
-        prefill_block_tables=torch.tensor([[3, 4]], dtype=torch.int32), prefill_is_fresh=True,
+        prefill_block_tables=torch.tensor([[3, 4]], dtype=torch.int32),
+        prefill_is_fresh=True,
         decode_seq_lens=torch.arange(num_decodes, dtype=torch.int32) + 9,
         decode_block_tables=torch.arange(2 * num_decodes, dtype=torch.int32).view(num_decodes, 2),
-        max_decode_seq_len=9 + num_decodes)
+        max_decode_seq_len=9 + num_decodes,
+    )
 
 
 def test_step_message_round_trip():
-    batches = [MicroBatch(torch.arange(5 + n), torch.arange(5 + n) * 2, metadata(n), torch.tensor([4, 5, 6][: n + 1]))
-               for n in (2, 0)]
+    batches = [
+        MicroBatch(torch.arange(5 + n), torch.arange(5 + n) * 2, metadata(n), torch.tensor([4, 5, 6][: n + 1]))
+        for n in (2, 0)
+    ]
     sent = StepMessage(num_blocks_touched=17, blocks_to_copy=[(1, 2), (7, 9)], micro_batches=batches)
     got = decode_step(encode_step(sent), torch.device("cpu"))
     assert (got.num_blocks_touched, got.blocks_to_copy) == (17, [(1, 2), (7, 9)])
@@ -71,36 +78,51 @@ def test_layer_split_is_even_or_explicit():
         split_layers(2, 3)
 
 
-def decoding_scheduler(num_seqs: int, num_blocks: int) -> tuple[Scheduler, list[Sequence]]:
+def decoding_scheduler(num_seqs: int, num_blocks: int, batches_in_flight: int = 1) -> tuple[Scheduler, list[Sequence]]:
     """``num_seqs`` sequences of one full 4-token block each, past their prompt (one pending token)."""
-    scheduler = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=4, max_model_len=64, max_num_seqs=8,
-                                          max_num_batched_tokens=64))
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=4,
+            max_model_len=64,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            batches_in_flight=batches_in_flight,
+        )
+    )
     seqs = [Sequence(f"r{i}", [1, 2, 3, 4], 4, SamplingParams(max_tokens=8)) for i in range(num_seqs)]
     for seq in seqs:
         scheduler.add(seq)
-    first = scheduler.schedule()
-    scheduler.update_from_output(first, [5] * len(first.sampling))
+    launched = []  # the prompts, in as many batches as the pipeline holds (each takes its share)
+    while not (sched := scheduler.schedule()).is_empty:
+        scheduler.mark_in_flight(sched)
+        launched.append(sched)
+    for sched in launched:
+        scheduler.mark_landed(sched)
+        scheduler.update_from_output(sched, [5] * len(sched.sampling))
+    assert all(seq.token_ids == [1, 2, 3, 4, 5] for seq in seqs)
     return scheduler, seqs
 
 
 def test_pipelined_batches_take_turns_and_skip_sequences_in_flight():
-    scheduler, seqs = decoding_scheduler(5, num_blocks=64)
-    scheduler.pipeline_groups = 2
+    scheduler, seqs = decoding_scheduler(5, num_blocks=64, batches_in_flight=2)
     first = scheduler.schedule()
     assert [item.seq for item in first.decodes] == seqs[:3]  # its share: ceil(5 / 2)
-    scheduler.in_flight.update(item.seq.seq_id for item in first.scheduled)
+    scheduler.mark_in_flight(first)
     second = scheduler.schedule()
     assert [item.seq for item in second.decodes] == seqs[3:]
-    scheduler.in_flight.update(item.seq.seq_id for item in second.scheduled)
+    scheduler.mark_in_flight(second)
     assert scheduler.schedule().is_empty  # everything is in the pipeline
+    scheduler.mark_landed(first)
+    assert [item.seq for item in scheduler.schedule().decodes] == seqs[:3]  # back from the pipeline
 
 
 def test_a_sequence_in_flight_is_never_preempted():
-    scheduler, seqs = decoding_scheduler(4, num_blocks=4)  # the pool is full: each next token needs a block
-    scheduler.pipeline_groups = 2
+    # the pool is full: each next token needs a block
+    scheduler, seqs = decoding_scheduler(4, num_blocks=4, batches_in_flight=2)
     first = scheduler.schedule()  # seqs 0 and 1 take the blocks of 3 and 2, preempted
     assert [item.seq for item in first.decodes] == seqs[:2] and first.preempted == [seqs[3], seqs[2]]
-    scheduler.in_flight.update(item.seq.seq_id for item in first.scheduled)
+    scheduler.mark_in_flight(first)
     second = scheduler.schedule()  # 2 and 3 cannot come back: the only holders are in flight
     assert second.is_empty and not second.preempted
     assert all(seq.status is SequenceStatus.RUNNING and len(seq.block_table) == 2 for seq in seqs[:2])
@@ -123,7 +145,6 @@ class LaunchRecorder:
 
     def __init__(self) -> None:
         self.in_flight: deque[SimpleNamespace] = deque()
-        self.ctx = SimpleNamespace(pp_size=2)
 
     def launch(self, sched: SchedulerOutput) -> SimpleNamespace:
         self.in_flight.append(SimpleNamespace(sched=sched, launched_at=0.0))
@@ -135,7 +156,7 @@ class LaunchRecorder:
 
 
 def test_the_engine_books_one_batch_while_the_next_is_in_the_pipeline():
-    scheduler, seqs = decoding_scheduler(4, num_blocks=64)
+    scheduler, seqs = decoding_scheduler(4, num_blocks=64, batches_in_flight=2)
     runner = LaunchRecorder()
     pipeline = PipelinedSteps(scheduler, runner)  # type: ignore[arg-type]
     assert pipeline.advance() is None  # A launched: nothing to book yet
@@ -146,3 +167,12 @@ def test_the_engine_books_one_batch_while_the_next_is_in_the_pipeline():
     booked, _, _ = pipeline.advance()  # A' launched, B collected
     assert [item.seq for item in booked.decodes] == seqs[2:]
     assert scheduler.in_flight == {seq.seq_id for seq in seqs[:2]}
+
+
+def test_the_pipeline_holds_one_batch_per_stage_unless_told(monkeypatch):
+    monkeypatch.delenv("LLMCTL_PP_BATCHES_IN_FLIGHT", raising=False)
+    assert batches_in_flight(3) == 3
+    monkeypatch.setenv("LLMCTL_PP_BATCHES_IN_FLIGHT", "1")  # no overlap across steps, for comparisons
+    assert batches_in_flight(3) == 1
+    scheduler, _ = decoding_scheduler(2, num_blocks=64, batches_in_flight=batches_in_flight(3))
+    assert PipelinedSteps(scheduler, LaunchRecorder()).depth == 1  # type: ignore[arg-type]

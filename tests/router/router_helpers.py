@@ -1,5 +1,5 @@
 """Real ``llmctl serve`` replicas and ``llmctl router`` processes on 127.0.0.1, for the router tests
-and benchmarks/router.py alike."""
+and benchmarks/features/router.py alike."""
 
 from __future__ import annotations
 
@@ -18,10 +18,23 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 180
 # 12 MiB of fp32 KV is 48 blocks of
 # 16 tokens: about six of the workload's system prompts, so a replica that sees all eight evicts
-REPLICA_FLAGS = ("--threads", "1", "--dtype", "float32", "--kv-cache-memory", "12MiB", "--max-num-seqs", "8",
-                 "--log-level", "warning", "--no-access-log")
-WORDS = ("river dragon garden train moon engine story page memory pool block token step cache batch "
-         "queue prefix budget decode").split()
+REPLICA_FLAGS = (
+    "--threads",
+    "1",
+    "--dtype",
+    "float32",
+    "--kv-cache-memory",
+    "12MiB",
+    "--max-num-seqs",
+    "8",
+    "--log-level",
+    "warning",
+    "--no-access-log",
+)
+WORDS = (
+    "river dragon garden train moon engine story page memory pool block token step cache batch "
+    "queue prefix budget decode"
+).split()
 
 
 class Process:
@@ -32,8 +45,12 @@ class Process:
         self._log = open(log_path, "wb")
         # float32 runs the plain torch references, so the native CPU kernels are not even loaded
         # (loading them may wait on another process's build of them)
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false",
-               "LLMCTL_NATIVE_CPU_KERNELS": "0"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO_ROOT),
+            "TOKENIZERS_PARALLELISM": "false",
+            "LLMCTL_NATIVE_CPU_KERNELS": "0",
+        }
         self.proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.ready = re.compile(ready)
         self.url = ""
@@ -62,10 +79,26 @@ class Process:
 
 def start_replicas(count: int, log_dir: Path, *extra: str) -> list[Process]:
     """``count`` servers of the embedded model, started together, each on a free port."""
-    replicas = [Process([sys.executable, "-m", "llmctl.cli", "serve", "tiny-random-llama", "--host", "127.0.0.1",
-                         "--port", "0", *REPLICA_FLAGS, *extra],
-                        r"llmctl serve: .* at (http://127\.0\.0\.1:\d+)/v1", log_dir / f"replica{i}.log")
-                for i in range(count)]
+    replicas = [
+        Process(
+            [
+                sys.executable,
+                "-m",
+                "llmctl.cli",
+                "serve",
+                "tiny-random-llama",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                *REPLICA_FLAGS,
+                *extra,
+            ],
+            r"llmctl serve: .* at (http://127\.0\.0\.1:\d+)/v1",
+            log_dir / f"replica{i}.log",
+        )
+        for i in range(count)
+    ]
     try:
         for replica in replicas:
             replica.wait_ready()
@@ -79,8 +112,19 @@ def start_replicas(count: int, log_dir: Path, *extra: str) -> list[Process]:
 def start_router(replica_urls: list[str], log_dir: Path, *flags: str, expect_healthy: int | None = None) -> Process:
     """A router over ``replica_urls`` (or what its flags discover), ready once ``expect_healthy``
     replicas (default: all of ``replica_urls``) are in its rotation."""
-    command = [sys.executable, "-m", "llmctl.router", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
-               *[arg for url in replica_urls for arg in ("--replica", url)], *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "llmctl.router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--log-level",
+        "warning",
+        *[arg for url in replica_urls for arg in ("--replica", url)],
+        *flags,
+    ]
     name = "router-" + "-".join(f.strip("-") for f in flags[:2])
     router = Process(command, r"llmctl router: .* at (http://127\.0\.0\.1:\d+)/v1", log_dir / f"{name}.log")
     router.wait_ready()
@@ -107,8 +151,15 @@ def question(index: int) -> str:
 
 def shared_prefix_workload(systems: range, questions: int, max_tokens: int = 2) -> list[dict]:
     """Every system prompt with every question, interleaved (s0 q0, s1 q0, ..., s0 q1, ...)."""
-    return [{"messages": [{"role": "system", "content": system_prompt(s)}, {"role": "user", "content": question(q)}],
-             "max_tokens": max_tokens, "temperature": 0} for q in range(questions) for s in systems]
+    return [
+        {
+            "messages": [{"role": "system", "content": system_prompt(s)}, {"role": "user", "content": question(q)}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
+        for q in range(questions)
+        for s in systems
+    ]
 
 
 def prefix_cache_counters(urls: list[str]) -> tuple[float, float]:

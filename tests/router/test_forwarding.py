@@ -58,8 +58,9 @@ def test_a_5xx_before_any_byte_is_retried_on_another_replica_and_4xx_pass_throug
             assert seen == [A, B]  # round-robin starts at A, which is draining
             assert not app.state.replicas.replicas[A].healthy
             assert _counter(app, "llmctl:router_retries_total", reason="status") == 1
-            bad = await client.post("/v1/completions", json={**BODY, "max_tokens": -1},
-                                    headers={"Authorization": "Bearer k"})
+            bad = await client.post(
+                "/v1/completions", json={**BODY, "max_tokens": -1}, headers={"Authorization": "Bearer k"}
+            )
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
             assert seen[-1] == B and _counter(app, "llmctl:router_retries_total", reason="status") == 1
 

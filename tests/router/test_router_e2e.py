@@ -15,7 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from router_helpers import (
-    Process, metric_value, prefix_cache_counters, shared_prefix_workload, start_replicas, start_router,
+    Process,
+    metric_value,
+    prefix_cache_counters,
+    shared_prefix_workload,
+    start_replicas,
+    start_router,
 )
 
 CONCURRENCY = 3
@@ -48,8 +53,13 @@ def _normalized_events(text: str) -> list[str]:
 
 
 def test_streaming_through_the_router_equals_streaming_direct(cluster):
-    body = {"messages": [{"role": "user", "content": "Tell me about the moon and the river."}],
-            "max_tokens": 12, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": "Tell me about the moon and the river."}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     router = cluster["routers"]["prefix"].url
     with httpx.stream("POST", f"{router}/v1/chat/completions", json=body, timeout=60) as via:
         assert via.status_code == 200 and via.headers["content-type"].startswith("text/event-stream")
@@ -72,13 +82,15 @@ def test_router_discovers_replicas_through_dns(cluster):
     """``--discover NAME:PORT`` as with a headless Service; here the name is localhost."""
     replica = cluster["urls"][1]
     port = replica.rsplit(":", 1)[1]
-    router = start_router([], cluster["log_dir"], "--discover", f"localhost:{port}", "--discovery-interval", "1",
-                          expect_healthy=1)
+    router = start_router(
+        [], cluster["log_dir"], "--discover", f"localhost:{port}", "--discovery-interval", "1", expect_healthy=1
+    )
     cluster["processes"].append(router)
     table = httpx.get(f"{router.url}/router/replicas", timeout=10).json()["replicas"]
     assert {"url": replica, "healthy": True} in [{k: r[k] for k in ("url", "healthy")} for r in table]
-    answer = httpx.post(f"{router.url}/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 2},
-                        timeout=60)
+    answer = httpx.post(
+        f"{router.url}/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 2}, timeout=60
+    )
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
     router.kill()
 
@@ -115,16 +127,24 @@ def _stream_one(router: str, body: dict) -> dict:
     """One streamed chat request; whether bytes came back, whether it finished cleanly."""
     result = {"started": False, "finished": False, "status": None}
     try:
-        with httpx.stream("POST", f"{router}/v1/chat/completions", json={**body, "stream": True, "max_tokens": 8},
-                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as response:
+        with httpx.stream(
+            "POST",
+            f"{router}/v1/chat/completions",
+            json={**body, "stream": True, "max_tokens": 8},
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=120,
+        ) as response:
             result["status"] = response.status_code
             events = []
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     result["started"] = True
                     events.append(line[6:])
-            result["finished"] = (events[-1:] == ["[DONE]"] and '"error"' not in "".join(events)
-                                  and any('"finish_reason":"length"' in e.replace(" ", "") for e in events))
+            result["finished"] = (
+                events[-1:] == ["[DONE]"]
+                and '"error"' not in "".join(events)
+                and any('"finish_reason":"length"' in e.replace(" ", "") for e in events)
+            )
     except httpx.HTTPError as exc:
         result["error"] = repr(exc)
     return result
@@ -147,8 +167,9 @@ def test_killing_a_replica_mid_run_loses_no_request_that_had_not_started_streami
     # replica after the kill, and must be retried elsewhere (the kill is found by a refused
     # connection, not by a probe). It also wants an API key (the replicas want none: the header
     # passes through them unread).
-    router = start_router(cluster["urls"], cluster["log_dir"], "--policy", "round-robin", "--health-interval", "30",
-                          "--api-key", API_KEY)
+    router = start_router(
+        cluster["urls"], cluster["log_dir"], "--policy", "round-robin", "--health-interval", "30", "--api-key", API_KEY
+    )
     cluster["processes"].append(router)
     refused = httpx.post(f"{router.url}/v1/chat/completions", json=shared_prefix_workload(range(1), 1)[0], timeout=60)
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"

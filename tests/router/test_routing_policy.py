@@ -46,7 +46,8 @@ def test_routing_bytes_of_each_request_shape():
     assert tokens != routing_bytes("/v1/completions", {"prompt": [1, 3]})
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
     assert routing_bytes("/v1/chat/completions", parts) == routing_bytes(
-        "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}
+    )
     for malformed in (None, [], {"prompt": 3}, {"messages": "x"}):
         assert routing_bytes("/v1/chat/completions", malformed) in (b"",)
 
@@ -69,8 +70,9 @@ def test_same_prefix_goes_to_the_same_replica_and_prefixes_spread():
     homes = {}
     for s in range(24):
         system = f"System prompt {s}: " + "be brief and exact. " * 8
-        chosen = {policy.choose(prefix_key(_chat(system, f"question {q}")), replicas, urls, 0).replica.url
-                  for q in range(5)}
+        chosen = {
+            policy.choose(prefix_key(_chat(system, f"question {q}")), replicas, urls, 0).replica.url for q in range(5)
+        }
         assert len(chosen) == 1  # nothing in flight: never over the bound
         homes[s] = chosen.pop()
     assert len(set(homes.values())) == 3

@@ -24,14 +24,35 @@ STARTUP_TIMEOUT_S = 300  # a busy CI machine can take minutes to import torch
 class ServerProcess:
     """``python -m llmctl.cli serve MODEL --port 0 ...``; the URL comes from its startup line."""
 
-    def __init__(self, model: str, *args: str, log_path: Path, env: dict[str, str] | None = None,
-                 launcher: tuple[str, ...] = ("-m", "llmctl.cli")) -> None:
+    def __init__(
+        self,
+        model: str,
+        *args: str,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        launcher: tuple[str, ...] = ("-m", "llmctl.cli"),
+    ) -> None:
         self.log_path = log_path
-        command = [sys.executable, *launcher, "serve", model, "--host", "127.0.0.1", "--port", "0",
-                   "--threads", "1", "--log-level", "warning", "--no-access-log", *args]
+        command = [
+            sys.executable,
+            *launcher,
+            "serve",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--log-level",
+            "warning",
+            "--no-access-log",
+            *args,
+        ]
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            command, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         self.url = self._wait_ready()
         self.base_url = f"{self.url}/v1"
 
@@ -84,6 +105,7 @@ def scrape(http: httpx.Client) -> dict[str, dict[str, float]]:
     for family in text_string_to_metric_families(response.text):
         families[family.name] = {
             (s.name + json.dumps(s.labels, sort_keys=True) if s.labels.keys() - {"model_name"} else s.name): s.value
-            for s in family.samples}
+            for s in family.samples
+        }
         families[family.name]["type"] = family.type
     return families

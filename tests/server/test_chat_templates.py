@@ -22,8 +22,10 @@ from llmctl.cli import app
 from llmctl.models.embedded import embedded_tokenizer
 
 MODEL = "tiny-random-llama"
-PLAIN = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-         "{% if add_generation_prompt %}assistant:{% endif %}")
+PLAIN = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 ASK = [{"role": "user", "content": "Where is the cat?"}]
 CONTINUE = [*ASK, {"role": "assistant", "content": "The cat is"}]
 
@@ -32,9 +34,20 @@ CONTINUE = [*ASK, {"role": "assistant", "content": "The cat is"}]
 def server(start_server, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "qwen3_style.jinja"
     template.write_text(QWEN3_STYLE, encoding="utf-8")
-    return start_server(MODEL, "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "16MiB",
-                        "--chat-template", str(template), "--default-chat-template-kwargs",
-                        '{"enable_thinking": false}', "--trust-request-chat-template")
+    return start_server(
+        MODEL,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "16MiB",
+        "--chat-template",
+        str(template),
+        "--default-chat-template-kwargs",
+        '{"enable_thinking": false}',
+        "--trust-request-chat-template",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +62,9 @@ def expected_prompt(messages, template=QWEN3_STYLE, **kwargs) -> list[int]:
 
 
 def chat(client, messages=ASK, **extra_body):
-    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                          extra_body={"ignore_eos": True, **extra_body})
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body={"ignore_eos": True, **extra_body}
+    )
 
 
 def tokenize(server, messages=ASK, **fields) -> list[int]:
@@ -60,14 +74,22 @@ def tokenize(server, messages=ASK, **fields) -> list[int]:
 
 
 def completion_text(client, prompt: list[int]) -> str:
-    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    return (
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
 
 
-@pytest.mark.parametrize("request_kwargs, rendered_kwargs", [
-    ({}, {"enable_thinking": False}),  # the server's default
-    ({"chat_template_kwargs": {"enable_thinking": True}}, {"enable_thinking": True}),  # the request's wins
-])
+@pytest.mark.parametrize(
+    "request_kwargs, rendered_kwargs",
+    [
+        ({}, {"enable_thinking": False}),  # the server's default
+        ({"chat_template_kwargs": {"enable_thinking": True}}, {"enable_thinking": True}),  # the request's wins
+    ],
+)
 def test_template_and_its_variables_make_the_prompt(server, client, request_kwargs, rendered_kwargs):
     prompt = expected_prompt(ASK, **rendered_kwargs)
     assert tokenize(server, **request_kwargs) == prompt
@@ -109,20 +131,31 @@ def test_an_untrusted_server_refuses_request_templates(chat_server):
     assert refused.value.body["param"] == "chat_template"
     assert "--trust-request-chat-template" in refused.value.body["message"]
     # the model's own template, with a variable it does not use, still answers
-    ok = untrusted.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2,
-                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    ok = untrusted.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=2, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
     assert ok.choices[0].finish_reason in ("length", "stop")
 
 
-@pytest.mark.parametrize("extra_body, param, message", [
-    ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt: false"),
-    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "cannot set messages"),
-    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs", None),
-    ({"chat_template": "{% for %}"}, None, "refused the conversation"),
-    ({"chat_template": "{{ messages[0].content + 1 }}"}, None, "TypeError"),
-    ({"add_generation_prompt": False, "continue_final_message": True, "chat_template": "{{ messages | length }}"},
-     None, "did not write the last message's text"),
-])
+@pytest.mark.parametrize(
+    "extra_body, param, message",
+    [
+        ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt: false"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "cannot set messages"),
+        ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs", None),
+        ({"chat_template": "{% for %}"}, None, "refused the conversation"),
+        ({"chat_template": "{{ messages[0].content + 1 }}"}, None, "TypeError"),
+        (
+            {
+                "add_generation_prompt": False,
+                "continue_final_message": True,
+                "chat_template": "{{ messages | length }}",
+            },
+            None,
+            "did not write the last message's text",
+        ),
+    ],
+)
 def test_bad_template_fields_are_400s_and_lose_nothing(server, client, extra_body, param, message):
     with pytest.raises(openai.BadRequestError) as refused:
         chat(client, CONTINUE, **extra_body)
@@ -135,13 +168,16 @@ def test_bad_template_fields_are_400s_and_lose_nothing(server, client, extra_bod
     assert chat(client).choices[0].finish_reason == "length"  # still serving
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--default-chat-template-kwargs", "[1]"], "a JSON object"),
-    (["--default-chat-template-kwargs", "{enable_thinking: false}"], "not JSON"),
-    (["--default-chat-template-kwargs", json.dumps({"tools": []})], "tools cannot be set"),
-    (["--chat-template", "/nonexistent/template.jinja"], "no such file"),
-    (["--chat-template", "{% if %}"], "line 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--default-chat-template-kwargs", "[1]"], "a JSON object"),
+        (["--default-chat-template-kwargs", "{enable_thinking: false}"], "not JSON"),
+        (["--default-chat-template-kwargs", json.dumps({"tools": []})], "tools cannot be set"),
+        (["--chat-template", "/nonexistent/template.jinja"], "no such file"),
+        (["--chat-template", "{% if %}"], "line 1"),
+    ],
+)
 def test_bad_template_flags_are_one_line_before_loading(args, message):
     result = CliRunner().invoke(app, ["serve", MODEL, "--port", "0", *args])
     assert result.exit_code == 1, result.output

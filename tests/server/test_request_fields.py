@@ -46,8 +46,9 @@ def test_stop_token_ids_and_min_tokens(client):
     r = chat(client, max_tokens=10, logit_bias={str(FORCED): 100}, extra_body={"stop_token_ids": [FORCED]})
     choice = r.choices[0]
     assert (choice.finish_reason, choice.stop_reason, r.usage.completion_tokens) == ("stop", FORCED, 1)
-    held = chat(client, max_tokens=10, logit_bias={str(FORCED): 100},
-                extra_body={"stop_token_ids": [FORCED], "min_tokens": 3})
+    held = chat(
+        client, max_tokens=10, logit_bias={str(FORCED): 100}, extra_body={"stop_token_ids": [FORCED], "min_tokens": 3}
+    )
     assert held.usage.completion_tokens == 4 and held.choices[0].stop_reason == FORCED
 
 
@@ -76,15 +77,23 @@ def test_include_usage_with_n_and_structured_output(client):
 def test_top_logprobs_on_chat_stream_as_they_come(client):
     kwargs = dict(max_tokens=6, logprobs=True, top_logprobs=4, seed=2, extra_body={"ignore_eos": True})
     whole = chat(client, **kwargs).choices[0].logprobs.content
-    streamed = [entry for chunk in chat(client, stream=True, **kwargs) if chunk.choices and chunk.choices[0].logprobs
-                for entry in chunk.choices[0].logprobs.content]
+    streamed = [
+        entry
+        for chunk in chat(client, stream=True, **kwargs)
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
     assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in whole]
     assert all(len(e.top_logprobs) == 4 for e in streamed)
 
 
 def test_structured_outputs_hit_the_prefix_cache(client):
-    kwargs = dict(response_format=PERSON_FORMAT, seed=8, max_tokens=150,
-                  messages=[{"role": "user", "content": "A person, please."}])
+    kwargs = dict(
+        response_format=PERSON_FORMAT,
+        seed=8,
+        max_tokens=150,
+        messages=[{"role": "user", "content": "A person, please."}],
+    )
     first, second = chat(client, **kwargs), chat(client, **kwargs)
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     assert second.choices[0].message.content == first.choices[0].message.content
@@ -94,9 +103,16 @@ def test_structured_outputs_hit_the_prefix_cache(client):
 def test_structured_outputs_survive_preemption(client, server):
     """Six constrained requests need more than the pool's 16 blocks at once: some are preempted and
     recomputed; each still answers exactly what it answers alone, valid under the schema."""
-    requests = [dict(response_format=PERSON_FORMAT, seed=40 + i, max_tokens=150, extra_body={"ignore_eos": True},
-                     messages=[{"role": "user", "content": f"Person number {i}, please."}])
-                for i in range(6)]
+    requests = [
+        dict(
+            response_format=PERSON_FORMAT,
+            seed=40 + i,
+            max_tokens=150,
+            extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": f"Person number {i}, please."}],
+        )
+        for i in range(6)
+    ]
     alone = [chat(client, **kwargs).choices[0].message.content for kwargs in requests]
     with httpx.Client(base_url=server.url) as http:
         before = scrape(http)["llmctl:num_preemptions"]["llmctl:num_preemptions_total"]
@@ -114,15 +130,28 @@ def test_structured_outputs_survive_preemption(client, server):
 
 
 def completion(client, prompt, **extra_body):
-    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
-                                     extra_body={"ignore_eos": True, **extra_body}).choices[0]
+    return client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True, **extra_body},
+    ).choices[0]
 
 
 def test_allowed_token_ids_is_all_that_is_sampled(client):
     allowed = embedded_tokenizer().encode(" cat dog engine", add_special_tokens=False)
-    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, n=3, seed=4,
-                                  temperature=1.5, logprobs=0, extra_body={"allowed_token_ids": allowed,
-                                                                          "ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=16,
+        n=3,
+        seed=4,
+        temperature=1.5,
+        logprobs=0,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+    )
     texts = {embedded_tokenizer().decode([t]) for t in allowed}  # whole ASCII tokens: one text each
     for choice in r.choices:
         assert len(choice.logprobs.tokens) == 16 and set(choice.logprobs.tokens) <= texts, choice.logprobs.tokens
@@ -143,26 +172,35 @@ def test_bad_words_are_never_generated(client):
 def test_truncate_prompt_tokens_keeps_the_last_tokens(client):
     tokenizer = embedded_tokenizer()
     prompt = tokenizer.encode("One two three four five six seven eight nine ten", add_special_tokens=False)
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
-                                  extra_body={"truncate_prompt_tokens": 5, "ignore_eos": True})
-    short = client.completions.create(model=MODEL, prompt=prompt[-5:], max_tokens=8, temperature=0,
-                                      extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"truncate_prompt_tokens": 5, "ignore_eos": True},
+    )
+    short = client.completions.create(
+        model=MODEL, prompt=prompt[-5:], max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.usage.prompt_tokens == 5 and r.choices[0].text == short.choices[0].text
     answer = chat(client, max_tokens=4, extra_body={"truncate_prompt_tokens": 3})
     assert answer.usage.prompt_tokens == 3
 
 
-@pytest.mark.parametrize("extra_body, param", [
-    ({"use_beam_search": True}, "use_beam_search"),
-    ({"length_penalty": 0.5}, "length_penalty"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
-    ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
-    ({"logits_processors": ["my.module:Processor"]}, "logits_processors"),
-    ({"echo": True}, "echo"),
-    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    ({"allowed_token_ids": []}, "allowed_token_ids"),
-    ({"bad_words": [" "]}, "bad_words"),
-])
+@pytest.mark.parametrize(
+    "extra_body, param",
+    [
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"length_penalty": 0.5}, "length_penalty"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+        ({"logits_processors": ["my.module:Processor"]}, "logits_processors"),
+        ({"echo": True}, "echo"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"bad_words": [" "]}, "bad_words"),
+    ],
+)
 def test_what_would_change_the_output_unimplemented_is_refused_not_ignored(client, extra_body, param):
     with pytest.raises(openai.BadRequestError) as refused:
         chat(client, max_tokens=2, extra_body=extra_body)

@@ -19,9 +19,21 @@ def test_flags_are_named_as_in_vllm():
     result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
     assert result.exit_code == 0
     text = re.sub(r"\x1b\[[0-9;]*m", "", result.output)
-    for flag in ("--host", "--port", "--api-key", "--max-queue", "--served-model-name", "--drain-timeout",
-                 "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--dtype",
-                 "--enable-prefix-caching", "--no-prefix-caching"):
+    for flag in (
+        "--host",
+        "--port",
+        "--api-key",
+        "--max-queue",
+        "--served-model-name",
+        "--drain-timeout",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--block-size",
+        "--dtype",
+        "--enable-prefix-caching",
+        "--no-prefix-caching",
+    ):
         assert flag in text, flag
     assert "LLMCTL_API_KEY" in text
 
@@ -42,8 +54,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(start_server, stories_di
     first_tokens = threading.Event()
 
     def stream_completion() -> None:
-        body = {"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "temperature": 0,
-                "stream": True}
+        body = {"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():
                 if line.startswith("data: {"):
@@ -54,8 +65,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(start_server, stories_di
                     events_after.append({"done": True})
 
     def watch_stats() -> None:  # an endless stream of stats must not hold up the drain
-        with httpx.stream("GET", f"{server.base_url}/engine/stats/stream", params={"interval": 0.1},
-                          timeout=60) as response:
+        with httpx.stream(
+            "GET", f"{server.base_url}/engine/stats/stream", params={"interval": 0.1}, timeout=60
+        ) as response:
             for _ in response.iter_lines():
                 pass
         stats_ended.set()
@@ -109,8 +121,9 @@ def _start_cancellable_load(server) -> tuple[list[threading.Thread], dict[str, o
 
     def stream(index: int) -> None:
         events: list = []
-        with httpx.stream("POST", f"{server.base_url}/completions", json={**body, "stream": True},
-                          timeout=120) as response:
+        with httpx.stream(
+            "POST", f"{server.base_url}/completions", json={**body, "stream": True}, timeout=120
+        ) as response:
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))

@@ -18,16 +18,24 @@ LENGTH = 'llmctl:request_success_total{"finished_reason": "length", "model_name"
 
 def engine_idle(http: httpx.Client) -> bool:
     metrics = scrape(http)
-    return (metrics["llmctl:kv_cache_usage_perc"]["llmctl:kv_cache_usage_perc"] == 0
-            and metrics["llmctl:num_requests_running"]["llmctl:num_requests_running"] == 0
-            and metrics["llmctl:num_requests_waiting"]["llmctl:num_requests_waiting"] == 0)
+    return (
+        metrics["llmctl:kv_cache_usage_perc"]["llmctl:kv_cache_usage_perc"] == 0
+        and metrics["llmctl:num_requests_running"]["llmctl:num_requests_running"] == 0
+        and metrics["llmctl:num_requests_waiting"]["llmctl:num_requests_waiting"] == 0
+    )
 
 
 def test_dropped_streams_free_their_blocks(stories_server, http):
     before = scrape(http)["llmctl:request_success"]
     aborted_before, length_before = before[ABORTED], before.get(LENGTH, 0.0)
-    body = {"model": "stories", "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True,
-            "temperature": 0.8, "stream": True}
+    body = {
+        "model": "stories",
+        "prompt": "Once upon a time",
+        "max_tokens": 500,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "stream": True,
+    }
 
     async def drop_mid_stream(client: httpx.AsyncClient, i: int) -> int:
         events = 0
@@ -40,8 +48,9 @@ def test_dropped_streams_free_their_blocks(stories_server, http):
         return events
 
     async def main() -> list[int]:
-        async with httpx.AsyncClient(base_url=stories_server.url, headers={"Authorization": f"Bearer {API_KEY}"},
-                                     timeout=60) as client:
+        async with httpx.AsyncClient(
+            base_url=stories_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+        ) as client:
             return await asyncio.gather(*(drop_mid_stream(client, i) for i in range(20)))
 
     assert asyncio.run(main()) == [3] * 20
@@ -61,8 +70,9 @@ def test_dropped_streams_free_their_blocks(stories_server, http):
 def test_a_client_that_gives_up_waiting_aborts_its_request(stories_server, http):
     aborted_before = scrape(http)["llmctl:request_success"][ABORTED]
     body = {"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "temperature": 0, "n": 4}
-    with httpx.Client(base_url=stories_server.url, headers={"Authorization": f"Bearer {API_KEY}"},
-                      timeout=0.05) as impatient:
+    with httpx.Client(
+        base_url=stories_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.05
+    ) as impatient:
         try:
             impatient.post("/v1/completions", json=body)
         except httpx.ReadTimeout:
@@ -92,13 +102,17 @@ def test_200_concurrent_requests_equal_the_offline_engine(stories_server, storie
     async def main() -> list:
         client = openai.AsyncOpenAI(base_url=stories_server.base_url, api_key=API_KEY, max_retries=0, timeout=120)
         async with client:
-            return await asyncio.gather(*(
-                client.completions.create(model="stories", prompt=p, user=f"user{i % 4}", **load_params(i))
-                for i, p in enumerate(prompts)))
+            return await asyncio.gather(
+                *(
+                    client.completions.create(model="stories", prompt=p, user=f"user{i % 4}", **load_params(i))
+                    for i, p in enumerate(prompts)
+                )
+            )
 
     answers = asyncio.run(main())  # any error raises here: max_retries=0 hides nothing
     offline = LLMEngine(model=str(stories_dir), kv_cache_memory=64 << 20).generate(
-        prompts, [SamplingParams(**load_params(i)) for i in range(200)])
+        prompts, [SamplingParams(**load_params(i)) for i in range(200)]
+    )
     assert [a.choices[0].text for a in answers] == [o.outputs[0].text for o in offline]
     assert [a.choices[0].finish_reason for a in answers] == [o.outputs[0].finish_reason for o in offline]
     assert [a.usage.completion_tokens for a in answers] == [len(o.outputs[0].token_ids) for o in offline]

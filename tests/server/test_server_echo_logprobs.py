@@ -40,8 +40,7 @@ def hf_logprobs(stories_dir, prompt_ids) -> torch.Tensor:
 
 
 def test_max_tokens_0_scores_the_prompt_only(client, prompt_ids, hf_logprobs):
-    out = client.completions.create(model="stories", prompt=PROMPT, echo=True, max_tokens=0, logprobs=1,
-                                    temperature=0)
+    out = client.completions.create(model="stories", prompt=PROMPT, echo=True, max_tokens=0, logprobs=1, temperature=0)
     choice, lp = out.choices[0], out.choices[0].logprobs
     assert choice.text == PROMPT and choice.finish_reason == "length"
     assert out.usage.prompt_tokens == len(prompt_ids) and out.usage.completion_tokens == 0
@@ -58,17 +57,16 @@ def test_max_tokens_0_scores_the_prompt_only(client, prompt_ids, hf_logprobs):
 
 
 def test_echo_with_generation_puts_the_prompt_first(client, stories_dir, prompt_ids):
-    out = client.completions.create(model="stories", prompt=PROMPT, echo=True, max_tokens=6, logprobs=3,
-                                    temperature=0)
+    out = client.completions.create(model="stories", prompt=PROMPT, echo=True, max_tokens=6, logprobs=3, temperature=0)
     choice, lp = out.choices[0], out.choices[0].logprobs
     plain = client.completions.create(model="stories", prompt=PROMPT, max_tokens=6, logprobs=3, temperature=0)
     generated = plain.choices[0]
     assert choice.text == PROMPT + generated.text
     assert "".join(lp.tokens) == choice.text
     assert len(lp.tokens) == len(prompt_ids) + len(generated.logprobs.tokens)
-    assert lp.tokens[len(prompt_ids):] == generated.logprobs.tokens
-    assert lp.token_logprobs[len(prompt_ids):] == generated.logprobs.token_logprobs
-    assert lp.text_offset[len(prompt_ids):] == [len(PROMPT) + o for o in generated.logprobs.text_offset]
+    assert lp.tokens[len(prompt_ids) :] == generated.logprobs.tokens
+    assert lp.token_logprobs[len(prompt_ids) :] == generated.logprobs.token_logprobs
+    assert lp.text_offset[len(prompt_ids) :] == [len(PROMPT) + o for o in generated.logprobs.text_offset]
     engine = LLMEngine(model=str(stories_dir), dtype="float32", kv_cache_memory=8 << 20)
     (ref,) = engine.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3))
     for position, entry in enumerate(ref.prompt_logprobs[1:], start=1):
@@ -93,8 +91,17 @@ def streamed(chunks) -> dict[int, dict]:
     for chunk in chunks:
         usage = chunk.usage or usage
         for choice in chunk.choices:
-            entry = joined.setdefault(choice.index, {"text": "", "tokens": [], "token_logprobs": [], "top_logprobs": [],
-                                                     "text_offset": [], "finish_reason": None})
+            entry = joined.setdefault(
+                choice.index,
+                {
+                    "text": "",
+                    "tokens": [],
+                    "token_logprobs": [],
+                    "top_logprobs": [],
+                    "text_offset": [],
+                    "finish_reason": None,
+                },
+            )
             entry["text"] += choice.text
             entry["finish_reason"] = choice.finish_reason or entry["finish_reason"]
             if choice.logprobs is not None:
@@ -106,15 +113,28 @@ def streamed(chunks) -> dict[int, dict]:
 
 def whole(choice) -> dict:
     lp = choice.logprobs
-    return {"text": choice.text, "tokens": lp.tokens, "token_logprobs": lp.token_logprobs,
-            "top_logprobs": lp.top_logprobs, "text_offset": lp.text_offset, "finish_reason": choice.finish_reason}
+    return {
+        "text": choice.text,
+        "tokens": lp.tokens,
+        "token_logprobs": lp.token_logprobs,
+        "top_logprobs": lp.top_logprobs,
+        "text_offset": lp.text_offset,
+        "finish_reason": choice.finish_reason,
+    }
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1, 7])
 def test_streamed_echo_with_logprobs_equals_the_whole_answer(client, prompt_ids, max_tokens):
     """The prompt streams first (its text and scores), then the generated tokens, as in vLLM."""
-    kwargs = dict(model="stories", prompt=[PROMPT, "The cat sat"], echo=True, max_tokens=max_tokens, logprobs=2,
-                  temperature=0, n=2)
+    kwargs = dict(
+        model="stories",
+        prompt=[PROMPT, "The cat sat"],
+        echo=True,
+        max_tokens=max_tokens,
+        logprobs=2,
+        temperature=0,
+        n=2,
+    )
     expected = client.completions.create(**kwargs)
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     joined = streamed(chunks)
@@ -149,8 +169,15 @@ def test_max_tokens_0_without_echo_is_a_clear_400(client):
 
 
 def test_token_id_prompts_as_lm_eval_sends_them(client, prompt_ids, hf_logprobs):
-    out = client.completions.create(model="stories", prompt=[prompt_ids, prompt_ids[:5]], echo=True, max_tokens=0,
-                                    logprobs=1, temperature=0, seed=1234)
+    out = client.completions.create(
+        model="stories",
+        prompt=[prompt_ids, prompt_ids[:5]],
+        echo=True,
+        max_tokens=0,
+        logprobs=1,
+        temperature=0,
+        seed=1234,
+    )
     full, short = out.choices
     want = [hf_logprobs[i, token].item() for i, token in enumerate(prompt_ids[1:])]
     assert full.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)

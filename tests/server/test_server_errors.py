@@ -25,8 +25,13 @@ def completion(http: httpx.Client, **body) -> httpx.Response:
 
 
 def test_malformed_json_is_400(http):
-    for raw in (b'{"prompt": "Once upon', b"not json at all", b"\xff\xfe", b'{"prompt": "\\udcff"}',
-                b'{"prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}"):
+    for raw in (
+        b'{"prompt": "Once upon',
+        b"not json at all",
+        b"\xff\xfe",
+        b'{"prompt": "\\udcff"}',
+        b'{"prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    ):
         error = error_of(http.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"}), 400)
         assert error["type"] == "invalid_request_error" and "malformed JSON" in error["message"]
     error = error_of(http.post("/v1/chat/completions", content=b"[1, 2]"), 400)
@@ -36,31 +41,35 @@ def test_malformed_json_is_400(http):
         assert error["param"] == "temperature" and "finite" in error["message"]
 
 
-@pytest.mark.parametrize(("body", "param", "words"), [
-    ({"n": 0}, "n", "n must be"),
-    ({"temperature": -1}, "temperature", "temperature"),
-    ({"top_p": 0}, "top_p", "top_p"),
-    ({"max_tokens": 0}, "max_tokens", "max_tokens"),
-    ({"max_tokens": "many"}, "max_tokens", "valid integer"),
-    ({"logprobs": 21}, "logprobs", "logprobs"),
-    ({"stop": [""]}, "stop", "stop"),
-    ({"prompt": ""}, "prompt", "empty"),
-    ({"prompt": []}, "prompt", "empty"),
-    ({"prompt": [5, 99999]}, "prompt", "token ids"),
-    ({"prompt": [5, -1]}, "prompt", "token ids"),
-    ({"stream": "yes"}, "stream", "valid boolean"),
-    ({"max_tokens": "5"}, "max_tokens", "valid integer"),
-    ({"temperature": True}, "temperature", "valid number"),
-    ({"n": 1.0}, "n", "valid integer"),
-    ({"top_k": "40"}, "top_k", "valid integer"),
-    ({"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
-    ({"logit_bias": {"five": 1.0}}, "logit_bias", "token ids"),
-    ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
-    ({"min_tokens": 99}, "min_tokens", "max_tokens"),
-    ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
-    ({"prompt": None}, "prompt", "prompt"),
-    ({"seed": 2**70}, "seed", "seed"),
-], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"n": 0}, "n", "n must be"),
+        ({"temperature": -1}, "temperature", "temperature"),
+        ({"top_p": 0}, "top_p", "top_p"),
+        ({"max_tokens": 0}, "max_tokens", "max_tokens"),
+        ({"max_tokens": "many"}, "max_tokens", "valid integer"),
+        ({"logprobs": 21}, "logprobs", "logprobs"),
+        ({"stop": [""]}, "stop", "stop"),
+        ({"prompt": ""}, "prompt", "empty"),
+        ({"prompt": []}, "prompt", "empty"),
+        ({"prompt": [5, 99999]}, "prompt", "token ids"),
+        ({"prompt": [5, -1]}, "prompt", "token ids"),
+        ({"stream": "yes"}, "stream", "valid boolean"),
+        ({"max_tokens": "5"}, "max_tokens", "valid integer"),
+        ({"temperature": True}, "temperature", "valid number"),
+        ({"n": 1.0}, "n", "valid integer"),
+        ({"top_k": "40"}, "top_k", "valid integer"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+        ({"logit_bias": {"five": 1.0}}, "logit_bias", "token ids"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+        ({"min_tokens": 99}, "min_tokens", "max_tokens"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
+        ({"prompt": None}, "prompt", "prompt"),
+        ({"seed": 2**70}, "seed", "seed"),
+    ],
+    ids=lambda v: str(v),
+)
 def test_bad_parameters_are_400(http, body, param, words):
     error = error_of(completion(http, **body), 400)
     assert words in error["message"] and error["type"] == "invalid_request_error"
@@ -69,13 +78,18 @@ def test_bad_parameters_are_400(http, body, param, words):
 
 
 def test_lone_surrogates_nesting_and_non_finite_numbers_are_400_on_chat_too(http):
-    for raw in (b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
-                b'{"messages": ' + b"[" * 10000 + b"]" * 10000 + b"}"):
+    for raw in (
+        b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+        b'{"messages": ' + b"[" * 10000 + b"]" * 10000 + b"}",
+    ):
         error = error_of(http.post("/v1/chat/completions", content=raw), 400)
         assert "malformed JSON" in error["message"]
     chat = {"messages": [{"role": "user", "content": "hi"}]}
-    for body, param in (({"logprobs": "yes"}, "logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-                        ({"messages": [{"role": "user", "content": 5}]}, "messages")):
+    for body, param in (
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ):
         assert error_of(http.post("/v1/chat/completions", json={**chat, **body}), 400)["param"] == param
 
 
@@ -96,10 +110,13 @@ def test_body_over_the_limit_is_413(http):
 
 
 def test_bad_chat_parameters_are_400(http):
-    for body, words in (({"messages": []}, "empty"), ({}, "messages: Field required"),
-                        ({"messages": [{"content": "no role"}]}, "role"),
-                        ({"messages": [{"role": "bogus", "content": "Hi"}]}, "role"),
-                        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "logprobs: true")):
+    for body, words in (
+        ({"messages": []}, "empty"),
+        ({}, "messages: Field required"),
+        ({"messages": [{"content": "no role"}]}, "role"),
+        ({"messages": [{"role": "bogus", "content": "Hi"}]}, "role"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "logprobs: true"),
+    ):
         error = error_of(http.post("/v1/chat/completions", json={"model": "stories", **body}), 400)
         assert words in error["message"]
 
@@ -113,8 +130,17 @@ def test_over_long_prompts_are_400(http):
 
 
 def test_harmless_unknown_fields_are_ignored(http):
-    r = completion(http, max_tokens=3, temperature=0, metadata={"who": "test"}, store=False, frequency_penalty=0,
-                   logit_bias={}, best_of=1, some_future_field=[1, 2])
+    r = completion(
+        http,
+        max_tokens=3,
+        temperature=0,
+        metadata={"who": "test"},
+        store=False,
+        frequency_penalty=0,
+        logit_bias={},
+        best_of=1,
+        some_future_field=[1, 2],
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == ", there was"
 
 
@@ -165,9 +191,11 @@ def test_a_client_gone_before_its_body_ends_is_no_server_error(stories_server, h
     host, port = stories_server.url.removeprefix("http://").split(":")
     for path in ("/v1/completions", "/v1/chat/completions"):
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
-                         "Content-Type: application/json\r\nContent-Length: 4000\r\n\r\n".encode()
-                         + b'{"model": "stories", "prompt": "Once upon')
+            sock.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 4000\r\n\r\n".encode()
+                + b'{"model": "stories", "prompt": "Once upon'
+            )
             sock.shutdown(socket.SHUT_WR)  # the server sees the end of the stream mid-body ...
             while sock.recv(4096):  # ... and has finished with the request once it closes its side
                 pass

@@ -28,14 +28,17 @@ def stream_events(client: httpx.Client, body: dict) -> list:
 
 
 def test_a_failing_request_fails_alone(start_server, stories_dir):
-    server = start_server(str(stories_dir), "--kv-cache-memory", "16MiB", launcher=FAULTY,
-                          env={"LLMCTL_TEST_FAULTS": "detokenizer"})
+    server = start_server(
+        str(stories_dir), "--kv-cache-memory", "16MiB", launcher=FAULTY, env={"LLMCTL_TEST_FAULTS": "detokenizer"}
+    )
     with httpx.Client(base_url=server.url, timeout=120) as client:
         expected = client.post("/v1/completions", json={"prompt": "Once upon a time", **GREEDY}).json()
         expected_text = expected["choices"][0]["text"]
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            good = [pool.submit(client.post, "/v1/completions", json={"prompt": "Once upon a time", **GREEDY})
-                    for _ in range(3)]
+            good = [
+                pool.submit(client.post, "/v1/completions", json={"prompt": "Once upon a time", **GREEDY})
+                for _ in range(3)
+            ]
             bad = pool.submit(client.post, "/v1/completions", json={"prompt": "FAULT Once upon a time", **GREEDY})
             bad_stream = pool.submit(stream_events, client, {"prompt": "FAULT Lily", **GREEDY})
             good_stream = pool.submit(stream_events, client, {"prompt": "Once upon a time", **GREEDY})
@@ -56,8 +59,9 @@ def test_a_failing_request_fails_alone(start_server, stories_dir):
 
 
 def test_an_engine_fault_makes_the_server_exit_non_zero(start_server, stories_dir):
-    server = start_server(str(stories_dir), "--kv-cache-memory", "16MiB", launcher=FAULTY,
-                          env={"LLMCTL_TEST_FAULTS": "forward"})
+    server = start_server(
+        str(stories_dir), "--kv-cache-memory", "16MiB", launcher=FAULTY, env={"LLMCTL_TEST_FAULTS": "forward"}
+    )
     with httpx.Client(base_url=server.url, timeout=60) as client:
         assert client.post("/v1/completions", json={"prompt": "Once upon a time", **GREEDY}).status_code == 200
         response = client.post("/v1/completions", json={"prompt": "CRASH now", **GREEDY})
@@ -77,7 +81,7 @@ def test_an_engine_fault_makes_the_server_exit_non_zero(start_server, stories_di
 
 @pytest.fixture(scope="module")
 def random_llama_with_byte_fallback(tmp_path_factory, stories_dir):
-    """Issue 11's reproduction: a random-weight Llama with the stories260k tokenizer, whose greedy
+    """A random-weight Llama with the stories260k tokenizer, whose greedy
     output is a sequence of byte tokens that is not valid UTF-8."""
     from model_factory import make_hf_model
 

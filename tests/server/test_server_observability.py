@@ -11,12 +11,23 @@ from server_helpers import scrape, wait_until
 from llmctl.engine.stats import STATS_VERSION
 
 GAUGES = ("llmctl:kv_cache_usage_perc", "llmctl:num_requests_running", "llmctl:num_requests_waiting")
-COUNTERS = ("llmctl:prefix_cache_queries", "llmctl:prefix_cache_hits", "llmctl:num_preemptions",
-            "llmctl:prompt_tokens", "llmctl:generation_tokens", "llmctl:request_success",
-            "llmctl:spec_decode_num_drafts", "llmctl:spec_decode_num_draft_tokens",
-            "llmctl:spec_decode_num_accepted_tokens")
-HISTOGRAMS = ("llmctl:time_to_first_token_seconds", "llmctl:inter_token_latency_seconds",
-              "llmctl:e2e_request_latency_seconds", "llmctl:iteration_tokens_total")
+COUNTERS = (
+    "llmctl:prefix_cache_queries",
+    "llmctl:prefix_cache_hits",
+    "llmctl:num_preemptions",
+    "llmctl:prompt_tokens",
+    "llmctl:generation_tokens",
+    "llmctl:request_success",
+    "llmctl:spec_decode_num_drafts",
+    "llmctl:spec_decode_num_draft_tokens",
+    "llmctl:spec_decode_num_accepted_tokens",
+)
+HISTOGRAMS = (
+    "llmctl:time_to_first_token_seconds",
+    "llmctl:inter_token_latency_seconds",
+    "llmctl:e2e_request_latency_seconds",
+    "llmctl:iteration_tokens_total",
+)
 
 
 def test_metrics_exposition(http):
@@ -56,13 +67,22 @@ def test_stats_snapshot_shows_a_running_request(http):
     done = threading.Event()
 
     def long_request() -> None:
-        http.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
-                                           "temperature": 0, "user": "alice"})
+        http.post(
+            "/v1/completions",
+            json={
+                "prompt": "Once upon a time",
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "temperature": 0,
+                "user": "alice",
+            },
+        )
         done.set()
 
     thread = threading.Thread(target=long_request)
     thread.start()
     try:
+
         def running() -> dict | None:
             stats = http.get("/v1/engine/stats", params={"max_steps": 5}).json()
             return stats if any(r["user"] == "alice" and r["state"] == "running" for r in stats["requests"]) else None
@@ -87,7 +107,7 @@ def test_stats_stream(http):
         assert response.headers["content-type"].startswith("text/event-stream")
         for line in response.iter_lines():
             if line.startswith("data: "):
-                events.append(json.loads(line[len("data: "):]))
+                events.append(json.loads(line[len("data: ") :]))
             if len(events) == 3:
                 break
     assert [e["version"] for e in events] == [STATS_VERSION] * 3

@@ -46,8 +46,14 @@ def test_greedy_completion_is_the_reference_story(client, stories_dir):
 
 
 def test_streamed_completion_arrives_token_by_token(client):
-    stream = client.completions.create(model="stories", prompt="Once upon a time", max_tokens=30, temperature=0,
-                                       stream=True, stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model="stories",
+        prompt="Once upon a time",
+        max_tokens=30,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text_chunks = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in text_chunks) == STORY
@@ -66,8 +72,9 @@ def test_default_max_tokens_is_16_and_token_prompts_work(client):
 
 def test_n_and_seed_are_reproducible(client):
     def sample() -> list[str]:
-        r = client.completions.create(model="stories", prompt="Once upon a time", n=3, seed=7, temperature=1.0,
-                                      max_tokens=12, user="alice")
+        r = client.completions.create(
+            model="stories", prompt="Once upon a time", n=3, seed=7, temperature=1.0, max_tokens=12, user="alice"
+        )
         assert sorted(c.index for c in r.choices) == [0, 1, 2]
         return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
 
@@ -77,43 +84,48 @@ def test_n_and_seed_are_reproducible(client):
 
 
 def test_stop_strings_end_the_text_before_them(client):
-    r = client.completions.create(model="stories", prompt="Once upon a time", max_tokens=30, temperature=0,
-                                  stop=["Lily", "park"])
+    r = client.completions.create(
+        model="stories", prompt="Once upon a time", max_tokens=30, temperature=0, stop=["Lily", "park"]
+    )
     choice = r.choices[0]
     assert choice.text == ", there was a little girl named "
     assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == "Lily"
-    stream = client.completions.create(model="stories", prompt="Once upon a time", max_tokens=30, temperature=0,
-                                       stop="park", stream=True)
-    assert "".join(c.choices[0].text for c in stream) == STORY[:STORY.index("park")]
+    stream = client.completions.create(
+        model="stories", prompt="Once upon a time", max_tokens=30, temperature=0, stop="park", stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream) == STORY[: STORY.index("park")]
 
 
 def test_logprobs_in_the_completions_format(client):
-    r = client.completions.create(model="stories", prompt="Once upon a time", max_tokens=6, temperature=0,
-                                  logprobs=2)
+    r = client.completions.create(model="stories", prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2)
     choice = r.choices[0]
     lp = choice.logprobs
-    assert "".join(lp.tokens) == choice.text == STORY[:len(choice.text)]
+    assert "".join(lp.tokens) == choice.text == STORY[: len(choice.text)]
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert len(top) == 2 and top[token] == logprob == max(top.values()) <= 0  # greedy picks the top one
-    stream = client.completions.create(model="stories", prompt="Once upon a time", max_tokens=6, temperature=0,
-                                       logprobs=2, stream=True)
+    stream = client.completions.create(
+        model="stories", prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2, stream=True
+    )
     streamed = [t for c in stream for t in c.choices[0].logprobs.tokens]
     assert streamed == lp.tokens
 
 
 def test_several_prompts_and_echo(client):
-    r = client.completions.create(model="stories", prompt=["Once upon a time", "Lily went"], n=2, max_tokens=4,
-                                  temperature=0)
+    r = client.completions.create(
+        model="stories", prompt=["Once upon a time", "Lily went"], n=2, max_tokens=4, temperature=0
+    )
     by_index = {c.index: c.text for c in r.choices}
     assert sorted(by_index) == [0, 1, 2, 3]
     assert by_index[0] == by_index[1] == ", there was a"  # prompt 0, samples 0 and 1
     assert by_index[2] == by_index[3] != by_index[0]
-    echoed = client.completions.create(model="stories", prompt="Once upon a time", max_tokens=4, temperature=0,
-                                       echo=True)
+    echoed = client.completions.create(
+        model="stories", prompt="Once upon a time", max_tokens=4, temperature=0, echo=True
+    )
     assert echoed.choices[0].text == "Once upon a time, there was a"
-    stream = client.completions.create(model="stories", prompt="Once upon a time", max_tokens=4, temperature=0,
-                                       echo=True, stream=True)
+    stream = client.completions.create(
+        model="stories", prompt="Once upon a time", max_tokens=4, temperature=0, echo=True, stream=True
+    )
     assert "".join(c.choices[0].text for c in stream) == echoed.choices[0].text
 
 
@@ -134,8 +146,10 @@ def test_chat_on_a_base_model_is_a_clear_400(client):
 
 
 # ---- chat ----------------------------------------------------------------------------------------
-MESSAGES = [{"role": "system", "content": "You tell short stories."},
-            {"role": "user", "content": "Tell me about the engine."}]
+MESSAGES = [
+    {"role": "system", "content": "You tell short stories."},
+    {"role": "user", "content": "Tell me about the engine."},
+]
 
 
 def offline_chat(engine: LLMEngine, params: SamplingParams):
@@ -144,8 +158,7 @@ def offline_chat(engine: LLMEngine, params: SamplingParams):
 
 
 def test_chat_completion_matches_the_offline_engine(chat_client, tiny_engine):
-    r = chat_client.chat.completions.create(model="tiny-random-llama", messages=MESSAGES, max_tokens=8,
-                                            temperature=0)
+    r = chat_client.chat.completions.create(model="tiny-random-llama", messages=MESSAGES, max_tokens=8, temperature=0)
     expected = offline_chat(tiny_engine, SamplingParams(max_tokens=8, temperature=0))
     assert r.object == "chat.completion"
     message = r.choices[0].message
@@ -168,19 +181,31 @@ def test_streamed_chat(chat_client):
 
 
 def test_chat_answers_use_the_context_left_by_default(chat_client):
-    r = chat_client.chat.completions.create(model="tiny-random-llama", messages=MESSAGES, temperature=0,
-                                            extra_body={"ignore_eos": True})
+    r = chat_client.chat.completions.create(
+        model="tiny-random-llama", messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].finish_reason == "length"
     assert r.usage.total_tokens == 64  # the server's --max-model-len
-    capped = chat_client.chat.completions.create(model="tiny-random-llama", messages=MESSAGES, temperature=0,
-                                                 max_completion_tokens=3, extra_body={"ignore_eos": True})
+    capped = chat_client.chat.completions.create(
+        model="tiny-random-llama",
+        messages=MESSAGES,
+        temperature=0,
+        max_completion_tokens=3,
+        extra_body={"ignore_eos": True},
+    )
     assert capped.usage.completion_tokens == 3
 
 
 def test_chat_logprobs_and_seeded_samples(chat_client, tiny_engine):
-    r = chat_client.chat.completions.create(model="tiny-random-llama", messages=MESSAGES, max_tokens=5,
-                                            temperature=0, logprobs=True, top_logprobs=3,
-                                            extra_body={"ignore_eos": True})
+    r = chat_client.chat.completions.create(
+        model="tiny-random-llama",
+        messages=MESSAGES,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     content = r.choices[0].logprobs.content
     expected = offline_chat(tiny_engine, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3))
     assert [c.logprob for c in content] == pytest.approx(expected.outputs[0].logprobs)
@@ -188,8 +213,15 @@ def test_chat_logprobs_and_seeded_samples(chat_client, tiny_engine):
         assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
 
     def sample() -> list[str]:
-        s = chat_client.chat.completions.create(model="tiny-random-llama", messages=MESSAGES, max_tokens=6,
-                                                temperature=1.0, n=2, seed=11, extra_body={"ignore_eos": True})
+        s = chat_client.chat.completions.create(
+            model="tiny-random-llama",
+            messages=MESSAGES,
+            max_tokens=6,
+            temperature=1.0,
+            n=2,
+            seed=11,
+            extra_body={"ignore_eos": True},
+        )
         return [c.message.content for c in sorted(s.choices, key=lambda c: c.index)]
 
     first = sample()

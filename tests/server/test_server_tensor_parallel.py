@@ -26,8 +26,16 @@ from test_server_openai_client import (  # noqa: F401  (collected again, against
     test_streamed_completion_arrives_token_by_token,
 )
 
-TP_FLAGS = ("--tensor-parallel-size", "2", "--api-key", API_KEY, "--kv-cache-memory", "64MiB",
-            "--served-model-name", "stories")
+TP_FLAGS = (
+    "--tensor-parallel-size",
+    "2",
+    "--api-key",
+    API_KEY,
+    "--kv-cache-memory",
+    "64MiB",
+    "--served-model-name",
+    "stories",
+)
 EXIT_WITHIN_S = 30  # the agent notices a dead rank in 0.1 s; the rest is process teardown on a busy CI box
 
 
@@ -79,9 +87,14 @@ def stories_server(start_server, stories_dir) -> ServerProcess:
 
 
 def test_two_ranks_run_and_sigterm_stops_them_all(stories_server):
-    ranks = wait_until(lambda: [p for p in children(stories_server.proc.pid) if rank_of(p) is not None]
-                       if len([p for p in children(stories_server.proc.pid) if rank_of(p) is not None]) >= 2
-                       else None, timeout=10)
+    ranks = wait_until(
+        lambda: (
+            [p for p in children(stories_server.proc.pid) if rank_of(p) is not None]
+            if len([p for p in children(stories_server.proc.pid) if rank_of(p) is not None]) >= 2
+            else None
+        ),
+        timeout=10,
+    )
     assert sorted(rank_of(p) for p in ranks) == [0, 1]
     descendants = children(stories_server.proc.pid)
     started = time.monotonic()

@@ -21,14 +21,31 @@ from structured_schemas import PERSON
 from llmctl.models.embedded import embedded_tokenizer
 
 PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
-                                                    "unit": {"enum": ["c", "f"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
-    "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["utc", "cet"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOLS = [WEATHER, CLOCK]
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "Tell me about a person."}]
@@ -37,8 +54,16 @@ CHOICES = ["red", "green", "blue and gold"]
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server("tiny-random-llama", "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--dtype", "float32",
-                        env={"LLMCTL_API_KEY": API_KEY})
+    return start_server(
+        "tiny-random-llama",
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory",
+        "64MiB",
+        "--dtype",
+        "float32",
+        env={"LLMCTL_API_KEY": API_KEY},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +92,21 @@ def person_ok(text: str) -> None:
 
 
 def test_json_schema_holds_for_every_sample_of_a_mixed_batch(client):
-    constrained = [lambda s=s: chat(client, response_format=PERSON_FORMAT, seed=s, temperature=1.0, max_tokens=450)
-                   for s in range(4)]
+    constrained = [
+        lambda s=s: chat(client, response_format=PERSON_FORMAT, seed=s, temperature=1.0, max_tokens=450)
+        for s in range(4)
+    ]
     constrained.append(lambda: chat(client, response_format=PERSON_FORMAT, n=2, seed=40, max_tokens=450))
     constrained.append(lambda: chat(client, response_format=PERSON_FORMAT, temperature=0, max_tokens=450))
-    constrained.append(lambda: complete(client, prompt="Person:", max_tokens=450, seed=5,
-                                        extra_body={"response_format": PERSON_FORMAT}))
+    constrained.append(
+        lambda: complete(
+            client, prompt="Person:", max_tokens=450, seed=5, extra_body={"response_format": PERSON_FORMAT}
+        )
+    )
     constrained.append(lambda: chat(client, seed=6, max_tokens=450, extra_body={"guided_json": PERSON}))
-    constrained.append(lambda: chat(client, seed=7, max_tokens=450,
-                                    extra_body={"structured_outputs": {"json": PERSON}}))
+    constrained.append(
+        lambda: chat(client, seed=7, max_tokens=450, extra_body={"structured_outputs": {"json": PERSON}})
+    )
     free = [lambda s=s: chat(client, seed=s, temperature=1.0, max_tokens=40) for s in range(4)]
     free.append(lambda: complete(client, prompt="Once upon a time", max_tokens=40, seed=1))
     results = concurrently(constrained + free)
@@ -87,8 +118,10 @@ def test_json_schema_holds_for_every_sample_of_a_mixed_batch(client):
             person_ok(text)
             samples += 1
     assert samples == 10
-    free_texts = [r.choices[0].message.content if hasattr(r.choices[0], "message") else r.choices[0].text
-                  for r in results[len(constrained):]]
+    free_texts = [
+        r.choices[0].message.content if hasattr(r.choices[0], "message") else r.choices[0].text
+        for r in results[len(constrained) :]
+    ]
     assert any(not t.lstrip().startswith("{") for t in free_texts)  # the free ones were not constrained
 
 
@@ -102,8 +135,9 @@ def test_json_object_gives_an_object(client):
 def test_guided_choice_returns_one_of_the_choices(client, seed):
     r = chat(client, seed=seed, max_tokens=20, extra_body={"guided_choice": CHOICES})
     assert r.choices[0].message.content in CHOICES and r.choices[0].finish_reason == "stop"
-    r = complete(client, prompt="Colour:", seed=seed, max_tokens=20,
-                 extra_body={"structured_outputs": {"choice": CHOICES}})
+    r = complete(
+        client, prompt="Colour:", seed=seed, max_tokens=20, extra_body={"structured_outputs": {"choice": CHOICES}}
+    )
     assert r.choices[0].text in CHOICES
 
 
@@ -132,8 +166,13 @@ def validate_calls(calls, names=None) -> list[str]:
 
 @pytest.mark.parametrize("seed", range(2))
 def test_forced_tool_calls_parse_and_validate(client, seed):
-    named = chat(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
-                 seed=seed, max_tokens=200)
+    named = chat(
+        client,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        seed=seed,
+        max_tokens=200,
+    )
     choice = named.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     validate_calls(choice.message.tool_calls, ["get_time"])
@@ -160,17 +199,23 @@ def streamed_calls(chunks, fragments: list | None = None):
 
 
 HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'
-LLAMA_CALLS = ('{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}; '
-               '{"name": "get_time", "parameters": {"zone": "utc"}}')
+LLAMA_CALLS = (
+    '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}; '
+    '{"name": "get_time", "parameters": {"zone": "utc"}}'
+)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(tool_choice="required", seed=5, max_tokens=450),
-    dict(tool_choice="required", seed=6, max_tokens=450),
-    dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}, seed=7, max_tokens=200),
-    dict(seed=1, max_tokens=100, extra_body={"guided_regex": re.escape(HERMES_CALL)}),  # auto: Hermes
-    dict(seed=1, max_tokens=100, extra_body={"guided_regex": re.escape(LLAMA_CALLS)}),  # auto: Llama 3 JSON
-], ids=["required", "required-2", "named", "hermes", "llama3-json"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(tool_choice="required", seed=5, max_tokens=450),
+        dict(tool_choice="required", seed=6, max_tokens=450),
+        dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}, seed=7, max_tokens=200),
+        dict(seed=1, max_tokens=100, extra_body={"guided_regex": re.escape(HERMES_CALL)}),  # auto: Hermes
+        dict(seed=1, max_tokens=100, extra_body={"guided_regex": re.escape(LLAMA_CALLS)}),  # auto: Llama 3 JSON
+    ],
+    ids=["required", "required-2", "named", "hermes", "llama3-json"],
+)
 def test_tool_calls_stream_as_deltas(client, kwargs):
     """The name first, then the arguments in fragments as the model writes them; joined, exactly the
     non-streamed calls."""
@@ -189,17 +234,36 @@ def test_auto_tool_choice_parses_hermes_calls_from_the_text(client):
     """The model is made to write a Hermes call (a regex forces the text); tool_choice auto parses it."""
     kwargs = dict(tools=TOOLS, seed=1, max_tokens=100, extra_body={"guided_regex": re.escape(HERMES_CALL)})
     message = chat(client, **kwargs).choices[0].message
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
-        [("get_weather", {"city": "Oslo", "unit": "c"})]
-    plain = chat(client, tools=TOOLS, tool_choice="none", seed=1, max_tokens=100,
-                 extra_body={"guided_regex": re.escape(HERMES_CALL)}).choices[0].message
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "c"})
+    ]
+    plain = (
+        chat(
+            client,
+            tools=TOOLS,
+            tool_choice="none",
+            seed=1,
+            max_tokens=100,
+            extra_body={"guided_regex": re.escape(HERMES_CALL)},
+        )
+        .choices[0]
+        .message
+    )
     assert plain.tool_calls is None and plain.content == HERMES_CALL
 
 
 def test_tool_results_are_accepted_in_the_conversation(client):
-    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    messages = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
     r = chat(client, messages=messages, tools=TOOLS, max_tokens=5, seed=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
@@ -209,8 +273,7 @@ EOS = embedded_tokenizer().eos_token_ids
 
 def test_min_tokens_and_logit_bias_take_effect(client):
     eos = min(EOS)
-    r = chat(client, temperature=0, max_tokens=40, logit_bias={str(eos): 100},
-             extra_body={"min_tokens": 5})
+    r = chat(client, temperature=0, max_tokens=40, logit_bias={str(eos): 100}, extra_body={"min_tokens": 5})
     assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "stop"
     favourite = embedded_tokenizer().encode(" engine", add_special_tokens=False)[0]
     r = complete(client, prompt="Once", temperature=0, max_tokens=6, logit_bias={str(favourite): 100})
@@ -239,10 +302,18 @@ def answer(r):
     differently)."""
     choice = r.choices[0]
     calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
-    tops = [[(t.token, t.logprob) for t in token.top_logprobs] for token in choice.logprobs.content] \
-        if choice.logprobs else []
-    exact = (choice.message.content, calls, choice.finish_reason, r.usage.completion_tokens,
-             [[token for token, _ in top] for top in tops])
+    tops = (
+        [[(t.token, t.logprob) for t in token.top_logprobs] for token in choice.logprobs.content]
+        if choice.logprobs
+        else []
+    )
+    exact = (
+        choice.message.content,
+        calls,
+        choice.finish_reason,
+        r.usage.completion_tokens,
+        [[token for token, _ in top] for top in tops],
+    )
     return exact, [logprob for top in tops for _, logprob in top]
 
 
@@ -259,15 +330,20 @@ def test_every_new_field_batched_equals_alone(client):
     assert alone[0][0] != answer(chat(client, temperature=0, max_tokens=24))[0]  # the penalty changed it
 
 
-@pytest.mark.parametrize("body, words", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "sandwich"}}}},
-     "sandwich"),
-    ({"extra_body": {"guided_regex": "[a-"}}, "unclosed character class"),
-    ({"response_format": {"type": "json_object"}, "extra_body": {"guided_choice": ["a"]}}, "one output constraint"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "launch"),
-    ({"logit_bias": {"999999": 1}}, "logit_bias"),
-    ({"presence_penalty": 3}, "presence_penalty"),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "sandwich"}}}},
+            "sandwich",
+        ),
+        ({"extra_body": {"guided_regex": "[a-"}}, "unclosed character class"),
+        ({"response_format": {"type": "json_object"}, "extra_body": {"guided_choice": ["a"]}}, "one output constraint"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "launch"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+    ],
+)
 def test_bad_constraints_are_400_naming_the_problem(client, body, words):
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, max_tokens=5, **body)

@@ -79,7 +79,7 @@ def test_batch_panel_shows_the_last_steps(snapshots):
         await feed(app, 3, pilot)  # steps 1..36, merged from three snapshots
         steps = snapshots[2]["steps"]
         bars = app.query_one(StepBars)
-        shown = [(s["step"], s["prefill_tokens"], s["decode_tokens"]) for s in steps][-bars.size.width:]
+        shown = [(s["step"], s["prefill_tokens"], s["decode_tokens"]) for s in steps][-bars.size.width :]
         assert bars.shown == shown
         assert bars.scale == max(p + d for _, p, d in shown)
         last = steps[-1]
@@ -124,8 +124,14 @@ def test_requests_table_rows_sorting_and_selection_highlight(snapshots):
             row = table.get_row(request_id)
             request = by_id[request_id]
             assert [str(row[0]), row[1], str(row[2]), row[3], row[4], row[5], row[6]] == [
-                request["id"], request["user"], request["state"], request["prompt_tokens"],
-                request["generated_tokens"], len(request["blocks"]), request["cached_tokens"]]
+                request["id"],
+                request["user"],
+                request["state"],
+                request["prompt_tokens"],
+                request["generated_tokens"],
+                len(request["blocks"]),
+                request["cached_tokens"],
+            ]
         # default order: oldest first
         ages = [by_id[i]["age_s"] for i in table.row_ids]
         assert ages == sorted(ages, reverse=True)

@@ -44,7 +44,7 @@ def test_layout_at_common_sizes(snapshots, size):
         assert set(shown) | set(hidden) == set(COLUMN_KEYS) and {"id", "state", "age"} <= set(shown)
         table_lines = [line for line in lines if "Requests (25)" in line]
         header = lines[lines.index(table_lines[0]) + 1]
-        left = header[:header.index("││") + 1] if "││" in header else header
+        left = header[: header.index("││") + 1] if "││" in header else header
         assert _header_labels(left) == " ".join(BY_KEY[k].label for k in shown).split()
         if hidden:  # the marker names what was dropped
             assert f"hidden: {', '.join(BY_KEY[k].label for k in hidden)}" in text

@@ -23,8 +23,12 @@ def test_top_local_shows_a_live_engine(monkeypatch):
             while time.monotonic() < deadline:
                 await pilot.pause(0.3)
                 state = app.state
-                if state.snapshot and state.snapshot["requests"] and any(state.output_tokens_per_s) \
-                        and state.snapshot["latency"]["count"] > 0:
+                if (
+                    state.snapshot
+                    and state.snapshot["requests"]
+                    and any(state.output_tokens_per_s)
+                    and state.snapshot["latency"]["count"] > 0
+                ):
                     break
             await pilot.pause()
             seen["snapshot"] = app.state.snapshot
@@ -39,10 +43,23 @@ def test_top_local_shows_a_live_engine(monkeypatch):
         seen["closed"] = app.source.async_engine is None
 
     monkeypatch.setattr(tui_cli, "run_app", run_headless)
-    result = CliRunner().invoke(cli_app, [
-        "top", "--local", "--kv-cache-memory", "8MiB", "--max-num-seqs", "8", "--rate", "20",
-        "--threads", "1", "--interval", "0.2",
-    ])
+    result = CliRunner().invoke(
+        cli_app,
+        [
+            "top",
+            "--local",
+            "--kv-cache-memory",
+            "8MiB",
+            "--max-num-seqs",
+            "8",
+            "--rate",
+            "20",
+            "--threads",
+            "1",
+            "--interval",
+            "0.2",
+        ],
+    )
     assert result.exit_code == 0, result.output
     snap = seen["snapshot"]
     assert "RANDOM weights" in snap["model"] and "local engine" in seen["status"] and "● live" in seen["status"]

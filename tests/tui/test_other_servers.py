@@ -90,14 +90,23 @@ def test_a_vllm_server_is_drawn_from_its_metrics():
     drive(TopApp(source, interval=None), scenario)
 
 
-@pytest.mark.parametrize(("routes", "kind", "message"), [
-    ({}, "not llmctl", f"{URL} is not an llmctl server: it has no /v1/engine/stats, and no vLLM metrics"),
-    ({"/metrics": (200, "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 1.0\n")},
-     "not llmctl", "is not an llmctl server"),
-    ({"/v1/engine/stats": (401, '{"error": {"message": "bad key"}}')}, "unauthorized",
-     "HTTP 401 from http://vllm.test:8000/v1/engine/stats: wrong or missing API key (pass --api-key or set "
-     "LLMCTL_API_KEY)"),
-])
+@pytest.mark.parametrize(
+    ("routes", "kind", "message"),
+    [
+        ({}, "not llmctl", f"{URL} is not an llmctl server: it has no /v1/engine/stats, and no vLLM metrics"),
+        (
+            {"/metrics": (200, "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 1.0\n")},
+            "not llmctl",
+            "is not an llmctl server",
+        ),
+        (
+            {"/v1/engine/stats": (401, '{"error": {"message": "bad key"}}')},
+            "unauthorized",
+            "HTTP 401 from http://vllm.test:8000/v1/engine/stats: wrong or missing API key (pass --api-key or set "
+            "LLMCTL_API_KEY)",
+        ),
+    ],
+)
 def test_other_servers_and_a_wrong_key_say_what_they_are(routes, kind, message):
     source = HttpSource(URL, transport=transport(routes))
 

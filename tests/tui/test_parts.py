@@ -9,9 +9,9 @@ import json
 import httpx
 import pytest
 
+from llmctl.engine.latency import LatencyWindow, percentiles
 from llmctl.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmctl.tui.blockmap import group_states, highlighted_cells, layout
-from llmctl.engine.latency import LatencyWindow, percentiles
 from llmctl.tui.load import SYSTEM_PROMPTS, LoadProfile, RequestMix
 from llmctl.tui.sources import HttpSource, ReplaySource, SourceError
 from llmctl.tui.state import DashboardState

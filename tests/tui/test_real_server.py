@@ -25,9 +25,16 @@ def send_completions(url: str, count: int, max_tokens: int) -> list[threading.Th
     def one(i: int) -> None:
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
             try:
-                client.post("/v1/completions", json={"model": "tiny-random-llama", "prompt": f"story number {i}",
-                                                     "max_tokens": max_tokens, "ignore_eos": True,
-                                                     "user": f"client{i % 2}"})
+                client.post(
+                    "/v1/completions",
+                    json={
+                        "model": "tiny-random-llama",
+                        "prompt": f"story number {i}",
+                        "max_tokens": max_tokens,
+                        "ignore_eos": True,
+                        "user": f"client{i % 2}",
+                    },
+                )
             except httpx.HTTPError:
                 pass  # the test kills the server under these requests
 

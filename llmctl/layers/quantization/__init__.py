@@ -4,7 +4,6 @@ Entry points: ``install_packed_weight`` / ``install_packed_embedding`` (loaders 
 tensors), ``linear_method_for`` (``--quantization``), ``quantize_int8/int4/fp8`` and
 ``weight_bytes`` (what a model's weights occupy)."""
 
-from llmctl.layers.quantization.formats import PackedFp8, PackedInt4, PackedInt8, PackedWeight, dequantize
 from llmctl.layers.quantization.methods import (
     INT4_GROUP_SIZES,
     QUANTIZATION_KINDS,
@@ -15,6 +14,7 @@ from llmctl.layers.quantization.methods import (
 )
 from llmctl.layers.quantization.params import validate_packed, weight_bytes
 from llmctl.layers.quantization.quantize import quantize, quantize_fp8, quantize_int4, quantize_int8
+from llmctl_kernels.packed_formats import PackedFp8, PackedInt4, PackedInt8, PackedWeight, dequantize
 
 
 def install_packed_embedding(module, packed: PackedWeight) -> None:
@@ -25,8 +25,22 @@ def install_packed_embedding(module, packed: PackedWeight) -> None:
 
 
 __all__ = [
-    "INT4_GROUP_SIZES", "QUANTIZATION_KINDS", "OnTheFlyQuantMethod", "PackedFp8", "PackedInt4", "PackedInt8",
-    "PackedLinearMethod", "PackedWeight", "dequantize", "install_packed_embedding", "install_packed_weight",
-    "linear_method_for", "quantize", "quantize_fp8", "quantize_int4", "quantize_int8", "validate_packed",
+    "INT4_GROUP_SIZES",
+    "QUANTIZATION_KINDS",
+    "OnTheFlyQuantMethod",
+    "PackedFp8",
+    "PackedInt4",
+    "PackedInt8",
+    "PackedLinearMethod",
+    "PackedWeight",
+    "dequantize",
+    "install_packed_embedding",
+    "install_packed_weight",
+    "linear_method_for",
+    "quantize",
+    "quantize_fp8",
+    "quantize_int4",
+    "quantize_int8",
+    "validate_packed",
     "weight_bytes",
 ]

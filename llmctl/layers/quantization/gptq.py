@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from llmctl.layers.quantization.formats import PackedFp8, PackedInt4, PackedInt8, PackedWeight
 from llmctl.layers.quantization.quantize import (
     FP8_E4M3_MAX,
     _int4_search,
@@ -26,6 +25,7 @@ from llmctl.layers.quantization.quantize import (
     quantize_int4,
     quantize_int8,
 )
+from llmctl_kernels.packed_formats import PackedFp8, PackedInt4, PackedInt8, PackedWeight
 
 # Columns per lazy update: inside a block each rounded column updates the block's later columns
 # one at a time (N x B^2 / 2 work a block), the columns after it in one matrix product. 32 is the
@@ -52,8 +52,9 @@ def _inverse_hessian_factor(hessian: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, kind: str, group_size: int | None = None,
-                  act_order: bool = False) -> PackedWeight:
+def gptq_quantize(
+    weight: torch.Tensor, hessian: torch.Tensor, kind: str, group_size: int | None = None, act_order: bool = False
+) -> PackedWeight:
     """``weight`` ``[N, K]`` in ``kind``'s packed format (as ``quantize`` packs it), rounded by GPTQ
     against ``hessian`` ``[K, K]`` (sum of the calibration inputs' outer products). Falls back to
     ``quantize`` when the Hessian is all zeros or singular beyond damping. ``act_order`` rounds the
@@ -82,7 +83,10 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, kind: str, group_
             static = quantize_int4(w, group_size)
             scales, mins = static.scales, static.mins
         else:
-            scales, mins = torch.empty(n, k // group_size, device=w.device), torch.empty(n, k // group_size, device=w.device)
+            scales, mins = (
+                torch.empty(n, k // group_size, device=w.device),
+                torch.empty(n, k // group_size, device=w.device),
+            )
     elif kind == "int8":
         levels = torch.empty(n, k, dtype=torch.int8, device=w.device)
         channel_scales = quantize_int8(w).scales[:, 0]

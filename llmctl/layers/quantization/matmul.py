@@ -13,8 +13,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from llmctl.layers.quantization.formats import PackedWeight
 from llmctl.layers.quantization.params import kernel_packed
+from llmctl.platform import bind_quant_kernel, quant_native_takes
+from llmctl_kernels.packed_formats import PackedWeight
 
 
 def quant_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -24,7 +25,7 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | Non
         from llmctl_kernels.quant_triton import quant_linear_triton
 
         out = quant_linear_triton(flat, packed)
-    elif x.device.type == "cpu" and _native_takes(packed):
+    elif x.device.type == "cpu" and quant_native_takes(packed):
         from llmctl_kernels.quant_native import quant_linear_native
 
         out = quant_linear_native(flat, packed)
@@ -43,46 +44,33 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | Non
     return out if bias is None else out + bias
 
 
-def bound_cpu_kernel(module: nn.Module, *, release_rows: bool = False) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def bound_cpu_kernel(
+    module: nn.Module, *, release_rows: bool = False, exact_activations: bool | None = None
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The native CPU kernel bound to this module's packed weight (``x [M, K] -> [M, N]``; float16
     scales where exact, ``kernel_packed``), or None where only the torch reference applies. Bound
     once and kept on the module while it holds the same ``qweight``: decode then pays no per-call
-    dispatch (format checks, imports, the environment), ~120 calls a step.
+    dispatch (format checks, imports, the settings), ~120 calls a step.
 
     ``release_rows`` (linear layers): once the kernel reads its own tile-interleaved copy (which
     carries the scales and mins too), the row-layout ``qweight``, ``scales`` and ``mins`` are
     replaced by meta tensors of the same shapes, so the weight is held once, not twice. Nothing on a
     CPU reads them after binding; a read of their values would fail loudly. A tied LM head keeps its
-    rows: the embedding looks tokens up in them."""
-    cached = module.__dict__.get("_bound_cpu_kernel")
-    if cached is None or cached[0] is not module.qweight:
-        from llmctl_kernels.quant_native import bind_native
+    rows: the embedding looks tokens up in them.
 
-        cached = (module.qweight, bind_native(kernel_packed(module)))
+    ``exact_activations`` (``EngineConfig.quant_exact_activations``, given when the engine binds its
+    model): int4/int8 multiply the exact activations instead of int16-rounded ones. None keeps what
+    the layer was bound with (False for a layer never bound)."""
+    cached = module.__dict__.get("_bound_cpu_kernel")
+    exact = (cached is not None and cached[2]) if exact_activations is None else exact_activations
+    if cached is None or cached[0] is not module.qweight or (cached[2] != exact and not module.qweight.is_meta):
+        cached = (module.qweight, bind_quant_kernel(kernel_packed(module), exact_activations=exact), exact)
         module.__dict__["_bound_cpu_kernel"] = cached
     if release_rows and getattr(cached[1], "tiles", None) is not None and not module.qweight.is_meta:
         _release_rows(module)
-        cached = (module.qweight, cached[1])
+        cached = (module.qweight, *cached[1:])
         module.__dict__["_bound_cpu_kernel"] = cached
     return cached[1]
-
-
-def bind_cpu_kernels(model: nn.Module) -> None:
-    """Bind every packed CPU layer's kernel at load instead of at its first call: the weight bytes
-    a start-up line reports are then those a request runs with (the tile-interleaved copies made,
-    the row layouts they replace released), and the first request does not pay for the binding."""
-    # both modules import this one: import them late
-    from llmctl.layers.embedding import ParallelLMHead
-    from llmctl.layers.quantization.methods import PackedLinearMethod
-
-    for module in model.modules():
-        qweight = module._parameters.get("qweight")
-        if qweight is None or qweight.device.type != "cpu":
-            continue
-        if isinstance(getattr(module, "method", None), PackedLinearMethod):
-            bound_cpu_kernel(module, release_rows=True)
-        elif isinstance(module, ParallelLMHead):  # keeps its rows: a tied embedding reads them
-            bound_cpu_kernel(module)
 
 
 def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
@@ -101,9 +89,3 @@ def _release_rows(module: nn.Module) -> None:
     if kernel_scales is not None:
         copies = (None if t is None else _meta_like(t) for t in kernel_scales[1:])
         module.__dict__["_kernel_scales"] = (module.scales, *copies)
-
-
-def _native_takes(packed: PackedWeight) -> bool:
-    from llmctl_kernels.quant_native import load_quant_native, supports
-
-    return supports(packed) and load_quant_native() is not None

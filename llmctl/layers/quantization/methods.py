@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmctl.layers.linear import LinearBase, LinearMethod, UnquantizedLinearMethod
-from llmctl.layers.quantization.formats import PackedWeight
 from llmctl.layers.quantization.gptq import gptq_quantize
 from llmctl.layers.quantization.matmul import bound_cpu_kernel, quant_linear
 from llmctl.layers.quantization.params import attach_packed, read_packed
 from llmctl.layers.quantization.quantize import quantize
+from llmctl_kernels.packed_formats import PackedWeight
 
 QUANTIZATION_KINDS = ("none", "int8", "int4", "fp8")
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -63,8 +63,10 @@ def install_packed_weight(layer: LinearBase, packed: PackedWeight) -> None:
         raise ValueError("packed weights are supported with tensor parallel size 1 only")
     n, k = packed.shape
     if n != layer.out_features or not layer.in_features <= k < layer.in_features + 128:
-        raise ValueError(f"{type(layer).__name__}: packed weight has shape {(n, k)}, "
-                         f"layer needs {(layer.out_features, layer.in_features)}")
+        raise ValueError(
+            f"{type(layer).__name__}: packed weight has shape {(n, k)}, "
+            f"layer needs {(layer.out_features, layer.in_features)}"
+        )
     attach_packed(layer, packed, _layer_device(layer))
     layer.method = PackedLinearMethod()
 
@@ -92,9 +94,14 @@ class OnTheFlyQuantMethod(UnquantizedLinearMethod):
         if hessian is None:
             packed = quantize(weight, self.kind, self.group_size)
         else:  # the padded columns' inputs are zero: dead rows/columns of H. Act-order for int4 only:
-            # SmolLM2's KLD from float -37 % there (docs/benchmarks.md, ninth session), mixed at 8 bits.
-            packed = gptq_quantize(weight, F.pad(hessian.to(weight.device), (0, padding, 0, padding)), self.kind,
-                                   self.group_size, act_order=self.kind == "int4")
+            # SmolLM2's KLD from float -37 % there (docs/benchmarks.md, "Quantized weights: quality"), mixed at 8 bits.
+            packed = gptq_quantize(
+                weight,
+                F.pad(hessian.to(weight.device), (0, padding, 0, padding)),
+                self.kind,
+                self.group_size,
+                act_order=self.kind == "int4",
+            )
         install_packed_weight(layer, packed)
         return packed
 

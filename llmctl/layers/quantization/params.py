@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 from torch import nn
 
-from llmctl.layers.quantization.formats import (
+from llmctl import envs
+from llmctl_kernels.packed_formats import (
     PackedFp8,
     PackedInt4,
     PackedInt8,
@@ -26,7 +26,9 @@ def validate_packed(packed: PackedWeight, what: str = "packed weight") -> None:
     if qdtype is None:
         raise ValueError(f"{what}: not a packed weight ({type(packed).__name__})")
     if packed.qweight.dtype != qdtype or packed.qweight.dim() != 2:
-        raise ValueError(f"{what}: qweight must be 2-D {qdtype}, got {packed.qweight.dtype} {tuple(packed.qweight.shape)}")
+        raise ValueError(
+            f"{what}: qweight must be 2-D {qdtype}, got {packed.qweight.dtype} {tuple(packed.qweight.shape)}"
+        )
     n, k = packed.shape
     groups = 1 if isinstance(packed, PackedFp8) else k // packed.group_size
     if not isinstance(packed, PackedFp8) and (packed.group_size < 1 or k % packed.group_size):
@@ -72,8 +74,11 @@ def kernel_packed(module: nn.Module) -> PackedWeight:
     results bit for bit. Kept on the module (``weight_bytes`` counts it): the layer's bound kernel
     and the native decode loop share one copy."""
     packed = read_packed(module)
-    if (not isinstance(packed, (PackedInt4, PackedInt8)) or packed.scales.device.type not in ("cpu", "meta")
-            or os.environ.get("LLMCTL_QUANT_HALF_SCALES") == "0"):  # the A/B switch: float32 scales
+    if (
+        not isinstance(packed, (PackedInt4, PackedInt8))
+        or packed.scales.device.type not in ("cpu", "meta")
+        or not envs.LLMCTL_QUANT_HALF_SCALES
+    ):  # the A/B switch: float32 scales
         return packed
     cached = module.__dict__.get("_kernel_scales")
     if cached is None or cached[0] is not packed.scales:

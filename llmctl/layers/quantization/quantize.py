@@ -4,7 +4,7 @@ Each function works in float32 whatever the input dtype, so a bf16 checkpoint an
 quantize to the same packed weight. No calibration data: int4 and fp8 choose their scales (and int4
 its mins) by searching for the least squared error of the weights themselves; each search
 starts from plain round-to-nearest and keeps it wherever it is not beaten, so a weight's error is
-never larger than before (docs/benchmarks.md, "fifth session", has the perplexities).
+never larger than before (docs/benchmarks.md, "Quantized weights: quality", has the perplexities).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from llmctl.layers.quantization.formats import PackedFp8, PackedInt4, PackedInt8
+from llmctl_kernels.packed_formats import PackedFp8, PackedInt4, PackedInt8
 
 FP8_E4M3_MAX = 448.0
 _TINY = 1e-12  # keeps all-zero groups from dividing by zero (they quantize to exact zeros)
@@ -71,8 +71,14 @@ def _int4_fit(moments: tuple[torch.Tensor, ...], sums: torch.Tensor):
     det = torch.where(solvable, det, torch.ones_like(det))
     scale = (count * sum_xl - sum_x * sum_l) / det
     low = (sum_ll * sum_x - sum_l * sum_xl) / det
-    error = (scale * scale * sum_ll + 2 * scale * low * sum_l + low * low * count
-             - 2 * scale * sum_xl - 2 * low * sum_x + sum_xx)
+    error = (
+        scale * scale * sum_ll
+        + 2 * scale * low * sum_l
+        + low * low * count
+        - 2 * scale * sum_xl
+        - 2 * low * sum_x
+        + sum_xx
+    )
     return scale, low, torch.where(solvable & (scale > 0), error, torch.full_like(error, math.inf))
 
 
@@ -82,7 +88,7 @@ def _int4_search(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     between ``range / 16`` and ``range / 14`` (from the group's min) are each fitted by least
     squares, the best kept, then refitted to its own rounding a few times. Unweighted: llama.cpp's
     no-imatrix weighting (``rms + |w|``) did worse on the text it was chosen on (docs/benchmarks.md,
-    fifth session). Starts from plain round-to-nearest (integer zero point, or float min where
+    "What was tried and not kept"). Starts from plain round-to-nearest (integer zero point, or float min where
     better): no group's error grows."""
     low, high = x.amin(-1), x.amax(-1)
     span = (high - low).clamp(min=_TINY)
@@ -104,7 +110,10 @@ def _int4_search(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     pick = errors.argmin(0, keepdim=True)
     best_scale, best_min, best_error = (t.gather(0, pick)[0] for t in (scales, mins, errors))
     better = best_error < start_error
-    best_scale, best_min = torch.where(better, best_scale, scale.double()), torch.where(better, best_min, start_min.double())
+    best_scale, best_min = (
+        torch.where(better, best_scale, scale.double()),
+        torch.where(better, best_min, start_min.double()),
+    )
     best_error = torch.where(better, best_error, start_error.double())
     for _ in range(_INT4_REFINE_STEPS):  # refit the levels the best fit rounds to
         _level_sums(_int4_levels(x, best_scale.float(), best_min.float()), x, scratch, sums[:, 0])
@@ -132,8 +141,9 @@ def quantize_int4(w: torch.Tensor, group_size: int = 64) -> PackedInt4:
         scales[part], mins[part] = _int4_search(groups[part])
     q = _int4_levels(groups, scales, mins).to(torch.uint8).reshape(n, k)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)  # low nibble = even k, high nibble = odd k
-    return PackedInt4(packed.contiguous(), scales.reshape(n, -1).contiguous(), mins.reshape(n, -1).contiguous(),
-                      group_size)
+    return PackedInt4(
+        packed.contiguous(), scales.reshape(n, -1).contiguous(), mins.reshape(n, -1).contiguous(), group_size
+    )
 
 
 # ---- fp8 -----------------------------------------------------------------------------------------
@@ -157,8 +167,9 @@ def _fp8_search(w: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     phase = position - torch.floor(position)
     bins = (phase * _FP8_PHASE_BINS).nan_to_num_(0).long().clamp_(0, _FP8_PHASE_BINS - 1)  # zeros: weight 0
     energy = torch.zeros(w.shape[0], _FP8_PHASE_BINS, device=w.device).scatter_add_(1, bins, w.square())
-    shifts = (torch.arange(_FP8_PHASE_BINS, device=w.device)[:, None]
-              - torch.arange(_FP8_SCALES_PER_OCTAVE, device=w.device)[None, :] * (_FP8_PHASE_BINS // _FP8_SCALES_PER_OCTAVE))
+    shifts = torch.arange(_FP8_PHASE_BINS, device=w.device)[:, None] - torch.arange(
+        _FP8_SCALES_PER_OCTAVE, device=w.device
+    )[None, :] * (_FP8_PHASE_BINS // _FP8_SCALES_PER_OCTAVE)
     table = _fp8_relative_error_squared(((shifts % _FP8_PHASE_BINS) + 0.5) / _FP8_PHASE_BINS)
     best = (energy.double() @ table.double()).argmin(1)
     return base * torch.exp2(best.float() / _FP8_SCALES_PER_OCTAVE)

@@ -1,0 +1,1 @@
+"""Micro-benchmarks of single kernels (attention, GEMM, GEMV, int8, quantized KV) on CPU and GPU."""

@@ -1,0 +1,1 @@
+"""What quantization does to a model's output: perplexity, KL divergence, lm-eval tasks."""

@@ -1,0 +1,76 @@
+// The Python module `llmctl_kernels._C`: one submodule per kernel family, each a thin binding of the
+// functions its header declares (the kernels themselves compile in their own translation units,
+// without pybind11). Loaded by kernels/native_module.py; built by setup.py at install time.
+#include <torch/extension.h>
+
+#include "cpu_kernels.h"
+#include "gemm_kernels.h"
+#include "kv_quant_attention.h"
+#include "quant_kernels.h"
+
+namespace llk::decode_loop {
+void bind(pybind11::module_& m);  // decode_loop.cpp
+}
+
+namespace {
+
+void bind_cpu(pybind11::module_& m) {
+  using namespace llk::cpu;
+  m.def("set_isa", &set_isa, "Select the kernel variant: generic, avx2, avx512 or avx512bf16");
+  m.def("compiled_isas", &compiled_isas, "The kernel variants compiled into this module");
+  m.def("reshape_and_cache", &reshape_and_cache, "Write K/V into the paged cache through the slot mapping (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("decode_codes_supported", &decode_codes_supported, "Whether paged_decode_attention_codes takes this head_dim");
+  m.def("paged_decode_attention_codes", &paged_decode_attention_codes,
+        "Paged decode attention over an 8-bit KV pool (int8, fp8_e4m3, fp8_e5m2; CPU)");
+  m.def("paged_prefill_attention_codes", &paged_prefill_attention_codes,
+        "Causal paged prefill attention over an 8-bit KV pool (CPU)");
+  m.def("store_kv_codes", &store_kv_codes, "Quantize K/V per (token, KV head) into an 8-bit pool (CPU)");
+  m.def("prefill_attention_supported", &prefill_attention_supported, "Whether paged_prefill_attention takes these");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "Causal paged prefill attention, fp32 or bf16 (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm with optional fused residual add (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
+  m.def("rotate", &rotate, "Rotary embedding, rotate-half layout (CPU)");
+}
+
+void bind_quant(pybind11::module_& m) {
+  using namespace llk::quant;
+  m.def("set_isa", &set_isa, "Cap the kernel variants: avx2 (no AVX-512 code) or generic (scalar int8 too)");
+  m.def("isa", &isa, "the instruction set the kernels use");
+  m.def("int4_linear", &int4_linear, "x @ dequant(int4)^T from the packed nibbles");
+  m.def("int8_linear", &int8_linear, "x @ dequant(int8)^T from the packed bytes");
+  m.def("interleave_tiles", &interleave_tiles, "a packed int4/int8 weight in the tile-interleaved layout");
+  m.def("interleaved_linear", &interleaved_linear, "x @ dequant(W)^T from interleave_tiles' layout");
+  m.def("fp8_linear", &fp8_linear, "x @ dequant(fp8 e4m3)^T from the packed bytes");
+}
+
+void bind_kv_quant(pybind11::module_& m) {
+  using namespace llk::kvq;
+  m.def("set_isa", &set_isa, "Select the kernel variant: generic, or avx2 for avx2 and above");
+  m.def("isa", &isa, "The kernel variant in use");
+  m.def("quantized_decode_attention", &quantized_decode_attention,
+        "Paged decode attention over a quantized KV pool (fp8, int8, KIVI; CPU)");
+  m.def("kivi_store", &kivi_store, "One layer's KIVI store: residual rows, staging and the completed blocks' codes");
+}
+
+void bind_gemm(pybind11::module_& m) {
+  using namespace llk::gemm;
+  m.def("set_isa", &set_isa, "Select the kernel variant: generic, avx2 or avx512");
+  m.def("compiled_isas", &compiled_isas, "The kernel variants compiled into this module");
+  m.def("linear", &linear, "x @ w^T (+ bias) with w packed in 16-column panels (fp32, CPU)");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  auto cpu = m.def_submodule("cpu", "attention, RMSNorm, SiLU-and-mul, rotary, KV store (cpu_kernels.cpp)");
+  bind_cpu(cpu);
+  auto quant = m.def_submodule("quant", "packed int4/int8/fp8 linear layers (quant_kernels.cpp)");
+  bind_quant(quant);
+  auto kv_quant = m.def_submodule("kv_quant", "attention over a quantized KV pool (kv_quant_attention.cpp)");
+  bind_kv_quant(kv_quant);
+  auto gemm = m.def_submodule("gemm", "the fp32 panel GEMM (gemm_kernels.cpp)");
+  bind_gemm(gemm);
+  auto loop = m.def_submodule("decode_loop", "every decoder layer of a decode step in one call (decode_loop.cpp)");
+  llk::decode_loop::bind(loop);
+}

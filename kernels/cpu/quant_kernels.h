@@ -1,0 +1,59 @@
+// What quant_kernels.cpp offers the decode loop and the bindings: the int16 activations, the
+// tile-interleaved layout and the integer GEMMs of packed int4/int8 weights, and the tensor-level
+// quantized linear kernels.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace llk::quant {
+
+constexpr int64_t QB = 32;  // activation quantization block (inputs)
+constexpr int64_t RT = 4;   // weight rows per tile of the integer path
+
+// x rounded to int16 per row and per block of QB inputs (scale = max|x| / 32767).
+struct QuantizedX {
+  int64_t m, k;
+  std::vector<int16_t> q;    // [M, K]; for int4 each 32-block is permuted to int4_tile_avx2's lane order
+  std::vector<float> scale;  // [M, K / 32]
+  std::vector<float> sum16;  // [M, K / 16] exact float sums of x (natural order), for the mins
+};
+
+// One tile of RT weight rows in interleave_tiles' layout (quant_kernels.cpp describes it).
+struct TileLayout {
+  int64_t groups, bpg, block_bytes, scale_bytes;
+  bool mins;
+  int64_t group_bytes() const { return RT * scale_bytes + bpg * RT * block_bytes; }
+  int64_t tile_bytes() const { return groups * group_bytes() + (mins ? groups * RT * scale_bytes : 0); }
+};
+
+// ---- pointer-level kernels (x86-64 with AVX2+FMA+F16C) ----
+QuantizedX quantize_x(const float* x, int64_t m, int64_t k, bool nibble_order);
+TileLayout tile_layout(int64_t k, int64_t group, bool int4, int64_t scale_bytes, bool mins);
+void packed_gemm(const QuantizedX& xq, const uint8_t* w, bool int4, const at::Tensor& scales, const at::Tensor& mins,
+                 int64_t group, int64_t n, float* out);
+void interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, bool int4, bool half, int64_t group, bool mins,
+                      int64_t n, float* out);
+// Whether a packed int8 weight takes the per-token path: per output channel (group == K), symmetric.
+inline bool int8_per_channel(int64_t group, int64_t k, bool has_mins) { return group == k && !has_mins; }
+void int8_per_channel_linear(const float* x, int64_t m, int64_t k, const int8_t* w, const at::Tensor& scales,
+                             int64_t n, float* out);
+
+// ---- tensor-level kernels (the Python module `llmctl_kernels._C.quant`) ----
+std::string set_isa(const std::string& name);  // caps the variants: avx2 (no AVX-512), generic (scalar int8)
+std::string isa();
+at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t group, bool int_path);
+at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& mins, int64_t group, bool int_path);
+at::Tensor interleave_tiles(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                            int64_t group);
+at::Tensor interleaved_linear(const at::Tensor& x_in, const at::Tensor& tiles, bool int4, int64_t n, int64_t group,
+                              bool half, bool mins);
+at::Tensor fp8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales, bool direct);
+
+}  // namespace llk::quant
