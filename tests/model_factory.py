@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "granite")
 
 
 def make_config(family: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=320,
@@ -43,6 +43,13 @@ def make_config(family: str, **overrides):
     elif family == "mistral":
         cls = MistralConfig
         common["sliding_window"] = None
+    elif family == "granite":
+        cls = GraniteConfig
+        # every multiplier far from 1 (and the attention scale from 1/sqrt(head_dim) = 0.25), so a
+        # misplaced one changes the tokens
+        common.update(
+            embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0
+        )
     else:
         raise ValueError(family)
     common.update(overrides)

@@ -29,7 +29,7 @@ from llmctl.bench.datasets import BenchRequest
 from llmctl.bench.metrics import RequestRecord
 from llmctl.bench.runner import RunResult
 from llmctl.errors import LlmctlError
-from llmctl.models.llama import LlamaForCausalLM
+from llmctl.models.registry import CausalLM
 from llmctl.tokenizer import Tokenizer
 from llmctl_kernels.fp32_linear import unpack_panels
 
@@ -50,7 +50,7 @@ def require_transformers() -> Any:
     return transformers
 
 
-def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     """llmctl's weights under Hugging Face's names: the merged ``qkv_proj`` and ``gate_up_proj``
     matrices (and biases) split back into their parts; every other name already matches."""
     layer = model.model.layers[0]
@@ -73,7 +73,7 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def to_hf_model(model: LlamaForCausalLM) -> Any:
+def to_hf_model(model: CausalLM) -> Any:
     """A ``transformers`` model with the same config and the same weights (tensor-parallel size 1)."""
     transformers = require_transformers()
     raw = dict(model.config.raw)

@@ -19,8 +19,8 @@ from llmctl.layers.embedding import ParallelLMHead
 from llmctl.layers.ops import AttentionMetadata
 from llmctl.layers.quantization.matmul import bound_cpu_kernel
 from llmctl.layers.quantization.methods import PackedLinearMethod
-from llmctl.models.llama import LlamaForCausalLM
 from llmctl.models.native_decode import build_native_decode
+from llmctl.models.registry import CausalLM
 
 
 def bind_cpu_kernels(model: torch.nn.Module, *, exact_activations: bool = False) -> None:
@@ -39,7 +39,7 @@ def bind_cpu_kernels(model: torch.nn.Module, *, exact_activations: bool = False)
 
 
 def kv_format(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     block_size: int,
     dtype: torch.dtype,
     kv_cache_dtype: str = "auto",
@@ -61,7 +61,7 @@ def kv_format(
     )
 
 
-def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V one float block holds over all layers."""
     return kv_format(model, block_size, dtype).block_bytes()
 
@@ -87,7 +87,7 @@ class ModelOutput:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         *,
         num_blocks: int,
         block_size: int,

@@ -120,7 +120,7 @@ def register_hub_commands(app: typer.Typer) -> None:
                     escape(m.name),
                     escape(revision),
                     fmt_size(m.size_on_disk),
-                    escape(m.architecture or "?"),
+                    escape(m.architecture or "?") + (" (not supported)" if m.runs_here is False else ""),
                     _fmt_params(m.num_parameters),
                     escape(m.dtype or "?"),
                     "?" if per_param is None else f"{per_param:.2f}",

@@ -13,6 +13,7 @@ from typing import Any
 
 from llmctl.errors import HubError
 from llmctl.hub.layout import hub_cache_dir, snapshot_gguf_files, snapshot_is_complete, snapshot_weight_files
+from llmctl.models import registry
 
 _SAFETENSORS_DTYPES = {
     "F64": "float64",
@@ -51,6 +52,17 @@ class CachedModel:
     complete: bool
     weight_bytes: int | None = None  # what the weights take as stored (from the headers)
     gguf_file: str | None = None  # a GGUF snapshot: one row per file
+
+    @property
+    def runs_here(self) -> bool | None:
+        """Whether llmctl implements the architecture (llmctl.models.registry); None when unknown."""
+        if self.architecture is None:
+            return None
+        if self.gguf_file is not None:
+            return registry.family_for_gguf(self.architecture) is not None
+        return registry.family_for(self.architecture) is not None or (
+            registry.family_for_model_type(self.architecture) is not None
+        )
 
     @property
     def name(self) -> str:

@@ -11,15 +11,7 @@ from typing import Any
 import torch
 
 from llmctl.errors import ConfigError, ModelLoadError, UnsupportedModelError
-
-# architecture name in config.json -> the model family flags llmctl implements for it
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-_MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+from llmctl.models import registry
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -94,15 +86,15 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None and not archs:
-            arch = _MODEL_TYPE_TO_ARCH.get(cfg.get("model_type", ""))
-        if arch is None:
+        spec = next(filter(None, map(registry.family_for, archs)), None)
+        if spec is None and not archs:
+            spec = registry.family_for_model_type(cfg.get("model_type", ""))
+        if spec is None:
             named = ", ".join(archs) or repr(cfg.get("model_type"))
             raise UnsupportedModelError(
-                f"{source}: architecture {named} is not supported; llmctl runs " + ", ".join(SUPPORTED_ARCHITECTURES)
+                f"{source}: architecture {named} is not supported; llmctl runs " + ", ".join(registry.architectures())
             )
-        family = SUPPORTED_ARCHITECTURES[arch]
+        arch, family = spec.architecture, spec.model_type
         try:
             hidden = int(cfg["hidden_size"])
             num_heads = int(cfg["num_attention_heads"])
@@ -116,7 +108,7 @@ class ModelConfig:
                     rope_scaling = None
             eos = cfg.get("eos_token_id")
             eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-            use_sliding = cfg.get("use_sliding_window", family == "mistral")
+            use_sliding = cfg.get("use_sliding_window", spec.sliding_window_by_default)
             return cls(
                 architecture=arch,
                 family=family,
@@ -132,8 +124,8 @@ class ModelConfig:
                 rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-                qk_norm=family == "qwen3",
+                attention_bias=bool(cfg.get("attention_bias", spec.attention_bias)),
+                qk_norm=spec.qk_norm,
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
                 sliding_window=cfg.get("sliding_window") if use_sliding else None,
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),

@@ -19,8 +19,8 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from llmctl.config import EMBEDDED_MODEL_NAME
 from llmctl.layers.ops import TorchOps
 from llmctl.models.config import ModelConfig
-from llmctl.models.llama import LlamaForCausalLM
 from llmctl.models.loader import build_model, init_random_weights
+from llmctl.models.registry import CausalLM
 from llmctl.tokenizer import Tokenizer
 
 EMBEDDED_LABEL = f"{EMBEDDED_MODEL_NAME} (embedded, RANDOM weights: its text is noise)"
@@ -98,7 +98,7 @@ def embedded_config_dict(vocab_size: int) -> dict[str, Any]:
     }
 
 
-def load_embedded(*, dtype: str, device: torch.device, ops: TorchOps) -> tuple[LlamaForCausalLM, Tokenizer]:
+def load_embedded(*, dtype: str, device: torch.device, ops: TorchOps) -> tuple[CausalLM, Tokenizer]:
     tokenizer = embedded_tokenizer()
     cfg = ModelConfig.from_dict(embedded_config_dict(tokenizer.vocab_size), source=EMBEDDED_MODEL_NAME)
     model = build_model(cfg, dtype=cfg.resolve_dtype(dtype, device), device=torch.device("cpu"), ops=ops)

@@ -27,18 +27,11 @@ from llmctl.models import gguf_quants
 from llmctl.models.config import ModelConfig
 from llmctl.models.gguf_reader import read_gguf
 from llmctl.models.gguf_tokenizer import GGUFTokenizerError, build_gguf_tokenizer
-from llmctl.models.llama import LlamaForCausalLM
 from llmctl.models.loader import build_model, load_weights
+from llmctl.models.registry import CausalLM, family_for_gguf, gguf_architectures
 from llmctl.tokenizer import Tokenizer
 from llmctl_kernels.packed_formats import PackedWeight
 
-# general.architecture -> (the Hugging Face architecture, whether Q/K rows are interleaved)
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", True),
-    "mistral": ("MistralForCausalLM", True),
-    "qwen2": ("Qwen2ForCausalLM", False),
-    "qwen3": ("Qwen3ForCausalLM", False),
-}
 # GGUF tensor name (after ``blk.N.``) -> Hugging Face module path inside ``model.layers.N.``
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -82,10 +75,11 @@ def read_metadata(reader: GGUFReader, path: Path) -> dict[str, Any]:
 def gguf_config_dict(meta: dict[str, Any], tensor_names: set[str], path: Path) -> dict[str, Any]:
     """The GGUF metadata as the Hugging Face config.json it stands for."""
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    family = family_for_gguf(str(arch))
+    if family is None:
         raise UnsupportedModelError(
             f"{path}: general.architecture {arch!r} is not supported; llmctl reads GGUF "
-            f"architectures {', '.join(ARCHITECTURES)}"
+            f"architectures {', '.join(gguf_architectures())}"
         )
 
     def field(name: str, default: Any = ...) -> Any:
@@ -98,7 +92,7 @@ def gguf_config_dict(meta: dict[str, Any], tensor_names: set[str], path: Path) -
     hidden = int(field("embedding_length"))
     vocab = field("vocab_size", None) or len(meta.get("tokenizer.ggml.tokens", ()))
     cfg: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch][0]],
+        "architectures": [family.architecture],
         "hidden_size": hidden,
         "intermediate_size": int(field("feed_forward_length")),
         "num_hidden_layers": int(field("block_count")),
@@ -190,7 +184,7 @@ def load_gguf(
     with_tokenizer: bool = True,
     quantization: str = "auto",
     calibration: str | None = None,
-) -> tuple[LlamaForCausalLM, Tokenizer | None]:
+) -> tuple[CausalLM, Tokenizer | None]:
     """Model and tokenizer from one GGUF file. ``quantization="auto"`` keeps the file's quantized
     tensors packed in memory (computed by the packed kernels); ``"none"`` dequantizes every weight
     to ``dtype`` (float32 unless asked), the path that matches transformers exactly; ``"int8"``
@@ -209,7 +203,6 @@ def load_gguf(
     path = Path(path)
     reader = open_gguf(path)
     meta = read_metadata(reader, path)
-    arch = meta.get("general.architecture")
     names = {t.name for t in reader.tensors}
     cfg = ModelConfig.from_dict(gguf_config_dict(meta, names, path), source=str(path))
     tokenizer = gguf_tokenizer(path, meta) if with_tokenizer or calibration is not None else None
@@ -226,7 +219,8 @@ def load_gguf(
         ops=ops,
         linear_method=linear_method_for(quantization) if quantization == "int8" else None,
     )
-    tensors = iterate_gguf_tensors(reader, cfg, path, ARCHITECTURES[arch][1])
+    interleaved_qk = family_for_gguf(str(meta.get("general.architecture"))).gguf_interleaved_qk
+    tensors = iterate_gguf_tensors(reader, cfg, path, interleaved_qk)
     with torch.no_grad():
         if quantization != "auto":
             rest = ((path, name, gguf_quants.to_float(value)) for name, value in tensors)

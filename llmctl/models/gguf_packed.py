@@ -16,7 +16,7 @@ import torch
 
 from llmctl.errors import ModelLoadError
 from llmctl.models import gguf_quants
-from llmctl.models.llama import LlamaForCausalLM
+from llmctl.models.registry import CausalLM
 from llmctl_kernels.packed_formats import PackedWeight
 
 _EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -27,7 +27,7 @@ def _part_key(part: str | int) -> int:
 
 
 def install_packed(
-    model: LlamaForCausalLM, tensors: Iterator[tuple[str, PackedWeight | torch.Tensor]], path: Path
+    model: CausalLM, tensors: Iterator[tuple[str, PackedWeight | torch.Tensor]], path: Path
 ) -> list[tuple[Path, str, torch.Tensor]]:
     """Installs every packed GGUF tensor; returns the rest, as float, for ``load_weights``."""
     from llmctl.layers.quantization import install_packed_embedding, install_packed_weight

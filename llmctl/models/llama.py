@@ -1,5 +1,6 @@
 """The Llama family in one implementation: Llama 2/3, Mistral, Qwen2 (q/k/v bias) and Qwen3
-(per-head q/k RMSNorm). Module names mirror Hugging Face's so checkpoints load by name."""
+(per-head q/k RMSNorm), and the base that close relatives (granite.py) subclass. Module names
+mirror Hugging Face's so checkpoints load by name."""
 
 from __future__ import annotations
 
@@ -109,6 +110,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # a family's subclass may swap in its own
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    embedding_cls: type[VocabParallelEmbedding] = VocabParallelEmbedding
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -122,12 +127,14 @@ class LlamaModel(nn.Module):
         # A pipeline stage builds only its own layers; the others are empty placeholders, so that
         # checkpoint names (model.layers.<i>) keep their global index.
         self.stage = stage or PipelineStage.whole(cfg.num_layers)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, tp=tp)
+        self.embed_tokens = self.embedding_cls(cfg.vocab_size, cfg.hidden_size, dtype=dtype, tp=tp)
         rotary_emb = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, ops=ops
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, tp, ops, method, rotary_emb) if self.stage.owns_layer(i) else nn.Identity()
+            self.decoder_layer_cls(cfg, dtype, tp, ops, method, rotary_emb)
+            if self.stage.owns_layer(i)
+            else nn.Identity()
             for i in range(cfg.num_layers)
         )
         self.stage_layers = list(self.layers)[self.stage.start : self.stage.end]  # a plain list: no per-step slicing
@@ -151,6 +158,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_cls: type[LlamaModel] = LlamaModel  # a family's subclass may swap in its own
     # checkpoint projection name -> (merged module name, part id)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"),
@@ -172,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, dtype, tp, ops, linear_method, stage)
+        self.model = self.model_cls(cfg, dtype, tp, ops, linear_method, stage)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype=dtype, tp=tp)
         self.lm_head.logits_quantization = getattr(linear_method, "logits_quantization", None)
         if cfg.tie_word_embeddings:

@@ -20,7 +20,7 @@ from llmctl.layers.linear import LinearMethod, copy_checked
 from llmctl.layers.ops import TorchOps
 from llmctl.layers.quantization import linear_method_for
 from llmctl.models.config import ModelConfig
-from llmctl.models.llama import LlamaForCausalLM
+from llmctl.models.registry import CausalLM, family_for
 
 # Checkpoint tensors that are derived state, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -57,7 +57,7 @@ def iterate_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor
 
 
 def load_weights(
-    model: LlamaForCausalLM, model_dir: Path, tensors: Iterator[tuple[Path, str, torch.Tensor]] | None = None
+    model: CausalLM, model_dir: Path, tensors: Iterator[tuple[Path, str, torch.Tensor]] | None = None
 ) -> None:
     """Checkpoint tensors (by default the safetensors files in ``model_dir``; a GGUF loader passes
     its own, renamed) into the model's parameters, merged projections part by part."""
@@ -96,7 +96,7 @@ def load_weights(
         raise ModelLoadError(f"{model_dir}: checkpoint lacks weights: {shown}")
 
 
-def expected_checkpoint_names(model: LlamaForCausalLM) -> set[str]:
+def expected_checkpoint_names(model: CausalLM) -> set[str]:
     """Every parameter, with merged projections counted once per part. Packed weights a loader
     installed before (a GGUF file's quantized tensors) are not checkpoint names."""
     names: set[str] = set()
@@ -126,9 +126,13 @@ def build_model(
     tp: TensorParallel = TensorParallel(),
     linear_method: LinearMethod | None = None,
     stage: PipelineStage | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
+    """The registry's class for ``cfg.architecture``, with uninitialised weights on ``device``."""
+    family = family_for(cfg.architecture)
+    if family is None:  # ModelConfig.from_dict refuses these; a hand-made config may not have been
+        raise ModelLoadError(f"{cfg.architecture} has no implementation in llmctl.models.registry")
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, dtype=dtype, ops=ops, tp=tp, linear_method=linear_method, stage=stage)
+        model = family.model_class()(cfg, dtype=dtype, ops=ops, tp=tp, linear_method=linear_method, stage=stage)
     return model.eval()
 
 
@@ -144,7 +148,7 @@ def load_model(
     stage: PipelineStage | None = None,
     calibration: str | None = None,
     tokenizer_dir: Path | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """``quantization`` (int8 | int4 | fp8) quantizes every linear layer once its float weights are
     loaded; the embedding stays in ``dtype``, the LM head too except with int8 and int4, where its
     logits come from a per-channel int8 copy (``ParallelLMHead.logits_quantization``).

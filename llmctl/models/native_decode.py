@@ -15,7 +15,8 @@ import torch
 
 from llmctl.layers.linear import LinearBase, RowParallelLinear, UnquantizedLinearMethod
 from llmctl.layers.ops import AttentionMetadata, TorchOps
-from llmctl.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from llmctl.models.llama import LlamaDecoderLayer
+from llmctl.models.registry import CausalLM, family_for
 from llmctl.platform import cpu_isa, decode_loop_kernels, quant_native_takes, select_kernels
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class NativeDecode:
 
 
 def build_native_decode(
-    model: LlamaForCausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCache | None = None
+    model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCache | None = None
 ) -> tuple[NativeDecode | None, str]:
     """The loop bound to ``model``'s weights and its KV pool: the float ``kv_cache`` [2, layers, ...],
     or a ``quantized_kv`` (int8, fp8, KIVI), and the decode path for start-up lines: ``ACTIVE``, or
@@ -116,9 +117,7 @@ def build_native_decode(
     return NativeDecode(loop, model.model.embed_tokens, kivi), ACTIVE
 
 
-def why_not(
-    model: LlamaForCausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCache | None = None
-) -> str | None:
+def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCache | None = None) -> str | None:
     """Why this model and KV pool run decode on the module path (None: the loop takes them). The
     engine's kernel set (llmctl/platform.py, ``ops.kernels``) has its say after the model's checks,
     but for its switch, which comes first."""
@@ -129,6 +128,8 @@ def why_not(
     stage, cfg = model.model.stage, model.config
     layers = model.model.stage_layers
     dtype = model.model.norm.weight.dtype  # of the activations
+    family = family_for(cfg.architecture)
+    family_reason = "no registry entry" if family is None else family.native_decode_why_not
     checks = [
         (kv_cache.device.type != "cpu", "not a CPU"),
         (stage.start != 0 or not stage.is_last, "pipeline parallel"),
@@ -144,7 +145,7 @@ def why_not(
             and (kv_cache.dtype != dtype or kv_cache.numel() == 0 or kv_cache.shape[1] != len(layers)),
             f"KV cache not of the {dtype} activations",
         ),
-        (cfg.qk_norm, "per-head q/k norm"),
+        (family_reason is not None, family_reason),  # what the loop does not compute for this family
     ]
     for failed, reason in checks:
         if failed:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from llmctl.engine.model_runner import ModelRunner
-from llmctl.models.llama import LlamaForCausalLM
+from llmctl.models.registry import CausalLM
 from llmctl.parallel.topology import ParallelContext
 from llmctl.parallel.wire import MicroBatch, StepMessage
 
@@ -39,7 +39,7 @@ class StageRun:
 
 
 @torch.inference_mode()
-def run_stage(ctx: ParallelContext, model: LlamaForCausalLM, runner: ModelRunner, message: StepMessage) -> StageRun:
+def run_stage(ctx: ParallelContext, model: CausalLM, runner: ModelRunner, message: StepMessage) -> StageRun:
     """Run this rank's stage of every micro-batch of the step; the sends are left in flight."""
     runner.ready_blocks(message.num_blocks_touched, message.blocks_to_copy)
     hidden_size = model.config.hidden_size

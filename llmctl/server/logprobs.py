@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from llmctl.engine.outputs import CompletionOutput
-from llmctl.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from llmctl.server.protocol import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
 from llmctl.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -101,6 +108,7 @@ class LogprobsFormatter:
         prompt_logprobs: list[dict[int, float] | None],
         text: str,
         skip_special_tokens: bool,
+        num_top: int,
     ) -> CompletionLogprobs:
         """An echoed prompt in the completions format, as vLLM gives it: ``tokens`` join to
         ``text`` (the prompt as echoed), the first token's logprob is ``null`` (nothing predicts
@@ -117,7 +125,34 @@ class LogprobsFormatter:
             result.text_offset.append(start)
             start = stop
             result.token_logprobs.append(None if entry is None else entry[token_id])
-            result.top_logprobs.append(None if entry is None else {name: lp for name, _, lp in self._named(entry)})
+            result.top_logprobs.append(
+                None if entry is None else {name: lp for name, _, lp in self._named(_top(entry, token_id, num_top))}
+            )
+        return result
+
+    def prompt_logprobs(
+        self, prompt_token_ids: list[int], prompt_logprobs: list[dict[int, float] | None], num_top: int, ranked: int
+    ) -> PromptLogprobs:
+        """vLLM's ``prompt_logprobs``: per position the prompt's own token first, then the ``num_top``
+        most likely, keyed by token id. The engine computed the top ``ranked`` (>= ``num_top``), so
+        a token's rank is exact when it is among them and unknown (``null``) otherwise."""
+        result: PromptLogprobs = []
+        for token_id, entry in zip(prompt_token_ids, prompt_logprobs):
+            if entry is None:
+                result.append(None)
+                continue
+            outside = len(entry) > ranked  # the engine's top-k left the prompt's own token out
+            values = list(entry.values())
+            result.append(
+                {
+                    str(candidate): PromptLogprob(
+                        logprob=lp,
+                        rank=None if outside and candidate == token_id else 1 + sum(v > lp for v in values),
+                        decoded_token=self.name(candidate),
+                    )
+                    for candidate, lp in _top(entry, token_id, num_top).items()
+                }
+            )
         return result
 
     def chat(self, c: CompletionOutput, texts: TokenTexts, end: int, skip_special_tokens: bool) -> ChatLogprobs:
@@ -147,3 +182,10 @@ class LogprobsFormatter:
             )
         texts.tokens_sent = end
         return ChatLogprobs(content=content)
+
+
+def _top(entry: dict[int, float], own: int, num_top: int) -> dict[int, float]:
+    """The prompt's own token, then the ``num_top`` most likely of ``entry`` (the engine may have
+    computed more); on a tie the own token ranks last, as it is only there because it was asked."""
+    ranked = sorted(entry.items(), key=lambda item: (-item[1], item[0] == own))
+    return {own: entry[own], **dict(ranked[:num_top])}

@@ -6,7 +6,8 @@ Requests accept and ignore OpenAI fields that do not change the output (``metada
 cannot honour are refused with a 400 rather than silently dropped. vLLM's extra sampling fields
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``skip_special_tokens``) and structured-output fields
-(``guided_json``/``_regex``/``_choice``/``_grammar``, ``structured_outputs``) are accepted too.
+(``guided_json``/``_regex``/``_choice``/``_grammar``, ``structured_outputs``) are accepted too, and
+so are vLLM's ``prompt_logprobs`` (answered in vLLM's format and place) and ``priority``.
 
 Requests are validated strictly, as OpenAI's API does: a wrong type is a 400, never coerced
 (``"stream": "yes"``, ``"max_tokens": "5"``, ``"temperature": true``), NaN and infinities are
@@ -24,7 +25,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from llmctl.errors import InvalidRequestError
-from llmctl.sampling_params import SamplingParams
+from llmctl.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from llmctl.structured.request import spec_from_request
 from llmctl.structured.spec import StructuredOutputSpec
 from llmctl.tokenizer import TEMPLATE_VARIABLES_SET_BY_LLMCTL
@@ -118,10 +119,11 @@ class _Request(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
+    prompt_logprobs: int | None = None  # each prompt token's logprob and the top k alternatives
+    priority: int = 0  # the scheduler's order among waiting requests: lower runs earlier, as in vLLM
     # vLLM's fields that would change the output in ways llmctl does not implement: refused, not ignored
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool = False
     logits_processors: list[Any] | None = None
     # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
@@ -143,20 +145,37 @@ class _Request(BaseModel):
                 "truncate_prompt_tokens must be a positive token count, or -1 for max_model_len",
                 "truncate_prompt_tokens",
             )
+        self._refuse_bad_prompt_logprobs()
         unsupported = {
             "use_beam_search": self.use_beam_search,
             "length_penalty": self.length_penalty != 1.0,  # a beam-search setting
-            "prompt_logprobs": self.prompt_logprobs is not None,
             "return_tokens_as_token_ids": self.return_tokens_as_token_ids,
             "logits_processors": bool(self.logits_processors),
         }
         for name, asked in unsupported.items():
             if asked:
                 hint = {
-                    "prompt_logprobs": " (completions score the prompt with echo: true and logprobs)",
                     "length_penalty": " (it belongs to beam search)",
                 }.get(name, "")
                 raise bad_request(f"{name} is not supported by llmctl{hint}", name)
+
+    def _refuse_bad_prompt_logprobs(self) -> None:
+        """vLLM's bounds, except -1 (the whole vocabulary), which is past the engine's top-k cap; and
+        with ``stream`` even 0 is refused (vLLM accepts it but sends nothing), as a stream's chunks
+        have no place for them."""
+        asked = self.prompt_logprobs
+        if asked is None:
+            return
+        if asked == -1:
+            raise bad_request(
+                f"prompt_logprobs -1 (the whole vocabulary) is not supported by llmctl: at most "
+                f"{MAX_TOP_LOGPROBS} alternatives per token",
+                "prompt_logprobs",
+            )
+        if not 0 <= asked <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", "prompt_logprobs")
+        if self.stream:
+            raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
 
     def truncated(self, prompt: list[int], max_model_len: int) -> list[int]:
         """``truncate_prompt_tokens``: the prompt's last k tokens (-1: the last ``max_model_len``)."""
@@ -435,12 +454,30 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(_Response):
+class PromptLogprob(_Response):
+    """vLLM's ``Logprob``: ``rank`` is the token's place in the model's ranking (1: the most
+    likely); ``null`` for a prompt token ranked past the engine's top-k cap."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt position, token id (a string in JSON) -> its logprob; the first
+# position is null (nothing predicts it), the others hold the prompt's own token and the top k
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionStreamChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class CompletionChoice(CompletionStreamChoice):
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Response):
@@ -490,6 +527,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's place: the response, not a choice
 
 
 class DeltaMessage(_Response):
@@ -524,7 +562,7 @@ class CompletionChunk(_Response):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionStreamChoice]
     usage: Usage | None = None
 
 

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from llmctl.engine.async_engine import AsyncEngine, EngineDeadError
 from llmctl.engine.outputs import CompletionOutput, RequestOutput
 from llmctl.errors import EngineBusyError, InvalidRequestError
-from llmctl.sampling_params import SamplingParams
+from llmctl.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from llmctl.server.logprobs import LogprobsFormatter, TokenTexts
 from llmctl.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -49,7 +49,9 @@ from llmctl.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionStreamChoice,
     DeltaMessage,
+    PromptLogprobs,
     PromptTokensDetails,
     Usage,
     bad_request,
@@ -136,6 +138,7 @@ class Generation:
         params: SamplingParams,
         request_id: str,
         user: str | None,
+        priority: int = 0,
     ) -> None:
         self.num_prompts = len(prompts)
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
@@ -152,6 +155,7 @@ class Generation:
                         params,
                         request_id=f"{request_id}-{i}" if self.num_prompts > 1 else request_id,
                         user=user,
+                        priority=priority,
                     ),
                 )
             )
@@ -370,9 +374,10 @@ class OpenAIServing:
         user: str | None,
         respond: Callable[[Generation], Any],
         stream: Callable[[Generation], AsyncIterator[str]] | None,
+        priority: int = 0,
     ) -> Any:
         self.check_capacity()
-        generation = Generation(self.async_engine, prompts, params, request_id, user)
+        generation = Generation(self.async_engine, prompts, params, request_id, user, priority)
         self.state.live.add(generation)
         handed_over = False
         try:
@@ -417,8 +422,7 @@ class OpenAIServing:
         params = _constrained(
             req.sampling_params(1 if req.prompt_only else max_tokens, req.logprobs), req.output_spec()
         )
-        if req.echo and req.logprobs is not None:
-            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+        params = _with_prompt_logprobs(params, req.prompt_logprobs, req.logprobs if req.echo else None)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = req.model or self.served_model_name
@@ -437,6 +441,7 @@ class OpenAIServing:
                             logprobs=self._completion_logprobs(req, out, c, echo.get(i)),
                             finish_reason=c.finish_reason,
                             stop_reason=c.stop_reason,
+                            prompt_logprobs=self._prompt_logprobs(out, req.prompt_logprobs),
                         )
                     )
             return CompletionResponse(
@@ -465,14 +470,14 @@ class OpenAIServing:
                     logprobs = None
                     if req.logprobs is not None:
                         generated = self.logprobs.completion(c, state.texts, len(c.token_ids))
-                        logprobs = self._echoed_logprobs(out, echoed, generated, len(echo.get(i, "")))
+                        logprobs = self._echoed_logprobs(out, echoed, generated, len(echo.get(i, "")), req.logprobs)
                     state.started, state.finished = True, c.finished
                     chunk = CompletionChunk(
                         id=request_id,
                         created=created,
                         model=model,
                         choices=[
-                            CompletionChoice(
+                            CompletionStreamChoice(
                                 index=index,
                                 text=(echoed or "") + c.delta_text,
                                 logprobs=logprobs,
@@ -494,7 +499,9 @@ class OpenAIServing:
                 )
             yield SSE_DONE
 
-        return await self._run(request, prompts, params, request_id, req.user, respond, stream if req.stream else None)
+        return await self._run(
+            request, prompts, params, request_id, req.user, respond, stream if req.stream else None, req.priority
+        )
 
     def _completion_logprobs(
         self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, echoed: str | None
@@ -505,17 +512,17 @@ class OpenAIServing:
         generated = self.logprobs.completion(
             c, self.logprobs.texts(out.prompt_token_ids, req.skip_special_tokens), len(c.token_ids)
         )
-        return self._echoed_logprobs(out, echoed, generated, len(echoed or ""))
+        return self._echoed_logprobs(out, echoed, generated, len(echoed or ""), req.logprobs)
 
     def _echoed_logprobs(
-        self, out: RequestOutput, echoed: str | None, generated: CompletionLogprobs, echo_len: int
+        self, out: RequestOutput, echoed: str | None, generated: CompletionLogprobs, echo_len: int, num_top: int
     ) -> CompletionLogprobs:
         """``generated`` behind the echoed prompt's own logprobs (vLLM's order, when ``echoed`` is
         given); generated offsets count from the start of the echoed text."""
         prompt = (
             CompletionLogprobs()
             if echoed is None
-            else self.logprobs.prompt(out.prompt_token_ids, out.prompt_logprobs, echoed, True)
+            else self.logprobs.prompt(out.prompt_token_ids, out.prompt_logprobs, echoed, True, num_top)
         )
         return CompletionLogprobs(
             tokens=prompt.tokens + generated.tokens,
@@ -523,6 +530,14 @@ class OpenAIServing:
             top_logprobs=prompt.top_logprobs + generated.top_logprobs,
             text_offset=prompt.text_offset + [echo_len + offset for offset in generated.text_offset],
         )
+
+    def _prompt_logprobs(self, out: RequestOutput, asked: int | None) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs`` of one prompt, ``asked`` alternatives per position."""
+        if asked is None:
+            return None
+        if out.prompt_logprobs is None:
+            raise APIError(500, "the engine returned no prompt logprobs", type="server_error")
+        return self.logprobs.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, asked, MAX_TOP_LOGPROBS)
 
     def _prompt_text(self, prompt_ids: list[int]) -> str:
         return self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
@@ -569,6 +584,7 @@ class OpenAIServing:
         params = dataclasses.replace(
             params, max_tokens=self._max_tokens(len(prompt), requested, param), structured_outputs=spec
         )
+        params = _with_prompt_logprobs(params, req.prompt_logprobs, None)
         skip = params.skip_special_tokens
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -593,7 +609,12 @@ class OpenAIServing:
                     )
                 )
             return ChatCompletionResponse(
-                id=request_id, created=created, model=model, choices=choices, usage=generation.usage()
+                id=request_id,
+                created=created,
+                model=model,
+                choices=choices,
+                usage=generation.usage(),
+                prompt_logprobs=self._prompt_logprobs(out, req.prompt_logprobs),
             ).model_dump()
 
         async def stream(generation: Generation) -> AsyncIterator[str]:
@@ -639,7 +660,20 @@ class OpenAIServing:
                 )
             yield SSE_DONE
 
-        return await self._run(request, [prompt], params, request_id, req.user, respond, stream if req.stream else None)
+        return await self._run(
+            request, [prompt], params, request_id, req.user, respond, stream if req.stream else None, req.priority
+        )
+
+
+def _with_prompt_logprobs(params: SamplingParams, asked: int | None, echoed: int | None) -> SamplingParams:
+    """The engine's ``prompt_logprobs`` for ``asked`` (the request's field) and ``echoed`` (echo
+    with logprobs). For ``asked`` the engine ranks the top ``MAX_TOP_LOGPROBS``, so that a prompt
+    token's rank is known whenever it is among them; each answer then keeps its own count."""
+    if asked is not None:
+        return dataclasses.replace(params, prompt_logprobs=MAX_TOP_LOGPROBS)
+    if echoed is not None:
+        return dataclasses.replace(params, prompt_logprobs=echoed)
+    return params
 
 
 def _prompt_only(c: CompletionOutput) -> CompletionOutput:

@@ -82,3 +82,15 @@ def test_the_isa_cap_lowers_the_level_and_reaches_loaded_kernels():
         cpu_features.set_isa_cap(None)
     assert cpu_features.isa_level() == cpu_features.supported_isa_levels()[0]
     assert kv.isa() == ("generic" if cpu_features.isa_level() == "generic" else "avx2")
+
+
+def test_the_extension_is_built_where_the_install_can_build_it():
+    """The native-kernel tests skip where the extension is absent. On x86-64 Linux with a C++
+    compiler the install builds it (setup.py), so an absent one there is a broken build and must
+    fail here instead of turning those tests into quiet skips."""
+    import platform as host
+    import shutil
+
+    if host.system() != "Linux" or host.machine() != "x86_64" or shutil.which("c++") is None:
+        pytest.skip("the install builds the native kernels on x86-64 Linux with a C++ compiler only")
+    assert native_module.unavailable_reason() is None

@@ -192,7 +192,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client):
     [
         ({"use_beam_search": True}, "use_beam_search"),
         ({"length_penalty": 0.5}, "length_penalty"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),  # the whole vocabulary: past the engine's cap
         ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
         ({"logits_processors": ["my.module:Processor"]}, "logits_processors"),
         ({"echo": True}, "echo"),
