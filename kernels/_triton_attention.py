@@ -11,12 +11,26 @@ for fp32 inputs and always under the interpreter (which mis-multiplies bf16). On
 use ``tf32x3`` (three TF32 tensor-core products: fp32-level accuracy, no silent TF32 rounding, and
 none of the register spills of the FMA-based ``ieee`` path); with bf16/fp16 the tensor cores take
 native operands and accumulate in fp32.
+
+``HAS_WINDOW`` (constexpr) adds a sliding window of ``window`` tokens (a query at ``q`` sees the
+keys ``k`` with ``q - window < k <= q``); ``HAS_SOFTCAP`` soft-caps every score before the mask,
+``softcap * tanh(s / softcap)``, computed in the log2 domain with the cap times log2(e). Both off
+compile to the kernels without them.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _softcap(x, cap):
+    """``cap * tanh(x / cap)``, from one exp2 of a non-positive argument (no overflow)."""
+    y = x / cap
+    e = tl.exp2(tl.abs(y) * -2.8853900817779268)  # exp(-2|y|)
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(y < 0, -t, t)
 
 
 @triton.jit
@@ -48,6 +62,8 @@ def _decode_kernel(
     stride_mlw,
     stride_mls,
     stride_mlh,  # of part_ml (unit stride over splits)
+    window,  # sliding window in tokens (HAS_WINDOW)
+    softcap_log2,  # soft cap times log2(e) (HAS_SOFTCAP)
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # page size of the cache
@@ -57,6 +73,8 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -67,6 +85,8 @@ def _decode_kernel(
     if start >= seq_len:  # an empty partition of a shorter sequence: the reduction skips it
         return
     end = tl.minimum(start + partition_size, seq_len)
+    if HAS_WINDOW:  # a partition wholly before the window stays empty: m = -inf, l = 0 for the merge
+        start = tl.maximum(start, seq_len - window)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -101,7 +121,10 @@ def _decode_kernel(
             qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PREC)
         else:
             qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(n_mask[None, :], qk * scale_log2e, float("-inf"))  # [BLOCK_G, BLOCK_N]
+        qk = qk * scale_log2e
+        if HAS_SOFTCAP:
+            qk = _softcap(qk, softcap_log2)
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))  # [BLOCK_G, BLOCK_N]
 
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -196,6 +219,8 @@ def _prefill_tile(
     stride_vb,
     stride_vt,
     scale_log2e,
+    window,
+    softcap_log2,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -204,6 +229,8 @@ def _prefill_tile(
     DOT_FP32: tl.constexpr,
     DOT_PREC: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """One KV tile of the prefill kernel's online softmax; returns the updated (m, l, acc)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -227,13 +254,21 @@ def _prefill_tile(
     else:
         qk = tl.dot(q, tl.trans(k))
     qk = qk * scale_log2e
+    if HAS_SOFTCAP:
+        qk = _softcap(qk, softcap_log2)
     if CAUSAL_MASK:
         visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    if HAS_WINDOW:  # a row may see nothing of this tile yet (its window starts later): no NaN from -inf - -inf
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
 
     v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -268,6 +303,8 @@ def _prefill_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
+    window,  # sliding window in tokens (HAS_WINDOW)
+    softcap_log2,  # soft cap times log2(e) (HAS_SOFTCAP)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -279,6 +316,8 @@ def _prefill_kernel(
     PAGED: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """Causal attention of a chunk of query tokens over its sequence's whole context.
 
@@ -325,64 +364,108 @@ def _prefill_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
-    # Tiles wholly before the first query position: visible to every row, no mask.
-    for n0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _prefill_tile(
-            q_ptr,
-            q,
-            m_i,
-            l_i,
-            acc,
-            n0,
-            hi,
-            q_pos,
-            q_start,
-            table_row,
-            k_head,
-            v_head,
-            stride_kb,
-            stride_kt,
-            stride_vb,
-            stride_vt,
-            scale_log2e,
-            HEAD_DIM,
-            BLOCK_SIZE,
-            BLOCK_N,
-            BLOCK_D,
-            PAGED,
-            DOT_FP32,
-            DOT_PREC,
-            False,
-        )
-    # Tiles that reach the causal diagonal.
-    for n0 in range(full_end, hi, BLOCK_N):
-        m_i, l_i, acc = _prefill_tile(
-            q_ptr,
-            q,
-            m_i,
-            l_i,
-            acc,
-            n0,
-            hi,
-            q_pos,
-            q_start,
-            table_row,
-            k_head,
-            v_head,
-            stride_kb,
-            stride_kt,
-            stride_vb,
-            stride_vt,
-            scale_log2e,
-            HEAD_DIM,
-            BLOCK_SIZE,
-            BLOCK_N,
-            BLOCK_D,
-            PAGED,
-            DOT_FP32,
-            DOT_PREC,
-            True,
-        )
+    if HAS_WINDOW:
+        # From the tile of the first row's first key on, every tile masked (causal and window).
+        window_start = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+        for n0 in range(window_start, hi, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(
+                q_ptr,
+                q,
+                m_i,
+                l_i,
+                acc,
+                n0,
+                hi,
+                q_pos,
+                q_start,
+                table_row,
+                k_head,
+                v_head,
+                stride_kb,
+                stride_kt,
+                stride_vb,
+                stride_vt,
+                scale_log2e,
+                window,
+                softcap_log2,
+                HEAD_DIM,
+                BLOCK_SIZE,
+                BLOCK_N,
+                BLOCK_D,
+                PAGED,
+                DOT_FP32,
+                DOT_PREC,
+                True,
+                HAS_WINDOW,
+                HAS_SOFTCAP,
+            )
+    else:
+        # Tiles wholly before the first query position: visible to every row, no mask.
+        for n0 in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(
+                q_ptr,
+                q,
+                m_i,
+                l_i,
+                acc,
+                n0,
+                hi,
+                q_pos,
+                q_start,
+                table_row,
+                k_head,
+                v_head,
+                stride_kb,
+                stride_kt,
+                stride_vb,
+                stride_vt,
+                scale_log2e,
+                window,
+                softcap_log2,
+                HEAD_DIM,
+                BLOCK_SIZE,
+                BLOCK_N,
+                BLOCK_D,
+                PAGED,
+                DOT_FP32,
+                DOT_PREC,
+                False,
+                HAS_WINDOW,
+                HAS_SOFTCAP,
+            )
+        # Tiles that reach the causal diagonal.
+        for n0 in range(full_end, hi, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(
+                q_ptr,
+                q,
+                m_i,
+                l_i,
+                acc,
+                n0,
+                hi,
+                q_pos,
+                q_start,
+                table_row,
+                k_head,
+                v_head,
+                stride_kb,
+                stride_kt,
+                stride_vb,
+                stride_vt,
+                scale_log2e,
+                window,
+                softcap_log2,
+                HEAD_DIM,
+                BLOCK_SIZE,
+                BLOCK_N,
+                BLOCK_D,
+                PAGED,
+                DOT_FP32,
+                DOT_PREC,
+                True,
+                HAS_WINDOW,
+                HAS_SOFTCAP,
+            )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]

@@ -1,4 +1,5 @@
-"""SiLU-and-mul: the gated activation of Llama-family MLPs on a merged [gate | up] projection."""
+"""SiLU-and-mul: the gated activation of Llama-family MLPs on a merged [gate | up] projection; and
+GeLU(tanh)-and-mul (GeGLU), Gemma's."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ import torch.nn.functional as F
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul_torch(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
+    """Gemma's GeGLU: transformers' ``gelu_pytorch_tanh`` (``F.gelu(approximate="tanh")``) on the
+    gate, times the up projection, in the input dtype as there."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]

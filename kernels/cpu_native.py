@@ -38,9 +38,13 @@ def paged_decode_attention_native(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Same signature and result as ``paged_decode_attention_torch`` (up to rounding)."""
-    return _module_or_raise().paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    return _module_or_raise().paged_decode_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, window or 0, softcap or 0.0
+    )
 
 
 def decode_codes_native_supported(head_dim: int) -> bool:
@@ -56,6 +60,8 @@ def paged_decode_attention_codes_native(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention over one layer of an 8-bit KV pool (``kind``: int8, fp8_e4m3, fp8_e5m2;
     ``tensors``: its k, v, k_scale, v_scale as llmctl/engine/kv_cache.py lays them out). Same result
@@ -70,6 +76,8 @@ def paged_decode_attention_codes_native(
         block_tables.to(torch.int32),
         seq_lens.to(torch.int32),
         float(scale),
+        window or 0,
+        softcap or 0.0,
     )
 
 
@@ -81,6 +89,8 @@ def paged_prefill_attention_codes_native(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal prefill over one layer of an 8-bit KV pool, as ``paged_prefill_attention_native`` on the
     dequantized K/V (``llmctl_kernels.kv_quant.dequantize_per_token``); the pool is read in place."""
@@ -95,6 +105,8 @@ def paged_prefill_attention_codes_native(
         query_start_loc.to(torch.int32),
         seq_lens.to(torch.int32),
         float(scale),
+        window or 0,
+        softcap or 0.0,
     )
 
 
@@ -133,10 +145,12 @@ def paged_prefill_attention_native(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Same signature and result as ``paged_prefill_attention_torch`` (up to rounding)."""
     return _module_or_raise().paged_prefill_attention(
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, window or 0, softcap or 0.0
     )
 
 

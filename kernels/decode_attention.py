@@ -19,6 +19,52 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> 
     return rows.view(num_seqs, num_blocks * block_size, *cache.shape[2:])[:, :max_len]
 
 
+def masked_attention(
+    query: torch.Tensor,  # [..., Hq, Lq, D]
+    keys: torch.Tensor,  # [..., Hkv, L, D]
+    values: torch.Tensor,
+    mask: torch.Tensor,  # bool, broadcastable to [..., Hq, Lq, L]: True = attend
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]: a learned logit per head in the softmax denominator
+) -> torch.Tensor:  # [..., Hq, Lq, D]
+    """Attention under a boolean mask; with ``softcap`` each score ``s = q.k * scale`` becomes
+    ``softcap * tanh(s / softcap)`` before the mask, as transformers' Gemma 2 eager attention
+    computes it (SDPA has no such hook, so that path is written out).
+
+    ``sinks`` (gpt-oss): head ``h``'s softmax runs over its scores and one more logit,
+    ``sinks[h]``, which takes its share of the probability mass but contributes no value (the
+    rows' weights sum to less than 1), as transformers' gpt-oss eager attention computes it: the
+    sink joined to the masked scores, the softmax in fp32, the sink's column dropped."""
+    gqa = query.shape[-3] != keys.shape[-3]
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        group = query.shape[-3] // keys.shape[-3]
+        keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        return torch.matmul(probs, values)
+    sink = sinks.to(torch.float32).view(-1, 1, 1).expand(*scores.shape[:-1], 1)  # [..., Hq, Lq, 1]
+    combined = torch.cat([scores.to(torch.float32), sink], dim=-1)
+    probs = torch.softmax(combined, dim=-1)[..., :-1].to(query.dtype)  # the sink's column dropped
+    return torch.matmul(probs, values)
+
+
+def window_mask(q_pos: torch.Tensor, kv_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal mask ``[..., Lq, L]`` of queries at ``q_pos [..., Lq, 1]`` over keys at ``kv_pos [1, L]``,
+    with a sliding window as transformers' ``sliding_window_overlay``: a query at ``q`` sees the keys
+    ``k`` with ``q - window < k <= q`` (``window`` keys, itself included)."""
+    mask = kv_pos <= q_pos
+    if window is not None:
+        mask = mask & (kv_pos > q_pos - window)
+    return mask
+
+
 def paged_decode_attention_torch(
     query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -26,6 +72,9 @@ def paged_decode_attention_torch(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    window: int | None = None,  # sliding window: the last ``window`` tokens (``window_mask``)
+    softcap: float | None = None,  # attention-logit soft cap (``masked_attention``)
+    sinks: torch.Tensor | None = None,  # [Hq] attention sinks (``masked_attention``)
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     num_seqs, num_q_heads, head_dim = query.shape
     if num_seqs == 0:
@@ -33,17 +82,26 @@ def paged_decode_attention_torch(
     max_len = int(seq_lens.max())
     keys = gather_kv(key_cache, block_tables, max_len).transpose(1, 2).to(query.dtype)  # [S, Hkv, L, D]
     values = gather_kv(value_cache, block_tables, max_len).transpose(1, 2).to(query.dtype)
-    positions = torch.arange(max_len, device=query.device)
-    mask = (positions[None, :] < seq_lens[:, None].to(positions.dtype))[:, None, None, :]  # [S, 1, 1, L]
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2),  # [S, Hq, 1, D]
-        keys,
-        values,
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=num_q_heads != keys.shape[1],
-    )
-    return out.squeeze(2)
+    return decode_attention_gathered(query, keys, values, seq_lens, scale, window, softcap, sinks)
+
+
+def decode_attention_gathered(
+    query: torch.Tensor,  # [S, Hq, D]
+    keys: torch.Tensor,  # [S, Hkv, L, D]
+    values: torch.Tensor,
+    seq_lens: torch.Tensor,  # [S]
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # [S, Hq, D]
+    """One query per sequence, at position ``seq_len - 1``, over its gathered keys/values."""
+    positions = torch.arange(keys.shape[2], device=query.device)
+    lens = seq_lens[:, None].to(positions.dtype)
+    mask = window_mask(lens - 1, positions[None, :], window)[:, None, None, :]  # [S, 1, 1, L]
+    if window is None and softcap is None and sinks is None:  # the plain path, exactly as before
+        mask = (positions[None, :] < lens)[:, None, None, :]
+    return masked_attention(query.unsqueeze(2), keys, values, mask, scale, softcap, sinks).squeeze(2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,6 +140,8 @@ def paged_decode_attention_triton(
     max_seq_len: int | None = None,  # host-side max(seq_lens); computed (one sync) when absent
     num_splits: int | None = None,  # force the number of context partitions (tests, benchmarks)
     block_n: int | None = None,  # force the KV tile (tests)
+    window: int | None = None,  # sliding window: the last ``window`` tokens (``window_mask``)
+    softcap: float | None = None,  # attention-logit soft cap (``masked_attention``)
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     from llmctl_kernels import _triton_attention as tk
     from llmctl_kernels._triton_utils import dots_in_fp32, fp32_dot_precision, last_dim_contiguous, next_pow2
@@ -129,6 +189,8 @@ def paged_decode_attention_triton(
         part_ml.stride(0),
         part_ml.stride(1),
         part_ml.stride(2),
+        int(window or 0),
+        float(softcap or 0.0) * LOG2E,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
@@ -138,6 +200,8 @@ def paged_decode_attention_triton(
         SPLIT=split,
         DOT_FP32=dots_in_fp32(query.dtype),
         DOT_PREC=fp32_dot_precision(),
+        HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None,
         num_warps=4,
         num_stages=2,
     )

@@ -115,9 +115,22 @@ def dequantize_kivi_values(
 
 # ---- attention over a quantized paged cache ----------------------------------------------------
 def decode_attention_dense(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_lens: torch.Tensor, scale: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """query ``[S, Hq, D]`` against gathered, dequantized ``keys/values [S, L, Hkv, D]``."""
+    """query ``[S, Hq, D]`` against gathered, dequantized ``keys/values [S, L, Hkv, D]``, within a
+    sliding ``window`` and with a logit ``softcap`` when given (kernels/prefill_attention.py)."""
+    if window is not None or softcap is not None:
+        from llmctl_kernels.decode_attention import decode_attention_gathered
+
+        return decode_attention_gathered(
+            query, keys.transpose(1, 2), values.transpose(1, 2), seq_lens, scale, window, softcap
+        )
     max_len = keys.shape[1]
     positions = torch.arange(max_len, device=query.device)
     mask = (positions[None, :] < seq_lens[:, None].to(positions.dtype))[:, None, None, :]
@@ -140,12 +153,15 @@ def attend_causal_kivi(
     exact_values: torch.Tensor,
     window_tokens: int,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the last ``len(query)`` positions as KIVI decoding would have seen them.
     The sequence's blocks form window groups of ``window_tokens`` (N blocks); a group is quantized
     by the token that completes it. So query ``p`` reads the tokens of its own group in full
     precision (``exact_*``) unless ``p`` completes the group, and every earlier group dequantized
-    (``keys``/``values``, all ``[L, Hkv, D]``)."""
+    (``keys``/``values``, all ``[L, Hkv, D]``). ``sliding_window`` and ``softcap``: the model's
+    attention window and logit cap (kernels/prefill_attention.py), not KIVI's residual window."""
     q_len, kv_len = query.shape[0], keys.shape[0]
     group = query.shape[1] // keys.shape[1]
     q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
@@ -154,6 +170,11 @@ def attend_causal_kivi(
     k, v, ek, ev = (t.float().repeat_interleave(group, dim=1) for t in (keys, values, exact_keys, exact_values))
     q = query.float()
     scores = torch.where(exact, torch.einsum("qhd,khd->hqk", q, ek), torch.einsum("qhd,khd->hqk", q, k)) * scale
-    probs = torch.softmax(scores.masked_fill(kv_pos > q_pos, float("-inf")), dim=-1)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    hidden = kv_pos > q_pos
+    if sliding_window is not None:
+        hidden = hidden | (kv_pos <= q_pos - sliding_window)
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
     out = torch.einsum("hqk,khd->qhd", probs * ~exact, v) + torch.einsum("hqk,khd->qhd", probs * exact, ev)
     return out.to(query.dtype)

@@ -53,6 +53,8 @@ def quantized_decode_attention_native(
     value_group: int = 0,  # KIVI: value channels per scale/zero group
     residual: dict[str, torch.Tensor] | None = None,  # KIVI: "k"/"v" [slots, block_size, Hkv, D], model dtype
     residual_table: torch.Tensor | None = None,  # KIVI: [num_blocks] int64 slot per block, -1 = quantized
+    window: int | None = None,  # sliding window (kernels/prefill_attention.py's docstring)
+    softcap: float | None = None,  # attention-logit soft cap
 ) -> torch.Tensor:
     """Same result as gathering, dequantizing (``kernels/kv_quant.py``) and attending, up to fp32
     summation order; the pool is read in place."""
@@ -79,6 +81,8 @@ def quantized_decode_attention_native(
         seq_lens.to(torch.int32),
         value_group,
         float(scale),
+        window or 0,
+        softcap or 0.0,
     )
 
 

@@ -5,6 +5,13 @@ sequence whose ``seq_lens[i]`` tokens all sit in the cache already (its cached p
 chunk). Query ``j`` of the chunk sits at position ``seq_lens[i] - q_len_i + j`` and attends causally
 to every cached token up to and including itself. This one shape serves fresh prefill, chunked
 prefill and prefix-cache hits alike.
+
+Every entry point takes an optional sliding ``window`` (a query at ``q`` sees the keys ``k`` with
+``q - window < k <= q``, transformers' ``sliding_window_overlay``) and an optional attention-logit
+``softcap`` (``s = softcap * tanh(q.k * scale / softcap)`` before the mask, as Gemma 2); ``None``
+is neither. The torch references also take attention ``sinks`` (gpt-oss: one learned logit per
+query head in the softmax denominator, ``decode_attention.masked_attention``); the Triton kernels
+do not, and their callers hand such layers to these references (llmctl/layers/triton_ops.py).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from llmctl_kernels.decode_attention import gather_kv
+from llmctl_kernels.decode_attention import gather_kv, masked_attention, window_mask
 
 
 def paged_prefill_attention_torch(
@@ -25,6 +32,9 @@ def paged_prefill_attention_torch(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
@@ -36,12 +46,22 @@ def paged_prefill_attention_torch(
             continue
         keys = gather_kv(key_cache, block_tables[i : i + 1], seq_len)[0].to(query.dtype)  # [L, Hkv, D]
         values = gather_kv(value_cache, block_tables[i : i + 1], seq_len)[0].to(query.dtype)
-        out[q_start:q_end] = attend_causal(query[q_start:q_end], keys, values, scale)
+        out[q_start:q_end] = attend_causal(query[q_start:q_end], keys, values, scale, window, softcap, sinks)
     return out
 
 
-def attend_causal(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last ``len(query)`` positions over ``len(keys)`` positions.
+def attend_causal(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of the last ``len(query)`` positions over ``len(keys)`` positions, within
+    a sliding ``window``, with a logit ``softcap`` and attention ``sinks`` ``[Hq]`` when given
+    (module docstring).
 
     query ``[q_len, Hq, D]``, keys/values ``[kv_len, Hkv, D]`` -> ``[q_len, Hq, D]``.
     """
@@ -50,6 +70,10 @@ def attend_causal(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     # 4-D [1, H, L, D] inputs: torch's CPU flash kernel takes them (GQA included); 3-D ones fall back
     # to the much slower math path.
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, keys, values))
+    if window is not None or softcap is not None or sinks is not None:
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
+        mask = window_mask(q_pos, torch.arange(kv_len, device=query.device)[None, :], window)
+        return masked_attention(q, k, v, mask, scale, softcap, sinks)[0].transpose(0, 1)
     if q_len == kv_len:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
@@ -99,6 +123,8 @@ def _launch_prefill(
     max_query_len: int | None,
     block_m: int | None,
     block_n: int | None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     from llmctl_kernels import _triton_attention as tk
     from llmctl_kernels._triton_utils import (
@@ -161,6 +187,8 @@ def _launch_prefill(
         table_stride,
         out.stride(0),
         out.stride(1),
+        int(window or 0),
+        float(softcap or 0.0) * LOG2E,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
@@ -172,6 +200,8 @@ def _launch_prefill(
         PAGED=paged,
         DOT_FP32=dots_in_fp32(query.dtype),
         DOT_PREC=fp32_dot_precision(),
+        HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -190,6 +220,8 @@ def paged_prefill_attention_triton(
     max_query_len: int | None = None,  # host-side longest chunk (a bound is fine)
     block_m: int | None = None,  # force the tiles (tests)
     block_n: int | None = None,
+    window: int | None = None,  # sliding window (module docstring)
+    softcap: float | None = None,  # attention-logit soft cap
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     return _launch_prefill(
         query,
@@ -202,6 +234,8 @@ def paged_prefill_attention_triton(
         max_query_len,
         block_m,
         block_n,
+        window,
+        softcap,
     )
 
 
@@ -215,11 +249,15 @@ def varlen_causal_attention_triton(
     max_query_len: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Fresh prefill: each chunk attends causally to itself only, K/V read straight from this
     step's contiguous keys/values (the same kernel as the paged path, without the gather).
     The torch counterpart is ``attend_causal`` per chunk."""
-    return _launch_prefill(query, key, value, None, query_start_loc, None, scale, max_query_len, block_m, block_n)
+    return _launch_prefill(
+        query, key, value, None, query_start_loc, None, scale, max_query_len, block_m, block_n, window, softcap
+    )
 
 
 def paged_prefill_attention_quantized_triton(

@@ -152,12 +152,14 @@ def _register_feature_commands() -> None:
     from llmctl.perplexity import register_commands as register_perplexity
     from llmctl.router import register_commands as register_router
     from llmctl.server.cli import register_commands as register_serve
+    from llmctl.server.ps_cli import register_commands as register_ps
     from llmctl.tui.cli import register_commands as register_top
 
     for register in (
         register_hub_commands,
         register_chat,
         register_serve,
+        register_ps,
         register_router,
         register_bench,
         register_perplexity,

@@ -6,7 +6,23 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "granite")
+FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "granite",
+    "smollm3",
+    "olmo2",
+    "phi3",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "gpt_oss",
+)
 
 
 def make_config(family: str, **overrides):
@@ -50,6 +66,152 @@ def make_config(family: str, **overrides):
         common.update(
             embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0
         )
+    elif family == "smollm3":
+        from transformers import SmolLM3Config
+
+        cls = SmolLM3Config
+        # the first and last of 3 layers without rotary embedding (SmolLM3's default: every 4th only)
+        common.update(
+            num_hidden_layers=3, no_rope_layers=[0, 1, 0], rope_theta=1000.0, rms_norm_eps=1e-3, pad_token_id=None
+        )
+    elif family == "olmo2":
+        from transformers import Olmo2Config
+
+        cls = Olmo2Config
+        common["rms_norm_eps"] = 1e-2  # far from the default (1e-5) and from llmctl's fallback (1e-6)
+    elif family == "phi3":
+        from transformers import Phi3Config
+
+        cls = Phi3Config
+        # LongRoPE with short and long factors far apart, an original context (32) that prompts and
+        # generations cross, 3/4 of each head rotated (Phi-4-mini's partial rotary): 6 frequencies
+        half = int(64 // 4 * 0.75) // 2
+        common.update(
+            partial_rotary_factor=0.75,
+            original_max_position_embeddings=32,
+            rope_theta=500.0,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.25 * i for i in range(half)],
+                "long_factor": [3.0 + 2.0 * i for i in range(half)],
+            },
+            pad_token_id=None,
+        )
+    elif family == "gemma2":
+        from transformers import Gemma2Config
+
+        cls = Gemma2Config
+        # a window (8) that the 1..60-token prompts cross, soft-caps that bite, a query_pre_attn_scalar
+        # far from head_dim (and from 256), layer_types other than Gemma 2's alternation
+        common.update(
+            num_hidden_layers=3,
+            head_dim=32,
+            query_pre_attn_scalar=20,
+            sliding_window=8,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            rope_theta=1000.0,
+            rms_norm_eps=1e-3,
+            tie_word_embeddings=True,
+        )
+    elif family == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        cls = Gemma3TextConfig
+        # as gemma2 (no attention soft-cap: Gemma 3 has none), plus q/k norms and distinct rotary
+        # bases: linear scaling on the global layers, another base on the local ones
+        common.update(
+            num_hidden_layers=3,
+            head_dim=32,
+            query_pre_attn_scalar=20,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            final_logit_softcapping=3.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 5000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+            rms_norm_eps=1e-3,
+            tie_word_embeddings=True,
+        )
+    elif family == "mixtral":
+        from transformers import MixtralConfig
+
+        cls = MixtralConfig
+        # 8 experts of 48, top-2 (Mixtral always renormalizes the two weights)
+        common.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, rms_norm_eps=1e-3)
+    elif family == "qwen2_moe":
+        from transformers import Qwen2MoeConfig
+
+        cls = Qwen2MoeConfig
+        # a shared expert, a dense middle layer (mlp_only_layers), top-2 weights not renormalized
+        common.update(
+            num_hidden_layers=3,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+        )
+    elif family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        cls = Qwen3MoeConfig
+        # per-head q/k norms, a dense last layer, top-2 of 8 renormalized
+        common.update(
+            num_hidden_layers=3,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=40,
+            mlp_only_layers=[2],
+            norm_topk_prob=True,
+        )
+    elif family == "olmoe":
+        from transformers import OlmoeConfig
+
+        cls = OlmoeConfig
+        # q/k norms over the whole projection, q/k/v clipped where it bites, top-2 of 8 not renormalized
+        common.update(
+            num_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=48,
+            clip_qkv=1.5,
+            rms_norm_eps=1e-2,
+            pad_token_id=None,
+        )
+    elif family == "gpt_oss":
+        from transformers import GptOssConfig
+
+        cls = GptOssConfig
+        # 4 layers alternating sliding (window 8, crossed by the 1..60-token prompts) and full, top-2
+        # of 6 experts, a SwiGLU limit (1.0) and alpha (1.3) far from the defaults so the clamps bite,
+        # YaRN over an original context (32) that prompts and generations cross; make_hf_model
+        # draws sinks and biases far from their zero init
+        common.update(
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size=48,
+            num_local_experts=6,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            swiglu_alpha=1.3,
+            swiglu_limit=1.0,
+            rms_norm_eps=1e-3,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 1000.0,
+                "factor": 4.0,
+                "beta_fast": 8.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+            },
+            pad_token_id=None,
+        )
     else:
         raise ValueError(family)
     common.update(overrides)
@@ -62,6 +224,18 @@ def make_hf_model(family: str, out_dir: Path, seed: int = 0, **overrides) -> Pat
     torch.manual_seed(seed)
     config = make_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family.startswith("gemma"):  # Gemma's norms scale by 1 + w and start at w = 0: make w count
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.5)
+    if family == "gpt_oss":  # sinks near the attention logits, every bias (zero at init) drawn
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("sinks"):
+                    param.normal_(0.5, 1.0)
+                elif name.endswith("bias"):
+                    param.normal_(0.0, 0.2)
     model.save_pretrained(out_dir)
     return out_dir
 

@@ -102,12 +102,13 @@ void decode_tasks(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
   std::vector<int64_t> token_offset;  // t -> the token's row in the cache (elements), plus the task's first head
   for (int64_t task = begin; task < end; ++task) {
     const int64_t seq = task / tasks_per_seq, first_head = (task % tasks_per_seq) * a.heads_per_task;
-    const int64_t len = a.seq_lens[seq];
+    const int64_t first = llk::window_first(a.seq_lens[seq] - 1, a.window);  // the keys [first, seq_len)
+    const int64_t len = a.seq_lens[seq] - first;
     const int64_t padded = (len + kScoreTile - 1) / kScoreTile * kScoreTile;
     const int32_t* table = a.block_tables + seq * a.max_blocks;
     const int64_t q_offset = (seq * a.num_q_heads + first_head * group) * D;
     for (int64_t i = 0; i < rows * D; ++i) qf[i] = load(a.q + q_offset + i) * a.scale;
-    token_offsets(token_offset, table, a.block_size, len, padded, row, first_head * D);
+    token_offsets(token_offset, table, a.block_size, first, len, padded, row, first_head * D);
     scores.resize(rows * padded);
 
     const float* tile_rows[kScoreTile];  // the tile's K rows (all the task's heads) as fp32
@@ -132,6 +133,8 @@ void decode_tasks(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
         }
       }
     }
+    if (a.softcap > 0.f)
+      for (int64_t r = 0; r < rows; ++r) llk::softcap_scores(scores.data() + r * padded, len, a.softcap);
     for (int64_t r = 0; r < rows; ++r) inv_sum[r] = softmax_row(scores.data() + r * padded, len);
 
     std::fill(acc.begin(), acc.end(), 0.f);
@@ -189,6 +192,8 @@ struct PrefillArgs {
   float scale;
   const float* k_scale = nullptr;  // codes only: [NB, BS, Hkv]
   const float* v_scale = nullptr;
+  int64_t window = 0;  // sliding window (attention_window.h); 0: the whole context
+  float softcap = 0.f;  // attention-logit soft cap; 0: none
 };
 
 // row[0..D) *= s (a dequantized code row).
@@ -334,7 +339,10 @@ void prefill_task(const PrefillArgs<T, C>& a, int64_t seq, int64_t h, PrefillScr
       }
       std::fill(qf + rows * D, qf + RS * D, 0.f);
       const int64_t n_pad = (n_max + N - 1) / N * N;
-      for (int64_t t0 = 0; t0 < n_max; t0 += N) {
+      // A sliding window: row r sees [window_first(its position), its position]; tiles before the
+      // block's first row's first key are skipped (t_begin = 0 without a window).
+      const int64_t t_begin = llk::window_first(len - q_len + j0, a.window) / N * N;
+      for (int64_t t0 = t_begin; t0 < n_max; t0 += N) {
         V acc[RS];
 #pragma GCC unroll 8
         for (int64_t r = 0; r < RS; ++r) acc[r] = L::zero();
@@ -347,9 +355,20 @@ void prefill_task(const PrefillArgs<T, C>& a, int64_t seq, int64_t h, PrefillScr
 #pragma GCC unroll 8
         for (int64_t r = 0; r < RS; ++r) L::store(scores + r * padded + t0, acc[r]);
       }
+      if (a.softcap > 0.f)
+        for (int64_t r = 0; r < rows; ++r) llk::softcap_scores(scores + r * padded + t_begin, n_max - t_begin, a.softcap);
       for (int64_t r = 0; r < RS; ++r) {  // rows past `rows`: weight 0 everywhere
-        if (r < rows) inv_sum[r] = L::softmax_prefix(scores + r * padded, len - q_len + j0 + r + 1, n_pad);
-        else std::fill(scores + r * padded, scores + r * padded + n_pad, 0.f);
+        float* s = scores + r * padded;
+        if (r >= rows) {
+          std::fill(s, s + n_pad, 0.f);
+        } else if (a.window <= 0) {
+          inv_sum[r] = L::softmax_prefix(s, len - q_len + j0 + r + 1, n_pad);
+        } else {  // keys before the window: -inf into the softmax (a weight below 1e-37), then exactly 0
+          const int64_t pos = len - q_len + j0 + r, lo = llk::window_first(pos, a.window);
+          std::fill(s + t_begin, s + lo, -std::numeric_limits<float>::infinity());
+          inv_sum[r] = L::softmax_prefix(s + t_begin, pos + 1 - t_begin, n_pad - t_begin);
+          std::fill(s + t_begin, s + lo, 0.f);
+        }
       }
       for (int64_t r0 = 0; r0 < rows; r0 += RP)
         for (int64_t d0 = 0; d0 < D; d0 += DC) {
@@ -357,7 +376,7 @@ void prefill_task(const PrefillArgs<T, C>& a, int64_t seq, int64_t h, PrefillScr
           for (int64_t r = 0; r < RP; ++r)
             for (int64_t c = 0; c < CH; ++c) acc[r][c] = L::zero();
           const float* p = scores + r0 * padded;
-          for (int64_t t = 0; t < n_max; ++t) {
+          for (int64_t t = t_begin; t < n_max; ++t) {
             const float* v = v_rows[t] + d0;
             V vv[CH];
 #pragma GCC unroll 4

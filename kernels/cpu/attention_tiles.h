@@ -21,6 +21,19 @@ inline void token_offsets(std::vector<int64_t>& offset, const int32_t* table, in
   for (int64_t t = len; t < padded; ++t) offset[t] = offset[0];
 }
 
+// The same for the `len` tokens from token `first` on (a sliding window's keys): offset[i] is token
+// first + i's.
+inline void token_offsets(std::vector<int64_t>& offset, const int32_t* table, int64_t block_size, int64_t first,
+                          int64_t len, int64_t padded, int64_t row, int64_t extra) {
+  if (first == 0) return token_offsets(offset, table, block_size, len, padded, row, extra);
+  offset.resize(padded);
+  for (int64_t i = 0; i < len; ++i) {
+    const int64_t t = first + i;
+    offset[i] = (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row + extra;
+  }
+  for (int64_t i = len; i < padded; ++i) offset[i] = offset[0];
+}
+
 // fast_exp (fast_exp.h) on 8 lanes. GCC leaves the scalar one unvectorized in the softmax
 // loop, where it then took about half of a decode call.
 inline __m256 exp8(__m256 x) {

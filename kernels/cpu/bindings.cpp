@@ -19,15 +19,28 @@ void bind_cpu(pybind11::module_& m) {
   m.def("set_isa", &set_isa, "Select the kernel variant: generic, avx2, avx512 or avx512bf16");
   m.def("compiled_isas", &compiled_isas, "The kernel variants compiled into this module");
   m.def("reshape_and_cache", &reshape_and_cache, "Write K/V into the paged cache through the slot mapping (CPU)");
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  namespace py = pybind11;
+  // window > 0: a sliding window, softcap > 0: attention-logit soft-capping (attention_window.h)
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", py::arg("query"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("decode_codes_supported", &decode_codes_supported, "Whether paged_decode_attention_codes takes this head_dim");
   m.def("paged_decode_attention_codes", &paged_decode_attention_codes,
-        "Paged decode attention over an 8-bit KV pool (int8, fp8_e4m3, fp8_e5m2; CPU)");
+        "Paged decode attention over an 8-bit KV pool (int8, fp8_e4m3, fp8_e5m2; CPU)", py::arg("query"),
+        py::arg("kind"), py::arg("k_codes"), py::arg("v_codes"), py::arg("k_scale"), py::arg("v_scale"),
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
   m.def("paged_prefill_attention_codes", &paged_prefill_attention_codes,
-        "Causal paged prefill attention over an 8-bit KV pool (CPU)");
+        "Causal paged prefill attention over an 8-bit KV pool (CPU)", py::arg("query"), py::arg("kind"),
+        py::arg("k_codes"), py::arg("v_codes"), py::arg("k_scale"), py::arg("v_scale"), py::arg("block_tables"),
+        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
   m.def("store_kv_codes", &store_kv_codes, "Quantize K/V per (token, KV head) into an 8-bit pool (CPU)");
   m.def("prefill_attention_supported", &prefill_attention_supported, "Whether paged_prefill_attention takes these");
-  m.def("paged_prefill_attention", &paged_prefill_attention, "Causal paged prefill attention, fp32 or bf16 (CPU)");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "Causal paged prefill attention, fp32 or bf16 (CPU)",
+        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
   m.def("rms_norm", &rms_norm, "RMSNorm with optional fused residual add (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
   m.def("rotate", &rotate, "Rotary embedding, rotate-half layout (CPU)");
@@ -48,8 +61,13 @@ void bind_kv_quant(pybind11::module_& m) {
   using namespace llk::kvq;
   m.def("set_isa", &set_isa, "Select the kernel variant: generic, or avx2 for avx2 and above");
   m.def("isa", &isa, "The kernel variant in use");
+  namespace py = pybind11;
   m.def("quantized_decode_attention", &quantized_decode_attention,
-        "Paged decode attention over a quantized KV pool (fp8, int8, KIVI; CPU)");
+        "Paged decode attention over a quantized KV pool (fp8, int8, KIVI; CPU)", py::arg("query"), py::arg("kind"),
+        py::arg("bits"), py::arg("k"), py::arg("v"), py::arg("k_scale"), py::arg("v_scale"), py::arg("k_zero"),
+        py::arg("v_zero"), py::arg("residual_k"), py::arg("residual_v"), py::arg("residual_table"), py::arg("lut"),
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("value_group"), py::arg("scale"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("kivi_store", &kivi_store, "One layer's KIVI store: residual rows, staging and the completed blocks' codes");
 }
 

@@ -140,9 +140,10 @@ void decode_task(const DecodeArgs<at::BFloat16>& a, int64_t seq, int64_t h0, int
   static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
   constexpr int64_t kChunks = D / 32;  // 32 bf16 per vdpbf16ps
   const int64_t group = a.num_q_heads / a.num_kv_heads, heads = h1 - h0, span = heads * D;
-  const int64_t len = a.seq_lens[seq];
+  const int64_t first = llk::window_first(a.seq_lens[seq] - 1, a.window);  // the keys [first, seq_len)
+  const int64_t len = a.seq_lens[seq] - first;
   const int64_t padded = (len + kTile - 1) / kTile * kTile;
-  avx512::f32attn::token_offsets(buf.offset, a.block_tables + seq * a.max_blocks, a.block_size, len, padded,
+  avx512::f32attn::token_offsets(buf.offset, a.block_tables + seq * a.max_blocks, a.block_size, first, len, padded,
                                  a.num_kv_heads * D, h0 * D);
   const int64_t* offset = buf.offset.data();
   buf.scores.resize(heads * group * padded);
@@ -179,6 +180,8 @@ void decode_task(const DecodeArgs<at::BFloat16>& a, int64_t seq, int64_t h0, int
   }
   buf.inv_sum.resize(heads * group);
   float* inv_sum = buf.inv_sum.data();
+  if (a.softcap > 0.f)
+    for (int64_t r = 0; r < heads * group; ++r) llk::softcap_scores(scores + r * padded, len, a.softcap);
   for (int64_t r = 0; r < heads * group; ++r)  // 16 lanes, the tail masked (zeros up to padded)
     inv_sum[r] = avx512::f32attn::Lanes16::softmax_prefix(scores + r * padded, len, padded);
   for (int64_t hh = 0; hh < heads; ++hh)  // pass 2: the sums of V weighted by each query head's p
@@ -279,7 +282,8 @@ std::vector<std::string> compiled_isas() {
 }
 
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                                     at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+                                     at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window,
+                                     double softcap) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [S, Hq, D], cache [NB, BS, Hkv, D]");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables");
@@ -299,6 +303,8 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
     DecodeArgs<T> args{q.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(), bt.data_ptr<int32_t>(),
                        lens.data_ptr<int32_t>(), out.data_ptr<T>(), num_q_heads, num_kv_heads, head_dim,
                        block_size, bt.size(1), heads_per_task, static_cast<float>(scale)};
+    args.window = window;
+    args.softcap = static_cast<float>(softcap);
     if (decode_with_avx512_bf16(args, num_seqs)) return;
     const int64_t tasks = num_seqs * (num_kv_heads / heads_per_task);
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
@@ -345,7 +351,8 @@ void check_code_pool(const at::Tensor& query, const at::Tensor& k_codes, const a
 // decode loop calls the same code.
 at::Tensor paged_decode_attention_codes(at::Tensor query, const std::string& kind, at::Tensor k_codes,
                                            at::Tensor v_codes, at::Tensor k_scale, at::Tensor v_scale,
-                                           at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+                                           at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                           int64_t window, double softcap) {
   check_code_pool(query, k_codes, v_codes, k_scale, v_scale);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables");
   auto q = query.contiguous();
@@ -364,7 +371,8 @@ at::Tensor paged_decode_attention_codes(at::Tensor query, const std::string& kin
                                 static_cast<const C*>(v_codes.data_ptr()), bt.data_ptr<int32_t>(),
                                 lens.data_ptr<int32_t>(), out.data_ptr<T>(), num_q_heads, num_kv_heads, q.size(2),
                                 k_codes.size(1), bt.size(1), heads_per_task, static_cast<float>(scale),
-                                k_scale.data_ptr<float>(), v_scale.data_ptr<float>()};
+                                k_scale.data_ptr<float>(), v_scale.data_ptr<float>(), window,
+                                static_cast<float>(softcap)};
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
       if (g_isa >= Isa::kAvx512) avx512::decode_codes_range<T, C>(args, begin, end);
       else avx2::decode_codes_range<T, C>(args, begin, end);
@@ -438,8 +446,8 @@ void prefill_tasks_on_threads(const Args& args, void (*kernel)(const Args&, int6
 template <typename T, typename C = T>
 void prefill_on_threads(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                         const at::Tensor& bt, const at::Tensor& starts, const at::Tensor& lens,
-                        at::Tensor& out, double scale, const float* k_scale = nullptr,
-                        const float* v_scale = nullptr) {
+                        at::Tensor& out, double scale, int64_t window, double softcap,
+                        const float* k_scale = nullptr, const float* v_scale = nullptr) {
   const int64_t num_seqs = lens.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = key_cache.size(2);
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (-cost, task), cost ~ q_len x seq_len
@@ -452,7 +460,7 @@ void prefill_on_threads(const at::Tensor& q, const at::Tensor& key_cache, const 
   auto run = [&](auto args, auto kernel64, auto kernel128) {
     args = {q.data_ptr<T>(), static_cast<const C*>(key_cache.data_ptr()), static_cast<const C*>(value_cache.data_ptr()),
             bt.data_ptr<int32_t>(), s, l, out.data_ptr<T>(), num_q_heads, num_kv_heads, key_cache.size(1), bt.size(1),
-            static_cast<float>(scale), k_scale, v_scale};
+            static_cast<float>(scale), k_scale, v_scale, window, static_cast<float>(softcap)};
     prefill_tasks_on_threads(args, head_dim == 64 ? kernel64 : kernel128, tasks, num_kv_heads);
   };
   if (g_isa >= Isa::kAvx512)
@@ -466,7 +474,7 @@ void prefill_on_threads(const at::Tensor& q, const at::Tensor& key_cache, const 
 
 at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                       at::Tensor block_tables, at::Tensor query_start_loc, at::Tensor seq_lens,
-                                      double scale) {
+                                      double scale, int64_t window, double softcap) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, Hq, D], cache [NB, BS, Hkv, D]");
   TORCH_CHECK(prefill_attention_supported(query, key_cache), "native prefill attention: fp32 or bf16, head_dim "
               "64 or 128, and an AVX2 CPU expected");
@@ -484,8 +492,9 @@ at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::T
   TORCH_CHECK(starts.data_ptr<int32_t>()[starts.size(0) - 1] == q.size(0),
               "query_start_loc must end at the number of query tokens");
 #ifdef LLK_X86_VARIANTS
-  if (q.scalar_type() == at::kFloat) prefill_on_threads<float>(q, key_cache, value_cache, bt, starts, lens, out, scale);
-  else prefill_on_threads<at::BFloat16>(q, key_cache, value_cache, bt, starts, lens, out, scale);
+  if (q.scalar_type() == at::kFloat)
+    prefill_on_threads<float>(q, key_cache, value_cache, bt, starts, lens, out, scale, window, softcap);
+  else prefill_on_threads<at::BFloat16>(q, key_cache, value_cache, bt, starts, lens, out, scale, window, softcap);
 #endif
   return out;
 }
@@ -495,7 +504,7 @@ at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::T
 at::Tensor paged_prefill_attention_codes(at::Tensor query, const std::string& kind, at::Tensor k_codes,
                                             at::Tensor v_codes, at::Tensor k_scale, at::Tensor v_scale,
                                             at::Tensor block_tables, at::Tensor query_start_loc,
-                                            at::Tensor seq_lens, double scale) {
+                                            at::Tensor seq_lens, double scale, int64_t window, double softcap) {
   check_code_pool(query, k_codes, v_codes, k_scale, v_scale);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
               seq_lens.scalar_type() == at::kInt, "int32 tables");
@@ -511,10 +520,10 @@ at::Tensor paged_prefill_attention_codes(at::Tensor query, const std::string& ki
 #ifdef LLK_X86_VARIANTS
   LLK_CODE_DISPATCH(kind, [&] {
     if (q.scalar_type() == at::kFloat)
-      prefill_on_threads<float, code_t>(q, k_codes, v_codes, bt, starts, lens, out, scale, k_scale.data_ptr<float>(),
-                                        v_scale.data_ptr<float>());
+      prefill_on_threads<float, code_t>(q, k_codes, v_codes, bt, starts, lens, out, scale, window, softcap,
+                                        k_scale.data_ptr<float>(), v_scale.data_ptr<float>());
     else
-      prefill_on_threads<at::BFloat16, code_t>(q, k_codes, v_codes, bt, starts, lens, out, scale,
+      prefill_on_threads<at::BFloat16, code_t>(q, k_codes, v_codes, bt, starts, lens, out, scale, window, softcap,
                                                k_scale.data_ptr<float>(), v_scale.data_ptr<float>());
   });
 #endif

@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_window.h"
 #include "isa.h"
 
 namespace llk::cpu {
@@ -41,6 +42,8 @@ struct DecodeArgs {
   float scale;
   const float* k_scale = nullptr;  // codes only: [NB, BS, Hkv], a row's value = code * scale
   const float* v_scale = nullptr;
+  int64_t window = 0;  // sliding window (attention_window.h); 0: the whole context
+  float softcap = 0.f;  // attention-logit soft cap; 0: none
 };
 
 // ---- tensor-level kernels (the Python module `llmctl_kernels._C.cpu`) ----
@@ -48,22 +51,25 @@ std::string set_isa(const std::string& name);
 std::vector<std::string> compiled_isas();
 void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
                        at::Tensor slot_mapping);
+// window > 0: a sliding window, softcap > 0: attention-logit soft-capping (attention_window.h).
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                                  at::Tensor block_tables, at::Tensor seq_lens, double scale);
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window = 0,
+                                  double softcap = 0.0);
 bool decode_codes_supported(int64_t head_dim);
 at::Tensor paged_decode_attention_codes(at::Tensor query, const std::string& kind, at::Tensor k_codes,
                                         at::Tensor v_codes, at::Tensor k_scale, at::Tensor v_scale,
-                                        at::Tensor block_tables, at::Tensor seq_lens, double scale);
+                                        at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                        int64_t window = 0, double softcap = 0.0);
 void store_kv_codes(at::Tensor key, at::Tensor value, const std::string& kind, at::Tensor k_codes,
                     at::Tensor v_codes, at::Tensor k_scale, at::Tensor v_scale, at::Tensor slot_mapping);
 bool prefill_attention_supported(at::Tensor query, at::Tensor key_cache);
 at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                    at::Tensor block_tables, at::Tensor query_start_loc, at::Tensor seq_lens,
-                                   double scale);
+                                   double scale, int64_t window = 0, double softcap = 0.0);
 at::Tensor paged_prefill_attention_codes(at::Tensor query, const std::string& kind, at::Tensor k_codes,
                                          at::Tensor v_codes, at::Tensor k_scale, at::Tensor v_scale,
                                          at::Tensor block_tables, at::Tensor query_start_loc, at::Tensor seq_lens,
-                                         double scale);
+                                         double scale, int64_t window = 0, double softcap = 0.0);
 std::tuple<at::Tensor, at::Tensor> rms_norm(at::Tensor x, at::Tensor weight, double eps,
                                             c10::optional<at::Tensor> residual);
 at::Tensor silu_and_mul(at::Tensor x);

@@ -84,13 +84,15 @@ void decode_tasks(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
   std::vector<float> qf(rows * head_dim), acc(rows * head_dim), kv(kv_len), scores, inv_sum(rows);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t seq = task / tasks_per_seq, first_head = (task % tasks_per_seq) * a.heads_per_task;
-    const int64_t len = a.seq_lens[seq];
+    const int64_t first = llk::window_first(a.seq_lens[seq] - 1, a.window);  // the keys [first, seq_len)
+    const int64_t len = a.seq_lens[seq] - first;
     const int32_t* table = a.block_tables + seq * a.max_blocks;
     const int64_t q_offset = (seq * a.num_q_heads + first_head * group) * head_dim;
     for (int64_t i = 0; i < rows * head_dim; ++i) qf[i] = load(a.q + q_offset + i) * a.scale;
     scores.assign(rows * len, 0.f);
     const int64_t kv_offset = first_head * head_dim;
-    auto row_of = [&](const T* cache, int64_t t) {
+    auto row_of = [&](const T* cache, int64_t i) {  // key first + i
+      const int64_t t = first + i;
       const int64_t slot = static_cast<int64_t>(table[t / a.block_size]) * a.block_size + t % a.block_size;
       return cache + slot * row + kv_offset;
     };
@@ -105,6 +107,7 @@ void decode_tasks(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
         scores[r * len + t] = dot;
       }
     }
+    if (a.softcap > 0.f) llk::softcap_scores(scores.data(), rows * len, a.softcap);
     softmax_rows(scores.data(), rows, len, inv_sum.data());
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t t = 0; t < len; ++t) {  // pass 2: weighted sum of V

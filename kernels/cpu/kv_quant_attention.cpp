@@ -209,7 +209,7 @@ at::Tensor quantized_decode_attention(
     c10::optional<at::Tensor> k_zero, c10::optional<at::Tensor> v_zero,
     c10::optional<at::Tensor> residual_k, c10::optional<at::Tensor> residual_v,
     c10::optional<at::Tensor> residual_table, c10::optional<at::Tensor> lut,
-    at::Tensor block_tables, at::Tensor seq_lens, int64_t value_group, double scale) {
+    at::Tensor block_tables, at::Tensor seq_lens, int64_t value_group, double scale, int64_t window, double softcap) {
   TORCH_CHECK(query.dim() == 3 && k.dim() == 4, "query [S, Hq, D], codes [NB, BS, Hkv, *]");
   TORCH_CHECK(kind == kFp8 || kind == kInt8 || kind == kKivi, "kind: 0 fp8, 1 int8, 2 KIVI");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables");
@@ -254,7 +254,7 @@ at::Tensor quantized_decode_attention(
                  kind == kFp8 ? lut->data_ptr<float>() : nullptr,
                  bt.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<T>(),
                  num_q_heads, num_kv_heads, head_dim, block_size, bt.size(1), value_group,
-                 static_cast<float>(scale)};
+                 static_cast<float>(scale), window, static_cast<float>(softcap)};
     at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
       for (int64_t task = begin; task < end; ++task) {

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "attention_window.h"
+
 namespace llk::kvq {
 
 enum Kind : int { kFp8 = 0, kInt8 = 1, kKivi = 2 };
@@ -35,6 +37,8 @@ struct KvqArgs {
   T* out;
   int64_t num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, value_group;
   float scale;
+  int64_t window = 0;  // sliding window (attention_window.h); 0: the whole context
+  float softcap = 0.f;  // attention-logit soft cap; 0: none
 };
 
 // ---- KIVI store ----------------------------------------------------------------------------------
@@ -86,7 +90,7 @@ at::Tensor quantized_decode_attention(
     c10::optional<at::Tensor> v_scale, c10::optional<at::Tensor> k_zero, c10::optional<at::Tensor> v_zero,
     c10::optional<at::Tensor> residual_k, c10::optional<at::Tensor> residual_v,
     c10::optional<at::Tensor> residual_table, c10::optional<at::Tensor> lut, at::Tensor block_tables,
-    at::Tensor seq_lens, int64_t value_group, double scale);
+    at::Tensor seq_lens, int64_t value_group, double scale, int64_t window = 0, double softcap = 0.0);
 void kivi_store(at::Tensor key, at::Tensor value, int64_t bits, int64_t value_group, at::Tensor residual_k,
                 at::Tensor residual_v, at::Tensor residual_tokens, at::Tensor residual_rows, at::Tensor staging_tokens,
                 at::Tensor staging_rows, at::Tensor staged_from, at::Tensor finalize_blocks, at::Tensor staging_k,

@@ -145,6 +145,7 @@ void kivi_decode_task(const KvqArgs<T>& a, int64_t task, std::vector<float>& scr
   for (int64_t i = 0; i < G * D; ++i) qf[i] *= a.scale;
   const int32_t* table = a.block_tables + seq * a.max_blocks;
   const int64_t num_blocks = (len + bs - 1) / bs;
+  const int64_t first_key = llk::window_first(len - 1, a.window), first_block = first_key / bs;
 
   // The fp32 row of token t of block b (a row of `rows` when it has to be dequantized or widened).
   auto residual_row = [&](const T* residual, int64_t slot, int64_t t, float* buffer) -> const float* {
@@ -155,7 +156,7 @@ void kivi_decode_task(const KvqArgs<T>& a, int64_t task, std::vector<float>& scr
   };
 
   const float* tile[kScoreTile];
-  for (int64_t blk = 0; blk < num_blocks; ++blk) {  // pass 1: scores
+  for (int64_t blk = first_block; blk < num_blocks; ++blk) {  // pass 1: scores
     const int64_t b = table[blk], first = blk * bs, n = std::min(bs, len - first);
     const int64_t slot = a.residual_table[b];
     if (slot < 0) {
@@ -182,11 +183,16 @@ void kivi_decode_task(const KvqArgs<T>& a, int64_t task, std::vector<float>& scr
         _mm256_storeu_ps(scores + g * padded + first + t0, score_tile<D>(qf + g * D, tile));
     }
   }
-  for (int64_t g = 0; g < G; ++g) inv_sum[g] = softmax_row(scores + g * padded, len);
+  for (int64_t g = 0; g < G; ++g) {  // over the keys [first_key, len); those before weigh 0
+    float* s = scores + g * padded;
+    if (a.softcap > 0.f) llk::softcap_scores(s + first_key, len - first_key, a.softcap);
+    std::fill(s + first_block * bs, s + first_key, 0.f);
+    inv_sum[g] = softmax_row(s + first_key, len - first_key);
+  }
 
   std::fill(acc, acc + G * D, 0.f);
   const float* chunk[kValueChunk];
-  for (int64_t blk = 0; blk < num_blocks; ++blk) {  // pass 2: sum of p * V
+  for (int64_t blk = first_block; blk < num_blocks; ++blk) {  // pass 2: sum of p * V
     const int64_t b = table[blk], first = blk * bs, n = std::min(bs, len - first);
     const int64_t slot = a.residual_table[b];
     for (int64_t t0 = 0; t0 < n; t0 += kValueChunk) {
@@ -249,9 +255,10 @@ void decode_task(const KvqArgs<T>& a, int64_t task, std::vector<float>& scratch)
   widen(a.q + (seq * a.num_q_heads + h * G) * D, qf, G * D);
   const int32_t* table = a.block_tables + seq * a.max_blocks;
   const int64_t num_blocks = (len + bs - 1) / bs;
+  const int64_t first_key = llk::window_first(len - 1, a.window), first_block = first_key / bs;
 
   // pass 1: scores
-  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+  for (int64_t blk = first_block; blk < num_blocks; ++blk) {
     const int64_t b = table[blk], first = blk * bs, n = std::min(bs, len - first);
     const int64_t slot = a.residual_table != nullptr ? a.residual_table[b] : -1;
     if (slot >= 0) {  // KIVI block still in the residual window: full precision
@@ -282,14 +289,16 @@ void decode_task(const KvqArgs<T>& a, int64_t task, std::vector<float>& scratch)
     }
   }
 
-  // softmax per query head
+  // softmax per query head over the keys [first_key, len); those before weigh 0
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * len;
+    if (a.softcap > 0.f) llk::softcap_scores(s + first_key, len - first_key, a.softcap);
+    for (int64_t t = first_block * bs; t < first_key; ++t) s[t] = 0.f;
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[t]);
+    for (int64_t t = first_key; t < len; ++t) mx = std::max(mx, s[t]);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = first_key; t < len; ++t) {
       s[t] = fast_exp(s[t] - mx);
       sum += s[t];
     }
@@ -299,7 +308,7 @@ void decode_task(const KvqArgs<T>& a, int64_t task, std::vector<float>& scratch)
   // pass 2: sum of p * V
   std::fill(acc, acc + G * D, 0.f);
   std::fill(zacc, zacc + G * vgroups, 0.f);
-  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+  for (int64_t blk = first_block; blk < num_blocks; ++blk) {
     const int64_t b = table[blk], first = blk * bs, n = std::min(bs, len - first);
     const int64_t slot = a.residual_table != nullptr ? a.residual_table[b] : -1;
     for (int64_t t = 0; t < n; ++t) {

@@ -69,13 +69,15 @@ def chat(
 ) -> None:
     """Chat with MODEL in the terminal. Streamed answers, the model's chat template, multi-turn.
 
-    Commands: /system TEXT, /reset, /stats, /help, /exit. Ctrl-C stops the current answer, Ctrl-D quits.
+    Commands: /system TEXT, /reset, /stats, /think on|off|show, /help, /exit. Ctrl-C stops the current
+    answer, Ctrl-D quits. A thinking model's <think> block shows dimmed before its answer.
 
     A base model without a chat template continues the running text instead.
     """
     from llmctl.chat.repl import ChatRepl, enable_line_editing
     from llmctl.chat.session import ChatSession
     from llmctl.engine.llm_engine import LLMEngine
+    from llmctl.reasoning import resolve_parser
     from llmctl.sampling_params import SamplingParams
 
     console = Console(highlight=False)
@@ -101,6 +103,7 @@ def chat(
                 max_tokens,
                 system_prompt=system,
                 template_kwargs=template_kwargs,
+                reasoning=resolve_parser("auto", engine.tokenizer),
             )
     except KeyboardInterrupt:
         err.print("interrupted")

@@ -22,8 +22,9 @@ from rich.markup import escape
 
 from llmctl.chat.session import PLAIN_CONTINUATION_NOTICE, ChatSession
 from llmctl.engine.llm_engine import LLMEngine
-from llmctl.engine.outputs import RequestOutput
+from llmctl.engine.outputs import CompletionOutput, RequestOutput
 from llmctl.errors import InvalidRequestError
+from llmctl.reasoning import ReasoningStream
 from llmctl.sampling_params import SamplingParams
 
 PROMPT = ">>> "
@@ -167,6 +168,8 @@ class ChatRepl:
         self.read_line = read_line
         self.last: AnswerStats | None = None
         self.totals = SessionTotals()
+        self.show_thinking = True  # a thinking model's reasoning streams dimmed (/think off hides it)
+        self.last_reasoning = ""
         self.commands: dict[str, tuple[Callable[[str], bool], str]] = {
             "system": (
                 self._cmd_system,
@@ -174,6 +177,12 @@ class ChatRepl:
             ),
             "reset": (self._cmd_reset, "/reset        forget the conversation (the system prompt stays)"),
             "stats": (self._cmd_stats, "/stats        last answer's TTFT and tokens/s, and session totals"),
+            "think": (
+                self._cmd_think,
+                "/think on|off|show  a thinking model's reasoning: shown dimmed (on); off turns thinking "
+                "off in templates that have the switch (Qwen3's enable_thinking), else hides it behind a "
+                "one-line summary; show prints the last answer's reasoning in full",
+            ),
             "help": (self._cmd_help, "/help         this list"),
             "exit": (self._cmd_exit, "/exit, /quit  leave (Ctrl-D too)"),
             "quit": (self._cmd_exit, ""),
@@ -252,6 +261,7 @@ class ChatRepl:
                 return None
 
             printer = self._printer()
+            thinking = _Thinking(self, prepared.token_ids)
             final: RequestOutput | None = None
             interrupted = False
             while self.engine.has_unfinished():
@@ -261,8 +271,12 @@ class ChatRepl:
                     interrupted = True
                     break
                 for out in outputs:
-                    printer.feed(terminal_safe(out.outputs[0].delta_text))
+                    text = thinking.feed(out.outputs[0])
+                    if text:
+                        thinking.close()
+                        printer.feed(terminal_safe(text))
                     final = out
+        thinking.close()
         if not interrupted:
             printer.flush()
         answer = printer.shown
@@ -272,9 +286,9 @@ class ChatRepl:
         self._finish_turn(answer, stats)
         return stats
 
-    def _printer(self) -> WordWrap:
+    def _printer(self, style: str | None = None) -> WordWrap:
         """Answers wrap at word boundaries on a terminal; piped, the text goes out as it is."""
-        write = lambda text: self.console.out(text, end="", highlight=False)  # noqa: E731
+        write = lambda text: self.console.out(text, end="", style=style, highlight=False)  # noqa: E731
         return WordWrap(write, self.console.width if self.console.is_terminal else 1 << 30)
 
     def _finish_turn(self, answer: str, stats: AnswerStats) -> None:
@@ -356,6 +370,32 @@ class ChatRepl:
         )
         return True
 
+    def _cmd_think(self, argument: str) -> bool:
+        session = self.session
+        if session.reasoning is None:
+            self.console.print("this model does not think (no <think> block in its template and vocabulary)")
+            return True
+        if argument == "show":
+            if self.last_reasoning:
+                self.console.print(escape(terminal_safe(self.last_reasoning)), style="dim", highlight=False)
+            else:
+                self.console.print("no reasoning in the last answer")
+        elif argument == "on":
+            self.show_thinking = True
+            session.template_kwargs.pop("enable_thinking", None)
+            self.console.print("thinking on: the reasoning shows dimmed before each answer")
+        elif argument == "off":
+            if session.template_switches_thinking:
+                session.template_kwargs["enable_thinking"] = False
+                self.console.print("thinking off: the template's enable_thinking is false, the model answers at once")
+            else:
+                self.show_thinking = False
+                self.console.print("reasoning hidden: one summary line per answer (/think show prints the last one)")
+        else:
+            state = "off" if session.splitter is None else ("on" if self.show_thinking else "hidden")
+            self.console.print(f"thinking {state} ({session.reasoning.name}): /think on|off|show")
+        return True
+
     def _cmd_help(self, _argument: str) -> bool:
         for _handler, text in self.commands.values():
             if text:
@@ -371,3 +411,42 @@ class ChatRepl:
 
     def _error(self, message: str) -> None:
         self.console.print(f"[bold red]error:[/] {escape(message)}")
+
+
+class _Thinking:
+    """One answer's think block in the terminal: streamed dimmed as it comes (or, hidden, summed up
+    in one line), set apart from the answer that follows. ``feed`` returns the answer's new text."""
+
+    def __init__(self, repl: ChatRepl, prompt_token_ids: list[int]) -> None:
+        self.repl = repl
+        parser = repl.session.splitter
+        self.stream = None if parser is None else ReasoningStream(parser, repl.engine.tokenizer, prompt_token_ids)
+        self.printer = repl._printer(style="dim") if repl.show_thinking else None
+        self.closed = False
+        repl.last_reasoning = ""
+
+    def feed(self, c: CompletionOutput) -> str:
+        if self.stream is None:
+            return c.delta_text
+        thought, answer = self.stream.feed(c.text, c.token_ids, c.finished)
+        self.repl.last_reasoning = self.stream.reasoning
+        if thought and self.printer is not None and not self.closed:
+            self.printer.feed(terminal_safe(thought))
+        return answer
+
+    def close(self) -> None:
+        """The block is over (the answer starts, or the output ended): a line apart from the answer."""
+        if self.closed or self.stream is None:
+            return
+        self.closed = True
+        split = self.stream.split
+        if not split.has_reasoning:
+            return
+        if self.printer is not None:
+            self.printer.flush()
+            if self.printer.shown:
+                self.repl.console.out("\n")
+            return
+        self.repl.console.print(
+            f"[dim]{escape(f'[thought for {split.reasoning_tokens} tokens · /think show prints it]')}[/]"
+        )

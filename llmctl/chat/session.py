@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from llmctl.errors import InvalidRequestError
+from llmctl.reasoning import ReasoningParser, thinking_disabled
 from llmctl.tokenizer import Tokenizer
 
 Role = Literal["system", "user", "assistant"]
@@ -48,6 +49,7 @@ class ChatSession:
         max_tokens: int,
         system_prompt: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         if max_model_len < 2:
             raise InvalidRequestError(f"max_model_len {max_model_len} leaves no room for a conversation")
@@ -59,12 +61,23 @@ class ChatSession:
         self.system_prompt = system_prompt or None
         self.template_kwargs = dict(template_kwargs or {})  # the chat template's own variables (enable_thinking)
         self.messages: list[Message] = []
+        self.reasoning = reasoning  # splits a thinking model's answers (None: the model does not think)
 
     # ---- state ---------------------------------------------------------------------------------
     @property
     def plain_continuation(self) -> bool:
         """True for a base model: no chat template, so the transcript is continued as text."""
         return not self.tokenizer.chat_template
+
+    @property
+    def template_switches_thinking(self) -> bool:
+        """The chat template reads ``enable_thinking`` (Qwen3): thinking can be turned off there."""
+        return "enable_thinking" in (self.tokenizer.chat_template or "")
+
+    @property
+    def splitter(self) -> ReasoningParser | None:
+        """The parser for the next answer: none when the template variables turned thinking off."""
+        return None if thinking_disabled(self.template_kwargs) else self.reasoning
 
     @property
     def prompt_budget(self) -> int:

@@ -18,6 +18,7 @@ from llmctl.engine.openmp import release_thread_pool
 from llmctl.engine.outputs import RequestOutput
 from llmctl.engine.stats import EngineCounters, StepStats
 from llmctl.errors import EngineBusyError
+from llmctl.pooling_params import PoolingParams
 from llmctl.sampling_params import SamplingParams
 
 
@@ -127,7 +128,7 @@ class AsyncEngine:
     def add_request(
         self,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         loop: asyncio.AbstractEventLoop,
         queue: asyncio.Queue,
         **kwargs: Any,
@@ -151,12 +152,12 @@ class AsyncEngine:
         return request_id
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, **kwargs: Any
+        self, prompt: str | list[int], params: SamplingParams | PoolingParams, **kwargs: Any
     ) -> AsyncIterator[RequestOutput]:
-        """Yields each step's output for the request until it finishes. Closing the iterator early
-        (a client that went away) aborts the request and frees its blocks (in a worker thread, so
-        it takes effect within a step). The add itself runs in a worker thread too, so the event
-        loop never waits for the engine's lock."""
+        """Yields each step's output for the request until it finishes (a pooling request: one).
+        Closing the iterator early (a client that went away) aborts the request and frees its
+        blocks (in a worker thread, so it takes effect within a step). The add itself runs in a
+        worker thread too, so the event loop never waits for the engine's lock."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         adding = asyncio.ensure_future(asyncio.to_thread(self.add_request, prompt, params, loop, queue, **kwargs))

@@ -384,10 +384,18 @@ class QuantizedLayerKV:
         return keys, values
 
     def attend(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Store this step's K/V, then attend over what the cache holds: prefill chunks causally
-        over their sequence's blocks, decodes over theirs."""
+        over their sequence's blocks, decodes over theirs; within the layer's sliding ``window`` and
+        with its logit ``softcap`` when given (llmctl/layers/attention.py)."""
         self.store(key, value, meta.slot_mapping)
         out = torch.empty_like(query)
         n = meta.num_prefill_tokens
@@ -401,16 +409,32 @@ class QuantizedLayerKV:
                     meta.prefill_query_start_loc,
                     meta.prefill_seq_lens,
                     scale,
+                    window,
+                    softcap,
                 )
         else:
-            self.prefill_reference(query, out, meta, scale)
+            self.prefill_reference(query, out, meta, scale, window, softcap)
         if meta.num_decodes:
             out[n:] = self.decode(
-                query[n:], meta.decode_block_tables, meta.decode_seq_lens, meta.max_decode_seq_len, scale
+                query[n:],
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                meta.max_decode_seq_len,
+                scale,
+                window,
+                softcap,
             )
         return out
 
-    def prefill_reference(self, query: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
+    def prefill_reference(
+        self,
+        query: torch.Tensor,
+        out: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> None:
         """The prefill chunks' rows of ``out``, one sequence at a time: gather, dequantize, attend."""
         starts, lens = meta.prefill_query_start_loc.tolist(), meta.prefill_seq_lens.tolist()
         for i, seq_len in enumerate(lens):
@@ -423,19 +447,36 @@ class QuantizedLayerKV:
                 exact_keys, exact_values = self.gather_exact(
                     table[0].tolist(), seq_len, query.dtype, (keys[0], values[0])
                 )
-                window = self.fmt.block_size * self.fmt.residual_blocks_per_seq()
+                group_tokens = self.fmt.block_size * self.fmt.residual_blocks_per_seq()
                 out[start:end] = kq.attend_causal_kivi(
-                    query[start:end], keys[0], values[0], exact_keys, exact_values, window, scale
+                    query[start:end],
+                    keys[0],
+                    values[0],
+                    exact_keys,
+                    exact_values,
+                    group_tokens,
+                    scale,
+                    window,
+                    softcap,
                 )
             else:
-                out[start:end] = attend_causal(query[start:end], keys[0], values[0], scale)
+                out[start:end] = attend_causal(query[start:end], keys[0], values[0], scale, window, softcap)
 
     def decode(
-        self, query: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, scale: float
+        self,
+        query: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_len: int,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """One query token per sequence over its blocks as the cache holds them."""
         if self.cache.native_codes:
-            return paged_decode_attention_codes_native(query, self.fmt.kind, self.t, block_tables, seq_lens, scale)
+            return paged_decode_attention_codes_native(
+                query, self.fmt.kind, self.t, block_tables, seq_lens, scale, window, softcap
+            )
         if self.cache.native_decode:
             plan = self.cache.plan
             return quantized_decode_attention_native(
@@ -448,6 +489,8 @@ class QuantizedLayerKV:
                 value_group=self.fmt.value_group,
                 residual=self.residual,
                 residual_table=plan.residual_table if plan is not None else None,
+                window=window,
+                softcap=softcap,
             )
         keys, values = self.gather(block_tables, max_len, query.dtype)
-        return kq.decode_attention_dense(query, keys, values, seq_lens, scale)
+        return kq.decode_attention_dense(query, keys, values, seq_lens, scale, window, softcap)

@@ -26,24 +26,27 @@ from typing import Any
 import torch
 
 from llmctl.config import QUANTIZED_AT_LOAD, EngineConfig, kv_pool_too_small, resolve_kv_cache_bytes
-from llmctl.engine.block_manager import BlockManager
+from llmctl.engine.block_manager import BlockManager, blocks_per_seq
 from llmctl.engine.host_malloc import keep_large_allocations
 from llmctl.engine.logits_processors import bad_words_token_ids
-from llmctl.engine.model_runner import ModelOutput, ModelRunner, kv_format
+from llmctl.engine.model_runner import ModelOutput, ModelRunner, kv_format, kv_groups
 from llmctl.engine.output_processor import OutputProcessor, RequestState
 from llmctl.engine.outputs import RequestMetrics, RequestOutput
+from llmctl.engine.pooler import Pooler
 from llmctl.engine.sampler import Sampler
 from llmctl.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmctl.engine.sequence import FinishReason, Sequence
 from llmctl.engine.stats import EngineCounters, EngineStats, Speculation
 from llmctl.errors import ConfigError, InvalidRequestError, ModelLoadError
 from llmctl.layers.backends import build_ops
+from llmctl.layers.moe import StackedExperts, expert_stats
 from llmctl.models.embedded import EMBEDDED_LABEL, EMBEDDED_MODEL_NAME, load_embedded
 from llmctl.models.gguf_files import resolve_gguf_spec
 from llmctl.models.loader import load_model
 from llmctl.platform import select_kernels
+from llmctl.pooling_params import PoolingParams
 from llmctl.sampling_params import SamplingParams
-from llmctl.spec.speculator import build_speculator
+from llmctl.spec.speculator import NGRAM, build_speculator
 from llmctl.structured import CompiledGrammar, StructuredOutputManager
 from llmctl.tokenizer import Tokenizer, read_chat_template
 
@@ -82,6 +85,9 @@ class LLMEngine:
             config.kv_quant_group_size,
             config.kv_residual_length,
         )
+        # KV-cache groups: one of every layer, or full attention and each sliding window apart
+        self.kv_groups = kv_groups(self.model)
+        self._check_kv_groups()
         num_blocks, num_residual, self.max_model_len = self._size_kv_pool()
         self.runner = ModelRunner(
             self.model,
@@ -91,6 +97,7 @@ class LLMEngine:
             kv_dtype=self.dtype,
             kv_format=self.kv_format,
             num_residual_slots=num_residual,
+            groups=self.kv_groups,
         )
         if self.parallel is not None:
             from llmctl.parallel.driver import ParallelRunner
@@ -106,13 +113,17 @@ class LLMEngine:
         # Each collaborator gets what it works with when it is built, in the order they need each
         # other: the pool's block manager, the sampler, the speculator, then the scheduler.
         quantized_kv = getattr(self.runner, "quantized_kv", None)
+        # a model whose cached keys depend on more than the prefix (Phi-3's LongRoPE) says why not
+        self.prefix_caching_why_not = getattr(self.model, "prefix_caching_why_not", None)
+        prefix_caching = config.enable_prefix_caching and self.prefix_caching_why_not is None
         block_manager = BlockManager(
             num_blocks,
             config.block_size,
-            config.enable_prefix_caching,
+            prefix_caching,
             config.kv_cache_dtype,
             on_release=quantized_kv.release if quantized_kv is not None else None,
             cache_group=max(1, self.kv_format.residual_blocks_per_seq()) if quantized_kv is not None else 1,
+            group_windows=[group.window for group in self.kv_groups],
         )
         # The grammar engine for this model's vocabulary (it reads the vocabulary on first use).
         self._structured_outputs = (
@@ -145,7 +156,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=budget,
                 enable_chunked_prefill=config.enable_chunked_prefill,
-                enable_prefix_caching=config.enable_prefix_caching,
+                enable_prefix_caching=prefix_caching,
                 eos_token_ids=self.eos_token_ids,
                 num_speculative_tokens=config.num_speculative_tokens if config.speculative_model else 0,
                 kv_cache_dtype=config.kv_cache_dtype,
@@ -159,9 +170,16 @@ class LLMEngine:
             from llmctl.parallel.pipeline import PipelinedSteps
 
             self.pipeline = PipelinedSteps(self.scheduler, self.runner)
+        self.pooler = Pooler()  # pooling requests' sums across prefill chunks (llmctl/engine/pooler.py)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats(
-            self.scheduler, model=self.model_label, settings=self._settings(), speculation=self._speculation()
+            self.scheduler,
+            model=self.model_label,
+            settings=self._settings(),
+            speculation=self._speculation(),
+            experts=functools.partial(expert_stats, self.model)
+            if any(isinstance(module, StackedExperts) for module in self.model.modules())
+            else None,
         )
         self._request_counter = itertools.count()
 
@@ -179,6 +197,7 @@ class LLMEngine:
             "dtype": str(self.dtype).replace("torch.", ""),
             "kv_cache_dtype": config.kv_cache_dtype,
             "kv_bytes_per_token": self.kv_format.bytes_per_token(),
+            "kv_groups": [{"window": g.window, "layers": len(g.layers)} for g in self.kv_groups],
             "device": str(self.device),
             "attention_backend": getattr(self.ops, "description", self.ops.name),
         }
@@ -214,21 +233,62 @@ class LLMEngine:
         name = self.config.kv_cache_dtype
         if name == "auto":
             name = f"auto ({str(self.dtype).removeprefix('torch.')})"
-        return f"KV {name}, {self.kv_format.bytes_per_token():g} B/token"
+        off = "" if self.prefix_caching_why_not is None else f", no prefix caching ({self.prefix_caching_why_not})"
+        return f"KV {name}, {self.kv_format.bytes_per_token():g} B/token{off}"
+
+    def _check_kv_groups(self) -> None:
+        """Refuse what does not take several KV-cache groups (a model mixing full and sliding
+        attention, or several windows) or a sliding group 0 (a draft model reads group 0)."""
+        config, groups = self.config, self.kv_groups
+        if len(groups) > 1 and self.parallel is not None:
+            raise ConfigError(
+                "tensor/pipeline parallelism does not take models mixing full and sliding-window "
+                f"attention yet ({len(groups)} KV-cache groups); run it on one rank"
+            )
+        if len(groups) > 1 and self.kv_format.is_kivi:
+            raise ConfigError(
+                f"--kv-cache-dtype {config.kv_cache_dtype} does not take models mixing full and "
+                "sliding-window attention yet; use fp8_e4m3, fp8_e5m2, int8 or auto"
+            )
+        if config.speculative_model not in (None, NGRAM) and groups[0].window is not None:
+            raise ConfigError(
+                "a draft model reads the target's full-attention block tables, and every layer of "
+                "this model has a sliding window: use --speculative-model ngram"
+            )
 
     def _size_kv_pool(self) -> tuple[int, int, int]:
         """(KV blocks, KIVI residual slots, max_model_len): the pool from the memory budget, the
-        length from the model's limit, capped by what the pool can hold."""
+        length from the model's limit, capped by what the pool can hold. With several KV-cache
+        groups a block holds the layers of one group (``model_runner.kv_groups``), and a sequence
+        of L tokens holds ``blocks_per_seq`` of them at most."""
         config, cfg = self.config, self.model.config
         pool_bytes = resolve_kv_cache_bytes(config, self.device)
-        block_bytes = self.kv_format.block_bytes() + self.kv_format.residual_block_bytes()
-        num_blocks, num_residual = self.kv_format.size_pool(pool_bytes, config.max_num_seqs)
+        page_layers = max(len(g.layers) for g in self.kv_groups)
+        pool_format = self.kv_format
+        if page_layers != pool_format.num_layers:
+            pool_format = dataclasses.replace(pool_format, num_layers=page_layers)
+        self.pool_format = pool_format
+        block_bytes = pool_format.block_bytes() + pool_format.residual_block_bytes()
+        num_blocks, num_residual = pool_format.size_pool(pool_bytes, config.max_num_seqs)
         if self.parallel is not None:  # every rank must hold the blocks this scheduler hands out
             num_blocks = self.parallel.agree_min(num_blocks)
-        capacity = num_blocks * config.block_size
-        model_limit = cfg.max_position_embeddings
-        if cfg.sliding_window:  # attention here is full-context; stay inside the window where both agree
-            model_limit = min(model_limit, cfg.sliding_window)
+        windows = [g.window for g in self.kv_groups]
+        chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else None
+
+        def fits(length: int) -> bool:
+            step = length if chunk is None else max(chunk, 1 + config.num_speculative_tokens)
+            return blocks_per_seq(windows, config.block_size, length, step) <= num_blocks
+
+        model_limit = cfg.max_position_embeddings  # a sliding window limits what is attended, not the length
+        if windows == [None]:
+            capacity = num_blocks * config.block_size
+        else:  # the longest sequence that fits the pool alone (every group's blocks at once)
+            low, high = 0, max(model_limit, config.max_model_len or 0)
+            while low < high:
+                mid = (low + high + 1) // 2
+                low, high = (mid, high) if fits(mid) else (low, mid - 1)
+            capacity = low
+            block_bytes *= len(windows)
         if config.max_model_len is None:
             max_model_len = min(model_limit, capacity)
         else:
@@ -284,7 +344,7 @@ class LLMEngine:
     def add_request(
         self,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         *,
         request_id: str | None = None,
         user: str | None = None,
@@ -292,7 +352,10 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> str:
         """Validate and queue a request; raises ``InvalidRequestError`` (allocating nothing) when it
-        can never run. This is where requests are validated, once, whoever sends them."""
+        can never run. This is where requests are validated, once, whoever sends them. With
+        ``PoolingParams`` the prompt is prefilled and pooled into one vector (``RequestOutput.pooled``)."""
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(prompt, params, request_id, user, priority, arrival_time)
         params = params or SamplingParams()
         params.validate()
         request_id = request_id or f"req-{next(self._request_counter)}"
@@ -348,6 +411,44 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
+    def _add_pooling_request(
+        self,
+        prompt: str | list[int],
+        pooling: PoolingParams,
+        request_id: str | None,
+        user: str | None,
+        priority: int,
+        arrival_time: float | None,
+    ) -> str:
+        pooling.validate()
+        if self.parallel is not None:
+            raise InvalidRequestError(
+                "pooling requests (embeddings, scores) do not run with tensor/pipeline parallelism"
+            )
+        request_id = request_id or f"req-{next(self._request_counter)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        token_ids, text = self._prompt_tokens(prompt)
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(f"prompt is {len(token_ids)} tokens but max_model_len is {self.max_model_len}")
+        hidden, vocab = self.model.config.hidden_size, self.model.config.vocab_size
+        if pooling.dimensions is not None and pooling.dimensions > hidden:
+            raise InvalidRequestError(f"dimensions {pooling.dimensions} exceeds the model's hidden size {hidden}")
+        if pooling.logit_token_ids and max(pooling.logit_token_ids) >= vocab:
+            raise InvalidRequestError(f"logit_token_ids must be in the vocabulary [0, {vocab})")
+        now = time.time() if arrival_time is None else arrival_time
+        user = user or "default"
+        params = SamplingParams(max_tokens=1)  # a placeholder: a pooling sequence never samples
+        seq = Sequence(
+            request_id, list(token_ids), len(token_ids), params, user=user, priority=priority, arrival_time=now
+        )
+        seq.pooling = pooling
+        state = RequestState(request_id, text, token_ids, params, user, RequestMetrics(now), pooling=pooling)
+        self.output_processor.add_request(state, seq)
+        self.stats.request_added(len(token_ids))
+        self.scheduler.add(seq)
+        return request_id
+
     @property
     def structured_outputs(self) -> StructuredOutputManager:
         """The grammar engine for this model's vocabulary (the sampler masks logits with it)."""
@@ -355,10 +456,10 @@ class LLMEngine:
             raise InvalidRequestError("structured outputs need a tokenizer; this engine runs without one")
         return self._structured_outputs
 
-    def prepare(self, params: SamplingParams) -> CompiledGrammar | None:
+    def prepare(self, params: SamplingParams | PoolingParams) -> CompiledGrammar | None:
         """Compile the request's grammar (cached; on the manager's threads). ``AsyncEngine`` calls
         this before taking the engine lock, so the loop never waits for a compilation."""
-        if params.structured_outputs is None:
+        if isinstance(params, PoolingParams) or params.structured_outputs is None:
             return None
         return self.structured_outputs.compile(params.structured_outputs)
 
@@ -385,6 +486,7 @@ class LLMEngine:
         for seq in request.sequences():
             if not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.ABORT)
+            self.pooler.discard(seq.seq_id)
         request.metrics.finished_time = time.time()
         self.stats.request_finished(FinishReason.ABORT.value)
         return True
@@ -409,6 +511,8 @@ class LLMEngine:
     def _book(self, sched: SchedulerOutput, output: ModelOutput, started: float) -> list[RequestOutput]:
         """Sample from the batch's logits, book the tokens, and build the requests' outputs."""
         kv_usage = self.scheduler.block_manager.usage  # before this step's finished sequences free theirs
+        vectors = self.pooler.collect(output.pooled) if output.pooled else {}
+        pooled = [(chunk.seq, vectors[chunk.seq.seq_id]) for chunk in output.pooled if chunk.seq.seq_id in vectors]
         sampled = self.sampler.sample(output, sched.sampling)
         seqs = sched.sampling
         if sched.verifies:
@@ -417,7 +521,7 @@ class LLMEngine:
             seqs, sampled = self.speculator.rows(sched, sampled, verified)
         else:
             self.scheduler.update_from_output(sched, sampled.token_ids)
-        processed = self.output_processor.process(seqs, sampled, time.time())
+        processed = self.output_processor.process(seqs, sampled, time.time(), pooled)
         for cut in processed.truncations:  # tokens after a stop string (speculative decoding)
             self.scheduler.truncate(cut.seq, cut.num_tokens)
         for seq, reason in processed.to_finish:  # stop strings, and requests whose output failed

@@ -4,15 +4,24 @@ It also owns the KV pool: one preallocated ``[num_blocks, block_size, num_kv_hea
 tensor per layer for K and one for V, bound to each attention layer once at start-up; or, with a
 quantized ``--kv-cache-dtype``, a ``QuantizedKVCache`` (llmctl/engine/kv_cache.py) indexed by the
 same block ids.
+
+With sliding-window layers the layers form KV-cache groups (``kv_groups``): full attention and
+each distinct window, cut into groups of equal layer count P. The pool then holds P layer slots
+(``[2, P, num_blocks, ...]``) and the j-th layer of every group is bound to slot j: a block id
+belongs to one group at a time (llmctl/engine/block_manager.py), so the groups share the pool's
+blocks without sharing bytes, and a block costs P layers. Each group has its own block tables and
+slot mapping; ``AttentionMetadata.groups`` carries them and each layer picks its group's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from llmctl.engine.kv_cache import KVFormat, QuantizedKVCache
+from llmctl.engine.pooler import PooledChunk, pool_chunk
 from llmctl.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmctl.engine.sequence import Sequence
 from llmctl.layers.embedding import ParallelLMHead
@@ -61,9 +70,43 @@ def kv_format(
     )
 
 
+@dataclass(frozen=True)
+class KVGroup:
+    """Attention layers (indices into ``model.attention_layers()``) that share block tables: all of
+    one kind, full attention (``window`` None) or one sliding window in tokens."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+
+def kv_groups(model: CausalLM) -> list[KVGroup]:
+    """The model's KV-cache groups: one group of every layer when all attend alike (every model
+    without windows: the pool as it always was); otherwise each kind's layers cut into groups of
+    one size (vLLM's rule: the smallest kind's layer count, or the largest's when within 25 %),
+    full attention first, then windows from the smallest."""
+    by_kind: dict[int | None, list[int]] = {}
+    for i, layer in enumerate(model.attention_layers()):
+        by_kind.setdefault(getattr(layer, "sliding_window", None), []).append(i)
+    if len(by_kind) == 1:
+        ((window, layers),) = by_kind.items()
+        return [KVGroup(window, tuple(layers))]
+    sizes = [len(layers) for layers in by_kind.values()]
+    size = max(sizes) if max(sizes) < 1.25 * min(sizes) else min(sizes)
+    groups = []
+    for window in sorted(by_kind, key=lambda w: -1 if w is None else w):
+        layers = by_kind[window]
+        groups += [KVGroup(window, tuple(layers[i : i + size])) for i in range(0, len(layers), size)]
+    return groups
+
+
 def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V one float block holds over all layers."""
     return kv_format(model, block_size, dtype).block_bytes()
+
+
+def _pools(seq: Sequence) -> bool:
+    """A pooling request's sequence (a draft model's view of a sequence has no ``pooling``: it never is)."""
+    return getattr(seq, "pooling", None) is not None
 
 
 @dataclass
@@ -82,6 +125,8 @@ class ModelOutput:
     prompt_logits: list[PromptLogits] = field(default_factory=list)
     # float32, ``SchedulerOutput.num_verify_rows`` rows: each verify's draft positions, then its bonus one
     verify_logits: torch.Tensor | None = None
+    # pooling requests' prefill chunks (llmctl/engine/pooler.py): what each keeps of its hidden states
+    pooled: list[PooledChunk] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -95,32 +140,51 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         kv_format: KVFormat | None = None,
         num_residual_slots: int = 0,
+        groups: list[KVGroup] | None = None,
     ) -> None:
+        """``groups``: the KV-cache groups the block manager keeps tables for (``kv_groups``);
+        None: one group of every layer (a draft model, a tensor-parallel worker)."""
         self.model = model
         self.block_size = block_size
         self.device = device
         layers = model.attention_layers()
         attn = layers[0]
+        self.groups = groups or [KVGroup(None, tuple(range(len(layers))))]
+        self.num_groups = len(self.groups)
+        page_layers = max(len(g.layers) for g in self.groups)  # layer slots of the pool
+        slot_of = {}  # attention layer -> (group, its slot in the pool)
+        for g, group in enumerate(self.groups):
+            for j, index in enumerate(group.layers):
+                slot_of[index] = (g, j)
+        if sorted(slot_of) != list(range(len(layers))):
+            raise ValueError("the KV-cache groups must hold every attention layer exactly once")
+        for i, layer in enumerate(layers):
+            layer.kv_group = slot_of[i][0]
         self.quantized_kv: QuantizedKVCache | None = None
         if kv_format is not None and kv_format.kind != "auto":
+            if kv_format.num_layers != page_layers:
+                kv_format = dataclasses.replace(kv_format, num_layers=page_layers)
             self.quantized_kv = QuantizedKVCache(kv_format, num_blocks, num_residual_slots, device)
             for i, layer in enumerate(layers):
-                layer.quantized_kv = self.quantized_kv.layer(i)
+                layer.quantized_kv = self.quantized_kv.layer(slot_of[i][1])
             num_blocks = 0  # no float pool
         # Allocated empty (a large pool commits no memory until used) and zeroed block by block as
         # the block manager first hands blocks out: masked lanes of a partially filled block are read
         # and weighted by 0, and 0 * NaN from uninitialised memory would poison the output.
         self.kv_cache = torch.empty(
-            2, len(layers), num_blocks, block_size, attn.num_kv_heads, attn.head_dim, dtype=kv_dtype, device=device
+            2, page_layers, num_blocks, block_size, attn.num_kv_heads, attn.head_dim, dtype=kv_dtype, device=device
         )
         self.num_blocks_zeroed = 0
         for i, layer in enumerate(layers):
-            layer.key_cache, layer.value_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            slot = slot_of[i][1]
+            layer.key_cache, layer.value_cache = self.kv_cache[0, slot], self.kv_cache[1, slot]
         if device.type == "cpu":
             kernels = model.model.norm.ops.kernels  # the engine's (llmctl/platform.py); None without one
             bind_cpu_kernels(model, exact_activations=kernels is not None and kernels.quant_exact_activations)
         # Decode-only steps in one native call where the model allows (else None); decode_path says which.
         self.native_decode, self.decode_path = build_native_decode(model, self.kv_cache, self.quantized_kv)
+        if self.num_groups > 1 and self.native_decode is not None:  # the loop reads one table per step
+            self.native_decode, self.decode_path = None, "decode: Python modules (sliding-window attention)"
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
@@ -140,7 +204,22 @@ class ModelRunner:
             logits, verify_logits = logits[: -sched.num_verify_rows], logits[-sched.num_verify_rows :]
         if len(sched.logits_rows) > logits.shape[0]:
             logits = logits[torch.tensor(sched.logits_rows, device=logits.device)]
-        return ModelOutput(logits, self._prompt_logits(sched.prefills, hidden), verify_logits)
+        return ModelOutput(
+            logits, self._prompt_logits(sched.prefills, hidden), verify_logits, self._pooled(sched, hidden)
+        )
+
+    def _pooled(self, sched: SchedulerOutput, hidden: torch.Tensor) -> list[PooledChunk]:
+        """Pooling requests' chunks (prefills come first in the batch, then decodes of one row
+        each, in order; a prompt with one token left runs it as a decode): their rows get no
+        logits, the pooler keeps what it needs of their hidden states."""
+        found: list[PooledChunk] = []
+        offset = 0
+        for item in sched.prefills + sched.decodes:
+            if _pools(item.seq):
+                rows = hidden[offset : offset + item.num_new_tokens]
+                found.append(pool_chunk(item, rows, self.model.compute_logits))
+            offset += item.num_new_tokens
+        return found
 
     def ready_blocks(self, num_blocks_touched: int, blocks_to_copy: list[tuple[int, int]]) -> None:
         """Zero the blocks handed out for the first time and do the step's copy-on-write copies
@@ -197,7 +276,7 @@ class ModelRunner:
             prefill_lens.append(end)
             prefill_tables.append(table)
             fresh = fresh and start == 0
-            if item.samples:
+            if item.samples and not _pools(seq):  # a pooling row gets no logits (the pooler reads it)
                 logits_indices.append(len(input_ids) - 1)
         num_prefill_tokens = len(input_ids)
         decode_lens: list[int] = []
@@ -210,7 +289,8 @@ class ModelRunner:
                 slots.append(seq.block_table[pos // bs] * bs + pos % bs)
                 decode_lens.append(pos + 1)  # a row sees its own position and before: the causal mask
                 decode_tables.append(seq.block_table)
-        logits_indices += range(num_prefill_tokens, num_prefill_tokens + len(sched.decodes))
+        # a pooling sequence's last pending token may run as a decode row: no logits for it either
+        logits_indices += [num_prefill_tokens + j for j, item in enumerate(sched.decodes) if not _pools(item.seq)]
         logits_indices += range(len(input_ids) - sched.num_verify_rows, len(input_ids))
 
         def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -229,10 +309,41 @@ class ModelRunner:
             decode_block_tables=self.block_table_tensor(decode_tables),
             max_decode_seq_len=max(decode_lens, default=0),
         )
+        if self.num_groups > 1:
+            meta.groups = [dataclasses.replace(meta)] + [
+                self._group_meta(sched, meta, g) for g in range(1, self.num_groups)
+            ]
         return tensor(input_ids), tensor(positions), meta, tensor(logits_indices)
 
-    def block_table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
-        width = max((len(t) for t in tables), default=0)
-        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=self.device).view(
-            len(tables), width
+    def _group_meta(self, sched: SchedulerOutput, meta: AttentionMetadata, group: int) -> AttentionMetadata:
+        """``meta`` (group 0's) with the slots and block tables of KV-cache group ``group``."""
+        bs = self.block_size
+        slots: list[int] = []
+        prefill_tables: list[list[int]] = []
+        for item in sched.prefills:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            table = seq.block_tables[group]
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + item.num_new_tokens))
+            prefill_tables.append(table)
+        decode_tables: list[list[int]] = []
+        for item in sched.decodes + sched.verifies:
+            seq, first = item.seq, item.seq.num_computed_tokens
+            table = seq.block_tables[group]
+            for pos in range(first, first + item.num_new_tokens):
+                slots.append(table[pos // bs] * bs + pos % bs)
+                decode_tables.append(table)
+        return dataclasses.replace(
+            meta,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            prefill_block_tables=self.block_table_tensor(prefill_tables),
+            decode_block_tables=self.block_table_tensor(decode_tables),
+            groups=None,
         )
+
+    def block_table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
+        """Rows padded with block 0; a sliding group's released entries (``NULL_BLOCK``, -1) read
+        as block 0 too: outside every query's window, so never weighted (block 0 is the first block
+        ever handed out, zeroed then, so its values are finite)."""
+        width = max((len(t) for t in tables), default=0)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=self.device)
+        return table.view(len(tables), width).clamp_(min=0)

@@ -19,9 +19,12 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
+import torch
+
 from llmctl.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmctl.engine.sampler import PromptLogprobs, SampleResult
 from llmctl.engine.sequence import FinishReason, Sequence
+from llmctl.pooling_params import PoolingParams
 from llmctl.sampling_params import SamplingParams
 from llmctl.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -65,6 +68,8 @@ class RequestState:
     samples: dict[int, SampleState] = field(default_factory=dict)  # by sample index
     prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None
+    pooling: PoolingParams | None = None  # a pooling request: no text, one vector
+    pooled: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:
@@ -108,17 +113,28 @@ class OutputProcessor:
 
     def _add_sample(self, request: RequestState, seq: Sequence) -> SampleState:
         detokenizer = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and request.pooling is None:
             detokenizer = self.tokenizer.decode_stream(request.prompt_token_ids, request.params.skip_special_tokens)
         sample = request.samples[seq.index] = SampleState(seq, detokenizer)
         return sample
 
     # ---- a step ----------------------------------------------------------------------------------
-    def process(self, seqs: list[Sequence], sampled: SampleResult, now: float) -> ProcessedStep:
+    def process(
+        self,
+        seqs: list[Sequence],
+        sampled: SampleResult,
+        now: float,
+        pooled: list[tuple[Sequence, torch.Tensor]] = (),
+    ) -> ProcessedStep:
         """``seqs[i]`` just got ``sampled.token_ids[i]`` (already appended by the scheduler). A
         sequence that got several tokens this step (speculative decoding) fills consecutive rows,
-        one per token it kept, in order."""
+        one per token it kept, in order. ``pooled``: pooling sequences whose prefill completed
+        (the scheduler finished them) and their vectors."""
         touched: dict[str, RequestState] = {}
+        for seq, vector in pooled:
+            request = self.requests[seq.request_id]
+            request.pooled = vector
+            touched[request.request_id] = request
         for chunk in sampled.prompt_logprobs:
             request = self.requests[chunk.seq.request_id]
             self._guarded(request, touched, self._add_prompt_logprobs, request, chunk)
@@ -269,6 +285,7 @@ class OutputProcessor:
             user=request.user,
             error=request.error,
             prompt_logprobs=list(prompt_logprobs) if complete else None,
+            pooled=request.pooled,
         )
 
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -62,3 +66,6 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt position, {token_id: logprob} holding the prompt's
     # own token plus the top-k alternatives; position 0 is None (nothing predicts it), as in vLLM.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # A pooling request's vector (float32, CPU; llmctl/engine/pooler.py): an embedding, or the logits
+    # of PoolingParams.logit_token_ids at the last position. Its one output has no tokens.
+    pooled: torch.Tensor | None = None

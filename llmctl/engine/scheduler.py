@@ -18,6 +18,10 @@ Every step:
 The scheduler never fails a request for lack of blocks: preempted sequences wait at the head of
 their user's queue and resume, finding their full blocks again in the prefix cache.
 
+With sliding-window layers a sequence needs blocks in every KV-cache group (block_manager.py):
+``allocate`` succeeds only when all of them fit the shared pool (a sliding group's share first
+gives back what left its window), so admission and preemption count every group through it.
+
 After the model ran, ``update_from_output`` does the step's bookkeeping in one place (as nano-vllm's
 ``postprocess``): computed K/V, ``n > 1`` forks, the sampled tokens, and the end of sequences that
 hit EOS, a stop token id, ``max_tokens`` or ``max_model_len``. The scheduler owns the block manager:
@@ -262,7 +266,7 @@ class Scheduler:
     def _plan_sampling(out: SchedulerOutput) -> None:
         """Which sequences sample this step, from which logits row; a prompt completing with
         ``n > 1`` gets its siblings here, each drawing its own first token from the prompt's row."""
-        samplers = [item.seq for item in out.scheduled if item.samples]
+        samplers = [item.seq for item in out.scheduled if item.samples and item.seq.pooling is None]
         out.sampling = list(samplers)
         out.logits_rows = list(range(len(samplers)))
         for row, parent in enumerate(samplers):
@@ -318,8 +322,8 @@ class Scheduler:
                     break
             if self._seats_in_use() + seats > self.config.max_num_seqs:
                 break  # the fairest next request waits for seats; nobody else jumps ahead of it
-            # a sequence holding no blocks may adopt cached ones, unless it needs its prompt's logits
-            may_hit = not seq.block_table and not seq.needs_prompt_logits
+            # a sequence holding no blocks may adopt cached ones, unless it needs every prompt position
+            may_hit = not seq.block_table and not seq.needs_every_position
             cached = self.block_manager.find_cached_prefix(seq) if may_hit else []
             pending = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.block_manager.block_size
             n = min(pending, shares.get(user, 0), budget)
@@ -436,6 +440,8 @@ class Scheduler:
         for item in out.prefills + out.decodes:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
+            if item.seq.pooling is not None and item.seq.num_pending_tokens == 0:
+                self.finish(item.seq, FinishReason.STOP)  # pooled: its prefill is all it runs
         for parent, children in out.forks:
             self._fork(parent, children)
         for seq, token in zip(out.sampling, sampled_token_ids, strict=True):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmctl.pooling_params import PoolingParams
 from llmctl.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,8 +46,10 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended it (EOS is not a stop reason)
-    # KV state, owned by the block manager
-    block_table: list[int] = field(default_factory=list)
+    # KV state, owned by the block manager: one block table per KV-cache group (group 0: full
+    # attention where the model has any; a sliding group's released leading entries are
+    # NULL_BLOCK, llmctl/engine/block_manager.py)
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full, cached block
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
@@ -60,6 +63,9 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
     num_draft_computed: int = 0
+    # A pooling request (llmctl/engine/pooler.py): its prompt is prefilled and pooled, never sampled
+    # (``params`` is then a placeholder); it ends, and gives its blocks back, when the prefill does.
+    pooling: PoolingParams | None = None
 
     def fork(self, index: int) -> Sequence:
         """Sample ``index`` of the same request: the same tokens so far, its own seed (``seed + index``)
@@ -83,6 +89,15 @@ class Sequence:
         return child
 
     @property
+    def block_table(self) -> list[int]:
+        """Group 0's block table (the only one of a model without sliding windows)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
@@ -104,6 +119,12 @@ class Sequence:
         """``prompt_logprobs`` are computed with the prompt, before the first output token; until
         then no prefix-cache hit may skip a prompt position."""
         return self.params.prompt_logprobs is not None and self.num_output_tokens == 0
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Its prefill must compute every prompt position (no prefix-cache hit): prompt logprobs,
+        or mean / first-token pooling."""
+        return self.needs_prompt_logits or (self.pooling is not None and self.pooling.needs_every_position)
 
     @property
     def is_finished(self) -> bool:

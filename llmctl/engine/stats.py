@@ -22,7 +22,9 @@ Snapshot schema (version 2)::
                  "enable_prefix_caching", "enable_chunked_prefill", "dtype", "device", "attention_backend"},
       "kv": {"num_blocks", "free", "cached", "used", "shared", "usage", "token_utilization",
              "block_states": "one char per block: '.' free, 'c' cached (evictable), 'u' used by one
-                              sequence, 's' shared by several"},
+                              sequence, 's' shared by several",
+             "groups": [{"window": tokens | null (full attention), "held": blocks live sequences
+                         hold in the group}]},  # KV-cache groups: one without sliding windows
       "prefix_cache": {"queries": tokens looked up, "hits": tokens found, "hit_rate": float},
       "counters": {"num_preemptions", "prompt_tokens_total", "generation_tokens_total",
                    "requests_added_total", "requests_finished": {"stop", "length", "abort", "error"}},
@@ -39,7 +41,11 @@ Snapshot schema (version 2)::
                  # over the last ``window`` finished, non-aborted requests (llmctl/engine/latency.py);
                  # null where there is no data yet
       "spec_decode": null | {"method", "num_speculative_tokens", "num_drafts": verify steps,
-                     "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length"}
+                     "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length"},
+      "experts": null | {"window": forward passes kept, "layers": [{"layer", "steps", "tokens": tokens
+                 per expert, summed over the layer's last ``steps`` passes}], "weight_bytes": every
+                 expert's, "read_share_per_step": mean share of weight_bytes a pass read}
+                 # mixture-of-experts models (llmctl.layers.moe.expert_stats), where ``experts`` is set
     }
 """
 
@@ -57,6 +63,7 @@ from llmctl.engine.scheduler import Scheduler, SchedulerOutput
 from llmctl.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 if TYPE_CHECKING:  # only annotated: the metrics and bench readers need not import the sampler and model
+    from llmctl.engine.block_manager import BlockManager
     from llmctl.engine.output_processor import RequestState
 
 STATS_VERSION = 2
@@ -146,9 +153,11 @@ class EngineStats:
         model: str,
         settings: dict[str, Any],
         speculation: Speculation | None = None,
+        experts: Callable[[], dict[str, Any] | None] | None = None,
         history: int = STEP_HISTORY,
     ) -> None:
-        """``settings``: the snapshot's ``config`` section, fixed at start-up."""
+        """``settings``: the snapshot's ``config`` section, fixed at start-up. ``experts``: the
+        snapshot's ``experts`` section, for a mixture-of-experts model (its per-expert token counts)."""
         self.scheduler = scheduler
         self.model = model
         self.settings = dict(settings)
@@ -163,6 +172,7 @@ class EngineStats:
         self.latency = LatencyWindow()
         # Called after every step that ran, in the engine's thread, with the engine lock held.
         self.listeners: list[Callable[[StepStats], None]] = []
+        self.experts = experts
 
     def request_added(self, num_prompt_tokens: int) -> None:
         self.requests_added_total += 1
@@ -262,6 +272,7 @@ class EngineStats:
                 "usage": counters.kv_usage,
                 "token_utilization": counters.kv_token_utilization,
                 "block_states": states,
+                "groups": _group_rows(self.scheduler.block_manager, requests),
             },
             "prefix_cache": {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else 0.0},
             "counters": {
@@ -280,6 +291,7 @@ class EngineStats:
             "steps": [asdict(s) for s in list(self.steps)[-max_steps:]],
             "latency": self.latency.section(),
             "spec_decode": self._spec_section(),
+            "experts": None if self.experts is None else self.experts(),
         }
 
     def _spec_counters(self) -> dict[str, int]:
@@ -312,11 +324,23 @@ def token_utilization(seqs: Iterable[Sequence], block_size: int) -> float | None
     (a shared block counts once, as full as its fullest holder)."""
     filled: dict[int, int] = {}
     for seq in seqs:
-        for i, block_id in enumerate(seq.block_table):
-            tokens = min(block_size, max(0, seq.num_computed_tokens - i * block_size))
-            filled[block_id] = max(filled.get(block_id, 0), tokens)
+        for table in seq.block_tables:
+            for i, block_id in enumerate(table):
+                if block_id < 0:  # released by a sliding group (NULL_BLOCK)
+                    continue
+                tokens = min(block_size, max(0, seq.num_computed_tokens - i * block_size))
+                filled[block_id] = max(filled.get(block_id, 0), tokens)
     slots = len(filled) * block_size
     return sum(filled.values()) / slots if slots else None
+
+
+def _group_rows(bm: BlockManager, requests: Iterable[RequestState]) -> list[dict[str, Any]]:
+    """Per KV-cache group: its window and the blocks live sequences hold in it (shared ones once)."""
+    held: list[set[int]] = [set() for _ in bm.group_windows]
+    for seq in _live_sequences(requests):
+        for g, table in enumerate(seq.block_tables):
+            held[g].update(b for b in table if b >= 0)
+    return [{"window": w, "held": len(h)} for w, h in zip(bm.group_windows, held)]
 
 
 def _live_sequences(requests: Iterable[RequestState]) -> list[Sequence]:
@@ -343,7 +367,7 @@ def _request_rows(requests: Iterable[RequestState], now: float) -> list[dict[str
                     "prompt_tokens": seq.num_prompt_tokens,
                     "generated_tokens": seq.num_output_tokens,
                     "cached_tokens": seq.num_cached_tokens,
-                    "blocks": list(seq.block_table),
+                    "blocks": [b for table in seq.block_tables for b in table if b >= 0],
                     "num_preemptions": seq.num_preemptions,
                     "age_s": round(now - request.metrics.arrival_time, 3),
                     "n": request.params.n,

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmctl.errors import UnsupportedModelError
 from llmctl.platform import cpu_isa, fused_cpu_kernels
 from llmctl_kernels.activation import silu_and_mul_torch
-from llmctl_kernels.decode_attention import paged_decode_attention_torch
+from llmctl_kernels.decode_attention import decode_attention_gathered, paged_decode_attention_torch
 from llmctl_kernels.kv_store import reshape_and_cache_torch
 from llmctl_kernels.prefill_attention import attend_causal, paged_prefill_attention_torch
 from llmctl_kernels.rms_norm import rms_norm_torch
@@ -47,6 +48,10 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [num_decodes] int32
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
     max_decode_seq_len: int
+    # KV-cache groups (sliding-window models, llmctl/engine/model_runner.py): each group's own
+    # metadata (its slot_mapping and block tables; the rest as here), which each attention layer
+    # picks by its ``kv_group``. None: one group, this metadata.
+    groups: list[AttentionMetadata] | None = None
 
     @classmethod
     def single_prefill(cls, num_tokens: int, block_size: int, device: torch.device | None = None) -> AttentionMetadata:
@@ -122,6 +127,12 @@ class TorchOps:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._native.silu_and_mul(x) if self._native_for(x) else silu_and_mul_torch(x)
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """Gemma's GeGLU, torch on every backend (no native or Triton kernel for it yet)."""
+        from llmctl_kernels.activation import gelu_tanh_and_mul_torch
+
+        return gelu_tanh_and_mul_torch(x)
+
     def store_kv(
         self,
         key: torch.Tensor,
@@ -144,7 +155,14 @@ class TorchOps:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,  # sliding window / logit soft cap / sinks: llmctl/layers/attention.py
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:  # the native kernels take no sinks: the torch reference (exact, slower)
+            return self.prefill_attention_reference(
+                query, key, value, key_cache, value_cache, meta, scale, window, softcap, sinks
+            )
         if (
             self.native and query.device.type == "cpu" and self._native.prefill_attention_supported(query, key_cache)
         ):  # fp32/bf16, AVX2: one call
@@ -156,7 +174,26 @@ class TorchOps:
                 meta.prefill_query_start_loc,
                 meta.prefill_seq_lens,
                 scale,
+                window or 0,
+                softcap or 0.0,
             )
+        return self.prefill_attention_reference(query, key, value, key_cache, value_cache, meta, scale, window, softcap)
+
+    @staticmethod
+    def prefill_attention_reference(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``prefill_attention`` on the torch references, any device (every backend's path for a
+        layer with attention sinks)."""
         if not meta.prefill_is_fresh:
             return paged_prefill_attention_torch(
                 query,
@@ -166,12 +203,17 @@ class TorchOps:
                 meta.prefill_query_start_loc,
                 meta.prefill_seq_lens,
                 scale,
+                window,
+                softcap,
+                sinks,
             )
         # Fresh prompts: the context is exactly this step's K/V, so skip the gather from the pool.
         out = torch.empty_like(query)
         starts = meta.prefill_query_start_loc.tolist()
         for start, end in zip(starts[:-1], starts[1:]):
-            out[start:end] = attend_causal(query[start:end], key[start:end], value[start:end], scale)
+            out[start:end] = attend_causal(
+                query[start:end], key[start:end], value[start:end], scale, window, softcap, sinks
+            )
         return out
 
     def decode_attention(
@@ -181,11 +223,24 @@ class TorchOps:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        kernel = paged_decode_attention_torch
-        if self.native and query.device.type == "cpu":
-            kernel = self._native.paged_decode_attention
-        return kernel(query, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+        if self.native and query.device.type == "cpu" and sinks is None:  # no sinks in the native kernel
+            return self._native.paged_decode_attention(
+                query,
+                key_cache,
+                value_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                scale,
+                window or 0,
+                softcap or 0.0,
+            )
+        return paged_decode_attention_torch(
+            query, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window, softcap, sinks
+        )
 
     def attend_quantized(
         self,
@@ -195,13 +250,57 @@ class TorchOps:
         value: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store and attend over a quantized KV layer (``--kv-cache-dtype``): the torch reference
-        of llmctl/engine/kv_cache.py here; ``TritonOps`` runs its Triton kernels instead."""
-        return kv.attend(query, key, value, meta, scale)
+        of llmctl/engine/kv_cache.py here; ``TritonOps`` runs its Triton kernels instead. A layer
+        with attention sinks stores, then attends over the dequantized cache with the torch
+        references (``attend_quantized_with_sinks``)."""
+        if sinks is not None:
+            return attend_quantized_with_sinks(kv, query, key, value, meta, scale, window, softcap, sinks)
+        return kv.attend(query, key, value, meta, scale, window, softcap)
 
     @property
     def description(self) -> str:
         if self.kernels is not None:
             return self.kernels.description
         return f"{self.name} + native CPU kernels ({cpu_isa()})" if self.native else self.name
+
+
+def attend_quantized_with_sinks(
+    kv: QuantizedLayerKV,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """A quantized KV layer's store, then attention with ``sinks`` over what its blocks dequantize
+    to, prefill chunks one sequence at a time and the decodes together: what ``kv.attend``'s torch
+    reference computes, plus the sinks. 8-bit formats only: KIVI reads its open window groups in
+    full precision, which this path does not (refused rather than approximated)."""
+    if kv.fmt.is_kivi:
+        raise UnsupportedModelError(
+            f"--kv-cache-dtype {kv.fmt.kind} does not take attention sinks (gpt-oss); use auto, int8 or fp8"
+        )
+    kv.store(key, value, meta.slot_mapping)
+    out = torch.empty_like(query)
+    n = meta.num_prefill_tokens
+    starts, lens = meta.prefill_query_start_loc.tolist(), meta.prefill_seq_lens.tolist()
+    for i, seq_len in enumerate(lens[: meta.num_prefills]):
+        start, end = starts[i], starts[i + 1]
+        if end > start:
+            keys, values = kv.gather(meta.prefill_block_tables[i : i + 1], seq_len, query.dtype)
+            out[start:end] = attend_causal(query[start:end], keys[0], values[0], scale, window, softcap, sinks)
+    if meta.num_decodes:
+        max_len = int(meta.decode_seq_lens.max())
+        keys, values = kv.gather(meta.decode_block_tables, max_len, query.dtype)  # [S, L, Hkv, D]
+        out[n:] = decode_attention_gathered(
+            query[n:], keys.transpose(1, 2), values.transpose(1, 2), meta.decode_seq_lens, scale, window, softcap, sinks
+        )
+    return out

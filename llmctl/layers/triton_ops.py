@@ -11,9 +11,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llmctl.layers.ops import AttentionMetadata, TorchOps
+from llmctl.layers.ops import AttentionMetadata, TorchOps, attend_quantized_with_sinks
 from llmctl_kernels.activation import silu_and_mul_triton
-from llmctl_kernels.decode_attention import paged_decode_attention_quantized_triton, paged_decode_attention_triton
+from llmctl_kernels.decode_attention import (
+    paged_decode_attention_quantized_triton,
+    paged_decode_attention_torch,
+    paged_decode_attention_triton,
+)
 from llmctl_kernels.kv_store import kivi_quantize_blocks_triton, quantize_and_cache_triton, reshape_and_cache_triton
 from llmctl_kernels.prefill_attention import (
     paged_prefill_attention_quantized_triton,
@@ -78,12 +82,26 @@ class TritonOps(TorchOps):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:  # the Triton kernels take no sinks: the torch reference (exact, slower)
+            return self.prefill_attention_reference(
+                query, key, value, key_cache, value_cache, meta, scale, window, softcap, sinks
+            )
         max_query_len = _max_query_len(meta)
         if meta.prefill_is_fresh:
             # The context is exactly this step's K/V: read them in place, no gather from the pool.
             return varlen_causal_attention_triton(
-                query, key, value, meta.prefill_query_start_loc, scale, max_query_len=max_query_len
+                query,
+                key,
+                value,
+                meta.prefill_query_start_loc,
+                scale,
+                max_query_len=max_query_len,
+                window=window,
+                softcap=softcap,
             )
         return paged_prefill_attention_triton(
             query,
@@ -94,6 +112,8 @@ class TritonOps(TorchOps):
             meta.prefill_seq_lens,
             scale,
             max_query_len=max_query_len,
+            window=window,
+            softcap=softcap,
         )
 
     def decode_attention(
@@ -103,7 +123,22 @@ class TritonOps(TorchOps):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:  # the torch reference, as prefill_attention
+            return paged_decode_attention_torch(
+                query,
+                key_cache,
+                value_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                scale,
+                window,
+                softcap,
+                sinks,
+            )
         return paged_decode_attention_triton(
             query,
             key_cache,
@@ -112,6 +147,8 @@ class TritonOps(TorchOps):
             meta.decode_seq_lens,
             scale,
             max_seq_len=meta.max_decode_seq_len or None,
+            window=window,
+            softcap=softcap,
         )
 
     def attend_quantized(
@@ -122,12 +159,23 @@ class TritonOps(TorchOps):
         value: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``QuantizedLayerKV.attend`` on the Triton kernels: quantize-on-store, then prefill chunks
         and decodes over the quantized blocks, dequantized inside the kernels. KIVI stages the
         step's blocks like the reference (``kv.stage``), quantizes the completed ones in a kernel,
         and hands the kernels its full-precision blocks: the residual pool to decodes, this step's
-        staging (then the residual pool) to prefill chunks."""
+        staging (then the residual pool) to prefill chunks.
+
+        A layer with a sliding window or a logit soft cap runs the torch reference instead
+        (``kv.attend``, exact, slower): the quantized-KV Triton kernels take neither yet; a layer
+        with attention sinks likewise (``attend_quantized_with_sinks``)."""
+        if sinks is not None:
+            return attend_quantized_with_sinks(kv, query, key, value, meta, scale, window, softcap, sinks)
+        if window is not None or softcap is not None:
+            return kv.attend(query, key, value, meta, scale, window, softcap)
         fmt, n = kv.fmt, meta.num_prefill_tokens
         decode_fp, prefill_kivi = None, {}
         if fmt.is_kivi:

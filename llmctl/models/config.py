@@ -80,8 +80,24 @@ class ModelConfig:
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Per layer, as transformers names them: "sliding_attention" (attends within ``sliding_window``)
+    # or "full_attention". Empty: every layer sliding when ``sliding_window`` is set, else full.
+    layer_types: list[str] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     dtype_choice: DtypeChoice | None = field(default=None, repr=False)  # set by resolve_dtype
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            kind = "sliding_attention" if self.sliding_window else "full_attention"
+            self.layer_types = [kind] * self.num_layers
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer ``layer`` in tokens (None: it attends to the whole
+        context), as transformers gives each layer ``config.sliding_window if its layer_type is
+        "sliding_attention" else None``."""
+        if self.sliding_window and self.layer_types[layer] == "sliding_attention":
+            return int(self.sliding_window)
+        return None
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -95,6 +111,8 @@ class ModelConfig:
                 f"{source}: architecture {named} is not supported; llmctl runs " + ", ".join(registry.architectures())
             )
         arch, family = spec.architecture, spec.model_type
+        # a bare decoder (an embedding model's checkpoint) has no LM head: the embeddings stand in
+        base_model = any(registry.is_base_model(name) for name in archs) and registry.family_for(archs[0]) is spec
         try:
             hidden = int(cfg["hidden_size"])
             num_heads = int(cfg["num_attention_heads"])
@@ -109,13 +127,16 @@ class ModelConfig:
             eos = cfg.get("eos_token_id")
             eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
             use_sliding = cfg.get("use_sliding_window", spec.sliding_window_by_default)
+            sliding_window = cfg.get("sliding_window") if use_sliding else None
+            num_layers = int(cfg["num_hidden_layers"])
+            layer_types = _layer_types(cfg, num_layers, sliding_window, family)
             return cls(
                 architecture=arch,
                 family=family,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                num_layers=num_layers,
                 num_heads=num_heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
                 head_dim=int(cfg.get("head_dim") or hidden // num_heads),
@@ -123,14 +144,15 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
                 rope_scaling=rope_scaling,
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                tie_word_embeddings=base_model or bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", spec.attention_bias)),
                 qk_norm=spec.qk_norm,
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
-                sliding_window=cfg.get("sliding_window") if use_sliding else None,
+                sliding_window=sliding_window,
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                layer_types=layer_types,
                 raw=cfg,
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -152,3 +174,24 @@ class ModelConfig:
         ``self.dtype_choice`` for the startup line."""
         self.dtype_choice = choose_dtype(requested, self.torch_dtype, device)
         return self.dtype_choice.dtype
+
+
+# transformers' Qwen2Config / Qwen3Config default for ``max_window_layers`` when config.json omits it
+_MAX_WINDOW_LAYERS_DEFAULT = {"qwen2": 28, "qwen3": 28}
+
+
+def _layer_types(cfg: dict[str, Any], num_layers: int, sliding_window: Any, family: str) -> list[str]:
+    """config.json's ``layer_types`` when it has them, else as transformers derives them (Qwen2's
+    and Qwen3's configuration: layer ``i`` slides when there is a window and ``i >=
+    max_window_layers``; Mistral: every layer, when there is a window)."""
+    explicit = cfg.get("layer_types")
+    if explicit is not None:
+        types = [str(t) for t in explicit]
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        return types
+    first_sliding = int(cfg.get("max_window_layers", _MAX_WINDOW_LAYERS_DEFAULT.get(family, 0)))
+    return [
+        "sliding_attention" if sliding_window is not None and i >= first_sliding else "full_attention"
+        for i in range(num_layers)
+    ]

@@ -1,24 +1,33 @@
-"""Llama-family models from a GGUF file (llama.cpp's format): config, tokenizer and weights.
+"""Models from a GGUF file (llama.cpp's format): config, tokenizer and weights.
 
 The file is read with ``gguf.GGUFReader`` (the format authors' reader; tensors stay memory-mapped).
 Its metadata becomes a ``ModelConfig`` and a ``Tokenizer``; each tensor is renamed to the Hugging
 Face name llmctl's model uses and goes through the same weight loader as a safetensors checkpoint.
 Quantized tensors are repacked exactly into llmctl's shared packed formats (gguf_quants.py).
 
-llama.cpp's converter interleaves the rows of Q and K per head for the ``llama`` architecture (its
-rotary pairs adjacent elements; llmctl, like transformers, rotates halves); the rows are put back
-here, which is exact for packed weights too because whole rows move.
+What differs between architectures is the registry's (``ModelFamily.gguf_*``): the tensor names
+come from llama.cpp's own table for the architecture (``gguf.TensorNameMap``, what its converter
+renames by), with the family's entries where that table is ambiguous; family metadata keys map to
+config.json fields, and a family's ``gguf_config`` function (in its model module) fills in what
+the file stores otherwise or not at all (Phi-3's LongRoPE factor tensors, Gemma's attention scale).
+
+llama.cpp's converter interleaves the rows of Q and K per head for the ``llama``-like architectures
+(its rotary pairs adjacent elements; llmctl, like transformers, rotates halves); the rows are put
+back here, which is exact for packed weights too because whole rows move. Its Gemma converters store
+every norm weight plus 1 (llama.cpp's norm has no ``1 + w``); the 1 is taken off again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import math
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, GGUFReader, get_tensor_name_map
 
 from llmctl.errors import ModelLoadError, UnsupportedModelError
 from llmctl.layers.ops import TorchOps
@@ -28,25 +37,52 @@ from llmctl.models.config import ModelConfig
 from llmctl.models.gguf_reader import read_gguf
 from llmctl.models.gguf_tokenizer import GGUFTokenizerError, build_gguf_tokenizer
 from llmctl.models.loader import build_model, load_weights
-from llmctl.models.registry import CausalLM, family_for_gguf, gguf_architectures
+from llmctl.models.registry import CausalLM, ModelFamily, family_for_gguf, gguf_architectures
 from llmctl.tokenizer import Tokenizer
 from llmctl_kernels.packed_formats import PackedWeight
 
-# GGUF tensor name (after ``blk.N.``) -> Hugging Face module path inside ``model.layers.N.``
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# llmctl's module names (its models keep transformers' checkpoint names). What each is called in a
+# file of a given architecture is llama.cpp's own table (``gguf.TensorNameMap``, the converter's).
+_HF_GLOBAL = ("model.embed_tokens", "model.norm", "lm_head")
+_HF_LAYER = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+# Tensors that carry configuration, not weights: read into the config (rope scaling)
+_CONFIG_TENSORS = tuple(
+    f"{TENSOR_NAMES[t]}.weight"
+    for t in (MODEL_TENSOR.ROPE_FREQS, MODEL_TENSOR.ROPE_FACTORS_LONG, MODEL_TENSOR.ROPE_FACTORS_SHORT)
+)
+
+
+@functools.cache
+def tensor_names(gguf_architecture: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(file name -> Hugging Face module) for the global tensors and, after ``blk.N.``, for those
+    of each layer, in files of ``gguf_architecture``: llmctl's names through llama.cpp's table for
+    that architecture, then the family's own entries (``ModelFamily.gguf_tensors``) where the table
+    gives one file name for several of ours (Phi-3's fused ``attn_qkv`` and ``ffn_up``)."""
+    arch = {name: arch for arch, name in MODEL_ARCH_NAMES.items()}.get(gguf_architecture, MODEL_ARCH.LLAMA)
+    table = get_tensor_name_map(arch, 1)
+    global_names = {table.get_name(hf): hf for hf in _HF_GLOBAL if table.get_name(hf)}
+    layer_names: dict[str, str] = {}
+    for hf in _HF_LAYER:
+        name = table.get_name(f"model.layers.0.{hf}")
+        if name is not None:
+            layer_names[name.removeprefix("blk.0.")] = hf
+    family = family_for_gguf(gguf_architecture)
+    layer_names.update(family.gguf_tensors if family is not None else ())
+    return global_names, layer_names
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -72,8 +108,34 @@ def read_metadata(reader: GGUFReader, path: Path) -> dict[str, Any]:
     return meta
 
 
-def gguf_config_dict(meta: dict[str, Any], tensor_names: set[str], path: Path) -> dict[str, Any]:
-    """The GGUF metadata as the Hugging Face config.json it stands for."""
+def _yarn_scaling(field: Callable[..., Any]) -> dict[str, Any]:
+    """YaRN's parameters as llama.cpp's converter writes them (``rope.scaling.*``), back in
+    transformers' ``rope_scaling`` names; the ones it leaves out keep transformers' defaults."""
+    scaling: dict[str, Any] = {
+        "rope_type": "yarn",
+        "factor": float(field("rope.scaling.factor")),
+        "original_max_position_embeddings": int(field("rope.scaling.original_context_length")),
+    }
+    for key, name in (
+        ("yarn_attn_factor", "attention_factor"),
+        ("yarn_beta_fast", "beta_fast"),
+        ("yarn_beta_slow", "beta_slow"),
+    ):
+        if (value := field(f"rope.scaling.{key}", None)) is not None:
+            scaling[name] = float(str(np.float32(value)))
+    return scaling
+
+
+def gguf_config_dict(
+    meta: dict[str, Any],
+    tensor_names: set[str],
+    path: Path,
+    rope_freqs: list[float] | None = None,
+    config_tensors: dict[str, list[float]] | None = None,
+) -> dict[str, Any]:
+    """The GGUF metadata as the Hugging Face config.json it stands for. ``config_tensors`` holds the
+    values of the file's tensors that carry configuration (``rope_freqs.weight``, Phi-3's
+    ``rope_factors_long/short.weight``); ``rope_freqs`` is the first of them, given alone."""
     arch = meta.get("general.architecture")
     family = family_for_gguf(str(arch))
     if family is None:
@@ -81,6 +143,9 @@ def gguf_config_dict(meta: dict[str, Any], tensor_names: set[str], path: Path) -
             f"{path}: general.architecture {arch!r} is not supported; llmctl reads GGUF "
             f"architectures {', '.join(gguf_architectures())}"
         )
+    config_tensors = dict(config_tensors or {})
+    if rope_freqs is not None:
+        config_tensors.setdefault("rope_freqs.weight", rope_freqs)
 
     def field(name: str, default: Any = ...) -> Any:
         value = meta.get(f"{arch}.{name}", default)
@@ -88,6 +153,11 @@ def gguf_config_dict(meta: dict[str, Any], tensor_names: set[str], path: Path) -
             raise ModelLoadError(f"{path}: metadata field '{arch}.{name}' is missing")
         return value
 
+    if int(field("expert_count", 0) or 0) > 0:  # llama.cpp writes Mixtral as "llama" with experts
+        raise UnsupportedModelError(
+            f"{path}: a mixture-of-experts GGUF ({arch}.expert_count = {field('expert_count')}) is not read "
+            "yet; run the model's safetensors checkpoint"
+        )
     heads = int(field("attention.head_count"))
     hidden = int(field("embedding_length"))
     vocab = field("vocab_size", None) or len(meta.get("tokenizer.ggml.tokens", ()))
@@ -107,24 +177,108 @@ def gguf_config_dict(meta: dict[str, Any], tensor_names: set[str], path: Path) -
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "sliding_window": meta.get(f"{arch}.attention.sliding_window"),
+        "sliding_window": field("attention.sliding_window", None) or None,  # 0: none (Phi-3's converter)
     }
+    if "rope_freqs.weight" in tensor_names:  # Llama 3.1+: llama.cpp stores the factors, not the parameters
+        rope_freqs = config_tensors.get("rope_freqs.weight")
+        if not rope_freqs or len(rope_freqs) != cfg["head_dim"] // 2:
+            raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' has no {cfg['head_dim'] // 2} rope factors")
+        cfg["rope_scaling"] = llama3_scaling_from_factors(rope_freqs, cfg["head_dim"], cfg["rope_theta"])
     scaling = field("rope.scaling.type", "none")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(field("rope.scaling.factor"))}
+    elif scaling == "yarn":
+        cfg["rope_scaling"] = _yarn_scaling(field)
+    elif scaling == "longrope" and "rope_factors_long.weight" in tensor_names:
+        pass  # Phi-3's factor tensors, which its family's hook reads
     elif scaling != "none":
-        raise ModelLoadError(f"{path}: {arch}.rope.scaling.type {scaling!r} is not supported (none, linear)")
-    if "rope_freqs.weight" in tensor_names:
-        raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' (Llama 3 rope scaling factors) is not supported")
+        raise ModelLoadError(f"{path}: {arch}.rope.scaling.type {scaling!r} is not supported (none, linear, yarn)")
+    for key, name in family.gguf_metadata:
+        if (value := field(key, None)) is not None:
+            # a float32 in the file: the shortest decimal that gives it back, as config.json wrote it
+            cfg[name] = float(str(np.float32(value))) if isinstance(value, float) else value
+    hook: Callable[..., None] | None = family.gguf_config_hook()
+    if hook is not None:
+        try:
+            hook(cfg, field, config_tensors)
+        except ValueError as exc:
+            raise ModelLoadError(f"{path}: {exc}") from exc
     return cfg
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def llama3_scaling_from_factors(factors: list[float], head_dim: int, base: float) -> dict[str, Any]:
+    """Llama 3.1's rope scaling from the per-frequency factors llama.cpp's converter stores in
+    ``rope_freqs.weight`` (its metadata keeps no parameters): ``factor`` is the long wavelengths'
+    divisor; the smoothed band's factors fix the two wavelength bounds (``original / low_freq_factor``
+    and ``original / high_freq_factor``), read with ``low_freq_factor`` 1 as every Llama 3.x has it.
+    The parameters are kept only if they give back the stored factors bit for bit through the
+    converter's own formula. Otherwise each inverse frequency is divided by its stored factor, as
+    llama.cpp does (``freq_factors``): the same bits as transformers for the unscaled and the
+    ``factor``-divided frequencies, within a rounding of it for a smoothed one (with fewer than two
+    of those there is nothing to fit)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor = max(factors)
+    wavelens = [2 * math.pi / float(f) for f in inv_freq]
+    medium = [(w, f) for w, f in zip(wavelens, factors) if f not in (1.0, factor)]
+    if len(medium) >= 2 and factor > 1:
+        # 1/f = (1 - s)/factor + s, s = (original/wavelen - low) / (high - low): linear in 1/wavelen
+        (w1, f1), (w2, f2) = medium[0], medium[-1]
+        s1, s2 = ((1 / f - 1 / factor) / (1 - 1 / factor) for f in (f1, f2))
+        slope = (s2 - s1) / (1 / w2 - 1 / w1)  # original / (high - low)
+        offset = slope / w1 - s1  # low / (high - low)
+        original = round(slope / offset)  # with low = 1
+        high = round(1 + original / slope, 6)
+        scaling = {
+            "rope_type": "llama3",
+            "factor": float(factor),
+            "low_freq_factor": 1.0,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": original,
+        }
+        if _converter_factors(inv_freq, scaling) == [float(np.float32(f)) for f in factors]:
+            return scaling
+    return {"rope_type": "llama3", "freq_factors": [float(f) for f in factors]}
+
+
+def _converter_factors(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> list[float]:
+    """convert_hf_to_gguf's ``rope_freqs`` values for ``scaling``, rounded to float32 as it stores them."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in inv_freq:
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return [float(np.float32(float(f))) for f in out]
+
+
+def rope_freqs_of(reader: GGUFReader) -> list[float] | None:
+    """The values of the file's ``rope_freqs.weight`` (Llama 3.1+ rope factors), if it has one."""
+    return config_tensors_of(reader).get("rope_freqs.weight")
+
+
+def config_tensors_of(reader: GGUFReader) -> dict[str, list[float]]:
+    """The values of the file's tensors that carry configuration, not weights (``_CONFIG_TENSORS``)."""
+    return {
+        tensor.name: [float(v) for v in gguf_quants.to_float(read_tensor(tensor)).flatten().tolist()]
+        for tensor in reader.tensors
+        if tensor.name in _CONFIG_TENSORS
+    }
+
+
+def _hf_name(gguf_name: str, gguf_architecture: str = "llama") -> str | None:
+    """The Hugging Face name of a tensor of a ``gguf_architecture`` file (None: not a weight llmctl knows)."""
+    global_names, layer_names = tensor_names(gguf_architecture)
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in global_names:
+        return f"{global_names[parts[0]]}.{parts[1]}"
     return None
 
 
@@ -147,22 +301,29 @@ def read_tensor(tensor: Any, row_order: np.ndarray | None = None) -> PackedWeigh
 
 
 def iterate_gguf_tensors(
-    reader: GGUFReader, cfg: ModelConfig, path: Path, interleaved_qk: bool
+    reader: GGUFReader, cfg: ModelConfig, path: Path, family: ModelFamily
 ) -> Iterator[tuple[str, PackedWeight | torch.Tensor]]:
-    """(Hugging Face name, packed or dense tensor) for every weight, Q/K rows restored."""
+    """(Hugging Face name, packed or dense tensor) for every weight, as the family's checkpoint holds
+    it: Q/K rows restored where the converter interleaved them, the converter's norm offset taken off."""
     heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        if tensor.name in _CONFIG_TENSORS:  # read into the config (rope scaling), not a weight
+            continue
+        name = _hf_name(tensor.name, str(family.gguf_architecture))
         if name is None:
             raise ModelLoadError(f"{path}: tensor {tensor.name!r} does not belong to a {cfg.architecture}")
         proj = name.split(".")[-2]
         order = None
-        if interleaved_qk and proj in heads:
+        if family.gguf_interleaved_qk and proj in heads:
             order = _unpermute_order(int(tensor.shape[-1]), heads[proj]).numpy()
         try:
             value = read_tensor(tensor, order)
         except ValueError as exc:
             raise ModelLoadError(f"{path}: tensor {tensor.name!r} cannot be read ({exc})") from exc
+        if family.gguf_norm_offset and name.endswith("norm.weight"):
+            # stored as w + offset in float32; subtracting it back is exact, so the model's 1 + w
+            # gives back the very value stored (and transformers' fp32 1 + w on the checkpoint)
+            value = gguf_quants.to_float(value) - family.gguf_norm_offset
         yield name, value
 
 
@@ -204,7 +365,8 @@ def load_gguf(
     reader = open_gguf(path)
     meta = read_metadata(reader, path)
     names = {t.name for t in reader.tensors}
-    cfg = ModelConfig.from_dict(gguf_config_dict(meta, names, path), source=str(path))
+    cfg_dict = gguf_config_dict(meta, names, path, config_tensors=config_tensors_of(reader))
+    cfg = ModelConfig.from_dict(cfg_dict, source=str(path))
     tokenizer = gguf_tokenizer(path, meta) if with_tokenizer or calibration is not None else None
     calibration_ids = None
     if calibration is not None:
@@ -219,8 +381,8 @@ def load_gguf(
         ops=ops,
         linear_method=linear_method_for(quantization) if quantization == "int8" else None,
     )
-    interleaved_qk = family_for_gguf(str(meta.get("general.architecture"))).gguf_interleaved_qk
-    tensors = iterate_gguf_tensors(reader, cfg, path, interleaved_qk)
+    family = family_for_gguf(str(meta.get("general.architecture")))
+    tensors = iterate_gguf_tensors(reader, cfg, path, family)
     with torch.no_grad():
         if quantization != "auto":
             rest = ((path, name, gguf_quants.to_float(value)) for name, value in tensors)

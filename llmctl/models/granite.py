@@ -6,6 +6,8 @@ joins the residual stream; ``attention_multiplier`` as the attention scale (inst
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from llmctl.distributed import PipelineStage, TensorParallel
@@ -19,6 +21,13 @@ from llmctl.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 def _multiplier(cfg: ModelConfig, name: str) -> float:
     return float(cfg.raw.get(name, 1.0))  # GraniteConfig's default
+
+
+def granite_gguf_config(cfg: dict[str, Any], field: Any, tensors: dict[str, list[float]]) -> None:
+    """A GGUF file without ``granite.attention.scale`` (llama.cpp's converter writes each multiplier
+    only when it is not zero) is read by llama.cpp with the scale 1/sqrt(head_dim), not GraniteConfig's
+    default 1.0."""
+    cfg.setdefault("attention_multiplier", cfg["head_dim"] ** -0.5)
 
 
 class ScaledEmbedding(VocabParallelEmbedding):

@@ -137,6 +137,10 @@ class LlamaModel(nn.Module):
             else nn.Identity()
             for i in range(cfg.num_layers)
         )
+        for i, layer in enumerate(self.layers):  # each layer's sliding window, from cfg.layer_types
+            attn = getattr(getattr(layer, "self_attn", None), "attn", None)
+            if isinstance(attn, Attention) and attn.sliding_window is None:  # a subclass may have set its own
+                attn.sliding_window = cfg.layer_window(i)
         self.stage_layers = list(self.layers)[self.stage.start : self.stage.end]  # a plain list: no per-step slicing
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, ops=ops)
 

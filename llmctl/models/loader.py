@@ -17,8 +17,10 @@ from torch import nn
 from llmctl.distributed import PipelineStage, TensorParallel
 from llmctl.errors import ModelLoadError
 from llmctl.layers.linear import LinearMethod, copy_checked
+from llmctl.layers.moe import ExpertShard, expert_checkpoint_target
 from llmctl.layers.ops import TorchOps
 from llmctl.layers.quantization import linear_method_for
+from llmctl.models import mxfp4
 from llmctl.models.config import ModelConfig
 from llmctl.models.registry import CausalLM, family_for
 
@@ -63,6 +65,7 @@ def load_weights(
     its own, renamed) into the model's parameters, merged projections part by part."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    top_level = {child for child, _ in model.named_children()}  # ``model``, ``lm_head``
     if tensors is None:
         tensors = iterate_tensors(safetensors_files(model_dir))
     for path, name, tensor in tensors:
@@ -70,17 +73,30 @@ def load_weights(
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
+        if name.split(".", 1)[0] not in top_level:  # a bare decoder's names (Qwen3Model: no ``model.``)
+            name = f"model.{name}"
         if not model.owns_checkpoint_tensor(name):  # another pipeline stage's layer
             continue
         target, shard_id = name, None
-        for ckpt_name, (merged_name, part) in model.packed_modules.items():
-            if f".{ckpt_name}." in name:
-                target, shard_id = name.replace(f".{ckpt_name}.", f".{merged_name}."), part
-                break
+        expert = expert_checkpoint_target(name)  # a mixture-of-experts block's tensor: stacked experts
+        if expert is not None:
+            target, shard_id = expert
+        else:
+            for ckpt_name, (merged_name, part) in model.packed_modules.items():
+                if f".{ckpt_name}." in name:
+                    target, shard_id = name.replace(f".{ckpt_name}.", f".{merged_name}."), part
+                    break
         param = params.get(target)
         if param is None:
             raise ModelLoadError(f"{path}: tensor {name!r} does not belong to a {model.config.architecture}")
+        merged = _merged_module_of(model, target) if shard_id is None else None
         try:
+            if merged is not None:  # the checkpoint stores the merged matrix itself (Phi-3's qkv_proj)
+                module_name, parts = merged
+                for part, piece in zip(parts, split_fused(model.get_submodule(module_name), tensor, len(parts))):
+                    param.weight_loader(param, piece, part)
+                    loaded.add(f"{target}#{part}")
+                continue
             loader = getattr(param, "weight_loader", None)
             if loader is None:
                 copy_checked(param.data, tensor, "weight")
@@ -88,12 +104,41 @@ def load_weights(
                 loader(param, tensor, shard_id)
         except ValueError as exc:
             raise ModelLoadError(f"{path}: tensor {name!r} does not match config.json: {exc}") from exc
-        loaded.add(target if shard_id is None else f"{target}#{shard_id}")
+        if isinstance(shard_id, ExpertShard):
+            loaded.update(f"{target}#{key}" for key in shard_id.keys(param.shape[0]))
+        else:
+            loaded.add(target if shard_id is None else f"{target}#{shard_id}")
     expected = expected_checkpoint_names(model)
     missing = sorted(expected - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{model_dir}: checkpoint lacks weights: {shown}")
+
+
+def _merged_module_of(model: CausalLM, param_name: str) -> tuple[str, list[str | int]] | None:
+    """(module name, its part ids in order) when ``param_name`` is a merged projection's weight or
+    bias, else None."""
+    parts_of: dict[str, list[str | int]] = {}
+    for merged, part in model.packed_modules.values():
+        parts_of.setdefault(merged, []).append(part)
+    module_name, _, _ = param_name.rpartition(".")
+    merged = module_name.rpartition(".")[2]
+    return (module_name, parts_of[merged]) if merged in parts_of else None
+
+
+def split_fused(module: nn.Module, tensor: torch.Tensor, num_parts: int) -> list[torch.Tensor]:
+    """A merged projection's checkpoint tensor (parts stacked along the output features, full size,
+    not sharded) cut into its parts, each then loaded as if the checkpoint stored it alone."""
+    tp_size = module.tp.size
+    sizes = [size * tp_size for size in module.part_sizes]
+    replicas = getattr(module, "kv_replicas", 1)  # QKV: KV heads replicated across ranks
+    if replicas > 1:
+        sizes = [sizes[0], *(size // replicas for size in sizes[1:])]
+    if len(sizes) != num_parts or sum(sizes) != tensor.shape[0]:
+        raise ValueError(
+            f"merged tensor has {tensor.shape[0]} rows, expected {sum(sizes)} (parts of {', '.join(map(str, sizes))})"
+        )
+    return list(tensor.split(sizes, 0))
 
 
 def expected_checkpoint_names(model: CausalLM) -> set[str]:
@@ -109,8 +154,12 @@ def expected_checkpoint_names(model: CausalLM) -> set[str]:
         if getattr(module, "packed_format", None)
         for field in ("qweight", "scales", "mins")
     }
-    for name, _ in model.named_parameters():  # tied weights appear once
+    for name, param in model.named_parameters():  # tied weights appear once
         if name in installed:
+            continue
+        expert_shards = getattr(param, "expert_shards", None)  # stacked experts: one name per expert and part
+        if expert_shards is not None:
+            names.update(f"{name}#{key}" for key in expert_shards)
             continue
         merged = next((m for m in parts_of if f".{m}." in name), None)
         names.update({f"{name}#{p}" for p in parts_of[merged]} if merged else {name})
@@ -169,17 +218,21 @@ def load_model(
             raise ModelLoadError(f"--calibration needs the model's tokenizer: {exc}") from None
         calibration_ids = calibration_tokens(calibration, tokenizer)
     cfg = ModelConfig.from_dir(model_dir)
+    run_dtype = cfg.resolve_dtype(dtype, device)
     model = build_model(
         cfg,
-        dtype=cfg.resolve_dtype(dtype, device),
+        dtype=run_dtype,
         device=device,
         ops=ops,
         tp=tp,
         linear_method=linear_method_for(quantization, quantization_group_size),
         stage=stage,
     )
+    tensors = None
+    if mxfp4.is_mxfp4(cfg.raw):  # MXFP4 blocks and scales dequantized to the run dtype as they are read
+        tensors = mxfp4.dequantized_tensors(iterate_tensors(safetensors_files(model_dir)), run_dtype)
     with torch.no_grad():
-        load_weights(model, model_dir)
+        load_weights(model, model_dir, tensors)
     if calibration_ids is not None:
         from llmctl.models.calibration import calibrate_quantization
 

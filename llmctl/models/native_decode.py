@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmctl.layers.attention import Attention
 from llmctl.layers.linear import LinearBase, RowParallelLinear, UnquantizedLinearMethod
 from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl.models.llama import LlamaDecoderLayer
@@ -134,6 +135,9 @@ def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCa
         (kv_cache.device.type != "cpu", "not a CPU"),
         (stage.start != 0 or not stage.is_last, "pipeline parallel"),
         (not layers or not all(isinstance(layer, LlamaDecoderLayer) for layer in layers), "no decoder layers"),
+        (family_reason is not None, family_reason),  # what the loop does not compute for this family
+        (_any_attention_has(layers, "sliding_window"), "sliding-window attention"),
+        (_any_attention_has(layers, "logit_softcap"), "attention-logit soft-capping"),
         (dtype not in LOOP_DTYPES, f"{dtype} activations"),
         (dtype == torch.bfloat16 and quantized_kv is not None, f"{dtype} activations with a quantized KV cache"),
         (
@@ -145,7 +149,6 @@ def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCa
             and (kv_cache.dtype != dtype or kv_cache.numel() == 0 or kv_cache.shape[1] != len(layers)),
             f"KV cache not of the {dtype} activations",
         ),
-        (family_reason is not None, family_reason),  # what the loop does not compute for this family
     ]
     for failed, reason in checks:
         if failed:
@@ -162,6 +165,16 @@ def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCa
             if reason is not None:
                 return reason
     return None
+
+
+def _any_attention_has(layers: list, feature: str) -> bool:
+    """Whether some layer's attention has ``feature`` (a sliding window, a logit soft cap), which the
+    loop's attention does not compute."""
+    for layer in layers:
+        attn = getattr(getattr(layer, "self_attn", None), "attn", None)
+        if isinstance(attn, Attention) and getattr(attn, feature) is not None:
+            return True
+    return False
 
 
 def _quantized_kv_why_not(quantized_kv: QuantizedKVCache | None) -> str:

@@ -40,6 +40,12 @@ class ModelFamily:
     multipliers: tuple[str, ...] = ()  # config.json scalars the forward pass applies
     gguf_architecture: str | None = None  # GGUF ``general.architecture``; None: not read from GGUF
     gguf_interleaved_qk: bool = False  # llama.cpp's converter interleaves Q/K rows per head
+    # GGUF key (after "<arch>.") -> config.json field, copied where the file has the key
+    gguf_metadata: tuple[tuple[str, str], ...] = ()
+    # GGUF tensor (after "blk.N.") -> Hugging Face module, where llama.cpp's table is ambiguous for us
+    gguf_tensors: tuple[tuple[str, str], ...] = ()
+    gguf_norm_offset: float = 0.0  # what llama.cpp's converter adds to every norm weight
+    gguf_config: str | None = None  # a function in ``module`` that completes the config from the file
     native_decode_why_not: str | None = None  # None: the native CPU decode loop can take it
     triton: bool = True  # the Triton kernels run it (they are per-op, so every family so far)
 
@@ -47,8 +53,14 @@ class ModelFamily:
         """The implementing class, imported on first use."""
         return getattr(importlib.import_module(self.module), self.class_name)
 
+    def gguf_config_hook(self) -> Any:
+        """``gguf_config``'s function, imported on first use (None when the family has none)."""
+        return getattr(importlib.import_module(self.module), self.gguf_config) if self.gguf_config else None
+
 
 _LLAMA_MODULE = "llmctl.models.llama"
+_GEMMA_MODULE = "llmctl.models.gemma"
+_MOE_MODULE = "llmctl.models.moe_families"
 
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily(
@@ -96,7 +108,143 @@ FAMILIES: tuple[ModelFamily, ...] = (
         "GraniteForCausalLM",
         "Granite 3",
         multipliers=("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"),
+        gguf_architecture="granite",
+        gguf_interleaved_qk=True,
+        gguf_metadata=(
+            ("attention.scale", "attention_multiplier"),
+            ("embedding_scale", "embedding_multiplier"),
+            ("residual_scale", "residual_multiplier"),
+            ("logit_scale", "logits_scaling"),
+        ),
+        gguf_config="granite_gguf_config",
         native_decode_why_not="GraniteForCausalLM's residual multiplier",
+    ),
+    ModelFamily(
+        "SmolLM3ForCausalLM",
+        "smollm3",
+        "llmctl.models.smollm3",
+        "SmolLM3ForCausalLM",
+        "SmolLM3",
+        gguf_architecture="smollm3",  # llama.cpp fixes the layers without rotary at every 4th
+        gguf_interleaved_qk=True,
+        native_decode_why_not="SmolLM3ForCausalLM's layers without rotary embedding",
+    ),
+    ModelFamily(
+        "Olmo2ForCausalLM",
+        "olmo2",
+        "llmctl.models.olmo2",
+        "Olmo2ForCausalLM",
+        "OLMo 2",
+        gguf_architecture="olmo2",
+        native_decode_why_not="Olmo2ForCausalLM's norms after attention and MLP",
+    ),
+    ModelFamily(
+        "Phi3ForCausalLM",
+        "phi3",
+        "llmctl.models.phi3",
+        "Phi3ForCausalLM",
+        "Phi-3/3.5/4",
+        sliding_window_by_default=True,
+        gguf_architecture="phi3",
+        gguf_metadata=(("rope.scaling.original_context_length", "original_max_position_embeddings"),),
+        gguf_tensors=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj")),
+        gguf_config="phi3_gguf_config",
+        native_decode_why_not="Phi3ForCausalLM's LongRoPE table chosen per sequence",
+    ),
+    ModelFamily(
+        "GemmaForCausalLM",
+        "gemma",
+        _GEMMA_MODULE,
+        "GemmaForCausalLM",
+        "Gemma",
+        norm="rmsnorm-1+w",
+        activation="gelu-tanh-glu",
+        gguf_architecture="gemma",
+        gguf_norm_offset=1.0,
+        native_decode_why_not="GemmaForCausalLM's (1 + w) RMSNorm and GeGLU",
+    ),
+    ModelFamily(
+        "Gemma2ForCausalLM",
+        "gemma2",
+        _GEMMA_MODULE,
+        "GemmaForCausalLM",
+        "Gemma 2",
+        norm="rmsnorm-1+w",
+        activation="gelu-tanh-glu",
+        multipliers=("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"),
+        gguf_architecture="gemma2",
+        gguf_metadata=(
+            ("attn_logit_softcapping", "attn_logit_softcapping"),
+            ("final_logit_softcapping", "final_logit_softcapping"),
+        ),
+        gguf_norm_offset=1.0,
+        gguf_config="gemma_gguf_config",
+        native_decode_why_not="Gemma2ForCausalLM's (1 + w) RMSNorms, GeGLU and soft-capping",
+    ),
+    ModelFamily(
+        "Gemma3ForCausalLM",
+        "gemma3_text",
+        _GEMMA_MODULE,
+        "GemmaForCausalLM",
+        "Gemma 3 (text)",
+        norm="rmsnorm-1+w",
+        activation="gelu-tanh-glu",
+        qk_norm=True,
+        multipliers=("query_pre_attn_scalar", "final_logit_softcapping"),
+        gguf_architecture="gemma3",
+        gguf_metadata=(
+            ("final_logit_softcapping", "final_logit_softcapping"),
+            ("rope.freq_base_swa", "rope_local_base_freq"),
+        ),
+        gguf_norm_offset=1.0,
+        gguf_config="gemma_gguf_config",
+        native_decode_why_not="Gemma3ForCausalLM's (1 + w) RMSNorms, GeGLU and two rotary bases",
+    ),
+    ModelFamily(
+        "MixtralForCausalLM",
+        "mixtral",
+        _MOE_MODULE,
+        "MixtralForCausalLM",
+        "Mixtral",
+        sliding_window_by_default=True,
+        native_decode_why_not="mixture of experts",
+    ),
+    ModelFamily(
+        "Qwen2MoeForCausalLM",
+        "qwen2_moe",
+        _MOE_MODULE,
+        "Qwen2MoeForCausalLM",
+        "Qwen2-MoE",
+        attention_bias=True,
+        native_decode_why_not="mixture of experts",
+    ),
+    ModelFamily(
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        _MOE_MODULE,
+        "Qwen3MoeForCausalLM",
+        "Qwen3-MoE",
+        qk_norm=True,
+        native_decode_why_not="mixture of experts",
+    ),
+    ModelFamily(
+        "OlmoeForCausalLM",
+        "olmoe",
+        _MOE_MODULE,
+        "OlmoeForCausalLM",
+        "OLMoE",
+        native_decode_why_not="mixture of experts",
+    ),
+    ModelFamily(
+        "GptOssForCausalLM",
+        "gpt_oss",
+        "llmctl.models.gpt_oss",
+        "GptOssForCausalLM",
+        "gpt-oss",
+        attention_bias=True,
+        sliding_window_by_default=True,
+        activation="clamped-swiglu",
+        native_decode_why_not="GptOssForCausalLM's attention sinks and mixture of experts",
     ),
 )
 
@@ -110,8 +258,18 @@ def architectures() -> list[str]:
     return [family.architecture for family in FAMILIES]
 
 
+# A family's bare decoder (``Qwen3Model`` for ``Qwen3ForCausalLM``): what sentence-transformers
+# saves for an embedding model, with no LM head and tensor names without the ``model.`` prefix.
+_BY_BASE_MODEL = {family.architecture.removesuffix("ForCausalLM") + "Model": family for family in FAMILIES}
+
+
 def family_for(architecture: str) -> ModelFamily | None:
-    return _BY_ARCHITECTURE.get(architecture)
+    return _BY_ARCHITECTURE.get(architecture) or _BY_BASE_MODEL.get(architecture)
+
+
+def is_base_model(architecture: str) -> bool:
+    """True for a family's bare decoder (no LM head), e.g. an embedding model's checkpoint."""
+    return architecture not in _BY_ARCHITECTURE and architecture in _BY_BASE_MODEL
 
 
 def family_for_model_type(model_type: str) -> ModelFamily | None:

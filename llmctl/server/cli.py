@@ -14,24 +14,27 @@ within seconds so that it is restarted, as vLLM does.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import socket
 import time
+import typing
 from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from llmctl import envs
-from llmctl.cli_options import SERVER, ModelArg, config_for_model, engine_options, exit_on_error, parse_template_kwargs
+from llmctl.cli_options import SERVER, ModelArg, engine_options, exit_on_error, parse_template_kwargs, usage_error
 from llmctl.config import EngineConfig
 
 if TYPE_CHECKING:
     import uvicorn
 
-    from llmctl.engine.async_engine import AsyncEngine
+    from llmctl.server.model_manager import ModelManager
     from llmctl.server.serving import ServerState
 
 EXIT_DRAIN_CUT_SHORT = 3
@@ -39,6 +42,9 @@ EXIT_ENGINE_DIED = 4
 CANCEL_GRACE_S = 5.0  # for cancelled streams to send their error event and close
 POLL_S = 0.05
 err = Console(stderr=True, soft_wrap=True)
+EMBEDDINGS = "Embeddings and rerank"
+MODELS = "Many models"
+MODEL_HELP = typing.get_args(ModelArg)[1].help
 
 
 def _url(host: str, port: int) -> str:
@@ -65,7 +71,7 @@ def _make_server(
     config: uvicorn.Config,
     *,
     state: ServerState,
-    async_engine: AsyncEngine,
+    manager: ModelManager,
     drain_timeout: float,
     on_ready: Callable[[int], None],
 ) -> uvicorn.Server:
@@ -89,12 +95,13 @@ def _make_server(
                 on_ready(self.servers[0].sockets[0].getsockname()[1])
 
         async def on_tick(self, counter: int) -> bool:
-            if async_engine.error is not None and not self.engine_died:
+            error = manager.dead_error()
+            if error is not None and not self.engine_died:
                 self.engine_died = True
                 state.draining = True
                 self.should_exit = True
                 err.print(
-                    f"[bold red]llmctl serve: the engine loop failed ({async_engine.error!r}); "
+                    f"[bold red]llmctl serve: the engine loop failed ({error!r}); "
                     f"exiting with status {EXIT_ENGINE_DIED} so that a supervisor restarts it[/]"
                 )
             return await super().on_tick(counter)
@@ -107,22 +114,22 @@ def _make_server(
 
         async def _drain(self) -> None:
             deadline = time.monotonic() + (0.0 if self.engine_died else drain_timeout)
-            while state.live and not self.force_exit and time.monotonic() < deadline:
+            while manager.live and not self.force_exit and time.monotonic() < deadline:
                 await asyncio.sleep(POLL_S)
-            if not state.live:
+            if not manager.live:
                 return
             why = (
                 "the engine loop failed"
                 if self.engine_died
                 else ("a second interrupt" if self.force_exit else f"--drain-timeout {drain_timeout:g}s")
             )
-            self.cancelled = state.cancel_all(f"the server shut down before this request finished ({why})")
+            self.cancelled = manager.cancel_all(f"the server shut down before this request finished ({why})")
             err.print(
                 f"llmctl serve: drain cut short by {why}: cancelled {self.cancelled} "
                 f"request{'s' if self.cancelled != 1 else ''} still running"
             )
             grace = time.monotonic() + CANCEL_GRACE_S
-            while state.live and time.monotonic() < grace:
+            while manager.live and time.monotonic() < grace:
                 await asyncio.sleep(POLL_S)
 
     return DrainingServer(config)
@@ -130,7 +137,46 @@ def _make_server(
 
 @engine_options(helps={"seed": "Seed of the requests that bring none."})
 def serve(
-    model: ModelArg,
+    model: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="MODEL",
+            help=f"{MODEL_HELP} NAME=MODEL serves it as NAME. Several MODELs (or --config): each is loaded on "
+            "its first request and unloaded after --keep-alive idle.",
+            show_default=False,
+        ),
+    ] = None,
+    more_models: Annotated[
+        list[str] | None,
+        typer.Argument(metavar="MODEL...", help="More models, served by name.", show_default=False),
+    ] = None,
+    config_file: Annotated[
+        str | None,
+        typer.Option(
+            "--config",
+            help="A YAML, JSON or TOML file of models to serve (name, model, per-model engine options such as "
+            "dtype, kv_cache_memory, max_model_len, quantization, keep_alive) and the default keep_alive.",
+            rich_help_panel=MODELS,
+        ),
+    ] = None,
+    keep_alive: Annotated[
+        str | None,
+        typer.Option(
+            "--keep-alive",
+            help="How long a model stays loaded after its last request: 5m, 30s, 0 (unload after each "
+            "answer), -1 (never). Default: 5m with several models; one model stays loaded.",
+            rich_help_panel=MODELS,
+        ),
+    ] = None,
+    memory_budget: Annotated[
+        str | None,
+        typer.Option(
+            "--memory-budget",
+            help="Most bytes (weights + KV pools) the loaded models may hold, e.g. 8GiB; a model that does not "
+            "fit evicts the least recently used idle ones.",
+            rich_help_panel=MODELS,
+        ),
+    ] = None,
     host: Annotated[
         str, typer.Option("--host", help="Address to bind (127.0.0.1: this machine only).", rich_help_panel=SERVER)
     ] = "127.0.0.1",
@@ -192,56 +238,177 @@ def serve(
             rich_help_panel=SERVER,
         ),
     ] = False,
+    reasoning_parser: Annotated[
+        str | None,
+        typer.Option(
+            "--reasoning-parser",
+            help="Split a thinking model's <think> block into reasoning_content: deepseek_r1 (output is "
+            "reasoning until </think>), qwen3 (reasoning only from a <think>), or auto (picked from the "
+            "chat template and vocabulary; none for a model that does not think).",
+            rich_help_panel=SERVER,
+        ),
+    ] = None,
+    pooling: Annotated[
+        str | None,
+        typer.Option(
+            "--pooling",
+            help="/v1/embeddings pooling: last, mean or cls (default: the model's sentence-transformers "
+            "modules.json, else last).",
+            rich_help_panel=EMBEDDINGS,
+        ),
+    ] = None,
+    normalize: Annotated[
+        bool | None,
+        typer.Option(
+            "--normalize/--no-normalize",
+            help="L2-normalize embeddings (default: the model's sentence-transformers modules, else on).",
+            rich_help_panel=EMBEDDINGS,
+        ),
+    ] = None,
+    matryoshka: Annotated[
+        bool | None,
+        typer.Option(
+            "--matryoshka/--no-matryoshka",
+            help="Accept `dimensions` (the model was trained Matryoshka-style; default: config.json's "
+            "is_matryoshka / matryoshka_dimensions).",
+            rich_help_panel=EMBEDDINGS,
+        ),
+    ] = None,
+    rerank_template: Annotated[
+        str | None,
+        typer.Option(
+            "--rerank-template",
+            help="Score /v1/rerank and /score with the yes/no logits of this prompt ({query}, {document}, "
+            "{instruction}; a file, or qwen3 for Qwen3-Reranker's); none: cosine similarity of embeddings "
+            "(default: qwen3 for a model named Qwen3-Reranker, else none).",
+            rich_help_panel=EMBEDDINGS,
+        ),
+    ] = None,
+    rerank_tokens: Annotated[
+        str,
+        typer.Option("--rerank-tokens", help="The yes and no tokens of --rerank-template.", rich_help_panel=EMBEDDINGS),
+    ] = "yes,no",
     *,
     engine_config: EngineConfig,
 ) -> None:
-    """Serve MODEL over an OpenAI-compatible HTTP API. Completions, chat, streaming, /metrics."""
+    """Serve MODEL over an OpenAI-compatible HTTP API. Completions, chat, streaming, embeddings, /metrics.
+
+    With several MODELs (or --config) each is loaded on its first request, kept for --keep-alive,
+    and unloaded; the request's `model` picks it. `llmctl ps` and `llmctl stop` manage them."""
     import uvicorn
 
-    from llmctl.engine.async_engine import AsyncEngine
-    from llmctl.engine.llm_engine import LLMEngine
+    from llmctl.config import parse_size
+    from llmctl.pooling_params import POOLING_TYPES
+    from llmctl.reasoning import CHOICES
     from llmctl.server.app import build_app
+    from llmctl.server.model_manager import (
+        DEFAULT_KEEP_ALIVE_S,
+        FOREVER,
+        ModelManager,
+        ServerOptions,
+        describe_keep_alive,
+        load_model,
+        parse_keep_alive,
+        read_config_file,
+        spec_from_argument,
+    )
+    from llmctl.server.protocol import APIError
     from llmctl.server.serving import ChatTemplatePolicy, ServerState
 
+    if reasoning_parser is not None and reasoning_parser not in CHOICES:
+        err.print(f"[bold red]error:[/] --reasoning-parser {reasoning_parser}: choose from {', '.join(CHOICES)}")
+        raise typer.Exit(1)
+    if pooling is not None and pooling not in POOLING_TYPES:
+        err.print(f"[bold red]error:[/] --pooling {pooling}: choose from {', '.join(POOLING_TYPES)}")
+        raise typer.Exit(1)
+    specs = [spec_from_argument(m) for m in [model, *(more_models or [])] if m]
+    settings: dict = {}
+    with exit_on_error(err):
+        if config_file is not None:
+            from_file, settings = read_config_file(config_file)
+            specs += from_file
+    if not specs:
+        usage_error("give a MODEL to serve (or several, or --config FILE)")
+    if len({s.name for s in specs}) != len(specs):
+        usage_error(f"two models share a name: {', '.join(s.name for s in specs)} (NAME=MODEL names one)")
+    single = len(specs) == 1 and config_file is None
+    if served_model_name is not None:
+        if not single:
+            usage_error("--served-model-name names the one model served; with several, use NAME=MODEL or --config")
+        specs = [dataclasses.replace(specs[0], name=served_model_name)]
+    if not single and engine_config.world_size > 1:
+        usage_error("--tensor-parallel-size / --pipeline-parallel-size serve one model; several cannot be split")
+    try:
+        given_keep_alive = keep_alive if keep_alive is not None else settings.get("keep_alive")
+        default_keep_alive = (
+            parse_keep_alive(given_keep_alive, "--keep-alive")
+            if given_keep_alive is not None
+            else (FOREVER if single else DEFAULT_KEEP_ALIVE_S)
+        )
+    except APIError as exc:
+        usage_error(exc.message)
+    with exit_on_error(err):
+        budget_text = memory_budget if memory_budget is not None else settings.get("memory_budget")
+        budget = parse_size(budget_text) if budget_text is not None else None
     _check_port_free(host, port)  # before loading the model, not after
     with exit_on_error(err):
         chat_templates = ChatTemplatePolicy(
             trust_request_chat_template,
             parse_template_kwargs(default_chat_template_kwargs, "--default-chat-template-kwargs"),
         )
-        config = config_for_model(engine_config, model)
-        loading = time.perf_counter()
-        engine = LLMEngine(config)
-    if engine.tokenizer is None:
-        err.print("[bold red]error:[/] the server needs the model's tokenizer (tokenizer.json)")
-        raise typer.Exit(1)
-    err.print(
-        f"[dim]model: {engine.model_label} · {engine.dtype_description} · {engine.kv_description} · "
-        f"{engine.device} · "
-        f"{engine.runner.decode_path} · "
-        f"{engine.weights_description} · "
-        f"{engine.block_manager.num_blocks} KV blocks of {config.block_size} · max_model_len "
-        f"{engine.max_model_len} · load {time.perf_counter() - loading:.2f}s[/]",
-        soft_wrap=True,
+    options = ServerOptions(
+        engine_config,
+        max_queue,
+        chat_templates,
+        reasoning_parser,
+        pooling=dict(
+            pooling=pooling,
+            normalize=normalize,
+            matryoshka=matryoshka,
+            rerank_template=rerank_template,
+            rerank_tokens=rerank_tokens,
+        ),
     )
-
-    name = served_model_name or model
     state = ServerState()
-    async_engine = AsyncEngine(engine, max_waiting=max_queue).start()
-    app = build_app(
-        async_engine,
-        served_model_name=name,
-        model_aliases={model, config.model},
-        api_key=api_key,
-        max_queue=max_queue,
-        state=state,
-        chat_templates=chat_templates,
+
+    def on_event(message: str) -> None:
+        err.print(f"[dim]llmctl serve: {escape(message)}[/]", soft_wrap=True)
+
+    manager = ModelManager(
+        specs,
+        lambda spec: load_model(spec, options, state),
+        server_state=state,
+        default_keep_alive_s=default_keep_alive,
+        memory_budget=budget,
+        pinned=single and given_keep_alive is None,
+        base_config=engine_config,
+        on_event=on_event,
     )
+    label = ""
+    if single:  # loaded now, as it always was: a bad model is exit status 1 before the port opens
+        try:
+            with exit_on_error(err):
+                served = load_model(
+                    specs[0], options, state, allow_pull=None, on_settings=lambda line: err.print(f"[dim]{line}[/]")
+                )
+        except (ValueError, OSError) as exc:
+            err.print(f"[bold red]error:[/] {escape(str(exc))}")
+            raise typer.Exit(1) from None
+        err.print(f"[dim]{served.description}[/]", soft_wrap=True)
+        manager.adopt(specs[0].name, served)
+        label = f"{served.async_engine.engine.model_label} as {specs[0].name!r}"
+    else:
+        label = f"{len(specs)} models ({', '.join(s.name for s in specs)}), each loaded on its first request,"
+        extra = f"keep-alive {describe_keep_alive(default_keep_alive)}" + (
+            f", memory budget {budget / 2**20:.0f} MiB" if budget is not None else ""
+        )
+        err.print(f"[dim]llmctl serve: {extra}[/]")
+    app = build_app(manager, api_key=api_key, max_queue=max_queue)
 
     def on_ready(bound_port: int) -> None:
         # plain print, one line: scripts (and the tests) read the URL from it
         print(
-            f"llmctl serve: {engine.model_label} as {name!r} at {_url(host, bound_port)}/v1 "
+            f"llmctl serve: {label} at {_url(host, bound_port)}/v1 "
             f"(auth: {'API key' if api_key else 'none'}; SIGTERM drains)",
             flush=True,
         )
@@ -257,7 +424,7 @@ def serve(
             lifespan="off",
         ),
         state=state,
-        async_engine=async_engine,
+        manager=manager,
         drain_timeout=drain_timeout,
         on_ready=on_ready,
     )
@@ -269,7 +436,7 @@ def serve(
     finally:
         for sig, handler in quiet.items():
             signal.signal(sig, handler)
-        async_engine.shutdown()
+        manager.shutdown()
     if not server.started:
         raise typer.Exit(1)  # uvicorn logged why (address in use, ...)
     if server.engine_died:

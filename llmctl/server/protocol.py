@@ -7,7 +7,8 @@ cannot honour are refused with a 400 rather than silently dropped. vLLM's extra 
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``skip_special_tokens``) and structured-output fields
 (``guided_json``/``_regex``/``_choice``/``_grammar``, ``structured_outputs``) are accepted too, and
-so are vLLM's ``prompt_logprobs`` (answered in vLLM's format and place) and ``priority``.
+so are vLLM's ``prompt_logprobs`` (answered in vLLM's format and place) and ``priority``. With a
+reasoning parser, chat answers carry vLLM's ``reasoning_content`` (``llmctl/reasoning.py``).
 
 Requests are validated strictly, as OpenAI's API does: a wrong type is a 400, never coerced
 (``"stream": "yes"``, ``"max_tokens": "5"``, ``"temperature": true``), NaN and infinities are
@@ -300,6 +301,8 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool result answers this call
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (templates may show it)
+    reasoning: str | None = None  # the same, under vLLM's newer name
 
     def for_template(self) -> dict[str, Any]:
         """The message as the chat template sees it: text content only."""
@@ -318,6 +321,9 @@ class ChatMessage(BaseModel):
             message["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         return message
 
 
@@ -361,6 +367,14 @@ class ChatTemplateFields(BaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's reasoning effort: the template's ``reasoning_effort`` variable (gpt-oss's templates
+    # read it; others ignore it); a chat_template_kwargs entry of that name wins
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The request's own template variables: ``reasoning_effort``, then ``chat_template_kwargs``."""
+        effort = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
+        return {**effort, **(self.chat_template_kwargs or {})}
 
     @property
     def tool_list(self) -> list[dict[str, Any]]:
@@ -394,6 +408,7 @@ class ChatCompletionRequest(ChatTemplateFields, _Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    include_reasoning: bool = True  # vLLM's: False leaves reasoning_content out (the split still holds)
 
     API_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
 
@@ -438,11 +453,16 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(_Response):
+    reasoning_tokens: int = 0
+
+
 class Usage(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a reasoning parser
 
 
 class CompletionLogprobs(_Response):
@@ -509,6 +529,7 @@ class ChatLogprobs(_Response):
 class AssistantMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # the think block, with a reasoning parser (vLLM's field)
     tool_calls: list[dict[str, Any]] | None = None
 
 
@@ -533,6 +554,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")

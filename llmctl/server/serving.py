@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from llmctl.engine.async_engine import AsyncEngine, EngineDeadError
 from llmctl.engine.outputs import CompletionOutput, RequestOutput
 from llmctl.errors import EngineBusyError, InvalidRequestError
+from llmctl.reasoning import ReasoningParser, ReasoningSplit, reasoning_gate, thinking_disabled
 from llmctl.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from llmctl.server.logprobs import LogprobsFormatter, TokenTexts
 from llmctl.server.protocol import (
@@ -50,6 +51,7 @@ from llmctl.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamChoice,
+    CompletionTokensDetails,
     DeltaMessage,
     PromptLogprobs,
     PromptTokensDetails,
@@ -245,11 +247,14 @@ async def _errors_as_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 class EngineStreamResponse(StreamingResponse):
     """Server-sent events whose engine requests are aborted when the response ends for any reason:
-    finished, client gone (Starlette cancels the body), or never started."""
+    finished, client gone (Starlette cancels the body), or never started. ``media_type``: another
+    streamed format (Ollama's NDJSON) with the same life."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self, content: AsyncIterator[str], on_close: Callable[[], None], media_type: str = "text/event-stream"
+    ) -> None:
         super().__init__(
-            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            content, media_type=media_type, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         self.on_close = on_close
 
@@ -268,6 +273,9 @@ class _ChoiceStream:
     started: bool = False
     finished: bool = False
     sent_tool_calls: bool = False
+    split: ReasoningSplit | None = None  # with a reasoning parser: the think block's tokens
+    reasoning_sent: int = 0  # characters of reasoning and of answer already sent
+    answer_sent: int = 0
 
 
 @dataclass
@@ -310,6 +318,7 @@ class OpenAIServing:
         model_aliases: set[str],
         state: ServerState,
         chat_templates: ChatTemplatePolicy | None = None,
+        reasoning_parser: ReasoningParser | None = None,
     ) -> None:
         engine = async_engine.engine
         if engine.tokenizer is None:
@@ -323,6 +332,7 @@ class OpenAIServing:
         self.model_aliases = {served_model_name, *model_aliases}
         self.state = state
         self.chat_templates = chat_templates or ChatTemplatePolicy()
+        self.reasoning_parser = reasoning_parser
 
     # ---- checks --------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -553,11 +563,7 @@ class OpenAIServing:
                 "a request's chat_template runs only on a server started with --trust-request-chat-template",
                 "chat_template",
             )
-        variables = {
-            **self.chat_templates.default_kwargs,
-            **(fields.chat_template_kwargs or {}),
-            **template_variables(fields.tool_list),
-        }
+        variables = {**self.template_variables(fields), **template_variables(fields.tool_list)}
         return self.tokenizer.apply_chat_template(
             messages_for_template([m.for_template() for m in messages]),
             add_generation_prompt=fields.add_generation_prompt,
@@ -565,6 +571,17 @@ class OpenAIServing:
             chat_template=fields.chat_template,
             **variables,
         )
+
+    def template_variables(self, fields: ChatTemplateFields) -> dict[str, Any]:
+        """The template's own variables for a request: the server's defaults, then the request's."""
+        return {**self.chat_templates.default_kwargs, **fields.template_kwargs()}
+
+    def reasoning_for(self, fields: ChatTemplateFields) -> ReasoningParser | None:
+        """The parser that splits this request's answers; None without one, or when the request
+        turned thinking off (the template wrote an empty think block, or none)."""
+        if self.reasoning_parser is None or thinking_disabled(self.template_variables(fields)):
+            return None
+        return self.reasoning_parser
 
     async def create_chat_completion(self, req: ChatCompletionRequest, request: Request) -> Any:
         self.check_model(req.model)
@@ -581,6 +598,9 @@ class OpenAIServing:
             self.max_model_len,
         )
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        reasoning = self.reasoning_for(req)
+        if reasoning is not None and spec is not None:  # the grammar constrains the answer, not the reasoning
+            spec = dataclasses.replace(spec, reasoning_gate=reasoning_gate(reasoning, prompt))
         params = dataclasses.replace(
             params, max_tokens=self._max_tokens(len(prompt), requested, param), structured_outputs=spec
         )
@@ -593,8 +613,20 @@ class OpenAIServing:
         def respond(generation: Generation) -> dict[str, Any]:
             out = generation.final[0]
             choices = []
+            reasoning_tokens = 0
             for c in out.outputs:
-                message, finish_reason = _assistant_message(c.text, reply_parser(tools, tool_choice), c.finish_reason)
+                text, thought, split = c.text, None, None
+                if reasoning is not None:
+                    split = reasoning.splitter(out.prompt_token_ids)
+                    split.feed(c.token_ids)
+                    texts = self.logprobs.texts(out.prompt_token_ids, skip)
+                    texts.advance(c)
+                    thought, text = split.parts(c.text, texts.ends)
+                    reasoning_tokens += split.reasoning_tokens
+                message, finish_reason = _assistant_message(text, reply_parser(tools, tool_choice), c.finish_reason)
+                if split is not None and split.has_reasoning:
+                    message.reasoning_content = thought if req.include_reasoning else None
+                    message.content = message.content or None  # nothing after the think block: null, as in vLLM
                 choices.append(
                     ChatChoice(
                         index=c.index,
@@ -613,7 +645,7 @@ class OpenAIServing:
                 created=created,
                 model=model,
                 choices=choices,
-                usage=generation.usage(),
+                usage=_with_reasoning_tokens(generation.usage(), reasoning, reasoning_tokens),
                 prompt_logprobs=self._prompt_logprobs(out, req.prompt_logprobs),
             ).model_dump()
 
@@ -631,9 +663,12 @@ class OpenAIServing:
             parsers: dict[int, ReplyParser | None] = {}
             async for _, out in generation.outputs():
                 for c in out.outputs:
-                    state = choices.get(c.index) or choices.setdefault(
-                        c.index, _ChoiceStream(self.logprobs.texts(out.prompt_token_ids, params.skip_special_tokens))
-                    )
+                    state = choices.get(c.index)
+                    if state is None:
+                        state = choices[c.index] = _ChoiceStream(
+                            self.logprobs.texts(out.prompt_token_ids, params.skip_special_tokens),
+                            split=None if reasoning is None else reasoning.splitter(out.prompt_token_ids),
+                        )
                     newly_finished = c.finished and not state.finished
                     if not c.delta_text and not c.delta_token_ids and not newly_finished:
                         continue
@@ -642,7 +677,10 @@ class OpenAIServing:
                         logprobs = self.logprobs.chat(c, state.texts, len(c.token_ids), skip)
                     state.finished = c.finished
                     parser = parsers.setdefault(c.index, reply_parser(tools, tool_choice))
-                    delta, finish_reason = _stream_delta(parser, c.delta_text, c.finish_reason, state)
+                    thought, text = _split_delta(state, c)
+                    delta, finish_reason = _stream_delta(parser, text, c.finish_reason, state)
+                    if thought and req.include_reasoning:
+                        delta.reasoning_content = thought
                     yield chunk(
                         ChatStreamChoice(
                             index=c.index,
@@ -653,10 +691,10 @@ class OpenAIServing:
                         )
                     )
             if req.include_usage:
+                reasoning_tokens = sum(s.split.reasoning_tokens for s in choices.values() if s.split is not None)
+                usage = _with_reasoning_tokens(generation.usage(), reasoning, reasoning_tokens)
                 yield sse(
-                    ChatCompletionChunk(
-                        id=request_id, created=created, model=model, choices=[], usage=generation.usage()
-                    ).to_json()
+                    ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage).to_json()
                 )
             yield SSE_DONE
 
@@ -701,6 +739,27 @@ def _completion_usage(generation: Generation, req: CompletionRequest) -> Usage:
 # ---- structured outputs and tool calls -------------------------------------------------------------
 def _constrained(params: SamplingParams, spec: StructuredOutputSpec | None) -> SamplingParams:
     return params if spec is None else dataclasses.replace(params, structured_outputs=spec)
+
+
+def _with_reasoning_tokens(usage: Usage, reasoning: ReasoningParser | None, tokens: int) -> Usage:
+    """``completion_tokens_details.reasoning_tokens``, for a request a reasoning parser split."""
+    if reasoning is not None:
+        usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=tokens)
+    return usage
+
+
+def _split_delta(state: _ChoiceStream, c: CompletionOutput) -> tuple[str, str]:
+    """This chunk's ``(reasoning, answer)`` text: the choice's text so far split at its think
+    block's token offsets, minus what was already sent. Without a parser: ``("", delta_text)``."""
+    split = state.split
+    if split is None:
+        return "", c.delta_text
+    split.feed(c.token_ids)
+    state.texts.advance(c)
+    thought, answer = split.parts(c.text, state.texts.ends)
+    new_thought, new_answer = thought[state.reasoning_sent :], answer[state.answer_sent :]
+    state.reasoning_sent, state.answer_sent = len(thought), len(answer)
+    return new_thought, new_answer
 
 
 def _tool_finish(finish_reason: str | None, made_calls: bool) -> str | None:

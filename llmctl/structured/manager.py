@@ -11,11 +11,13 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
 from llmctl.structured.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
 from llmctl.structured.bitmask import allocate_bitmask, apply_bitmask_
+from llmctl.structured.gate import GatedGrammar, ReasoningGate, allow_token_
 from llmctl.structured.spec import StructuredOutputSpec
 from llmctl.tokenizer import Tokenizer
 
@@ -50,12 +52,18 @@ class StructuredOutputManager:
             if future is not None:
                 self._cache.move_to_end(spec)
                 return future
-            future = self._pool.submit(self.backend.compile, spec)
+            future = self._pool.submit(self._compile, spec)
             self._cache[spec] = future
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         future.add_done_callback(lambda done: self._forget_failed(spec, done))
         return future
+
+    def _compile(self, spec: StructuredOutputSpec) -> CompiledGrammar:
+        if spec.reasoning_gate is None:
+            return self.backend.compile(spec)
+        start_id, end_id, state = spec.reasoning_gate
+        return GatedGrammar(self.backend.compile(replace(spec, reasoning_gate=None)), start_id, end_id, state)
 
     def _forget_failed(self, spec: StructuredOutputSpec, future: Future[CompiledGrammar]) -> None:
         if not future.cancelled() and future.exception() is None:
@@ -76,12 +84,24 @@ class StructuredOutputManager:
 
     def bitmask_for(self, matchers: list[GrammarMatcher | None]) -> tuple[torch.Tensor, list[int]] | None:
         """The next-token bitmask of a step's constrained rows: ``(bitmask, rows)`` where
-        ``bitmask[i]`` belongs to row ``rows[i]`` of the batch; None when no row is constrained."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
+        ``bitmask[i]`` belongs to row ``rows[i]`` of the batch; None when no row is constrained (a
+        row still inside its think block is not)."""
+        sources: list[GrammarMatcher | None] = []
+        also_allowed: dict[int, int] = {}
+        for row, matcher in enumerate(matchers):
+            if isinstance(matcher, ReasoningGate):
+                matcher, extra = matcher.mask_source()
+                if extra is not None:
+                    also_allowed[row] = extra
+            sources.append(matcher)
+        rows = [i for i, m in enumerate(sources) if m is not None]
         if not rows:
             return None
         bitmask = allocate_bitmask(len(rows), self.vocab_size)
-        self.backend.fill_bitmasks([(matchers[row], i) for i, row in enumerate(rows)], bitmask)
+        self.backend.fill_bitmasks([(sources[row], i) for i, row in enumerate(rows)], bitmask)
+        for i, row in enumerate(rows):
+            if row in also_allowed:
+                allow_token_(bitmask, i, also_allowed[row])
         return bitmask, rows
 
     def mask_logits_(self, logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:

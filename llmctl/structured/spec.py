@@ -25,6 +25,9 @@ class StructuredOutputSpec:
 
     kind: SpecKind
     text: str
+    # (``<think>`` id, ``</think>`` id, the output's first state): the grammar starts after the
+    # model's think block (``structured/gate.py``); None: from the first token
+    reasoning_gate: tuple[int, int, str] | None = None
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool | str) -> StructuredOutputSpec:
@@ -65,4 +68,5 @@ class StructuredOutputSpec:
 
     def __str__(self) -> str:
         text = self.text if len(self.text) <= 60 else self.text[:57] + "..."
-        return f"{self.kind}({text})" if text else self.kind
+        described = f"{self.kind}({text})" if text else self.kind
+        return described if self.reasoning_gate is None else f"{described} after reasoning"

@@ -22,14 +22,15 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def test_an_unknown_architecture_is_refused_with_the_registry_list():
     with pytest.raises(UnsupportedModelError) as refused:
-        ModelConfig.from_dict({"architectures": ["Gemma2ForCausalLM"]})
+        ModelConfig.from_dict({"architectures": ["MambaForCausalLM"]})
     assert str(refused.value).endswith("llmctl runs " + ", ".join(registry.architectures()))
     assert "GraniteForCausalLM" in str(refused.value)
 
 
 def test_an_unknown_gguf_architecture_is_refused_with_the_registry_list():
-    with pytest.raises(UnsupportedModelError, match="reads GGUF architectures llama, mistral, qwen2, qwen3$"):
-        gguf_config_dict({"general.architecture": "gemma2"}, set(), Path("x.gguf"))
+    archs = "llama, mistral, qwen2, qwen3, granite, smollm3, olmo2, phi3, gemma, gemma2, gemma3"
+    with pytest.raises(UnsupportedModelError, match=f"reads GGUF architectures {archs}$"):
+        gguf_config_dict({"general.architecture": "mamba"}, set(), Path("x.gguf"))
 
 
 @pytest.mark.parametrize("family", registry.FAMILIES, ids=lambda f: f.model_type)
@@ -54,10 +55,10 @@ def test_build_model_makes_the_registry_class(family):
     ("architecture", "gguf_file", "runs"),
     [
         ("GraniteForCausalLM", None, True),
-        ("Gemma2ForCausalLM", None, False),
+        ("MambaForCausalLM", None, False),
         ("qwen3", None, True),  # a config.json with only a model_type
         ("qwen3", "m-Q4_K_M.gguf", True),
-        ("gemma2", "m-Q4_K_M.gguf", False),
+        ("mamba", "m-Q4_K_M.gguf", False),
         (None, None, None),
     ],
 )

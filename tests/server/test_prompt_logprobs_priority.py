@@ -161,7 +161,9 @@ def test_bad_values_are_400s_naming_the_field(http, extra, param):
     wait_until(lambda: scrape(http)["llmctl:kv_cache_usage_perc"]["llmctl:kv_cache_usage_perc"] == 0)
 
 
-BLOCKERS = 8  # long requests that keep the one seat busy for a while (~0.25 s each on a fast CPU)
+# long requests that keep the one seat busy for a while (~0.25 s each on a fast CPU): all of them queued
+# before the two under test arrive, so a busy machine's slow polling still finds both waiting
+BLOCKERS = 32
 
 
 def test_lower_priority_value_starts_first(start_server, stories_dir):
@@ -195,7 +197,7 @@ def test_lower_priority_value_starts_first(start_server, stories_dir):
         threads = [threading.Thread(target=run, args=(f"blocker{i}", 480, 0)) for i in range(BLOCKERS)]
         for thread in threads:
             thread.start()
-        wait_until(lambda: len(waiting_priorities()) >= BLOCKERS // 2)
+        wait_until(lambda: len(waiting_priorities()) >= BLOCKERS - 1)
         for name, priority in (("late", 5), ("early", -5)):  # arrival order: 5 first
             threads.append(threading.Thread(target=run, args=(name, 4, priority)))
             threads[-1].start()

@@ -141,6 +141,14 @@ def _start_cancellable_load(server) -> tuple[list[threading.Thread], dict[str, o
     return threads, results, streaming
 
 
+def _wait_for_load(server, streaming: _EveryStream) -> None:
+    """Both streams generating and all three requests inside the engine: on a busy machine the
+    plain request can still be on its way when the streams are, and one that arrives after the
+    signal is refused (503) rather than cancelled."""
+    assert streaming.wait(timeout=120)
+    wait_until(lambda: len(httpx.get(f"{server.url}/v1/engine/stats").json()["requests"]) == 3, timeout=60)
+
+
 def _check_cancelled(results: dict[str, object], log: str) -> None:
     for name in ("stream0", "stream1"):
         events = results[name]
@@ -156,7 +164,7 @@ def _check_cancelled(results: dict[str, object], log: str) -> None:
 def test_drain_timeout_cancels_with_error_events_and_exits_3(start_server):
     server = start_server("tiny-random-llama", "--kv-cache-memory", "64MiB", "--drain-timeout", "1")
     threads, results, streaming = _start_cancellable_load(server)
-    assert streaming.wait(timeout=120)
+    _wait_for_load(server, streaming)
     server.proc.send_signal(signal.SIGTERM)
     exit_code = server.proc.wait(timeout=60)
     for thread in threads:
@@ -169,7 +177,7 @@ def test_drain_timeout_cancels_with_error_events_and_exits_3(start_server):
 def test_second_ctrl_c_cancels_at_once(start_server):
     server = start_server("tiny-random-llama", "--kv-cache-memory", "64MiB")  # default drain timeout: 30 s
     threads, results, streaming = _start_cancellable_load(server)
-    assert streaming.wait(timeout=120)
+    _wait_for_load(server, streaming)
     server.proc.send_signal(signal.SIGINT)
     time.sleep(0.5)
     server.proc.send_signal(signal.SIGINT)

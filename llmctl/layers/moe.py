@@ -1,0 +1,387 @@
+"""Mixture-of-experts feed-forward: a router picks ``top_k`` of ``num_experts`` gated MLPs for each
+token, and each active expert runs once over the tokens routed to it.
+
+- ``RouterSpec`` / ``Router``: router logits (a replicated linear layer, the checkpoint's
+  ``mlp.gate``, with a bias where the family has one), scores, top-k, optional renormalization of
+  the chosen weights. Softmax scoring then top-k is what Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE
+  use; gpt-oss takes the top-k of the raw logits and a softmax over those k (``topk_softmax``).
+  The spec carries the fields sigmoid scoring and grouped top-k (DeepSeek) would need, refused
+  until a family brings them.
+- ``StackedExperts``: every expert's weights in one tensor per projection, ``w13: [E, 2 * I, H]``
+  (gate rows, then up rows) and ``w2: [E, H, I]``, so a kernel gets one tensor. Its forward sorts
+  the batch's (token, slot) pairs by expert id, gathers their rows once, runs each active expert's
+  gate-up and down matmuls over its contiguous run of rows (no per-token loop; an expert no token
+  chose is never read), scales each row by its routing weight, puts the rows back in (token, slot)
+  order and sums each token's ``top_k`` rows: the arithmetic of transformers' default
+  ``grouped_mm`` experts path, in the same order, so fp32 results agree to the matmul's rounding.
+  Optional per-expert biases (gpt-oss: ``w13_bias [E, 2 * I]``, ``w2_bias [E, H]``) are added
+  after each matmul, as that path adds them, and the activation is the caller's (SiLU-and-mul, or
+  gpt-oss's ``clamped_swiglu``). Checkpoints in transformers' gpt-oss layout (``gate_up_proj``
+  ``[E, H, 2 * I]`` with gate and up in interleaved columns, ``down_proj`` ``[E, I, H]``) load
+  into the same stacked weights (``concatenated=False, transposed=True``, transformers' own names
+  for the layout).
+- ``SparseMoeBlock``: router + experts + optional shared expert (Qwen2-MoE: a dense MLP whose
+  output is scaled by ``sigmoid(shared_expert_gate(x))`` and added).
+
+fp32 on a CPU with the native panel GEMM (llmctl/platform.py): each expert's matrices are packed
+into panels after loading (``[E, panels, K, 16]``, still one tensor per projection), and a row's
+product is then bitwise independent of how many rows share its expert, so a token's output does
+not depend on the batch (tests/layers/test_moe.py). Elsewhere the matmul is ``F.linear`` on the
+expert's slice, equal to the batched result within float rounding.
+
+Tensor parallelism shards each expert's intermediate dimension as ``MergedColumnParallelLinear``
+and ``RowParallelLinear`` do (rank r holds gate and up rows ``[r * I / tp, (r + 1) * I / tp)`` and
+the same columns of down); the block all-reduces the routed sum once, before the shared expert
+(which reduces itself) is added. The router is replicated.
+
+Each forward records its per-expert token counts (the bincount the grouping needs anyway) in a
+short window, which ``expert_stats`` reads for the engine's statistics.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmctl.distributed import TensorParallel
+from llmctl.layers.linear import LinearBase, copy_checked, linear
+from llmctl.platform import native_gemm
+
+# "softmax": softmax over every expert's logit, then top-k (Mixtral, Qwen MoE, OLMoE);
+# "topk_softmax": top-k of the raw logits, then a softmax over the k chosen (gpt-oss)
+ROUTER_SCORINGS = ("softmax", "topk_softmax")
+RECENT_STEPS = 64  # forward passes whose per-expert token counts each layer keeps
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How a family routes tokens to experts.
+
+    ``weights_dtype``: "input" casts the routing weights to the activations' dtype before they scale
+    the experts' outputs (Qwen2-MoE, Qwen3-MoE, OLMoE); "float32" keeps them in fp32, so the scaled
+    rows and their sum are fp32 until the result is cast back (Mixtral). Identical in fp32."""
+
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool = True  # divide the chosen weights by their sum
+    scoring: str = "softmax"  # of the router logits, in fp32 (ROUTER_SCORINGS)
+    weights_dtype: str = "input"  # "input" | "float32"
+    num_groups: int = 1  # grouped top-k: the experts in groups, the best ``topk_groups`` groups first
+    topk_groups: int = 1
+    scaling_factor: float = 1.0  # times the final routing weights (DeepSeek's routed_scaling_factor)
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ROUTER_SCORINGS:
+            raise ValueError(
+                f"router scoring {self.scoring!r} is not implemented (llmctl routes by {', '.join(ROUTER_SCORINGS)})"
+            )
+        if self.num_groups != 1 or self.topk_groups != 1:
+            raise ValueError("grouped top-k routing is not implemented")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} experts per token out of {self.num_experts}")
+        if self.weights_dtype not in ("input", "float32"):
+            raise ValueError(f"weights_dtype {self.weights_dtype!r}: 'input' or 'float32'")
+        if self.scoring == "topk_softmax" and self.norm_topk_prob:
+            raise ValueError("topk_softmax weights already sum to 1: norm_topk_prob must be False")
+
+
+def route(logits: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, E]`` router logits -> routing weights ``[T, top_k]`` and expert ids ``[T, top_k]``
+    (int64), best first: softmax in fp32, top-k, optional renormalization, as transformers'
+    ``*TopKRouter`` modules compute them; or (``topk_softmax``, gpt-oss) top-k of the logits and
+    the softmax of those k in fp32 (transformers' ``GptOssTopKRouter`` takes it in the logits'
+    dtype: the same in fp32)."""
+    if spec.scoring == "topk_softmax":
+        top, ids = torch.topk(logits, spec.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1, dtype=torch.float32)
+    else:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, spec.top_k, dim=-1)
+    if spec.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if spec.scaling_factor != 1.0:
+        weights = weights * spec.scaling_factor
+    if spec.weights_dtype == "input":
+        weights = weights.to(logits.dtype)
+    return weights, ids
+
+
+class Router(LinearBase):
+    """The router's ``[num_experts, hidden]`` weight and, with ``bias``, its ``[num_experts]`` bias
+    (replicated under tensor parallelism); calling it gives ``route``'s weights and ids."""
+
+    def __init__(
+        self, hidden_size: int, spec: RouterSpec, *, dtype: torch.dtype, tp: TensorParallel, bias: bool = False
+    ) -> None:
+        super().__init__(hidden_size, spec.num_experts, bias, dtype, tp, None)
+        self.spec = spec
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, self.bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return route(self.logits(x), self.spec)
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """Which part of the stacked expert weights a checkpoint tensor holds: one expert's ``gate``,
+    ``up`` or ``down`` matrix, or (``expert`` None) every expert's, stacked on a leading dimension
+    (``gate_up`` being gate and up concatenated along the rows, as transformers stores them)."""
+
+    expert: int | None
+    part: str  # "gate" | "up" | "down" | "gate_up"
+
+    def keys(self, num_experts: int) -> list[str]:
+        """The loaded-part names this tensor fills (``"<expert>.<part>"``)."""
+        parts = ("gate", "up") if self.part == "gate_up" else (self.part,)
+        experts = range(num_experts) if self.expert is None else (self.expert,)
+        return [f"{e}.{p}" for e in experts for p in parts]
+
+
+# Mixtral's checkpoints name the block ``block_sparse_moe`` and the projections w1 (gate), w3 (up),
+# w2 (down); the Qwen MoE families and OLMoE name them ``mlp``, gate_proj, up_proj, down_proj.
+_PART = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^(.*)\.experts\.(gate_up_proj|down_proj)$")
+_STACKED_BIAS = re.compile(r"^(.*)\.experts\.(gate_up_proj|down_proj)_bias$")  # gpt-oss
+
+
+def expert_checkpoint_target(name: str) -> tuple[str, ExpertShard | None] | None:
+    """For a checkpoint tensor of a mixture-of-experts block: the parameter it loads into and the
+    ``ExpertShard`` it holds (None for Mixtral's router, only renamed to ``mlp.gate``);
+    None for any other tensor. Per-expert tensors (``experts.N.w1.weight``,
+    ``experts.N.gate_proj.weight``, ...) and transformers' stacked ones (``experts.gate_up_proj``
+    ``[E, 2 * I, H]``, ``experts.down_proj`` ``[E, H, I]``) both map to ``experts.w13`` / ``experts.w2``;
+    gpt-oss's stacked biases (``experts.gate_up_proj_bias``, ``experts.down_proj_bias``) to
+    ``experts.w13_bias`` / ``experts.w2_bias``."""
+    renamed = name.replace(".block_sparse_moe.", ".mlp.")
+    if (m := _PER_EXPERT.match(renamed)) is not None:
+        part = _PART[m.group(3)]
+        return f"{m.group(1)}.experts.{'w2' if part == 'down' else 'w13'}", ExpertShard(int(m.group(2)), part)
+    if (m := _STACKED.match(renamed)) is not None:
+        gate_up = m.group(2) == "gate_up_proj"
+        return f"{m.group(1)}.experts.{'w13' if gate_up else 'w2'}", ExpertShard(None, "gate_up" if gate_up else "down")
+    if (m := _STACKED_BIAS.match(renamed)) is not None:
+        gate_up = m.group(2) == "gate_up_proj"
+        target = f"{m.group(1)}.experts.{'w13_bias' if gate_up else 'w2_bias'}"
+        return target, ExpertShard(None, "gate_up" if gate_up else "down")
+    return (renamed, None) if renamed != name else None
+
+
+def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation on ``[..., 2 * I]`` (gate features, then up): the gate clamped
+    above at ``limit``, up to ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)``,
+    in transformers' ``GptOssExperts._apply_gate`` order of operations."""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    glu = gate * torch.sigmoid(gate * alpha)
+    return (up + 1) * glu
+
+
+class StackedExperts(nn.Module):
+    """``num_experts`` gated MLPs (``act``: SiLU-and-mul, or gpt-oss's ``clamped_swiglu``) with
+    their weights stacked, optional biases (``bias``), and the checkpoint's layout of stacked
+    tensors (``concatenated``: gate rows then up rows, else interleaved; ``transposed``: ``[E, H,
+    2 * I]`` / ``[E, I, H]``) (module docstring)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        dtype: torch.dtype,
+        tp: TensorParallel = TensorParallel(),
+        act: Callable[[torch.Tensor], torch.Tensor],
+        bias: bool = False,
+        concatenated: bool = True,
+        transposed: bool = False,
+    ) -> None:
+        super().__init__()
+        self.tp, self.act = tp, act
+        self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.concatenated, self.transposed = concatenated, transposed
+        self.intermediate_size = tp.shard(intermediate_size, "expert intermediate size")  # this rank's
+        size = self.intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, size, dtype=dtype), requires_grad=False)
+        params = [(self.w13, ("gate", "up"), self.weight_loader), (self.w2, ("down",), self.weight_loader)]
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        if bias:  # gate and up biases of this rank's features; the down bias whole (added on rank 0)
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * size, dtype=dtype), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
+            params += [(self.w13_bias, ("gate", "up"), self.bias_loader), (self.w2_bias, ("down",), self.bias_loader)]
+        for param, parts, loader in params:
+            param.weight_loader = loader
+            param.expert_shards = [f"{e}.{p}" for e in range(num_experts) for p in parts]
+        self.panels = False  # w13 / w2 packed for the native GEMM (process_weights_after_loading)
+        self.recent_counts: deque[torch.Tensor] = deque(maxlen=RECENT_STEPS)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: ExpertShard) -> None:
+        """A full (unsharded) checkpoint tensor into this rank's slice of the stacked weight."""
+        if not isinstance(shard, ExpertShard):
+            raise ValueError("stacked expert weights load from per-expert or stacked expert tensors")
+        if self.transposed and shard.part in ("gate_up", "down"):  # stored [.., H, 2I] / [.., I, H]
+            loaded = loaded.transpose(-1, -2)
+        if shard.part == "gate_up" and not self.concatenated:  # rows gate, up, gate, up, ...: gate rows, then up
+            loaded = torch.cat([loaded[..., 0::2, :], loaded[..., 1::2, :]], dim=-2)
+        size, rank = self.intermediate_size, self.tp.rank
+        if shard.expert is None:
+            if loaded.dim() != 3 or loaded.shape[0] != self.num_experts:
+                raise ValueError(f"expected {self.num_experts} stacked experts, got shape {tuple(loaded.shape)}")
+            dst_all = param.data
+        else:
+            if not 0 <= shard.expert < self.num_experts:
+                raise ValueError(f"expert {shard.expert} of {self.num_experts}")
+            dst_all = param.data[shard.expert]
+        if shard.part == "gate_up":
+            if loaded.shape[-2] % 2:
+                raise ValueError(f"gate_up_proj has an odd number of rows ({loaded.shape[-2]})")
+            gate, up = loaded.chunk(2, dim=-2)
+            for part, piece in (("gate", gate), ("up", up)):
+                self.weight_loader(param, piece, ExpertShard(shard.expert, part))
+            return
+        if shard.part == "down":
+            src = loaded.narrow(-1, rank * size, size) if self.tp.size > 1 else loaded
+            copy_checked(dst_all, src, "down_proj")
+            return
+        offset = 0 if shard.part == "gate" else size
+        src = loaded.narrow(-2, rank * size, size) if self.tp.size > 1 else loaded
+        copy_checked(dst_all.narrow(-2, offset, size), src, f"{shard.part}_proj")
+
+    def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: ExpertShard) -> None:
+        """A full checkpoint bias (``[E, 2I]`` / ``[E, H]`` stacked, or one expert's) into this rank's
+        part: gate and up features sharded as the weights' rows, the down bias whole."""
+        if not isinstance(shard, ExpertShard) or shard.part not in ("gate_up", "down"):
+            raise ValueError("stacked expert biases load from stacked gate_up / down bias tensors")
+        expected_dims = 2 if shard.expert is None else 1
+        if loaded.dim() != expected_dims or (shard.expert is None and loaded.shape[0] != self.num_experts):
+            raise ValueError(f"expected {self.num_experts} stacked expert biases, got shape {tuple(loaded.shape)}")
+        dst = param.data if shard.expert is None else param.data[shard.expert]
+        if shard.part == "down":
+            copy_checked(dst, loaded, "down_proj_bias")
+            return
+        if loaded.shape[-1] % 2:
+            raise ValueError(f"gate_up_proj_bias has an odd number of features ({loaded.shape[-1]})")
+        if self.concatenated:
+            gate, up = loaded.chunk(2, dim=-1)
+        else:
+            gate, up = loaded[..., 0::2], loaded[..., 1::2]
+        size, rank = self.intermediate_size, self.tp.rank
+        for offset, piece in ((0, gate), (size, up)):
+            src = piece.narrow(-1, rank * size, size) if self.tp.size > 1 else piece
+            copy_checked(dst.narrow(-1, offset, size), src, "gate_up_proj_bias")
+
+    def process_weights_after_loading(self) -> None:
+        """fp32 on a CPU with the native GEMM: each expert's matrices packed into panels (one
+        tensor per projection still), for the batch-invariant native kernel."""
+        w13 = self.w13.data
+        if self.panels or w13.device.type != "cpu" or w13.dtype != torch.float32 or native_gemm() is None:
+            return
+        from llmctl_kernels.fp32_linear import pack_panels
+
+        self.w13 = nn.Parameter(torch.stack([pack_panels(w) for w in w13]), requires_grad=False)
+        self.w2 = nn.Parameter(torch.stack([pack_panels(w) for w in self.w2.data]), requires_grad=False)
+        self.panels = True
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]``, routing ``weights`` and expert ``ids`` ``[T, top_k]`` -> ``[T, H]`` (this
+        rank's partial sum under tensor parallelism)."""
+        num_tokens, top_k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, in token order
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.recent_counts.append(counts)
+        rows = x.index_select(0, order // top_k)
+        out = torch.empty(rows.shape[0], self.hidden_size, dtype=x.dtype, device=x.device)
+        gate_up_size = 2 * self.intermediate_size
+        start = 0
+        for expert, n in enumerate(counts.tolist()):
+            if not n:  # no token chose it: its weights are not read
+                continue
+            end = start + n
+            gate_up = linear(rows[start:end], self.w13[expert], None, gate_up_size)
+            if self.w13_bias is not None:  # after the matmul, as transformers adds it
+                gate_up = gate_up + self.w13_bias[expert]
+            down = linear(self.act(gate_up), self.w2[expert], None, self.hidden_size)
+            if self.w2_bias is not None and self.tp.rank == 0:  # once in the ranks' sum
+                down = down + self.w2_bias[expert]
+            out[start:end] = down
+            start = end
+        scaled = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+        unsorted = torch.empty_like(scaled).index_copy_(0, order, scaled)  # back to (token, slot) order
+        return unsorted.view(num_tokens, top_k, self.hidden_size).sum(dim=1).to(x.dtype)
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights on this rank."""
+        return (self.w13.numel() + self.w2.numel()) * self.w13.element_size() // self.num_experts
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (``gate``), ``experts`` and, when given, a ``shared_expert`` every token runs
+    (its output times ``sigmoid(shared_expert_gate(x))`` with ``shared_expert_gate``), with
+    transformers' module names so checkpoints load by name."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        spec: RouterSpec,
+        *,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        act: Callable[[torch.Tensor], torch.Tensor],
+        shared_expert: nn.Module | None = None,
+        shared_expert_gate: bool = False,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.gate = Router(hidden_size, spec, dtype=dtype, tp=tp)
+        self.experts = StackedExperts(spec.num_experts, hidden_size, intermediate_size, dtype=dtype, tp=tp, act=act)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = LinearBase(hidden_size, 1, False, dtype, tp, None) if shared_expert_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.tp.all_reduce(self.experts(x, weights, ids))
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
+
+def expert_stats(model: nn.Module) -> dict[str, Any] | None:
+    """Per MoE layer, the tokens each expert took summed over the last forward passes (at most
+    ``RECENT_STEPS``), and the share of the experts' weight bytes those passes read on average (an
+    expert is read once per pass when any token chose it). None for a model without experts."""
+    layers = []
+    total_bytes = read_bytes = 0.0
+    for name, module in model.named_modules():
+        if not isinstance(module, StackedExperts):
+            continue
+        recent = list(module.recent_counts)
+        counts = torch.stack(recent).sum(0).tolist() if recent else [0] * module.num_experts
+        active = sum(int((c > 0).sum()) for c in recent) / len(recent) if recent else 0.0
+        per_expert = module.expert_bytes()
+        total_bytes += per_expert * module.num_experts
+        read_bytes += per_expert * active
+        layers.append({"layer": name.removesuffix(".mlp.experts"), "steps": len(recent), "tokens": counts})
+    if not layers:
+        return None
+    return {
+        "window": RECENT_STEPS,
+        "layers": layers,
+        "weight_bytes": int(total_bytes),
+        "read_share_per_step": read_bytes / total_bytes if total_bytes else 0.0,
+    }

@@ -1,0 +1,232 @@
+"""Mixture-of-experts families on the Llama blocks: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE
+(transformers' ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``,
+``OlmoeForCausalLM``). Each decoder layer is Llama's (norm, attention, norm, feed-forward, residual
+adds), with a ``SparseMoeBlock`` (llmctl/layers/moe.py) as its feed-forward, or a dense MLP on the
+layers the config keeps dense. What differs, as transformers' modeling files place it:
+
+- Mixtral: top-k weights always renormalized and kept in fp32 while they scale the experts'
+  outputs; a sliding window on every layer when ``sliding_window`` is set.
+- Qwen2-MoE: a shared expert on every MoE layer (``shared_expert_intermediate_size``, scaled by
+  ``sigmoid(shared_expert_gate(x))``); q/k/v biases from ``qkv_bias``; dense MLPs
+  (``intermediate_size``) on ``mlp_only_layers`` and on layers ``i`` with ``(i + 1) %
+  decoder_sparse_step != 0``; ``norm_topk_prob``.
+- Qwen3-MoE: Qwen3's per-head q/k RMSNorm, the same dense-layer rules and ``norm_topk_prob``;
+  o_proj carries a bias when ``attention_bias`` does.
+- OLMoE: q and k RMS-normed over the whole projection (as OLMo 2, llmctl/models/olmo2.py) but
+  with Llama's pre-norm layer; ``clip_qkv`` clamps q, k (after their norms) and v; o_proj bias
+  with ``attention_bias``; ``norm_topk_prob``.
+
+The experts' intermediate size is ``intermediate_size`` for Mixtral and OLMoE,
+``moe_intermediate_size`` for the Qwen families. Defaults of fields a config.json leaves out are
+transformers' configuration defaults. ``--quantization`` is refused: the expert weights have no
+quantized kernels yet, and quantizing only the attention would misreport what runs."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from llmctl.distributed import PipelineStage, TensorParallel
+from llmctl.errors import UnsupportedModelError
+from llmctl.layers.linear import LinearMethod, RowParallelLinear
+from llmctl.layers.moe import RouterSpec, SparseMoeBlock
+from llmctl.layers.norm import RMSNorm
+from llmctl.layers.ops import AttentionMetadata, TorchOps
+from llmctl.layers.rotary import RotaryEmbedding
+from llmctl.models.config import ModelConfig
+from llmctl.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from llmctl.models.olmo2 import Olmo2Attention
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """Which layers have experts, and what each MoE block holds."""
+
+    router: RouterSpec
+    expert_intermediate_size: int
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    decoder_sparse_step: int = 1
+    mlp_only_layers: frozenset[int] = frozenset()
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+def moe_layout(cfg: ModelConfig) -> MoeLayout:
+    """The layout from config.json, per family (``cfg.family`` is its ``model_type``)."""
+    raw = cfg.raw
+    if cfg.family == "mixtral":
+        router = RouterSpec(
+            int(raw.get("num_local_experts", 8)),
+            int(raw.get("num_experts_per_tok", 2)),
+            norm_topk_prob=True,
+            weights_dtype="float32",
+        )
+        return MoeLayout(router, cfg.intermediate_size)
+    defaults = {  # transformers' config defaults: experts, experts per token, their intermediate size
+        "qwen2_moe": (60, 4, 1408),
+        "qwen3_moe": (128, 8, 768),
+        "olmoe": (64, 8, cfg.intermediate_size),
+    }
+    if cfg.family not in defaults:
+        raise UnsupportedModelError(f"{cfg.architecture} is not a mixture-of-experts family llmctl knows")
+    num_experts, top_k, intermediate = defaults[cfg.family]
+    router = RouterSpec(
+        int(raw.get("num_experts", raw.get("num_local_experts", num_experts))),  # Qwen3MoeConfig saves the latter
+        int(raw.get("num_experts_per_tok", top_k)),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+    )
+    if cfg.family == "olmoe":
+        return MoeLayout(router, cfg.intermediate_size)
+    return MoeLayout(
+        router,
+        int(raw.get("moe_intermediate_size", intermediate)),
+        int(raw.get("shared_expert_intermediate_size", 5632)) if cfg.family == "qwen2_moe" else 0,
+        int(raw.get("decoder_sparse_step", 1)),
+        frozenset(int(i) for i in raw.get("mlp_only_layers") or ()),
+    )
+
+
+class MoeAttention(LlamaAttention):
+    """Llama's attention; o_proj carries a bias when ``attention_bias`` does (Qwen3-MoE)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        ops: TorchOps,
+        method: LinearMethod | None,
+        rotary_emb: RotaryEmbedding,
+    ) -> None:
+        super().__init__(cfg, dtype, tp, ops, method, rotary_emb)
+        if cfg.attention_bias and cfg.family == "qwen3_moe":
+            self.o_proj = RowParallelLinear(
+                cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=True, dtype=dtype, tp=tp, method=method
+            )
+
+
+class OlmoeAttention(Olmo2Attention):
+    """OLMo 2's attention (q/k norms over the whole projection, o_proj bias with ``attention_bias``)
+    and ``clip_qkv``."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        ops: TorchOps,
+        method: LinearMethod | None,
+        rotary_emb: RotaryEmbedding,
+    ) -> None:
+        super().__init__(cfg, dtype, tp, ops, method, rotary_emb)
+        clip = cfg.raw.get("clip_qkv")
+        self.clip_qkv = None if clip is None else float(clip)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.clip_qkv is None:
+            return super().forward(positions, hidden, meta)
+        num_tokens, clip = hidden.shape[0], self.clip_qkv
+        q, k, v = self.qkv_proj(hidden).split_with_sizes(self.qkv_proj.part_sizes, -1)
+        q = self._norm_whole(q, self.q_norm, 1).clamp(-clip, clip)
+        k = self._norm_whole(k, self.k_norm, self.qkv_proj.kv_replicas).clamp(-clip, clip)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.clamp(-clip, clip).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class MoeDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer and forward; ``mlp`` (a ``SparseMoeBlock`` or a dense ``LlamaMLP``) is set by
+    ``MoeModel``, which knows the layer's index."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        ops: TorchOps,
+        method: LinearMethod | None,
+        rotary_emb: RotaryEmbedding,
+    ) -> None:
+        nn.Module.__init__(self)
+        attention_cls = OlmoeAttention if cfg.family == "olmoe" else MoeAttention
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, ops=ops)
+        self.self_attn = attention_cls(cfg, dtype, tp, ops, method, rotary_emb)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, ops=ops)
+        self.mlp: nn.Module | None = None
+
+
+class MoeModel(LlamaModel):
+    decoder_layer_cls = MoeDecoderLayer
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        ops: TorchOps,
+        method: LinearMethod | None,
+        stage: PipelineStage | None = None,
+    ) -> None:
+        super().__init__(cfg, dtype, tp, ops, method, stage)
+        layout = moe_layout(cfg)
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, MoeDecoderLayer):  # another pipeline stage's
+                continue
+            if not layout.is_sparse(i):
+                layer.mlp = LlamaMLP(cfg, dtype, tp, ops, method)
+                continue
+            shared = None
+            if layout.shared_expert_intermediate_size:
+                shared_cfg = dataclasses.replace(cfg, intermediate_size=layout.shared_expert_intermediate_size)
+                shared = LlamaMLP(shared_cfg, dtype, tp, ops, method)
+            layer.mlp = SparseMoeBlock(
+                cfg.hidden_size,
+                layout.expert_intermediate_size,
+                layout.router,
+                dtype=dtype,
+                tp=tp,
+                act=ops.silu_and_mul,
+                shared_expert=shared,
+                shared_expert_gate=shared is not None,
+            )
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    model_cls = MoeModel
+
+    def __init__(self, cfg: ModelConfig, *, linear_method: LinearMethod | None = None, **kwargs) -> None:
+        if linear_method is not None:
+            raise UnsupportedModelError(
+                f"{cfg.architecture}: --quantization is not supported for mixture-of-experts models yet "
+                "(the expert weights have no quantized kernels); run it with --quantization none"
+            )
+        if cfg.family == "qwen2_moe":  # Qwen2MoeConfig names the q/k/v bias qkv_bias
+            cfg = dataclasses.replace(cfg, attention_bias=bool(cfg.raw.get("qkv_bias", True)))
+        if cfg.family == "olmoe" and "rms_norm_eps" not in cfg.raw:
+            cfg = dataclasses.replace(cfg, rms_norm_eps=1e-5)  # OlmoeConfig's
+        if cfg.family == "mixtral" and "rms_norm_eps" not in cfg.raw:
+            cfg = dataclasses.replace(cfg, rms_norm_eps=1e-5)  # MixtralConfig's
+        super().__init__(cfg, linear_method=None, **kwargs)
+
+
+# one class per family, for the registry and for people reading a traceback
+class MixtralForCausalLM(MoeForCausalLM):
+    pass
+
+
+class Qwen2MoeForCausalLM(MoeForCausalLM):
+    pass
+
+
+class Qwen3MoeForCausalLM(MoeForCausalLM):
+    pass
+
+
+class OlmoeForCausalLM(MoeForCausalLM):
+    pass

@@ -1,0 +1,34 @@
+"""Mixture-of-experts families in the engine: the decode path they take, and the per-expert token
+counts the stats snapshot shows (their exactness against transformers is test_models_exact.py's)."""
+
+from __future__ import annotations
+
+from llmctl.engine.llm_engine import LLMEngine
+from llmctl.sampling_params import SamplingParams
+
+
+def make_engine(model_dir) -> LLMEngine:
+    return LLMEngine(model=str(model_dir), skip_tokenizer=True, dtype="float32", kv_cache_memory=8 << 20)
+
+
+def test_moe_decodes_on_the_module_path_and_says_why(hf_model_dirs, monkeypatch):
+    monkeypatch.setenv("LLMCTL_DECODE_LOOP", "1")
+    engine = make_engine(hf_model_dirs["qwen2_moe"])
+    assert engine.runner.native_decode is None
+    if engine.model.model.norm.ops.kernels.decode_loop_why_not() is None:  # the kernels would take it
+        assert engine.runner.decode_path == "decode: Python modules (mixture of experts)"
+
+
+def test_the_stats_snapshot_counts_the_tokens_each_expert_took(hf_model_dirs):
+    engine = make_engine(hf_model_dirs["qwen2_moe"])
+    assert make_engine(hf_model_dirs["llama"]).stats_snapshot()["experts"] is None  # no experts, no section
+    prompts = [list(range(3, 20)), [5, 6, 7]]
+    engine.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    section = engine.stats_snapshot()["experts"]
+    layers = {row["layer"]: row for row in section["layers"]}
+    assert set(layers) == {"model.layers.0", "model.layers.2"}  # layer 1 is dense (mlp_only_layers)
+    for row in layers.values():
+        assert len(row["tokens"]) == 6
+        # every prompt token once and every generated token but the last, 2 experts each
+        assert sum(row["tokens"]) == 2 * (17 + 3 + 2 * 3)
+    assert 0.0 < section["read_share_per_step"] <= 1.0
