@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.markup import escape
@@ -11,7 +12,7 @@ from rich.markup import escape
 from llmctl.errors import LlmctlError
 from llmctl.hub.download import pull
 from llmctl.hub.layout import hub_cache_dir
-from llmctl.hub.listing import list_models, partial_downloads
+from llmctl.hub.listing import architecture_runs_here, list_models, partial_downloads, pulled_architecture
 from llmctl.hub.progress import fmt_size
 from llmctl.hub.removal import remove
 
@@ -75,7 +76,9 @@ def register_hub_commands(app: typer.Typer) -> None:
         one GGUF file (a repo of GGUF files: its Q4_K_M one unless :TAG or --include says otherwise)."""
         with _cli_errors():
             path = pull(model, token=token, console=Console(stderr=True), progress=not quiet, include=include)
-        Console(soft_wrap=True).print(f"[green]✓[/green] {escape(model)} → {escape(str(path))}", highlight=False)
+        out = Console(soft_wrap=True)
+        out.print(f"[green]✓[/green] {escape(model)} → {escape(str(path))}", highlight=False)
+        out.print(_runs_here_line(path), highlight=False)
 
     @app.command("ls")
     def ls_command() -> None:
@@ -143,3 +146,17 @@ def register_hub_commands(app: typer.Typer) -> None:
         with _cli_errors():
             freed = remove(model)
         Console(soft_wrap=True).print(f"Removed {escape(model)} ({fmt_size(freed)} freed)", highlight=False)
+
+
+def _runs_here_line(path: Path) -> str:
+    """Whether the pulled model runs here, said at once rather than at the first ``generate``."""
+    from llmctl.models import registry
+
+    architecture, gguf = pulled_architecture(path)
+    runs = architecture_runs_here(architecture, gguf=gguf)
+    if runs is None:
+        return "[yellow]architecture unknown[/yellow] (no config.json architectures or GGUF general.architecture)"
+    if runs:
+        return f"{escape(architecture)}: runs here"
+    known = registry.gguf_architectures() if gguf else registry.architectures()
+    return f"[yellow]{escape(architecture)}: llmctl does not run it[/yellow] (it runs {escape(', '.join(known))})"

@@ -56,13 +56,7 @@ class CachedModel:
     @property
     def runs_here(self) -> bool | None:
         """Whether llmctl implements the architecture (llmctl.models.registry); None when unknown."""
-        if self.architecture is None:
-            return None
-        if self.gguf_file is not None:
-            return registry.family_for_gguf(self.architecture) is not None
-        return registry.family_for(self.architecture) is not None or (
-            registry.family_for_model_type(self.architecture) is not None
-        )
+        return architecture_runs_here(self.architecture, gguf=self.gguf_file is not None)
 
     @property
     def name(self) -> str:
@@ -86,6 +80,24 @@ class CachedModel:
     @property
     def revisions(self) -> tuple[str, ...]:
         return self.refs
+
+
+def architecture_runs_here(architecture: str | None, *, gguf: bool) -> bool | None:
+    """Whether the registry has a family for a config's architecture (or model_type) or a GGUF
+    file's ``general.architecture``; None when the architecture is unknown."""
+    if architecture is None:
+        return None
+    if gguf:
+        return registry.family_for_gguf(architecture) is not None
+    return registry.family_for(architecture) is not None or registry.family_for_model_type(architecture) is not None
+
+
+def pulled_architecture(path: Path) -> tuple[str | None, bool]:
+    """The architecture of what ``pull`` returned (a snapshot dir or one GGUF file), and whether
+    it is a GGUF file."""
+    if path.suffix == ".gguf":
+        return _gguf_rows_for([path])[0].get("architecture"), True
+    return _model_facts(path)[0], False
 
 
 def _safetensors_header(path: Path) -> dict[str, Any]:
@@ -135,22 +147,32 @@ def safetensors_bytes(files: list[Path]) -> int:
 
 def _gguf_rows(base: dict[str, Any], snapshot: Path) -> list[CachedModel]:
     """One row per GGUF file of a snapshot without config.json."""
+    files = snapshot_gguf_files(snapshot)
+    return [
+        CachedModel(**base, **found, complete=True, gguf_file=path.name)
+        for path, found in zip(files, _gguf_rows_for(files))
+    ]
+
+
+def _gguf_rows_for(files: list[Path]) -> list[dict[str, Any]]:
+    """What each GGUF file's header says (architecture, parameters, dtype, bytes), read alone."""
     from llmctl.errors import LlmctlError
     from llmctl.models.gguf_reader import gguf_summary
 
-    rows = []
-    for path in snapshot_gguf_files(snapshot):
+    rows: list[dict[str, Any]] = []
+    for path in files:
         try:
             facts = gguf_summary(path)
-            found = dict(
-                architecture=facts.architecture,
-                num_parameters=facts.num_parameters,
-                dtype=facts.dtype,
-                weight_bytes=facts.weight_bytes,
+            rows.append(
+                dict(
+                    architecture=facts.architecture,
+                    num_parameters=facts.num_parameters,
+                    dtype=facts.dtype,
+                    weight_bytes=facts.weight_bytes,
+                )
             )
         except (LlmctlError, OSError, ValueError):
-            found = dict(architecture=None, num_parameters=None, dtype=None)
-        rows.append(CachedModel(**base, **found, complete=True, gguf_file=path.name))
+            rows.append(dict(architecture=None, num_parameters=None, dtype=None))
     return rows
 
 

@@ -34,6 +34,7 @@ TINY = "llmctl-test/tiny"
 SHARDED = "llmctl-test/sharded"
 BIG = "llmctl-test/big"
 GATED = "llmctl-test/gated"
+MAMBA = "llmctl-test/mamba"
 GATED_TOKEN = "hf_llmctl_test_token"
 
 TINY_INFERENCE_FILES = [
@@ -144,6 +145,9 @@ def server(models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     hub_server.add_repo(BIG, models["big"]["dir"])
     hub_server.add_repo(GATED, models["tiny"]["dir"], gated_token=GATED_TOKEN)
     hub_server.add_repo("llmctl-test/bin-only", None, extra={"config.json": b"{}", "pytorch_model.bin": b"x" * 64})
+    mamba_config = json.dumps({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}).encode()
+    tiny_weights = (models["tiny"]["dir"] / "model.safetensors").read_bytes()
+    hub_server.add_repo(MAMBA, None, extra={"config.json": mamba_config, "model.safetensors": tiny_weights})
     if (STORIES_DIR / "model.safetensors").is_file():
         hub_server.add_repo(STORIES_ID, STORIES_DIR)  # read in place, never copied
     hub_server.start()
@@ -540,6 +544,7 @@ def test_ls_and_rm_with_stories260k(server: HubServer, stories_dir: Path, cli, m
     assert result.exit_code == 0, result.output
     snapshot = hub.find_cached_snapshot(STORIES_ID)
     assert snapshot is not None and f"✓ {STORIES_ID} → {snapshot}" in result.stdout
+    assert "LlamaForCausalLM: runs here" in result.stdout
     assert "100%" in result.stderr  # the progress bars went to stderr
     assert not (snapshot / "LICENSE").exists()
 
@@ -731,3 +736,9 @@ def test_cli_in_a_fresh_process(server: HubServer, tmp_path: Path) -> None:
     removed = run("rm", TINY)
     assert removed.returncode == 0 and removed.stdout.startswith(f"Removed {TINY} (")
     assert hub.list_models() == []
+
+
+def test_pull_says_when_the_architecture_does_not_run_here(server: HubServer, cli) -> None:
+    result = _invoke(cli, "pull", MAMBA)
+    assert result.exit_code == 0, result.output
+    assert "MambaForCausalLM: llmctl does not run it (it runs LlamaForCausalLM," in result.stdout, result.stdout

@@ -138,3 +138,14 @@ def test_generate_and_ls_find_the_pulled_gguf(server):
         assert (cells[4], cells[-1]) == ("llama", f"{per_param:.2f}"), result.output
         assert cells[6] == "Q8_0+Q6_K+Q4_K+…", result.output  # the types holding most parameters
     assert [m.num_parameters for m in hub.list_models()] == [params, params]
+
+
+def test_pull_says_the_gguf_architecture_runs_here(server):
+    import typer
+    from typer.testing import CliRunner
+
+    app = typer.Typer()
+    hub.register_hub_commands(app)
+    result = CliRunner().invoke(app, ["pull", "--quiet", f"{REPO}:Q8_0"])
+    assert result.exit_code == 0, result.output
+    assert "llama: runs here" in result.stdout, result.stdout

@@ -134,6 +134,7 @@ def main() -> int:
             torch.zeros(4, dtype=torch.int64),
         )
     _compile_quantized_kv(QUICK)
+    _compile_fused_experts(dtypes)
     print(f"compiled {len(RESULTS)} kernel variants for sm_90")
     return 0
 
@@ -183,6 +184,25 @@ def _compile_quantized_kv(quick: bool) -> None:
             kivi_quantize_blocks_triton(residual, residual, index, index, cache, fmt.bits)
         else:
             quantize_and_cache_triton(kv, kv, cache, kind, torch.zeros(4, dtype=torch.int64))
+
+
+def _compile_fused_experts(dtypes: list[torch.dtype]) -> None:
+    """The fused-experts launches at a Qwen3-30B-A3B-like shape (128 experts, top 8, H=2048,
+    I=768), with and without gpt-oss's biases."""
+    from llmctl_kernels.activation import silu_and_mul_torch
+    from llmctl_kernels.moe_triton import fused_experts_triton
+
+    experts, hidden, inter, tokens, top_k = 128, 2048, 768, 6, 8
+    for dtype in dtypes:
+        x = torch.empty(tokens, hidden, dtype=dtype)
+        w13 = torch.empty(experts, 2 * inter, hidden, dtype=dtype)
+        w2 = torch.empty(experts, hidden, inter, dtype=dtype)
+        ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
+        weights = torch.full((tokens, top_k), 1.0 / top_k, dtype=dtype)
+        fused_experts_triton(x, w13, w2, weights, ids, silu_and_mul_torch)
+        bias13 = torch.zeros(experts, 2 * inter, dtype=dtype)
+        bias2 = torch.zeros(experts, hidden, dtype=dtype)
+        fused_experts_triton(x, w13, w2, weights, ids, silu_and_mul_torch, bias13, bias2)
 
 
 if __name__ == "__main__":
