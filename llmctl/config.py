@@ -221,6 +221,12 @@ class EngineConfig:
         default=1,
         metadata=cli("--pipeline-parallel-size --pp", "Pipeline stages that split the layers; ranks = TP x PP."),
     )
+    # ---- LoRA adapters (llmctl/lora/; llmctl serve's --enable-lora, --max-loras, --max-lora-rank) ----
+    enable_lora: bool = False  # LoRA slots even with no adapter given (adapters loaded at run time)
+    max_loras: int = 4  # most adapters in one batch: device slots for adapter weights
+    max_lora_rank: int = 16  # largest rank an adapter may have (the slots' width)
+    # "NAME=PATH" adapters loaded at start (llmctl serve --lora-modules)
+    lora_modules: tuple[str, ...] = ()
     attention_backend: InitVar[str | None] = None  # the old name of kernel_backend, still accepted
 
     def __post_init__(self, attention_backend: str | None) -> None:
@@ -276,6 +282,19 @@ class EngineConfig:
                 "ngram prompt lookup needs 1 <= --ngram-prompt-lookup-min <= --ngram-prompt-lookup-max, "
                 f"got {self.ngram_prompt_lookup_min} and {self.ngram_prompt_lookup_max}"
             )
+
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ConfigError(
+                f"--max-loras and --max-lora-rank must be at least 1, got {self.max_loras}, {self.max_lora_rank}"
+            )
+        if self.lora_enabled and self.world_size > 1:
+            raise ConfigError(
+                "LoRA adapters run on one rank: they cannot be combined with tensor or pipeline parallelism yet"
+            )
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
 
     @property
     def world_size(self) -> int:

@@ -17,17 +17,24 @@ Parsers (``--reasoning-parser``):
 - ``qwen3``: the output is the answer unless the model writes ``<think>`` (or the prompt's last think
   tag is an open ``<think>``, as Qwen3 thinking-only templates leave it): from there to the first
   ``</think>`` is reasoning. Text before ``<think>`` stays in the answer.
-- ``auto``: ``qwen3`` when the chat template mentions ``enable_thinking``, else ``deepseek_r1``; only
-  for a template that writes ``<think>`` and a vocabulary where both tags are single tokens,
-  otherwise no parser.
+- ``gpt_oss``: OpenAI's harmony format, ``<|channel|>analysis<|message|>…<|end|><|start|>assistant
+  <|channel|>final<|message|>…``: the bodies of the ``final`` channel's messages are the answer,
+  every other channel's (``analysis``, ``commentary``) the reasoning, one message per line; headers
+  (role, channel, ``<|constrain|>``) belong to neither. Output written before any ``<|channel|>``
+  (a model that ignores the format) is the answer.
+- ``auto``: ``gpt_oss`` for a template that writes ``<|channel|>`` with a harmony vocabulary;
+  ``qwen3`` when the chat template mentions ``enable_thinking``, else ``deepseek_r1``; only for a
+  template that writes ``<think>`` and a vocabulary where both tags are single tokens, otherwise no
+  parser.
 
-For both: one think block per answer (tags after the first ``</think>`` belong to the answer); a
-block that never closes (``max_tokens`` cut it) is all reasoning and the answer is ``None``; an
-empty answer after a closed block is ``None`` too, as vLLM answers it. A request whose template
+For the think-tag parsers: one think block per answer (tags after the first ``</think>`` belong to
+the answer); a block that never closes (``max_tokens`` cut it) is all reasoning and the answer is
+``None``; an empty answer after a closed block is ``None`` too, as vLLM answers it. A request whose template
 variables say ``enable_thinking: false`` (or ``thinking: false``) is not split at all.
 
 Structured outputs start after the block: :func:`reasoning_gate` tells the grammar which token opens
-it and whether the output starts inside reasoning (``llmctl/structured``'s ``ReasoningGate``).
+it and whether the output starts inside reasoning (``llmctl/structured``'s ``ReasoningGate``); with
+``gpt_oss`` they are refused (the grammar would have to follow the harmony headers).
 """
 
 from __future__ import annotations
@@ -35,11 +42,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from llmctl.errors import ConfigError
+from llmctl.errors import ConfigError, InvalidRequestError
 from llmctl.tokenizer import Tokenizer
 
 THINK_START, THINK_END = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3")
+PARSERS = ("deepseek_r1", "qwen3", "gpt_oss")
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
 CHOICES = (*PARSERS, "auto")
 State = Literal["reasoning", "answer", "undecided", "done"]
 
@@ -48,9 +56,10 @@ State = Literal["reasoning", "answer", "undecided", "done"]
 class ReasoningParser:
     """The parser a server (or ``llmctl chat``) splits with, bound to one vocabulary."""
 
-    name: str  # "deepseek_r1" | "qwen3"
-    start_id: int
-    end_id: int
+    name: str  # "deepseek_r1" | "qwen3" | "gpt_oss"
+    start_id: int  # gpt_oss: <|channel|>
+    end_id: int  # gpt_oss: <|end|>
+    harmony: Harmony | None = None  # gpt_oss: the format's token ids
 
     def initial_state(self, prompt_token_ids: list[int]) -> State:
         """Where the output starts: inside the reasoning, in the answer, or (``qwen3`` only)
@@ -62,7 +71,17 @@ class ReasoningParser:
             return "reasoning"
         return "undecided"
 
-    def splitter(self, prompt_token_ids: list[int]) -> ReasoningSplit:
+    @property
+    def description(self) -> str:
+        """The parser and the token ids it splits on, for the server's startup line."""
+        if self.harmony is not None:
+            h = self.harmony
+            return f"{self.name} (<|channel|> {h.channel}, <|message|> {h.message}, <|end|> {h.end})"
+        return f"{self.name} ({THINK_START} {self.start_id}, {THINK_END} {self.end_id})"
+
+    def splitter(self, prompt_token_ids: list[int]) -> ReasoningSplit | HarmonySplit:
+        if self.harmony is not None:
+            return HarmonySplit(self.harmony, prompt_token_ids)
         return ReasoningSplit(self, self.initial_state(prompt_token_ids))
 
 
@@ -93,8 +112,16 @@ def resolve_parser(name: str | None, tokenizer: Tokenizer | None) -> ReasoningPa
     if name not in CHOICES:
         raise ConfigError(f"--reasoning-parser {name}: unknown (choose from {', '.join(CHOICES)})")
     start_id, end_id = _single_token(tokenizer, THINK_START), _single_token(tokenizer, THINK_END)
+    harmony = Harmony.of(tokenizer)
+    template = tokenizer.chat_template or ""
+    if name == "gpt_oss" or (name == "auto" and harmony is not None and "<|channel|>" in template):
+        if harmony is None:
+            raise ConfigError(
+                f"--reasoning-parser gpt_oss: the vocabulary ({tokenizer.source}) lacks the harmony "
+                f"special tokens ({' '.join(HARMONY_TOKENS[:4])}); this is not a gpt-oss model"
+            )
+        return ReasoningParser("gpt_oss", harmony.channel, harmony.end, harmony)
     if name == "auto":
-        template = tokenizer.chat_template or ""
         if start_id is None or end_id is None or THINK_START not in template:
             return None
         name = "qwen3" if "enable_thinking" in template else "deepseek_r1"
@@ -187,8 +214,127 @@ class ReasoningSplit:
 def reasoning_gate(parser: ReasoningParser, prompt_token_ids: list[int]) -> tuple[int, int, str] | None:
     """What a structured-output grammar needs to start after the think block: ``(start_id, end_id,
     initial state)``, or None when the output starts in the answer (the grammar applies at once)."""
+    if parser.harmony is not None:
+        raise InvalidRequestError(
+            "structured outputs are not supported with the gpt_oss reasoning parser (the grammar "
+            "cannot follow harmony's channel headers); send the request without response_format, "
+            "or serve without --reasoning-parser"
+        )
     state = parser.initial_state(prompt_token_ids)
     return None if state == "answer" else (parser.start_id, parser.end_id, state)
+
+
+@dataclass(frozen=True)
+class Harmony:
+    """The harmony format's token ids, and the ``final`` channel's name as the vocabulary spells it."""
+
+    start: int
+    channel: int
+    message: int
+    end: int
+    stops: frozenset[int]  # <|end|>, <|return|>, <|call|>: a message's body ends
+    final: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> Harmony | None:
+        ids = [_single_token(tokenizer, token) for token in HARMONY_TOKENS]
+        if any(token_id is None for token_id in ids):
+            return None
+        start, channel, message, end, return_, call = ids
+        final = tuple(tokenizer.encode("final", add_special_tokens=False))
+        return cls(start, channel, message, end, frozenset({end, return_, call}), final)  # type: ignore[arg-type]
+
+
+Mode = Literal["plain", "role", "header", "body"]
+
+
+@dataclass
+class HarmonySplit:
+    """One choice's harmony output, followed token by token: which tokens are message bodies, and
+    of which channel. The same interface as :class:`ReasoningSplit`.
+
+    The mode the output starts in is read from the prompt's tail (a template that opens the
+    assistant's header, ``<|start|>assistant``, leaves it in ``role``)."""
+
+    harmony: Harmony
+    prompt_token_ids: list[int]
+    seen: int = 0
+    mode: Mode = "plain"
+    header: list[int] = field(default_factory=list)  # the channel's tokens read so far
+    spans: list[tuple[bool, int, int | None]] = field(default_factory=list)  # (is answer, first, end)
+    plain_to: int | None = None  # where text written before any <|channel|> ends
+    reasoning_to: int = 0  # tokens up to the end of the last reasoning message
+
+    def __post_init__(self) -> None:
+        tail = self.prompt_token_ids
+        for i in range(len(tail) - 1, -1, -1):
+            if tail[i] in (self.harmony.start, *self.harmony.stops):
+                tail = tail[i:]
+                break
+        else:
+            tail = []
+        for token in tail:
+            self._step(token, None)
+        if self.mode in ("header", "body"):  # the template opened a header or a body: no plain text
+            self.plain_to = 0
+
+    def _step(self, token: int, index: int | None) -> None:
+        h = self.harmony
+        if token == h.channel:
+            if self.plain_to is None and index is not None:
+                self.plain_to = index
+            self.mode, self.header = "header", []
+        elif token == h.start:
+            if self.plain_to is None and index is not None:
+                self.plain_to = index
+            self.mode, self.header = "role", []
+        elif token == h.message and self.mode in ("header", "role"):
+            answer = tuple(self.header[: len(h.final)]) == h.final
+            self.mode = "body"
+            self.spans.append((answer, 0 if index is None else index + 1, None))
+        elif token in h.stops and self.mode == "body":
+            is_answer, first, _ = self.spans[-1]
+            self.spans[-1] = (is_answer, first, index)
+            self.mode, self.header = "role", []
+            if not is_answer and index is not None:
+                self.reasoning_to = index + 1
+        elif self.mode == "header":
+            self.header.append(token)
+
+    def feed(self, token_ids: list[int]) -> None:
+        for i in range(self.seen, len(token_ids)):
+            self._step(token_ids[i], i)
+        self.seen = len(token_ids)
+
+    @property
+    def ended(self) -> bool:
+        """The final channel's body began."""
+        return any(is_answer for is_answer, _, _ in self.spans)
+
+    @property
+    def has_reasoning(self) -> bool:
+        return any(not is_answer for is_answer, _, _ in self.spans)
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """Tokens up to the end of the last reasoning message (its headers included), or to the end
+        of the output while a reasoning message is still open."""
+        if self.spans and not self.spans[-1][0] and self.spans[-1][2] is None:
+            return self.seen
+        return self.reasoning_to
+
+    def parts(self, text: str, ends: list[int]) -> tuple[str, str]:
+        """``(reasoning, answer)`` cut out of ``text`` by token offsets, as ``ReasoningSplit.parts``."""
+
+        def begin(i: int) -> int:
+            return min(ends[i - 1] if i > 0 else 0, len(text)) if i <= len(ends) else len(text)
+
+        reasoning: list[str] = []
+        answer: list[str] = [text if self.plain_to is None and not self.spans else text[: begin(self.plain_to or 0)]]
+        for is_answer, first, last in self.spans:
+            body = text[begin(first) : len(text) if last is None else begin(last)]
+            (answer if is_answer else reasoning).append(body)
+        return "\n".join(reasoning), "".join(answer)
 
 
 class TokenOffsets:

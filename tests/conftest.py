@@ -52,6 +52,8 @@ TIERS: dict[str, tuple[str, ...]] = {
         "engine/test_host_malloc.py",
         "kernels/test_native_module.py",
         "models/test_stories.py",
+        "lora/test_lora_server.py",
+        "models/test_gguf_vs_llama_cpp.py",
     ),
     "parallel": ("parallel/",),
     "slow": (
@@ -60,6 +62,9 @@ TIERS: dict[str, tuple[str, ...]] = {
         "kernels/test_triton_",
         "layers/test_triton_",
         "layers/test_gptq.py",
+        "lora/test_lora_kernels.py",
+        "lora/test_lora_engine.py",
+        "models/test_gguf_moe.py",
     ),
     "native": (
         "kernels/test_cpu_native.py",

@@ -14,6 +14,7 @@ FAMILIES = (
     "granite",
     "smollm3",
     "olmo2",
+    "olmo3",
     "phi3",
     "gemma2",
     "gemma3",
@@ -22,6 +23,8 @@ FAMILIES = (
     "qwen3_moe",
     "olmoe",
     "gpt_oss",
+    "deepseek_v2_lite",
+    "deepseek_v2",
 )
 
 
@@ -79,6 +82,20 @@ def make_config(family: str, **overrides):
 
         cls = Olmo2Config
         common["rms_norm_eps"] = 1e-2  # far from the default (1e-5) and from llmctl's fallback (1e-6)
+    elif family == "olmo3":
+        from transformers import Olmo3Config
+
+        cls = Olmo3Config
+        # a window shorter than the tests' prompts, local layers around a global one, and YaRN on the
+        # global layer's rope only (transformers 5's rope_parameters per layer type)
+        common.update(
+            num_hidden_layers=3,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rms_norm_eps=1e-2,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+            pad_token_id=None,
+        )
     elif family == "phi3":
         from transformers import Phi3Config
 
@@ -212,6 +229,56 @@ def make_config(family: str, **overrides):
             },
             pad_token_id=None,
         )
+    elif family.startswith("deepseek_v2"):
+        from transformers import DeepseekV2Config
+
+        cls = DeepseekV2Config
+        # MLA over a latent of 32 + 16 (V2-Lite's shape: no q_lora_rank), a dense first layer, then
+        # top-2 of 6 experts plus a shared one, weights scaled by 1.5
+        common.update(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=24,
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.5,
+            rms_norm_eps=1e-3,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+            pad_token_id=None,
+        )
+        if family == "deepseek_v2":
+            # DeepSeek-V2's shape: q through a q_lora_rank bottleneck, group-limited routing (top-2 within
+            # the best of 2 groups of 4 experts), two shared experts, YaRN over an original context (32)
+            # that prompts and generations cross, with mscale != mscale_all_dim so that both the
+            # rotary factor and the softmax scale move
+            common.update(
+                kv_lora_rank=16,
+                q_lora_rank=24,
+                v_head_dim=16,
+                n_routed_experts=8,
+                topk_method="group_limited_greedy",
+                n_group=2,
+                topk_group=1,
+                n_shared_experts=2,
+                max_position_embeddings=128,  # factor x original, as transformers expects of YaRN
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 1000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                    "beta_fast": 8.0,
+                    "beta_slow": 1.0,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 0.5,
+                },
+            )
     else:
         raise ValueError(family)
     common.update(overrides)

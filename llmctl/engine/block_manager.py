@@ -11,8 +11,9 @@ A block's life::
 A full block's cache key is ``(hash of the previous block's key, its token ids)``, so a hit means
 the whole prefix up to and including that block matches (the dict compares the token ids; only
 the parent link relies on a hash); the first block's parent is the KV cache dtype, so a cache key
-never matches blocks stored in another format. Only full blocks are cached, and they are never written
-again, so sharing them needs no copy. The one block that can be shared *and* written is the
+never matches blocks stored in another format, and the sequence's LoRA adapter, so requests on
+different adapters (or on the base model) never share blocks. Only full blocks are cached, and
+they are never written again, so sharing them needs no copy. The one block that can be shared *and* written is the
 partial last block of ``n > 1`` samples forked from one prompt: the first sharer to write into it
 gets a private copy (copy-on-write), recorded in ``pending_copies`` for the model runner.
 
@@ -156,6 +157,11 @@ class BlockManager:
         groups = range(len(seq.block_tables)) if group is None else [group]
         return sum(1 for g in groups if g < len(seq.block_tables) for b in seq.block_tables[g] if b != NULL_BLOCK)
 
+    def chain_root(self, seq: Sequence) -> str:
+        """The first block's parent in the hash chain: the KV dtype and the LoRA adapter (its id:
+        a name loaded again is another adapter)."""
+        return self.kv_cache_dtype if seq.lora is None else f"{self.kv_cache_dtype}+lora{seq.lora.id}"
+
     def find_cached_prefix(self, seq: Sequence) -> list[int] | PrefixHit:
         """The longest run of cached blocks matching the sequence's leading tokens. At least one
         token is always left to compute, because its logits are needed to sample. With several
@@ -165,7 +171,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent: int | str = self.kv_cache_dtype
+        parent: int | str = self.chain_root(seq)
         bs = self.block_size
         for i in range((seq.num_tokens - 1) // bs):
             key = (parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
@@ -182,7 +188,7 @@ class BlockManager:
         bs = self.block_size
         full = [self.caches[g] for g, w in enumerate(self.group_windows) if w is None]
         keys: list[CacheKey] = []
-        parent: int | str = self.kv_cache_dtype
+        parent: int | str = self.chain_root(seq)
         for i in range((seq.num_tokens - 1) // bs):  # full groups need every block of the hit
             key = (parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
             if any(key not in cache for cache in full):
@@ -360,7 +366,7 @@ class BlockManager:
         bs, group = self.block_size, self.cache_group
         tables = seq.block_tables
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // (bs * group) * group):
-            parent = seq.block_hashes[-1] if i else self.kv_cache_dtype
+            parent = seq.block_hashes[-1] if i else self.chain_root(seq)
             key = (parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
             seq.block_hashes.append(hash(key))
             for g, table in enumerate(tables):

@@ -39,7 +39,10 @@ from llmctl.engine.sequence import FinishReason, Sequence
 from llmctl.engine.stats import EngineCounters, EngineStats, Speculation
 from llmctl.errors import ConfigError, InvalidRequestError, ModelLoadError
 from llmctl.layers.backends import build_ops
+from llmctl.layers.mla import LatentAttention
 from llmctl.layers.moe import StackedExperts, expert_stats
+from llmctl.lora.adapter import LoRAAdapter, LoRAAdapterError
+from llmctl.lora.manager import LoRAManager
 from llmctl.models.embedded import EMBEDDED_LABEL, EMBEDDED_MODEL_NAME, load_embedded
 from llmctl.models.gguf_files import resolve_gguf_spec
 from llmctl.models.loader import load_model
@@ -89,6 +92,7 @@ class LLMEngine:
         self.kv_groups = kv_groups(self.model)
         self._check_kv_groups()
         num_blocks, num_residual, self.max_model_len = self._size_kv_pool()
+        self.lora = self._build_lora()  # None: this engine serves no LoRA adapters
         self.runner = ModelRunner(
             self.model,
             num_blocks=num_blocks,
@@ -98,6 +102,7 @@ class LLMEngine:
             kv_format=self.kv_format,
             num_residual_slots=num_residual,
             groups=self.kv_groups,
+            lora=self.lora,
         )
         if self.parallel is not None:
             from llmctl.parallel.driver import ParallelRunner
@@ -161,6 +166,7 @@ class LLMEngine:
                 num_speculative_tokens=config.num_speculative_tokens if config.speculative_model else 0,
                 kv_cache_dtype=config.kv_cache_dtype,
                 batches_in_flight=batches_in_flight,
+                max_loras=config.max_loras if self.lora is not None else 0,
             ),
             block_manager,
             propose_drafts=self.speculator.lookahead if self.speculator is not None else None,
@@ -182,6 +188,44 @@ class LLMEngine:
             else None,
         )
         self._request_counter = itertools.count()
+
+    def _build_lora(self) -> LoRAManager | None:
+        """The LoRA slots and adapters (--enable-lora / --lora-modules); a bad adapter stops the start."""
+        config = self.config
+        if not config.lora_enabled:
+            return None
+        manager = LoRAManager(
+            self.model,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
+            kernels=self.kernels,
+            dtype=self.dtype,
+        )
+        for entry in config.lora_modules:
+            name, sep, path = entry.partition("=")
+            if not (sep and name and path):
+                raise ConfigError(f"--lora-modules {entry!r}: expected NAME=PATH")
+            try:
+                manager.add(name, path)
+            except LoRAAdapterError as e:
+                raise ConfigError(str(e)) from None
+        return manager
+
+    def add_lora(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Load a PEFT adapter to serve as ``name``; raises ``LoRAAdapterError`` (nothing changed)."""
+        return self._lora_manager().add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``; its running requests finish with it."""
+        self._lora_manager().remove(name)
+
+    def lora_names(self) -> list[str]:
+        return [] if self.lora is None else list(self.lora.adapters)
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (give it some: --lora-modules)")
+        return self.lora
 
     def _settings(self) -> dict[str, Any]:
         """The stats snapshot's ``config`` section: what this engine runs with, fixed at start-up."""
@@ -234,7 +278,9 @@ class LLMEngine:
         if name == "auto":
             name = f"auto ({str(self.dtype).removeprefix('torch.')})"
         off = "" if self.prefix_caching_why_not is None else f", no prefix caching ({self.prefix_caching_why_not})"
-        return f"KV {name}, {self.kv_format.bytes_per_token():g} B/token{off}"
+        mla = any(isinstance(layer, LatentAttention) for layer in self.model.attention_layers())
+        latent = ", latent KV (MLA)" if mla else ""
+        return f"KV {name}, {self.kv_format.bytes_per_token():g} B/token{latent}{off}"
 
     def _check_kv_groups(self) -> None:
         """Refuse what does not take several KV-cache groups (a model mixing full and sliding
@@ -350,12 +396,15 @@ class LLMEngine:
         user: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora: str | LoRAAdapter | None = None,
     ) -> str:
         """Validate and queue a request; raises ``InvalidRequestError`` (allocating nothing) when it
         can never run. This is where requests are validated, once, whoever sends them. With
-        ``PoolingParams`` the prompt is prefilled and pooled into one vector (``RequestOutput.pooled``)."""
+        ``PoolingParams`` the prompt is prefilled and pooled into one vector (``RequestOutput.pooled``).
+        ``lora``: the name of a loaded LoRA adapter to run it with (None: the base model)."""
+        adapter = None if lora is None else self._lora_manager().resolve(lora)
         if isinstance(params, PoolingParams):
-            return self._add_pooling_request(prompt, params, request_id, user, priority, arrival_time)
+            return self._add_pooling_request(prompt, params, request_id, user, priority, arrival_time, adapter)
         params = params or SamplingParams()
         params.validate()
         request_id = request_id or f"req-{next(self._request_counter)}"
@@ -399,6 +448,7 @@ class LLMEngine:
             priority=priority,
             arrival_time=now,
             pending_forks=params.n - 1,
+            lora=adapter,
         )
         seed = params.sample_seed(0)
         if seed is not None:
@@ -419,6 +469,7 @@ class LLMEngine:
         user: str | None,
         priority: int,
         arrival_time: float | None,
+        adapter: LoRAAdapter | None = None,
     ) -> str:
         pooling.validate()
         if self.parallel is not None:
@@ -442,7 +493,7 @@ class LLMEngine:
         seq = Sequence(
             request_id, list(token_ids), len(token_ids), params, user=user, priority=priority, arrival_time=now
         )
-        seq.pooling = pooling
+        seq.pooling, seq.lora = pooling, adapter
         state = RequestState(request_id, text, token_ids, params, user, RequestMetrics(now), pooling=pooling)
         self.output_processor.add_request(state, seq)
         self.stats.request_added(len(token_ids))

@@ -28,6 +28,7 @@ from llmctl.layers.embedding import ParallelLMHead
 from llmctl.layers.ops import AttentionMetadata
 from llmctl.layers.quantization.matmul import bound_cpu_kernel
 from llmctl.layers.quantization.methods import PackedLinearMethod
+from llmctl.lora.manager import LoRAManager
 from llmctl.models.native_decode import build_native_decode
 from llmctl.models.registry import CausalLM
 
@@ -141,10 +142,13 @@ class ModelRunner:
         kv_format: KVFormat | None = None,
         num_residual_slots: int = 0,
         groups: list[KVGroup] | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         """``groups``: the KV-cache groups the block manager keeps tables for (``kv_groups``);
-        None: one group of every layer (a draft model, a tensor-parallel worker)."""
+        None: one group of every layer (a draft model, a tensor-parallel worker). ``lora``: the
+        engine's LoRA slots (None: no adapters)."""
         self.model = model
+        self.lora = lora
         self.block_size = block_size
         self.device = device
         layers = model.attention_layers()
@@ -194,10 +198,18 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices = self.prepare(sched)
         if self.quantized_kv is not None:
             self.quantized_kv.begin_batch(meta, positions)
-        if self.native_decode is not None and meta.num_prefill_tokens == 0:
-            hidden = self.native_decode(input_ids, positions, meta)
-        else:
-            hidden = self.model(input_ids, positions, meta)
+        # every token's adapter, in batch order; the native decode loop runs the base model only
+        adapted = self.lora is not None and self.lora.begin_batch(
+            (item.seq.lora, item.num_new_tokens) for item in sched.scheduled
+        )
+        try:
+            if self.native_decode is not None and meta.num_prefill_tokens == 0 and not adapted:
+                hidden = self.native_decode(input_ids, positions, meta)
+            else:
+                hidden = self.model(input_ids, positions, meta)
+        finally:
+            if adapted:
+                self.lora.end_batch()
         logits = self.model.compute_logits(hidden[logits_indices]).float()
         verify_logits = None
         if sched.verifies:  # prepare put the verify rows last

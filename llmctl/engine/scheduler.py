@@ -15,6 +15,10 @@ Every step:
    the user holding the most seats above its share is preempted to make room, if that user keeps
    its share (a prompt that forks ``n > 1`` samples holds ``n`` seats).
 
+4. **LoRA slots.** Running sequences use at most ``max_loras`` distinct adapters (the device slots
+   every batch's adapters must fit): a request whose adapter would be one more waits, and its user's
+   queue with it, until a running adapter's last sequence ends.
+
 The scheduler never fails a request for lack of blocks: preempted sequences wait at the head of
 their user's queue and resume, finding their full blocks again in the prefix cache.
 
@@ -58,6 +62,8 @@ class SchedulerConfig:
     # Pipeline parallelism (llmctl/parallel/pipeline.py): batches in flight at once, which share the
     # live sequences, each taking at most its share so that every stage has a batch to run.
     batches_in_flight: int = 1
+    # LoRA (llmctl/lora/): most distinct adapters among running sequences (--max-loras; 0: no LoRA)
+    max_loras: int = 0
 
 
 @dataclass
@@ -316,6 +322,9 @@ class Scheduler:
             if user is None:
                 break
             seq = self.waiting[user][0][3]
+            if not self._lora_fits(seq):
+                blocked_users.add(user)  # waits for a LoRA slot; other users' requests may go first
+                continue
             seats = 1 + seq.pending_forks  # n > 1: its samples will be forked into seats of their own
             while self._seats_in_use() + seats > self.config.max_num_seqs:
                 if not self._preempt_for_fairness(user, out, scheduled):
@@ -356,6 +365,13 @@ class Scheduler:
             self.resumed_hit_tokens += cached_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether admitting ``seq`` keeps the running adapters within ``max_loras``."""
+        if seq.lora is None:
+            return True
+        running = {s.lora.id for s in self.running if s.lora is not None}
+        return seq.lora.id in running or len(running) < self.config.max_loras
 
     def _seats_by_user(self) -> dict[str, int]:
         """Seats held: a running sequence holds one, plus one per sample it will fork (n > 1)."""

@@ -13,6 +13,7 @@ from llmctl.pooling_params import PoolingParams
 from llmctl.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from llmctl.lora.adapter import LoRAAdapter
     from llmctl.structured.backend import GrammarMatcher
 
 
@@ -66,6 +67,7 @@ class Sequence:
     # A pooling request (llmctl/engine/pooler.py): its prompt is prefilled and pooled, never sampled
     # (``params`` is then a placeholder); it ends, and gives its blocks back, when the prefill does.
     pooling: PoolingParams | None = None
+    lora: LoRAAdapter | None = None  # the LoRA adapter it runs with (None: the base model)
 
     def fork(self, index: int) -> Sequence:
         """Sample ``index`` of the same request: the same tokens so far, its own seed (``seed + index``)
@@ -80,6 +82,7 @@ class Sequence:
             arrival_time=self.arrival_time,
             index=index,
             num_cached_tokens=self.num_cached_tokens,
+            lora=self.lora,
         )
         seed = self.params.sample_seed(index)
         if seed is not None and self.generator is not None:

@@ -112,10 +112,18 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     dst.copy_(src)
 
 
+class LoRADelta(Protocol):
+    """Adds the batch's LoRA deltas to a projection's output (llmctl/lora/slots.py)."""
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor: ...
+
+
 class LinearBase(nn.Module):
-    """``tp_dim`` is the weight dimension split across ranks (0 = output, 1 = input, None = replicated)."""
+    """``tp_dim`` is the weight dimension split across ranks (0 = output, 1 = input, None = replicated).
+    ``lora``: set by the LoRA manager; the base projection's output gets its delta here."""
 
     tp_dim: int | None = None
+    lora: LoRADelta | None = None
 
     def __init__(
         self,
@@ -153,7 +161,8 @@ class LinearBase(nn.Module):
         self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+        out = self.method.apply(self, x, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -256,5 +265,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the partial sums are reduced.
-        out = self.tp.all_reduce(self.method.apply(self, x, None))
+        out = self.method.apply(self, x, None)
+        if self.lora is not None:
+            out = self.lora(x, out)
+        out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias

@@ -5,8 +5,9 @@ token, and each active expert runs once over the tokens routed to it.
   ``mlp.gate``, with a bias where the family has one), scores, top-k, optional renormalization of
   the chosen weights. Softmax scoring then top-k is what Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE
   use; gpt-oss takes the top-k of the raw logits and a softmax over those k (``topk_softmax``).
-  The spec carries the fields sigmoid scoring and grouped top-k (DeepSeek) would need, refused
-  until a family brings them.
+  DeepSeek-V2's ``group_limited_greedy`` first keeps the ``topk_groups`` best of ``num_groups``
+  expert groups (a group scores its best expert) and takes the top-k among their experts; its
+  ``routed_scaling_factor`` scales the final weights.
 - ``StackedExperts``: every expert's weights in one tensor per projection, ``w13: [E, 2 * I, H]``
   (gate rows, then up rows) and ``w2: [E, H, I]``, so a kernel gets one tensor. Its forward sorts
   the batch's (token, slot) pairs by expert id, gathers their rows once, runs each active expert's
@@ -81,10 +82,16 @@ class RouterSpec:
             raise ValueError(
                 f"router scoring {self.scoring!r} is not implemented (llmctl routes by {', '.join(ROUTER_SCORINGS)})"
             )
-        if self.num_groups != 1 or self.topk_groups != 1:
-            raise ValueError("grouped top-k routing is not implemented")
+        if self.num_experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:
+            raise ValueError(
+                f"grouped top-k: {self.num_experts} experts in {self.num_groups} groups, best {self.topk_groups}"
+            )
+        if self.num_groups > 1 and self.scoring != "softmax":
+            raise ValueError("grouped top-k routing takes softmax scores")
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} experts per token out of {self.num_experts}")
+        if self.top_k > self.topk_groups * (self.num_experts // self.num_groups):
+            raise ValueError(f"top_k={self.top_k} experts per token out of the {self.topk_groups} groups kept")
         if self.weights_dtype not in ("input", "float32"):
             raise ValueError(f"weights_dtype {self.weights_dtype!r}: 'input' or 'float32'")
         if self.scoring == "topk_softmax" and self.norm_topk_prob:
@@ -93,7 +100,8 @@ class RouterSpec:
 
 def route(logits: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """``[T, E]`` router logits -> routing weights ``[T, top_k]`` and expert ids ``[T, top_k]``
-    (int64), best first: softmax in fp32, top-k, optional renormalization, as transformers'
+    (int64), best first: softmax in fp32 (zero outside the best groups with ``num_groups`` > 1),
+    top-k, optional renormalization and scaling, as transformers'
     ``*TopKRouter`` modules compute them; or (``topk_softmax``, gpt-oss) top-k of the logits and
     the softmax of those k in fp32 (transformers' ``GptOssTopKRouter`` takes it in the logits'
     dtype: the same in fp32)."""
@@ -102,6 +110,8 @@ def route(logits: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.T
         weights = torch.softmax(top, dim=-1, dtype=torch.float32)
     else:
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if spec.num_groups > 1:
+            probs = _keep_best_groups(probs, spec.num_groups, spec.topk_groups)
         weights, ids = torch.topk(probs, spec.top_k, dim=-1)
     if spec.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -110,6 +120,15 @@ def route(logits: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.T
     if spec.weights_dtype == "input":
         weights = weights.to(logits.dtype)
     return weights, ids
+
+
+def _keep_best_groups(probs: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """``probs [T, E]`` with every expert outside each token's ``topk_groups`` best groups set to
+    0 (a group scores its best expert), as transformers' ``DeepseekV2TopkRouter`` masks them."""
+    grouped = probs.view(probs.shape[0], num_groups, -1)
+    best = torch.topk(grouped.amax(dim=-1), topk_groups, dim=-1).indices
+    keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=probs.device).scatter_(1, best, True)
+    return grouped.masked_fill(~keep[..., None], 0.0).view_as(probs)
 
 
 class Router(LinearBase):
@@ -204,9 +223,11 @@ class StackedExperts(nn.Module):
         bias: bool = False,
         concatenated: bool = True,
         transposed: bool = False,
+        fused: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.tp, self.act = tp, act
+        self.fused = fused  # the kernel set's fused experts (``TritonOps.fused_experts``), else the loop below
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.concatenated, self.transposed = concatenated, transposed
         self.intermediate_size = tp.shard(intermediate_size, "expert intermediate size")  # this rank's
@@ -285,7 +306,9 @@ class StackedExperts(nn.Module):
         """fp32 on a CPU with the native GEMM: each expert's matrices packed into panels (one
         tensor per projection still), for the batch-invariant native kernel."""
         w13 = self.w13.data
-        if self.panels or w13.device.type != "cpu" or w13.dtype != torch.float32 or native_gemm() is None:
+        if self.fused is not None or self.panels or w13.device.type != "cpu" or w13.dtype != torch.float32:
+            return
+        if native_gemm() is None:
             return
         from llmctl_kernels.fp32_linear import pack_panels
 
@@ -298,9 +321,12 @@ class StackedExperts(nn.Module):
         rank's partial sum under tensor parallelism)."""
         num_tokens, top_k = ids.shape
         flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, in token order
         counts = torch.bincount(flat, minlength=self.num_experts)
         self.recent_counts.append(counts)
+        if self.fused is not None:
+            w2_bias = self.w2_bias if self.tp.rank == 0 else None  # once in the ranks' sum
+            return self.fused(x, self.w13, self.w2, weights, ids, self.act, self.w13_bias, w2_bias)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, in token order
         rows = x.index_select(0, order // top_k)
         out = torch.empty(rows.shape[0], self.hidden_size, dtype=x.dtype, device=x.device)
         gate_up_size = 2 * self.intermediate_size
@@ -342,11 +368,14 @@ class SparseMoeBlock(nn.Module):
         act: Callable[[torch.Tensor], torch.Tensor],
         shared_expert: nn.Module | None = None,
         shared_expert_gate: bool = False,
+        fused_experts: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.gate = Router(hidden_size, spec, dtype=dtype, tp=tp)
-        self.experts = StackedExperts(spec.num_experts, hidden_size, intermediate_size, dtype=dtype, tp=tp, act=act)
+        self.experts = StackedExperts(
+            spec.num_experts, hidden_size, intermediate_size, dtype=dtype, tp=tp, act=act, fused=fused_experts
+        )
         self.shared_expert = shared_expert
         self.shared_expert_gate = LinearBase(hidden_size, 1, False, dtype, tp, None) if shared_expert_gate else None
 

@@ -8,6 +8,7 @@ decided in llmctl/platform.py and built by ``llmctl.layers.backends.build_ops``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -79,6 +80,8 @@ class TorchOps:
     native CPU kernels taking over where they apply (see ``__init__``)."""
 
     name = "torch"
+    # a mixture-of-experts layer's experts in one kernel call (TritonOps); None: StackedExperts' loop
+    fused_experts: Callable[..., torch.Tensor] | None = None
 
     def __init__(self, native_cpu: bool = False, kernels: KernelSet | None = None) -> None:
         self.kernels = kernels  # the engine's kernel set (llmctl/platform.py); None for a model built without one

@@ -7,6 +7,7 @@ that in ``tests/conftest.py``). ``llmctl.layers.backends.build_ops`` imports thi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +20,7 @@ from llmctl_kernels.decode_attention import (
     paged_decode_attention_triton,
 )
 from llmctl_kernels.kv_store import kivi_quantize_blocks_triton, quantize_and_cache_triton, reshape_and_cache_triton
+from llmctl_kernels.moe_triton import fused_experts_triton
 from llmctl_kernels.prefill_attention import (
     paged_prefill_attention_quantized_triton,
     paged_prefill_attention_triton,
@@ -62,6 +64,19 @@ class TritonOps(TorchOps):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_triton(x)
+
+    def fused_experts(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        act: Callable[[torch.Tensor], torch.Tensor],
+        w13_bias: torch.Tensor | None,
+        w2_bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return fused_experts_triton(x, w13, w2, weights, ids, act, w13_bias, w2_bias)
 
     def store_kv(
         self,

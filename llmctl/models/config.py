@@ -3,6 +3,7 @@ transformers versions (``rope_scaling``/``rope_theta`` in v4, ``rope_parameters`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,12 @@ class ModelConfig:
     # Per layer, as transformers names them: "sliding_attention" (attends within ``sliding_window``)
     # or "full_attention". Empty: every layer sliding when ``sliding_window`` is set, else full.
     layer_types: list[str] = field(default_factory=list)
+    # (rope base, rope scaling or None) of a layer type whose rotary differs from the model's
+    # ``rope_theta`` / ``rope_scaling`` (transformers 5 writes ``rope_parameters`` per layer type:
+    # OLMo 3 scales the full-attention layers' rope only)
+    layer_rope: dict[str, tuple[float, dict[str, Any] | None]] = field(default_factory=dict)
+    # checkpoint-name prefix -> the text model's, None: not read (a multimodal checkpoint's other towers)
+    checkpoint_prefixes: tuple[tuple[str, str | None], ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     dtype_choice: DtypeChoice | None = field(default=None, repr=False)  # set by resolve_dtype
 
@@ -90,6 +97,10 @@ class ModelConfig:
         if not self.layer_types:
             kind = "sliding_attention" if self.sliding_window else "full_attention"
             self.layer_types = [kind] * self.num_layers
+
+    def rope_for(self, layer_type: str) -> tuple[float, dict[str, Any] | None]:
+        """The rotary base and scaling of the layers of ``layer_type``."""
+        return self.layer_rope.get(layer_type, (self.rope_theta, self.rope_scaling))
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer ``layer`` in tokens (None: it attends to the whole
@@ -110,6 +121,8 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"{source}: architecture {named} is not supported; llmctl runs " + ", ".join(registry.architectures())
             )
+        if spec.text_architecture is not None:
+            return cls._text_model_of(spec, cfg, source)
         arch, family = spec.architecture, spec.model_type
         # a bare decoder (an embedding model's checkpoint) has no LM head: the embeddings stand in
         base_model = any(registry.is_base_model(name) for name in archs) and registry.family_for(archs[0]) is spec
@@ -117,13 +130,11 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             num_heads = int(cfg["num_attention_heads"])
             rope = cfg.get("rope_parameters") or {}
-            rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-            if rope_scaling is not None:
-                rope_scaling = dict(rope_scaling)
-                rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-                rope_scaling["rope_type"] = rope_type
-                if rope_type == "default":
-                    rope_scaling = None
+            per_type = {kind: rope[kind] for kind in _LAYER_TYPES if isinstance(rope.get(kind), dict)}
+            if per_type:  # transformers 5, per layer type: the model's own rope is the full layers'
+                rope = per_type.get("full_attention") or next(iter(per_type.values()))
+            rope_scaling = _rope_scaling(cfg.get("rope_scaling") or rope)
+            rope_theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
             eos = cfg.get("eos_token_id")
             eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
             use_sliding = cfg.get("use_sliding_window", spec.sliding_window_by_default)
@@ -142,7 +153,7 @@ class ModelConfig:
                 head_dim=int(cfg.get("head_dim") or hidden // num_heads),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=base_model or bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", spec.attention_bias)),
@@ -153,10 +164,33 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 layer_types=layer_types,
+                layer_rope={
+                    kind: (float(params.get("rope_theta", rope_theta)), _rope_scaling(params))
+                    for kind, params in per_type.items()
+                    if params is not rope
+                },
                 raw=cfg,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"{source}: missing or malformed field {exc}") from exc
+
+    @classmethod
+    def _text_model_of(cls, spec: registry.ModelFamily, cfg: dict[str, Any], source: str) -> ModelConfig:
+        """A multimodal checkpoint as its text model: ``text_config`` (with the outer config's dtype
+        and special tokens where it has none) and the family's checkpoint-name prefixes."""
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ModelLoadError(f"{source}: {spec.architecture} without a text_config")
+        inherited = {key: cfg[key] for key in _INHERITED_BY_TEXT_CONFIG if key in cfg and key not in text}
+        config = cls.from_dict({**inherited, **text, "architectures": [spec.text_architecture]}, source)
+        return dataclasses.replace(config, checkpoint_prefixes=spec.checkpoint_prefixes)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as the model's (None: a tensor llmctl does not read)."""
+        for prefix, replacement in self.checkpoint_prefixes:
+            if name.startswith(prefix):
+                return None if replacement is None else replacement + name[len(prefix) :]
+        return name
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -174,6 +208,21 @@ class ModelConfig:
         ``self.dtype_choice`` for the startup line."""
         self.dtype_choice = choose_dtype(requested, self.torch_dtype, device)
         return self.dtype_choice.dtype
+
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+# what a multimodal config.json says at its top level for the text model too
+_INHERITED_BY_TEXT_CONFIG = ("torch_dtype", "dtype", "bos_token_id", "eos_token_id", "tie_word_embeddings")
+
+
+def _rope_scaling(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A transformers rope dict as llmctl's scaling (``rope_type`` always set), None for the
+    default rope."""
+    if not params:
+        return None
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    return None if rope_type == "default" else {**scaling, "rope_type": rope_type}
 
 
 # transformers' Qwen2Config / Qwen3Config default for ``max_window_layers`` when config.json omits it

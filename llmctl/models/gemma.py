@@ -29,9 +29,10 @@ layers with their own base (``rope_local_base_freq``, default 10,000; no scaling
 with ``rope_theta`` (default 1,000,000) and ``rope_scaling``; transformers' Gemma 3 attention does
 not apply ``attn_logit_softcapping``, so neither does this.
 
-Not run: ``use_bidirectional_attention`` (EmbeddingGemma), an activation other than GeLU-tanh, and
-Gemma 3's multimodal checkpoints (``Gemma3ForConditionalGeneration``: their config.json nests the
-text model under ``text_config`` and their tensors carry other names)."""
+Gemma 3's multimodal checkpoints (``Gemma3ForConditionalGeneration``) run as their text model: the
+registry entry reads ``text_config`` and maps the text model's tensor names (the vision tower is
+not read). Not run: ``use_bidirectional_attention`` (EmbeddingGemma) and an activation other than
+GeLU-tanh."""
 
 from __future__ import annotations
 

@@ -15,6 +15,11 @@ llama.cpp's converter interleaves the rows of Q and K per head for the ``llama``
 (its rotary pairs adjacent elements; llmctl, like transformers, rotates halves); the rows are put
 back here, which is exact for packed weights too because whole rows move. Its Gemma converters store
 every norm weight plus 1 (llama.cpp's norm has no ``1 + w``); the 1 is taken off again.
+
+Mixture-of-experts files (``expert_count`` > 0; Mixtral is ``llama`` with experts) store each
+layer's experts as stacked gate, up and down tensors; once a layer's are read, the family's
+``gguf_experts`` function turns them into its checkpoint's stacked tensors. Those are dequantized
+at load (no packed kernel takes a stack of matrices yet), as is any MXFP4 tensor.
 """
 
 from __future__ import annotations
@@ -37,10 +42,13 @@ from llmctl.models.config import ModelConfig
 from llmctl.models.gguf_reader import read_gguf
 from llmctl.models.gguf_tokenizer import GGUFTokenizerError, build_gguf_tokenizer
 from llmctl.models.loader import build_model, load_weights
-from llmctl.models.registry import CausalLM, ModelFamily, family_for_gguf, gguf_architectures
+from llmctl.models.registry import CausalLM, ModelFamily, family_for, family_for_gguf, gguf_architectures
 from llmctl.tokenizer import Tokenizer
 from llmctl_kernels.packed_formats import PackedWeight
 
+# The stacked expert tensors of a layer ([experts, out, in] each), as llama.cpp's table names them;
+# a family's ``gguf_experts`` hook turns them into its checkpoint's tensors.
+_EXPERTS = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
 # llmctl's module names (its models keep transformers' checkpoint names). What each is called in a
 # file of a given architecture is llama.cpp's own table (``gguf.TensorNameMap``, the converter's).
 _HF_GLOBAL = ("model.embed_tokens", "model.norm", "lm_head")
@@ -58,7 +66,19 @@ _HF_LAYER = (
     "mlp.gate_proj",
     "mlp.up_proj",
     "mlp.down_proj",
+    "self_attn.sinks",
+    # mixture-of-experts blocks: the router, a shared expert and its gate, the stacked experts
+    "mlp.gate",
+    "mlp.shared_expert.gate_proj",
+    "mlp.shared_expert.up_proj",
+    "mlp.shared_expert.down_proj",
+    "mlp.shared_expert_gate",
+    *_EXPERTS,
 )
+# Parameters a checkpoint names without ``.weight``
+_BARE_PARAMETERS = ("self_attn.sinks",)
+# Small matrices of MoE blocks that are not linear layers of the packed kernels: read as float
+_FLOAT_ONLY = ("mlp.gate", "mlp.router", "mlp.shared_expert_gate")
 # Tensors that carry configuration, not weights: read into the config (rope scaling)
 _CONFIG_TENSORS = tuple(
     f"{TENSOR_NAMES[t]}.weight"
@@ -67,11 +87,12 @@ _CONFIG_TENSORS = tuple(
 
 
 @functools.cache
-def tensor_names(gguf_architecture: str) -> tuple[dict[str, str], dict[str, str]]:
+def tensor_names(gguf_architecture: str, experts: bool | None = None) -> tuple[dict[str, str], dict[str, str]]:
     """(file name -> Hugging Face module) for the global tensors and, after ``blk.N.``, for those
-    of each layer, in files of ``gguf_architecture``: llmctl's names through llama.cpp's table for
-    that architecture, then the family's own entries (``ModelFamily.gguf_tensors``) where the table
-    gives one file name for several of ours (Phi-3's fused ``attn_qkv`` and ``ffn_up``)."""
+    of each layer, in files of ``gguf_architecture`` (``experts``: with expert tensors): llmctl's
+    names through llama.cpp's table for that architecture, then the family's own entries
+    (``ModelFamily.gguf_tensors``) where the table gives one file name for several of ours (Phi-3's
+    fused ``attn_qkv`` and ``ffn_up``, gpt-oss's router)."""
     arch = {name: arch for arch, name in MODEL_ARCH_NAMES.items()}.get(gguf_architecture, MODEL_ARCH.LLAMA)
     table = get_tensor_name_map(arch, 1)
     global_names = {table.get_name(hf): hf for hf in _HF_GLOBAL if table.get_name(hf)}
@@ -80,7 +101,7 @@ def tensor_names(gguf_architecture: str) -> tuple[dict[str, str], dict[str, str]
         name = table.get_name(f"model.layers.0.{hf}")
         if name is not None:
             layer_names[name.removeprefix("blk.0.")] = hf
-    family = family_for_gguf(gguf_architecture)
+    family = family_for_gguf(gguf_architecture, experts)
     layer_names.update(family.gguf_tensors if family is not None else ())
     return global_names, layer_names
 
@@ -137,7 +158,13 @@ def gguf_config_dict(
     values of the file's tensors that carry configuration (``rope_freqs.weight``, Phi-3's
     ``rope_factors_long/short.weight``); ``rope_freqs`` is the first of them, given alone."""
     arch = meta.get("general.architecture")
-    family = family_for_gguf(str(arch))
+    expert_count = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    family = family_for_gguf(str(arch), expert_count > 0)
+    if family is None and family_for_gguf(str(arch)) is not None:
+        raise UnsupportedModelError(
+            f"{path}: a {arch} GGUF {'with' if expert_count else 'without'} experts ({arch}.expert_count = "
+            f"{expert_count}) is not a family llmctl reads; run the model's safetensors checkpoint"
+        )
     if family is None:
         raise UnsupportedModelError(
             f"{path}: general.architecture {arch!r} is not supported; llmctl reads GGUF "
@@ -153,11 +180,6 @@ def gguf_config_dict(
             raise ModelLoadError(f"{path}: metadata field '{arch}.{name}' is missing")
         return value
 
-    if int(field("expert_count", 0) or 0) > 0:  # llama.cpp writes Mixtral as "llama" with experts
-        raise UnsupportedModelError(
-            f"{path}: a mixture-of-experts GGUF ({arch}.expert_count = {field('expert_count')}) is not read "
-            "yet; run the model's safetensors checkpoint"
-        )
     heads = int(field("attention.head_count"))
     hidden = int(field("embedding_length"))
     vocab = field("vocab_size", None) or len(meta.get("tokenizer.ggml.tokens", ()))
@@ -179,6 +201,11 @@ def gguf_config_dict(
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "sliding_window": field("attention.sliding_window", None) or None,  # 0: none (Phi-3's converter)
     }
+    if expert_count:  # layers without a router are dense (Qwen MoE's mlp_only_layers)
+        cfg["num_experts"] = cfg["num_local_experts"] = expert_count
+        cfg["num_experts_per_tok"] = int(field("expert_used_count"))
+        layers = range(cfg["num_hidden_layers"])
+        cfg["mlp_only_layers"] = [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
     if "rope_freqs.weight" in tensor_names:  # Llama 3.1+: llama.cpp stores the factors, not the parameters
         rope_freqs = config_tensors.get("rope_freqs.weight")
         if not rope_freqs or len(rope_freqs) != cfg["head_dim"] // 2:
@@ -271,12 +298,15 @@ def config_tensors_of(reader: GGUFReader) -> dict[str, list[float]]:
     }
 
 
-def _hf_name(gguf_name: str, gguf_architecture: str = "llama") -> str | None:
+def _hf_name(gguf_name: str, gguf_architecture: str = "llama", experts: bool | None = None) -> str | None:
     """The Hugging Face name of a tensor of a ``gguf_architecture`` file (None: not a weight llmctl knows)."""
-    global_names, layer_names = tensor_names(gguf_architecture)
+    global_names, layer_names = tensor_names(gguf_architecture, experts)
     parts = gguf_name.split(".")
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
-        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
+        module = layer_names[parts[2]]
+        if module in _BARE_PARAMETERS and parts[3] == "weight":
+            return f"model.layers.{parts[1]}.{module}"
+        return f"model.layers.{parts[1]}.{module}.{parts[3]}"
     if len(parts) == 2 and parts[0] in global_names:
         return f"{global_names[parts[0]]}.{parts[1]}"
     return None
@@ -295,8 +325,8 @@ def read_tensor(tensor: Any, row_order: np.ndarray | None = None) -> PackedWeigh
     raw = tensor.data if row_order is None else tensor.data[row_order]
     if tensor.tensor_type in gguf_quants.DENSE_TYPES:
         return gguf_quants.dense(raw, tensor.tensor_type, shape)
-    if len(shape) != 2:
-        raise ValueError(f"a quantized tensor must be a matrix, got shape {shape}")
+    if len(shape) != 2 or tensor.tensor_type not in gguf_quants.QUANTIZED_TYPES:
+        return gguf_quants.dequantized(raw, tensor.tensor_type, shape)  # stacked experts, MXFP4
     return gguf_quants.repack(raw, tensor.tensor_type, shape)
 
 
@@ -304,12 +334,14 @@ def iterate_gguf_tensors(
     reader: GGUFReader, cfg: ModelConfig, path: Path, family: ModelFamily
 ) -> Iterator[tuple[str, PackedWeight | torch.Tensor]]:
     """(Hugging Face name, packed or dense tensor) for every weight, as the family's checkpoint holds
-    it: Q/K rows restored where the converter interleaved them, the converter's norm offset taken off."""
+    it: Q/K rows restored where the converter interleaved them, the converter's norm offset taken off,
+    each layer's stacked experts handed to the family's ``gguf_experts`` hook once all are read."""
     heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}
+    experts = _ExpertTensors(reader, family, path)
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:  # read into the config (rope scaling), not a weight
             continue
-        name = _hf_name(tensor.name, str(family.gguf_architecture))
+        name = _hf_name(tensor.name, str(family.gguf_architecture), family.gguf_experts is not None)
         if name is None:
             raise ModelLoadError(f"{path}: tensor {tensor.name!r} does not belong to a {cfg.architecture}")
         proj = name.split(".")[-2]
@@ -324,7 +356,42 @@ def iterate_gguf_tensors(
             # stored as w + offset in float32; subtracting it back is exact, so the model's 1 + w
             # gives back the very value stored (and transformers' fp32 1 + w on the checkpoint)
             value = gguf_quants.to_float(value) - family.gguf_norm_offset
+        if name.rsplit(".", 1)[0].endswith(_FLOAT_ONLY):
+            value = gguf_quants.to_float(value)
+        if ".mlp.experts." in name:
+            yield from experts.add(name, gguf_quants.to_float(value))
+            continue
         yield name, value
+
+
+class _ExpertTensors:
+    """Collects each layer's stacked expert tensors (``mlp.experts.{gate,up,down}_proj`` weights and
+    biases, ``[experts, out, in]`` / ``[experts, out]`` as the file holds them) until the file has
+    no more of that layer, then hands them to the family's ``gguf_experts`` hook."""
+
+    def __init__(self, reader: GGUFReader, family: ModelFamily, path: Path) -> None:
+        self.hook = family.gguf_experts_hook()
+        self.path = path
+        self.expected: dict[str, int] = {}  # layer prefix -> its expert tensors in the file
+        for tensor in reader.tensors:
+            name = _hf_name(tensor.name, str(family.gguf_architecture), family.gguf_experts is not None)
+            if name is not None and ".mlp.experts." in name:
+                prefix = name.split(".experts.")[0]
+                self.expected[prefix] = self.expected.get(prefix, 0) + 1
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    def add(self, name: str, value: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        prefix, _, part = name.partition(".experts.")  # part: gate_proj.weight, down_proj.bias, ...
+        if self.hook is None:
+            raise ModelLoadError(f"{self.path}: tensor {name!r}: this family has no experts")
+        parts = self.pending.setdefault(prefix, {})
+        parts[part] = value
+        if len(parts) == self.expected[prefix]:
+            del self.pending[prefix]
+            try:
+                yield from self.hook(prefix, parts)
+            except (KeyError, ValueError, RuntimeError) as exc:
+                raise ModelLoadError(f"{self.path}: the experts of {prefix!r} cannot be read ({exc})") from exc
 
 
 def gguf_tokenizer(path: Path, meta: dict[str, Any] | None = None) -> Tokenizer:
@@ -381,7 +448,7 @@ def load_gguf(
         ops=ops,
         linear_method=linear_method_for(quantization) if quantization == "int8" else None,
     )
-    family = family_for_gguf(str(meta.get("general.architecture")))
+    family = family_for(cfg.architecture)
     tensors = iterate_gguf_tensors(reader, cfg, path, family)
     with torch.no_grad():
         if quantization != "auto":

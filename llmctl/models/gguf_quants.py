@@ -33,7 +33,9 @@ from llmctl_kernels.packed_formats import PackedInt4, PackedInt8, PackedWeight, 
 T = GGMLQuantizationType
 DENSE_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 QUANTIZED_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0)
-SUPPORTED_TYPES = tuple(DENSE_TYPES) + QUANTIZED_TYPES
+# Read by dequantizing at load (``dequantized``): no packed kernel takes them yet
+DEQUANTIZED_TYPES = (T.MXFP4,)
+SUPPORTED_TYPES = tuple(DENSE_TYPES) + QUANTIZED_TYPES + DEQUANTIZED_TYPES
 _NIBBLE_SHIFTS = np.array([0, 4], dtype=np.uint8)
 
 
@@ -125,6 +127,15 @@ def dense(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) 
     if qtype == T.BF16:
         return torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16).reshape(shape)
     return torch.from_numpy(data.copy()).reshape(shape)
+
+
+def dequantized(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
+    """A quantized tensor as float32, by ``gguf.quants.dequantize`` (the format authors' reference):
+    the stacked experts ``[experts, out, in]``, which the packed formats (matrices) do not hold, and
+    MXFP4 (its e2m1 values times a power of two are exact in float32)."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    return torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, qtype), dtype=np.float32)).reshape(shape)
 
 
 def _as_int8(packed: PackedWeight, group: int) -> PackedInt8:

@@ -15,12 +15,15 @@
 MXFP4 checkpoints (``quantization_config.quant_method: mxfp4``, the released ones) are dequantized
 to the run dtype while loading (llmctl/models/mxfp4.py): no packed MXFP4 kernel yet, so the
 experts take their full-precision size in memory. Defaults of fields a config.json leaves out are
-``GptOssConfig``'s."""
+``GptOssConfig``'s. A GGUF file's experts (gate, up and down stacked apart, with their biases;
+MXFP4 or another GGML type, dequantized at load) become transformers' layout in
+``gpt_oss_gguf_experts``."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -82,7 +85,7 @@ class GptOssMLP(nn.Module):
     """transformers' ``GptOssMLP``: ``router`` and ``experts`` (module docstring), every token
     through its top-k experts; one all-reduce of the routed sum under tensor parallelism."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel, ops: TorchOps) -> None:
         super().__init__()
         raw = cfg.raw
         num_experts = int(raw.get("num_local_experts", raw.get("num_experts", _DEFAULTS["num_local_experts"])))
@@ -109,6 +112,7 @@ class GptOssMLP(nn.Module):
             bias=True,
             concatenated=False,
             transposed=True,
+            fused=ops.fused_experts,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,7 +136,7 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, ops=ops)
         self.self_attn = GptOssAttention(cfg, dtype, tp, ops, method, rotary_emb)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, ops=ops)
-        self.mlp = GptOssMLP(cfg, dtype, tp)
+        self.mlp = GptOssMLP(cfg, dtype, tp, ops)
 
 
 class GptOssModel(LlamaModel):
@@ -174,3 +178,18 @@ def gpt_oss_config(cfg: ModelConfig) -> ModelConfig:
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg.num_layers)
         ]
     return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def gpt_oss_gguf_experts(prefix: str, parts: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """One layer's GGUF experts (gate and up ``[E, I, H]`` with ``[E, I]`` biases, down ``[E, H, I]``
+    with ``[E, H]``) in transformers' ``GptOssExperts`` layout: ``gate_up_proj`` ``[E, H, 2 I]`` with
+    gate and up in alternate columns, ``down_proj`` ``[E, I, H]``, and their biases."""
+    names = ("gate_proj", "up_proj", "down_proj")
+    if set(parts) != {f"{n}.{kind}" for n in names for kind in ("weight", "bias")}:
+        raise ValueError(f"expected gate, up and down expert weights and biases, got {sorted(parts)}")
+    gate_up = torch.stack([parts["gate_proj.weight"], parts["up_proj.weight"]], dim=2).flatten(1, 2)
+    yield f"{prefix}.experts.gate_up_proj", gate_up.transpose(1, 2)
+    gate_up_bias = torch.stack([parts["gate_proj.bias"], parts["up_proj.bias"]], dim=-1).flatten(1)
+    yield f"{prefix}.experts.gate_up_proj_bias", gate_up_bias
+    yield f"{prefix}.experts.down_proj", parts["down_proj.weight"].transpose(1, 2)
+    yield f"{prefix}.experts.down_proj_bias", parts["down_proj.bias"]

@@ -128,14 +128,15 @@ class LlamaModel(nn.Module):
         # checkpoint names (model.layers.<i>) keep their global index.
         self.stage = stage or PipelineStage.whole(cfg.num_layers)
         self.embed_tokens = self.embedding_cls(cfg.vocab_size, cfg.hidden_size, dtype=dtype, tp=tp)
-        rotary_emb = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, ops=ops
-        )
+        rotary = {  # one table per layer type whose rope differs (config.json's layer_rope)
+            kind: RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, *cfg.rope_for(kind), ops=ops)
+            for kind in {"full_attention", *cfg.layer_rope}
+        }
         self.layers = nn.ModuleList(
-            self.decoder_layer_cls(cfg, dtype, tp, ops, method, rotary_emb)
+            self.decoder_layer_cls(cfg, dtype, tp, ops, method, rotary.get(kind, rotary["full_attention"]))
             if self.stage.owns_layer(i)
             else nn.Identity()
-            for i in range(cfg.num_layers)
+            for i, kind in enumerate(cfg.layer_types)
         )
         for i, layer in enumerate(self.layers):  # each layer's sliding window, from cfg.layer_types
             attn = getattr(getattr(layer, "self_attn", None), "attn", None)

@@ -71,6 +71,8 @@ def load_weights(
     for path, name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
+        if model.config.checkpoint_prefixes and (name := model.config.checkpoint_name(name)) is None:
+            continue  # a multimodal checkpoint's vision tower or projector
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         if name.split(".", 1)[0] not in top_level:  # a bare decoder's names (Qwen3Model: no ``model.``)

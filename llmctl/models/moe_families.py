@@ -19,12 +19,18 @@ layers the config keeps dense. What differs, as transformers' modeling files pla
 The experts' intermediate size is ``intermediate_size`` for Mixtral and OLMoE,
 ``moe_intermediate_size`` for the Qwen families. Defaults of fields a config.json leaves out are
 transformers' configuration defaults. ``--quantization`` is refused: the expert weights have no
-quantized kernels yet, and quantizing only the attention would misreport what runs."""
+quantized kernels yet, and quantizing only the attention would misreport what runs.
+
+GGUF files (llmctl/models/gguf.py) hold each layer's experts as three stacked tensors, which
+``gguf_expert_tensors`` turns into transformers' stacked ones; ``moe_gguf_config`` fills in what
+llama.cpp fixes per architecture rather than reading it from the file."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -192,6 +198,7 @@ class MoeModel(LlamaModel):
                 dtype=dtype,
                 tp=tp,
                 act=ops.silu_and_mul,
+                fused_experts=ops.fused_experts,
                 shared_expert=shared,
                 shared_expert_gate=shared is not None,
             )
@@ -230,3 +237,28 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
 
 class OlmoeForCausalLM(MoeForCausalLM):
     pass
+
+
+# Whether llama.cpp renormalizes the top-k routing weights: fixed per architecture in its graph
+# builders (a GGUF file of these families stores no such key); Mixtral always does.
+_LLAMA_CPP_NORM_TOPK_PROB = {"Qwen2MoeForCausalLM": False, "Qwen3MoeForCausalLM": True, "OlmoeForCausalLM": False}
+
+
+def moe_gguf_config(cfg: dict[str, Any], field: Callable[..., Any], tensors: dict[str, list[float]]) -> None:
+    """The config of a GGUF file of these families, completed as llama.cpp reads one: top-k
+    renormalization by architecture, Qwen2-MoE's q/k/v bias (``qkv_bias``) from the file's tensors;
+    OLMoE's ``clip_qkv`` stays unset (llama.cpp does not clip)."""
+    architecture = cfg["architectures"][0]
+    if architecture in _LLAMA_CPP_NORM_TOPK_PROB:
+        cfg["norm_topk_prob"] = _LLAMA_CPP_NORM_TOPK_PROB[architecture]
+    cfg["qkv_bias"] = cfg["attention_bias"]
+
+
+def gguf_expert_tensors(prefix: str, parts: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """One layer's GGUF experts (``gate_proj.weight`` and ``up_proj.weight`` ``[E, I, H]``,
+    ``down_proj.weight`` ``[E, H, I]``) as transformers stacks them: ``experts.gate_up_proj``
+    ``[E, 2 I, H]`` (gate rows, then up) and ``experts.down_proj``."""
+    if set(parts) != {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}:
+        raise ValueError(f"expected the gate, up and down expert weights, got {sorted(parts)}")
+    yield f"{prefix}.experts.gate_up_proj", torch.cat([parts["gate_proj.weight"], parts["up_proj.weight"]], dim=1)
+    yield f"{prefix}.experts.down_proj", parts["down_proj.weight"]

@@ -46,7 +46,14 @@ class ModelFamily:
     gguf_tensors: tuple[tuple[str, str], ...] = ()
     gguf_norm_offset: float = 0.0  # what llama.cpp's converter adds to every norm weight
     gguf_config: str | None = None  # a function in ``module`` that completes the config from the file
+    # a function in ``module``: one layer's stacked GGUF expert tensors -> the checkpoint's (None: no experts)
+    gguf_experts: str | None = None
     native_decode_why_not: str | None = None  # None: the native CPU decode loop can take it
+    # A multimodal checkpoint whose text model llmctl runs: the architecture its config.json's
+    # ``text_config`` describes, and checkpoint-name prefixes -> the text model's (None: another
+    # tower's tensor, not read)
+    text_architecture: str | None = None
+    checkpoint_prefixes: tuple[tuple[str, str | None], ...] = ()
     triton: bool = True  # the Triton kernels run it (they are per-op, so every family so far)
 
     def model_class(self) -> type[CausalLM]:
@@ -56,6 +63,10 @@ class ModelFamily:
     def gguf_config_hook(self) -> Any:
         """``gguf_config``'s function, imported on first use (None when the family has none)."""
         return getattr(importlib.import_module(self.module), self.gguf_config) if self.gguf_config else None
+
+    def gguf_experts_hook(self) -> Any:
+        """``gguf_experts``'s function, imported on first use (None when the family has none)."""
+        return getattr(importlib.import_module(self.module), self.gguf_experts) if self.gguf_experts else None
 
 
 _LLAMA_MODULE = "llmctl.models.llama"
@@ -139,6 +150,15 @@ FAMILIES: tuple[ModelFamily, ...] = (
         native_decode_why_not="Olmo2ForCausalLM's norms after attention and MLP",
     ),
     ModelFamily(
+        "Olmo3ForCausalLM",
+        "olmo3",
+        "llmctl.models.olmo2",
+        "Olmo2ForCausalLM",
+        "OLMo 3",
+        sliding_window_by_default=True,
+        native_decode_why_not="Olmo3ForCausalLM's norms after attention and MLP",
+    ),
+    ModelFamily(
         "Phi3ForCausalLM",
         "phi3",
         "llmctl.models.phi3",
@@ -201,12 +221,38 @@ FAMILIES: tuple[ModelFamily, ...] = (
         native_decode_why_not="Gemma3ForCausalLM's (1 + w) RMSNorms, GeGLU and two rotary bases",
     ),
     ModelFamily(
+        "Gemma3ForConditionalGeneration",
+        "gemma3",
+        _GEMMA_MODULE,
+        "GemmaForCausalLM",
+        "Gemma 3 multimodal (its text model)",
+        norm="rmsnorm-1+w",
+        activation="gelu-tanh-glu",
+        qk_norm=True,
+        multipliers=("query_pre_attn_scalar", "final_logit_softcapping"),
+        text_architecture="Gemma3ForCausalLM",
+        checkpoint_prefixes=(
+            ("language_model.model.", "model."),  # transformers' saved layout (Gemma 3 4B, 12B, 27B)
+            ("language_model.lm_head.", "lm_head."),
+            ("model.language_model.", "model."),
+            ("vision_tower.", None),
+            ("multi_modal_projector.", None),
+            ("model.vision_tower.", None),
+            ("model.multi_modal_projector.", None),
+        ),
+        native_decode_why_not="Gemma3ForCausalLM's (1 + w) RMSNorms, GeGLU and two rotary bases",
+    ),
+    ModelFamily(
         "MixtralForCausalLM",
         "mixtral",
         _MOE_MODULE,
         "MixtralForCausalLM",
         "Mixtral",
         sliding_window_by_default=True,
+        gguf_architecture="llama",  # llama.cpp's converter writes Mixtral as Llama with experts
+        gguf_interleaved_qk=True,
+        gguf_config="moe_gguf_config",
+        gguf_experts="gguf_expert_tensors",
         native_decode_why_not="mixture of experts",
     ),
     ModelFamily(
@@ -216,6 +262,13 @@ FAMILIES: tuple[ModelFamily, ...] = (
         "Qwen2MoeForCausalLM",
         "Qwen2-MoE",
         attention_bias=True,
+        gguf_architecture="qwen2moe",
+        gguf_metadata=(
+            ("expert_feed_forward_length", "moe_intermediate_size"),
+            ("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),
+        ),
+        gguf_config="moe_gguf_config",
+        gguf_experts="gguf_expert_tensors",
         native_decode_why_not="mixture of experts",
     ),
     ModelFamily(
@@ -225,6 +278,10 @@ FAMILIES: tuple[ModelFamily, ...] = (
         "Qwen3MoeForCausalLM",
         "Qwen3-MoE",
         qk_norm=True,
+        gguf_architecture="qwen3moe",
+        gguf_metadata=(("expert_feed_forward_length", "moe_intermediate_size"),),
+        gguf_config="moe_gguf_config",
+        gguf_experts="gguf_expert_tensors",
         native_decode_why_not="mixture of experts",
     ),
     ModelFamily(
@@ -233,6 +290,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
         _MOE_MODULE,
         "OlmoeForCausalLM",
         "OLMoE",
+        gguf_architecture="olmoe",
+        gguf_config="moe_gguf_config",
+        gguf_experts="gguf_expert_tensors",
         native_decode_why_not="mixture of experts",
     ),
     ModelFamily(
@@ -244,13 +304,25 @@ FAMILIES: tuple[ModelFamily, ...] = (
         attention_bias=True,
         sliding_window_by_default=True,
         activation="clamped-swiglu",
+        gguf_architecture="gpt-oss",
+        gguf_tensors=(("ffn_gate_inp", "mlp.router"),),
+        gguf_experts="gpt_oss_gguf_experts",
         native_decode_why_not="GptOssForCausalLM's attention sinks and mixture of experts",
+    ),
+    ModelFamily(
+        "DeepseekV2ForCausalLM",
+        "deepseek_v2",
+        "llmctl.models.deepseek_v2",
+        "DeepseekV2ForCausalLM",
+        "DeepSeek-V2/V2-Lite",
+        rope="interleaved",
+        native_decode_why_not="multi-head latent attention (its latent cache has a torch reference only)",
+        triton=False,
     ),
 )
 
 _BY_ARCHITECTURE = {family.architecture: family for family in FAMILIES}
 _BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
-_BY_GGUF_ARCHITECTURE = {family.gguf_architecture: family for family in FAMILIES if family.gguf_architecture}
 
 
 def architectures() -> list[str]:
@@ -278,11 +350,16 @@ def family_for_model_type(model_type: str) -> ModelFamily | None:
 
 
 def gguf_architectures() -> list[str]:
-    return list(_BY_GGUF_ARCHITECTURE)
+    return list(dict.fromkeys(family.gguf_architecture for family in FAMILIES if family.gguf_architecture))
 
 
-def family_for_gguf(gguf_architecture: str) -> ModelFamily | None:
-    return _BY_GGUF_ARCHITECTURE.get(gguf_architecture)
+def family_for_gguf(gguf_architecture: str, experts: bool | None = None) -> ModelFamily | None:
+    """The family of a GGUF file's ``general.architecture``; ``experts`` (whether the file holds
+    expert tensors) tells apart the families llama.cpp writes under one name (Mixtral as ``llama``)."""
+    for family in FAMILIES:
+        if family.gguf_architecture == gguf_architecture and experts in (None, family.gguf_experts is not None):
+            return family
+    return None
 
 
 class CausalLM(Protocol):

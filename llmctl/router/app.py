@@ -1,5 +1,6 @@
-"""The router's HTTP front: OpenAI routes forwarded to a replica chosen by the policy, its own
-``/health`` and ``/metrics``, and ``/router/replicas`` to see the rotation."""
+"""The router's HTTP front: OpenAI routes forwarded to a replica chosen by the policy among those
+that serve the request's ``model`` (404 when none does), ``/v1/models`` as the union of theirs, its
+own ``/health`` and ``/metrics``, and ``/router/replicas`` to see the rotation."""
 
 from __future__ import annotations
 
@@ -47,6 +48,19 @@ def _unauthorized() -> JSONResponse:
     return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
+def _model_not_found(model: str, replicas: ReplicaSet) -> JSONResponse:
+    served = sorted({entry["id"] for entry in replicas.models()})
+    body = {
+        "error": {
+            "message": f"model '{model}' not found: no replica serves it (served: {', '.join(served) or 'none'})",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+    return JSONResponse(body, status_code=404)
+
+
 def build_router_app(
     urls: list[str],
     policy: Policy,
@@ -71,6 +85,7 @@ def build_router_app(
         interval=health_interval,
         max_backoff=max_backoff,
         discovery_interval=discovery_interval,
+        api_key=settings.api_key,
     )
     metrics = RouterMetrics(replicas)
     forwarder = Forwarder(client, replicas, metrics, max_attempts=settings.max_attempts)
@@ -110,8 +125,13 @@ def build_router_app(
             routing_bytes(request.url.path, parsed), chunk_bytes=settings.chunk_bytes, ring_chunks=settings.ring_chunks
         )
 
+        model = parsed.get("model") if isinstance(parsed, dict) else None
+        model = model if isinstance(model, str) else None
+        if model is not None and replicas.healthy() and not replicas.serving(model):
+            return _model_not_found(model, replicas)
+
         def choose(tried: set[str]) -> tuple[Replica, str] | None:
-            candidates = [r for r in replicas.healthy() if r.url not in tried]
+            candidates = [r for r in replicas.serving(model) if r.url not in tried]
             if not candidates:
                 return None
             choice = policy.choose(key, candidates, list(replicas.replicas), replicas.generation)
@@ -127,6 +147,9 @@ def build_router_app(
     async def models(request: Request) -> Response:
         if not authorized(request):
             return _unauthorized()
+
+        if replicas.healthy() and all(r.models is not None for r in replicas.healthy()):
+            return JSONResponse({"object": "list", "data": replicas.models()})
 
         def any_replica(tried: set[str]) -> tuple[Replica, str] | None:
             candidates = [r for r in replicas.healthy() if r.url not in tried]
@@ -159,6 +182,7 @@ def build_router_app(
                         "in_flight": r.in_flight,
                         "consecutive_failures": r.consecutive_failures,
                         "last_error": r.last_error,
+                        "models": None if r.models is None else sorted(r.models),
                     }
                     for r in replicas.all()
                 ],

@@ -1,7 +1,8 @@
 """The replicas behind the router: where they are (flags or a headless Service's DNS), whether
 they are up (``/health`` polled with exponential backoff), and how busy this router keeps them.
 
-A replica starts out of rotation and joins after its first good ``/health``. One that fails a
+A replica starts out of rotation and joins after its first good ``/health``; each good check also
+reads its ``/v1/models``, so a request naming a ``model`` goes only to the replicas that serve it. One that fails a
 check, refuses a connection, breaks a stream or says it is draining leaves the rotation at once
 and is checked again after ``interval``, then 2x, 4x... up to ``max_backoff`` seconds, so a dead
 replica costs one probe now and then rather than one failed request per routing decision.
@@ -28,6 +29,10 @@ class Replica:
     consecutive_failures: int = 0
     next_check: float = 0.0  # time.monotonic() of the next health check
     last_error: str = ""
+    models: dict[str, dict] | None = None  # its /v1/models entries by id; None until read
+
+    def serves(self, model: str) -> bool:
+        return self.models is not None and model in self.models
 
 
 def parse_discovery(target: str) -> tuple[str, int]:
@@ -55,8 +60,10 @@ class ReplicaSet:
         max_backoff: float = 30.0,
         timeout: float = 2.0,
         discovery_interval: float = 10.0,
+        api_key: str | None = None,
     ) -> None:
         self.client = client
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.interval = interval
         self.max_backoff = max_backoff
         self.timeout = timeout
@@ -112,9 +119,43 @@ class ReplicaSet:
             if response.status_code != 200 or status != "ok":
                 self.mark_failed(replica, f"/health: {response.status_code} {status}")
             else:
+                await self._read_models(replica)
                 self._mark_ok(replica)
         except Exception as exc:  # noqa: BLE001 - whatever a replica answers, the watcher keeps running
             self.mark_failed(replica, f"/health: {type(exc).__name__}: {exc}")
+
+    async def _read_models(self, replica: Replica) -> None:
+        """The replica's served models, kept as they were when it does not answer them."""
+        try:
+            response = await self.client.get(f"{replica.url}/v1/models", headers=self.headers, timeout=self.timeout)
+            data = response.json().get("data", []) if response.status_code == 200 else None
+        except Exception as exc:  # noqa: BLE001 - the model list never decides health
+            log.warning("replica %s: /v1/models: %s: %s", replica.url, type(exc).__name__, exc)
+            return
+        if not isinstance(data, list):
+            log.warning("replica %s: /v1/models answered %d without a list", replica.url, response.status_code)
+            return
+        models = {str(entry["id"]): entry for entry in data if isinstance(entry, dict) and "id" in entry}
+        if models.keys() != (replica.models or {}).keys():
+            log.info("replica %s serves %s", replica.url, sorted(models))
+        replica.models = models
+
+    def serving(self, model: str | None) -> list[Replica]:
+        """The healthy replicas a request for ``model`` may go to: all of them without a model;
+        else those that serve it, or, when none is known to, those whose list is not read yet."""
+        healthy = self.healthy()
+        if model is None:
+            return healthy
+        known = [r for r in healthy if r.serves(model)]
+        return known or [r for r in healthy if r.models is None]
+
+    def models(self) -> list[dict]:
+        """Every model a healthy replica serves, once each (the first replica's entry)."""
+        seen: dict[str, dict] = {}
+        for replica in self.healthy():
+            for model_id, entry in (replica.models or {}).items():
+                seen.setdefault(model_id, entry)
+        return list(seen.values())
 
     async def resolve(self) -> None:
         """A headless Service's A/AAAA records are its ready pods: one replica per address."""

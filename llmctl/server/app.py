@@ -196,10 +196,12 @@ def build_app(
     *,
     api_key: str | None = None,
     max_queue: int = DEFAULT_MAX_QUEUE,
+    enable_lora_runtime_updates: bool = False,
 ) -> FastAPI:
     """An app over the models ``manager`` serves; the caller owns their lifetime (``manager.shutdown``).
     Every route resolves the request's ``model`` through ``manager.run``: the model is loaded on
-    demand and held until the answer ends. ``manager.state`` carries the drain flag."""
+    demand and held until the answer ends. ``manager.state`` carries the drain flag.
+    ``enable_lora_runtime_updates``: the routes that load and unload LoRA adapters exist."""
     state = manager.state
     app = FastAPI(
         title="llmctl", version=__version__, description=f"OpenAI-compatible server for {', '.join(manager.names)}"
@@ -260,7 +262,22 @@ def build_app(
                 max_model_len=served.serving.max_model_len if served else slot.last_max_model_len,
             ).model_dump()
             cards.append({**card, "loaded": served is not None, "status": slot.status})
+            for name, path in slot.spec.adapters.items():
+                adapter = ModelCard(id=name, created=int(state.started), root=path, parent=slot.spec.name)
+                cards.append({**adapter.model_dump(), "loaded": served is not None, "status": slot.status})
         return JSONResponse({**ModelList(data=[]).model_dump(), "data": cards})
+
+    if enable_lora_runtime_updates:  # as vLLM: only behind the flag
+
+        @app.post("/v1/load_lora_adapter", openapi_extra=_request_schema(LoadLoRAAdapterRequest))
+        async def load_lora_adapter(request: Request) -> JSONResponse:
+            body = await parse_body(request, LoadLoRAAdapterRequest)
+            return JSONResponse(await manager.load_adapter(body.lora_name, body.lora_path, body.base_model_name))
+
+        @app.post("/v1/unload_lora_adapter", openapi_extra=_request_schema(UnloadLoRAAdapterRequest))
+        async def unload_lora_adapter(request: Request) -> JSONResponse:
+            body = await parse_body(request, UnloadLoRAAdapterRequest)
+            return JSONResponse(manager.unload_adapter(body.lora_name))
 
     @app.get("/v1/models/status")
     async def models_status() -> JSONResponse:
@@ -380,10 +397,21 @@ def build_app(
     async def ollama_version() -> JSONResponse:
         return JSONResponse({"version": ollama.API_VERSION})
 
-    @app.post("/api/embed", include_in_schema=False)  # 501 until the engine has embeddings
-    @app.post("/api/embeddings", include_in_schema=False)
-    async def ollama_embed() -> JSONResponse:
-        raise ollama.no_embeddings()
+    @app.post("/api/embed", openapi_extra=_request_schema(ollama.EmbedRequest))
+    async def ollama_embed(request: Request) -> JSONResponse:
+        req = parse_dialect(await read_body(request), ollama.EmbedRequest)
+        answer = await manager.run(
+            req.model, req.keep_alive, lambda m: ollama.embed(m.pooling, req, request), ollama=True
+        )
+        return JSONResponse(answer)
+
+    @app.post("/api/embeddings", openapi_extra=_request_schema(ollama.LegacyEmbeddingsRequest))
+    async def ollama_embeddings(request: Request) -> JSONResponse:
+        req = parse_dialect(await read_body(request), ollama.LegacyEmbeddingsRequest)
+        answer = await manager.run(
+            req.model, req.keep_alive, lambda m: ollama.legacy_embeddings(m.pooling, req, request), ollama=True
+        )
+        return JSONResponse(answer)
 
     @app.post("/tokenize", openapi_extra=_request_schema(TokenizeRequest))
     async def tokenize_route(request: Request) -> JSONResponse:
@@ -460,6 +488,26 @@ class UnloadRequest(BaseModel):
 
     model: str
     force: bool = False  # cancel its requests in flight instead of refusing with a 409
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body; ``base_model_name`` picks the base model when
+    the server serves several, default the first)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lora_name: str
+    lora_path: str
+    base_model_name: str | None = None
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body; ``lora_int_id`` accepted and ignored)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 def _validated(raw: bytes, model: type[Body]) -> Body:

@@ -44,6 +44,7 @@ POLL_S = 0.05
 err = Console(stderr=True, soft_wrap=True)
 EMBEDDINGS = "Embeddings and rerank"
 MODELS = "Many models"
+LORA = "LoRA adapters"
 MODEL_HELP = typing.get_args(ModelArg)[1].help
 
 
@@ -183,6 +184,17 @@ def serve(
     port: Annotated[
         int, typer.Option("--port", min=0, max=65535, help="Port to bind; 0 picks a free one.", rich_help_panel=SERVER)
     ] = 8000,
+    ollama_port: Annotated[
+        int | None,
+        typer.Option(
+            "--ollama-port",
+            min=0,
+            max=65535,
+            help="Also listen on this port, the same API (11434: for tools that assume Ollama's port).",
+            rich_help_panel=SERVER,
+            show_default=False,
+        ),
+    ] = None,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -243,8 +255,8 @@ def serve(
         typer.Option(
             "--reasoning-parser",
             help="Split a thinking model's <think> block into reasoning_content: deepseek_r1 (output is "
-            "reasoning until </think>), qwen3 (reasoning only from a <think>), or auto (picked from the "
-            "chat template and vocabulary; none for a model that does not think).",
+            "reasoning until </think>), qwen3 (reasoning only from a <think>), gpt_oss (harmony's analysis "
+            "channel), or auto (picked from the chat template and vocabulary; none for a model that does not think).",
             rich_help_panel=SERVER,
         ),
     ] = None,
@@ -288,6 +300,32 @@ def serve(
         str,
         typer.Option("--rerank-tokens", help="The yes and no tokens of --rerank-template.", rich_help_panel=EMBEDDINGS),
     ] = "yes,no",
+    lora_modules: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--lora-modules",
+            help="LoRA adapters to serve: NAME=PATH (a PEFT adapter directory; several may follow one flag), "
+            'or JSON {"name": ..., "path": ..., "base_model_name": ...} to pick the base model when serving '
+            "several. A request names the adapter as its model.",
+            rich_help_panel=LORA,
+        ),
+    ] = None,
+    max_loras: Annotated[
+        int,
+        typer.Option("--max-loras", min=1, help="Most LoRA adapters in a batch (device slots).", rich_help_panel=LORA),
+    ] = EngineConfig.max_loras,
+    max_lora_rank: Annotated[
+        int,
+        typer.Option("--max-lora-rank", min=1, help="Largest LoRA rank an adapter may have.", rich_help_panel=LORA),
+    ] = EngineConfig.max_lora_rank,
+    enable_lora_runtime_updates: Annotated[
+        bool,
+        typer.Option(
+            "--enable-lora-runtime-updates",
+            help="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter.",
+            rich_help_panel=LORA,
+        ),
+    ] = False,
     *,
     engine_config: EngineConfig,
 ) -> None:
@@ -321,7 +359,12 @@ def serve(
     if pooling is not None and pooling not in POOLING_TYPES:
         err.print(f"[bold red]error:[/] --pooling {pooling}: choose from {', '.join(POOLING_TYPES)}")
         raise typer.Exit(1)
-    specs = [spec_from_argument(m) for m in [model, *(more_models or [])] if m]
+    # `--lora-modules a=DIR b=DIR`: the names after the first land among the MODELs; an adapter
+    # directory is never a model
+    adapters = list(lora_modules or [])
+    adapters += [m for m in more_models or [] if _is_adapter_argument(m)]
+    more_models = [m for m in more_models or [] if not _is_adapter_argument(m)]
+    specs = [spec_from_argument(m) for m in [model, *more_models] if m]
     settings: dict = {}
     with exit_on_error(err):
         if config_file is not None:
@@ -336,6 +379,14 @@ def serve(
         if not single:
             usage_error("--served-model-name names the one model served; with several, use NAME=MODEL or --config")
         specs = [dataclasses.replace(specs[0], name=served_model_name)]
+    with exit_on_error(err):
+        specs = _attach_adapters(specs, adapters)
+    engine_config = dataclasses.replace(
+        engine_config,
+        enable_lora=enable_lora_runtime_updates,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+    )
     if not single and engine_config.world_size > 1:
         usage_error("--tensor-parallel-size / --pipeline-parallel-size serve one model; several cannot be split")
     try:
@@ -351,6 +402,8 @@ def serve(
         budget_text = memory_budget if memory_budget is not None else settings.get("memory_budget")
         budget = parse_size(budget_text) if budget_text is not None else None
     _check_port_free(host, port)  # before loading the model, not after
+    if ollama_port is not None:
+        _check_port_free(host, ollama_port)
     with exit_on_error(err):
         chat_templates = ChatTemplatePolicy(
             trust_request_chat_template,
@@ -403,7 +456,24 @@ def serve(
             f", memory budget {budget / 2**20:.0f} MiB" if budget is not None else ""
         )
         err.print(f"[dim]llmctl serve: {extra}[/]")
-    app = build_app(manager, api_key=api_key, max_queue=max_queue)
+    app = build_app(
+        manager, api_key=api_key, max_queue=max_queue, enable_lora_runtime_updates=enable_lora_runtime_updates
+    )
+
+    def uvicorn_config(bind_port: int) -> uvicorn.Config:
+        return uvicorn.Config(
+            app,
+            host=host,
+            port=bind_port,
+            log_level=log_level,
+            access_log=access_log,
+            timeout_graceful_shutdown=CANCEL_GRACE_S,
+            lifespan="off",
+        )
+
+    config = uvicorn_config(port)
+    # --ollama-port: a second listening socket for the same app and server (one drain, one engine)
+    sockets = None if ollama_port is None else [config.bind_socket(), uvicorn_config(ollama_port).bind_socket()]
 
     def on_ready(bound_port: int) -> None:
         # plain print, one line: scripts (and the tests) read the URL from it
@@ -412,27 +482,15 @@ def serve(
             f"(auth: {'API key' if api_key else 'none'}; SIGTERM drains)",
             flush=True,
         )
+        if sockets is not None:
+            print(f"llmctl serve: also at {_url(host, sockets[1].getsockname()[1])} (--ollama-port)", flush=True)
 
-    server = _make_server(
-        uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            log_level=log_level,
-            access_log=access_log,
-            timeout_graceful_shutdown=CANCEL_GRACE_S,
-            lifespan="off",
-        ),
-        state=state,
-        manager=manager,
-        drain_timeout=drain_timeout,
-        on_ready=on_ready,
-    )
+    server = _make_server(config, state=state, manager=manager, drain_timeout=drain_timeout, on_ready=on_ready)
     # uvicorn re-raises the signal that stopped it once it has drained; with these handlers in
     # place that is a no-op and the process exits 0 instead of dying of the signal
     quiet: dict[int, object] = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         for sig, handler in quiet.items():
             signal.signal(sig, handler)
@@ -444,6 +502,54 @@ def serve(
     if server.cancelled:
         raise typer.Exit(EXIT_DRAIN_CUT_SHORT)
     err.print("[dim]llmctl serve: drained, bye[/]")
+
+
+def _is_adapter_argument(argument: str) -> bool:
+    """NAME=PATH where PATH is a PEFT adapter directory, or a JSON adapter entry."""
+    from pathlib import Path
+
+    from llmctl.lora.adapter import CONFIG_FILE
+
+    if argument.lstrip().startswith("{"):
+        return True
+    name, sep, path = argument.partition("=")
+    return bool(sep and name and path) and (Path(path).expanduser() / CONFIG_FILE).is_file()
+
+
+def _attach_adapters(specs: list, adapters: list[str]) -> list:
+    """The model specs with each ``--lora-modules`` adapter in its base model's ``lora_modules``."""
+    import json
+
+    from llmctl.errors import ConfigError
+
+    by_name = {spec.name: dict(spec.adapters) for spec in specs}
+    for entry in adapters:
+        if entry.lstrip().startswith("{"):
+            try:
+                item = json.loads(entry)
+                name, path, base = item["name"], item["path"], item.get("base_model_name")
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise ConfigError(
+                    f"--lora-modules {entry}: expected JSON with name, path and base_model_name"
+                ) from None
+        else:
+            name, sep, path = entry.partition("=")
+            base = None
+            if not (sep and name and path):
+                raise ConfigError(f"--lora-modules {entry!r}: expected NAME=PATH")
+        if base is None:
+            if len(specs) != 1:
+                raise ConfigError(
+                    f"--lora-modules {name}: several models are served; name its base model with "
+                    '{"name": ..., "path": ..., "base_model_name": ...}'
+                )
+            base = specs[0].name
+        if base not in by_name:
+            raise ConfigError(f"--lora-modules {name}: no served model is named {base!r}")
+        if name in by_name or any(name in a for a in by_name.values()):
+            raise ConfigError(f"--lora-modules {name}: the name is already served (a model or another adapter)")
+        by_name[base][name] = str(path)
+    return [spec.with_adapters(by_name[spec.name]) if by_name[spec.name] else spec for spec in specs]
 
 
 def register_commands(app: typer.Typer) -> None:

@@ -23,6 +23,10 @@ waits for one of them to finish.
 A server started with one model (``llmctl serve MODEL``) loads it at start-up and keeps it: the
 model is *pinned* (requests' ``keep_alive`` is ignored) unless ``--keep-alive`` is given; only
 ``llmctl stop`` unloads it (and the next request loads it again).
+
+LoRA adapters (``--lora-modules``, ``/v1/load_lora_adapter``) belong to one base model each: they
+are kept in its spec (``lora_modules``), so the engine loads them with the model, and a request
+naming an adapter resolves to its base model's slot (``OpenAIServing`` picks the adapter).
 """
 
 from __future__ import annotations
@@ -119,6 +123,15 @@ class ModelSpec:
 
     def config(self, base: EngineConfig) -> EngineConfig:
         return dataclasses.replace(base, **self.options) if self.options else base
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters served on this model: name -> path."""
+        return dict(entry.split("=", 1) for entry in self.options.get("lora_modules", ()))
+
+    def with_adapters(self, adapters: dict[str, str]) -> ModelSpec:
+        modules = tuple(f"{name}={path}" for name, path in adapters.items())
+        return dataclasses.replace(self, options={**self.options, "lora_modules": modules})
 
 
 NOT_PER_MODEL = {"tensor_parallel_size", "pipeline_parallel_size", "seed", "num_threads", "device"}
@@ -301,7 +314,7 @@ def load_model(
     if on_settings is not None:
         on_settings(pooling.description)
         if options.reasoning_parser is not None:
-            found = f"{parser.name} (<think> {parser.start_id}, </think> {parser.end_id})" if parser else "none"
+            found = parser.description if parser else "none"
             on_settings(f"reasoning parser: {found}")
     load_s = time.perf_counter() - started
     description = (
@@ -310,6 +323,9 @@ def load_model(
         f"{engine.block_manager.num_blocks} KV blocks of {config.block_size} · max_model_len "
         f"{engine.max_model_len} · load {load_s:.2f}s"
     )
+    if engine.lora is not None:
+        names = ", ".join(engine.lora_names()) or "none loaded"
+        description += f" · {engine.lora.describe()} ({names})"
     state = ModelState(server_state)
     async_engine = AsyncEngine(engine, max_waiting=options.max_queue).start()
     serving = OpenAIServing(
@@ -473,6 +489,8 @@ class ModelManager:
             for slot in self.slots.values():
                 if candidate in slot.aliases:
                     return slot
+        if (found := self.adapter_slot(model)) is not None:
+            return found
         if ollama:
             served = ", ".join(f"'{name}'" for name in self.slots)
             raise APIError(404, f"model '{model}' not found (this server serves {served})", code="model_not_found")
@@ -483,6 +501,42 @@ class ModelManager:
             param="model",
             code="model_not_found",
         )
+
+    def adapter_slot(self, name: str) -> Slot | None:
+        """The slot of the base model serving LoRA adapter ``name`` (None: no such adapter)."""
+        return next((slot for slot in self.slots.values() if name in slot.spec.adapters), None)
+
+    async def load_adapter(self, name: str, path: str, base: str | None = None) -> dict[str, Any]:
+        """``POST /v1/load_lora_adapter``: serve the PEFT adapter at ``path`` as ``name`` on ``base``
+        (default: the first model), loading the base model if needed. A bad adapter is a 400 and
+        changes nothing."""
+        taken = set(self.slots) | {a for slot in self.slots.values() for a in slot.spec.adapters}
+        if not name or "=" in name:
+            raise bad_request("lora_name must be a non-empty name without '='", "lora_name")
+        if name in taken:
+            raise bad_request(f"the name `{name}` is already served (a model or a LoRA adapter)", "lora_name")
+        slot = self.resolve(base)
+        lease = await self.acquire(slot)
+        try:
+            await asyncio.to_thread(lease.served.async_engine.engine.add_lora, name, path)
+            slot.spec = slot.spec.with_adapters({**slot.spec.adapters, name: path})  # loaded again with the model
+        finally:
+            lease.release()
+        self.on_event(f"loaded LoRA adapter {name} ({path}) on {slot.spec.name}")
+        return {"lora_name": name, "lora_path": path, "base_model": slot.spec.name}
+
+    def unload_adapter(self, name: str) -> dict[str, Any]:
+        """``POST /v1/unload_lora_adapter``: stop serving ``name``; requests running with it finish."""
+        slot = self.adapter_slot(name)
+        if slot is None:
+            raise APIError(404, f"no LoRA adapter named `{name}` is served", param="lora_name", code="model_not_found")
+        adapters = slot.spec.adapters
+        del adapters[name]
+        slot.spec = slot.spec.with_adapters(adapters)
+        if slot.served is not None:
+            slot.served.async_engine.engine.remove_lora(name)
+        self.on_event(f"unloaded LoRA adapter {name} from {slot.spec.name}")
+        return {"lora_name": name, "unloaded": True}
 
     def loaded(self) -> list[ServedModel]:
         return [slot.served for slot in list(self.slots.values()) if slot.served is not None]

@@ -594,6 +594,7 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "llmctl"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (as vLLM lists adapters)
     max_model_len: int | None = None
 
 

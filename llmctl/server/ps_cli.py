@@ -2,7 +2,8 @@
 
 ``ps`` reads ``GET /v1/models/status`` and draws one row per model the server can serve: whether it
 is loaded, its memory (weights + KV pool), requests in flight, how long it has been idle and how
-long it stays loaded. ``stop`` asks ``POST /v1/models/unload`` to unload a model now; a model with
+long it stays loaded (``llmctl top`` draws the same table for a server of several models). ``stop``
+asks ``POST /v1/models/unload`` to unload a model now; a model with
 requests in flight is refused (409) unless ``--force`` cancels them. Neither imports torch.
 """
 
@@ -95,6 +96,12 @@ def status_table(status: dict[str, Any]) -> Table:
     return table
 
 
+def memory_line(status: dict[str, Any]) -> str:
+    """What the loaded models take, and of what budget."""
+    budget = status.get("memory_budget_bytes")
+    return f"{_size(status.get('memory_used_bytes'))} loaded" + (f" of a {_size(budget)} budget" if budget else "")
+
+
 def ps(
     url: Url = DEFAULT_URL,
     api_key: ApiKey = None,
@@ -111,9 +118,7 @@ def ps(
     if not all_models:
         status = {**status, "models": [m for m in status["models"] if m["loaded"] or m["status"] == "loading"]}
     out.print(status_table(status))
-    budget = status.get("memory_budget_bytes")
-    used = f"{_size(status.get('memory_used_bytes'))} loaded"
-    out.print(f"[dim]{used}" + (f" of a {_size(budget)} budget" if budget else "") + "[/]")
+    out.print(f"[dim]{memory_line(status)}[/]")
     for m in status["models"]:
         if m.get("last_error") and not m["loaded"]:
             out.print(f"[red]{escape(m['name'])}: {escape(m['last_error'])}[/]")

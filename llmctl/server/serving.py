@@ -141,8 +141,10 @@ class Generation:
         request_id: str,
         user: str | None,
         priority: int = 0,
+        lora: str | None = None,
     ) -> None:
         self.num_prompts = len(prompts)
+        adapter = {} if lora is None else {"lora": lora}  # the engine's LoRA adapter by name
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self.num_requests = self.num_prompts * params.n
         self._unfinished = set(range(self.num_prompts))
@@ -158,6 +160,7 @@ class Generation:
                         request_id=f"{request_id}-{i}" if self.num_prompts > 1 else request_id,
                         user=user,
                         priority=priority,
+                        **adapter,
                     ),
                 )
             )
@@ -335,7 +338,16 @@ class OpenAIServing:
         self.reasoning_parser = reasoning_parser
 
     # ---- checks --------------------------------------------------------------------------------
+    def lora_names(self) -> list[str]:
+        return self.async_engine.engine.lora_names()
+
     def check_model(self, model: str | None) -> None:
+        """The base model only (embeddings, tokenizer and the other dialects): a LoRA adapter's name is
+        refused by name."""
+        if model is not None and model in self.lora_names():
+            raise bad_request(
+                f"`{model}` is a LoRA adapter: adapters serve /v1/completions and /v1/chat/completions", "model"
+            )
         if model is not None and model not in self.model_aliases:
             raise APIError(
                 404,
@@ -343,6 +355,16 @@ class OpenAIServing:
                 param="model",
                 code="model_not_found",
             )
+
+    def generation_target(self, model: str | None) -> str | None:
+        """The LoRA adapter a completion names as its ``model`` (None: the base model); an unknown
+        name is a 404."""
+        if model is None or model in self.model_aliases:
+            return None
+        if model in self.lora_names():
+            return model
+        self.check_model(model)  # a 404
+        return None
 
     def check_capacity(self) -> None:
         if self.state.draining:
@@ -385,9 +407,10 @@ class OpenAIServing:
         respond: Callable[[Generation], Any],
         stream: Callable[[Generation], AsyncIterator[str]] | None,
         priority: int = 0,
+        lora: str | None = None,
     ) -> Any:
         self.check_capacity()
-        generation = Generation(self.async_engine, prompts, params, request_id, user, priority)
+        generation = Generation(self.async_engine, prompts, params, request_id, user, priority, lora)
         self.state.live.add(generation)
         handed_over = False
         try:
@@ -423,7 +446,7 @@ class OpenAIServing:
 
     # ---- completions ---------------------------------------------------------------------------
     async def create_completion(self, req: CompletionRequest, request: Request) -> Any:
-        self.check_model(req.model)
+        lora = self.generation_target(req.model)
         req.refuse_unsupported()
         prompts = [req.truncated(self._encode(p), self.max_model_len) for p in req.prompts()]
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
@@ -510,7 +533,7 @@ class OpenAIServing:
             yield SSE_DONE
 
         return await self._run(
-            request, prompts, params, request_id, req.user, respond, stream if req.stream else None, req.priority
+            request, prompts, params, request_id, req.user, respond, stream if req.stream else None, req.priority, lora
         )
 
     def _completion_logprobs(
@@ -584,7 +607,7 @@ class OpenAIServing:
         return self.reasoning_parser
 
     async def create_chat_completion(self, req: ChatCompletionRequest, request: Request) -> Any:
-        self.check_model(req.model)
+        lora = self.generation_target(req.model)
         req.refuse_unsupported()
         # the parameters first: their errors do not depend on the model's template
         requested = req.requested_max_tokens
@@ -699,7 +722,7 @@ class OpenAIServing:
             yield SSE_DONE
 
         return await self._run(
-            request, [prompt], params, request_id, req.user, respond, stream if req.stream else None, req.priority
+            request, [prompt], params, request_id, req.user, respond, stream if req.stream else None, req.priority, lora
         )
 
 

@@ -12,12 +12,14 @@ from typing import Any
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid
+from textual.containers import Grid, Horizontal
 from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Static
 
 from llmctl.tui.blockmap import STATE_COLORS, STATE_NAMES
+from llmctl.tui.experts import ExpertPanel
+from llmctl.tui.models import ModelsPanel
 from llmctl.tui.panels import BatchPanel, KvPanel, Line, ThroughputPanel
 from llmctl.tui.requests_table import RequestsTable
 from llmctl.tui.sources import SourceError, StatsSource
@@ -35,6 +37,9 @@ HELP = """\
           TTFT / TPOT / end-to-end percentiles when the server reports them
 [b]Requests[/b]  every live sequence; ↑/↓ move, [b]enter[/b] selects (its blocks light up), [b]s[/b] next sort
           column, [b]r[/b] reverse order, a click on a header sorts by it, [b]escape[/b] clears the selection
+[b]Expert load[/b]  a mixture-of-experts model only: tokens per expert over the last passes (all MoE
+          layers), the busiest first, and the share of expert weight bytes a pass reads
+[b]Models[/b]  a server of several models only: the table `llmctl ps` shows
 
 [b]q[/b] quit   [b]p[/b] pause / resume   [b]?[/b] this help (any key closes it)
 """
@@ -74,6 +79,8 @@ class TopApp(App[None]):
     #seqs-sparkline, #out-sparkline, #prefill-sparkline, #req-sparkline { height: 2; margin-bottom: 1; }
     #kv-summary, #kv-legend { height: 1; }
     #latency { height: 5; }
+    #extras { height: auto; max-height: 14; }
+    #extras > * { height: auto; width: 1fr; border: round $primary-darken-1; border-title-style: bold; }
     """
     BINDINGS = [
         Binding("q", "quit", "quit"),
@@ -103,10 +110,15 @@ class TopApp(App[None]):
             yield BatchPanel(id="batch")
             yield RequestsTable(id="requests")
             yield ThroughputPanel(id="throughput")
+        with Horizontal(id="extras"):
+            yield ExpertPanel(id="experts")
+            yield ModelsPanel(id="models")
         yield Footer()
 
     def on_mount(self) -> None:
         self.query_one("#requests").border_title = "Requests"
+        for extra in (ExpertPanel, ModelsPanel):  # shown once a snapshot has what they draw
+            self.query_one(extra).display = False
         self.redraw()
         if self.interval is not None:
             self.call_later(self.poll_once)
@@ -159,6 +171,9 @@ class TopApp(App[None]):
         table.show(state.snapshot["requests"])
         table.border_title = f"Requests ({len(state.snapshot['requests'])})"
         self.query_one(ThroughputPanel).show(state)
+        self.query_one(ExpertPanel).show(state.snapshot)
+        self.query_one(ModelsPanel).show(state.snapshot)
+        self.query_one("#extras").display = self.query_one(ExpertPanel).display or self.query_one(ModelsPanel).display
 
     def _draw_status(self) -> None:
         """The connection state first, so a narrow terminal cuts the model name, never the state."""

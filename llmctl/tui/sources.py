@@ -17,6 +17,7 @@ import httpx
 from llmctl.tui.vllm_metrics import VllmMetrics, looks_like_vllm
 
 STATS_PATH = "/v1/engine/stats"
+MODELS_STATUS_PATH = "/v1/models/status"
 METRICS_PATH = "/metrics"
 
 
@@ -39,8 +40,10 @@ class StatsSource(Protocol):
 
 
 class HttpSource:
-    """Polls ``GET {url}/v1/engine/stats`` of a running ``llmctl serve``; a server without it (vLLM,
-    or anything exporting vLLM's metric names) is drawn from ``GET {url}/metrics`` instead."""
+    """Polls ``GET {url}/v1/engine/stats`` of a running ``llmctl serve``, and its
+    ``/v1/models/status`` (what ``llmctl ps`` reads) into the snapshot's ``models_status``; a
+    server without stats (vLLM, or anything exporting vLLM's metric names) is drawn from
+    ``GET {url}/metrics`` instead."""
 
     def __init__(
         self,
@@ -54,6 +57,7 @@ class HttpSource:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s, transport=transport)
         self._metrics: VllmMetrics | None = None  # set once the server turned out to be vLLM-like
+        self._models_status = True  # cleared when the server has no /v1/models/status
 
     async def fetch(self) -> dict[str, Any]:
         if self._metrics is not None:
@@ -69,6 +73,11 @@ class HttpSource:
             raise SourceError(f"{self.url}{STATS_PATH} did not answer JSON", "not llmctl") from exc
         if not isinstance(snapshot, dict) or "kv" not in snapshot:
             raise SourceError(f"{self.url}{STATS_PATH} did not answer an engine stats snapshot", "not llmctl")
+        if self._models_status:
+            status = await self._get(MODELS_STATUS_PATH)
+            self._models_status = status.status_code != 404
+            if status.status_code == 200:
+                snapshot["models_status"] = status.json()
         return snapshot
 
     async def _fall_back_to_metrics(self) -> dict[str, Any]:

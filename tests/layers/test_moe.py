@@ -148,7 +148,7 @@ def test_router_spec_refuses_what_is_not_implemented():
     with pytest.raises(ValueError, match="scoring 'sigmoid' is not implemented"):
         RouterSpec(8, 2, scoring="sigmoid")
     with pytest.raises(ValueError, match="grouped top-k"):
-        RouterSpec(8, 2, num_groups=4, topk_groups=2)
+        RouterSpec(8, 2, num_groups=3, topk_groups=2)
     with pytest.raises(ValueError, match="top_k=9"):
         RouterSpec(8, 9)
 

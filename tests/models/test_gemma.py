@@ -16,7 +16,7 @@ import torch
 from model_factory import hf_greedy, make_hf_model, random_prompts
 
 from llmctl.engine.llm_engine import LLMEngine
-from llmctl.errors import UnsupportedModelError
+from llmctl.errors import ModelLoadError, UnsupportedModelError
 from llmctl.layers.norm import GemmaRMSNorm
 from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl.models import registry
@@ -270,11 +270,60 @@ def test_decodes_on_the_module_path_and_says_why(hf_model_dirs, monkeypatch, fam
         assert engine.runner.decode_path == f"decode: Python modules ({reason})"
 
 
-def test_multimodal_and_bidirectional_gemma_are_refused_by_name():
+def _multimodal_gemma3(out_dir: Path) -> Path:
+    """A tiny Gemma3ForConditionalGeneration (SigLIP tower, projector, the text model of
+    tests/model_factory.py's gemma3) as transformers saves it: ``language_model.model.*`` beside
+    ``vision_tower.*`` and ``multi_modal_projector.*``, the text config nested."""
+    from model_factory import make_config
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    torch.manual_seed(5)
+    vision = SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8
+    )
+    config = Gemma3Config(
+        text_config=make_config("gemma3").to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=VOCAB - 3,
+        boi_token_index=VOCAB - 2,
+        eoi_token_index=VOCAB - 1,
+    )
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def test_the_text_model_of_a_multimodal_gemma3_checkpoint_matches_transformers(tmp_path):
+    """Gemma 3 4B/12B/27B ship as Gemma3ForConditionalGeneration: llmctl runs the text model from
+    the same files (the vision tower is not read) and generates what transformers' multimodal
+    model generates from text alone."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    model_dir = _multimodal_gemma3(tmp_path / "g3mm")
+    cfg = ModelConfig.from_dir(model_dir)
+    assert (cfg.architecture, cfg.family) == ("Gemma3ForCausalLM", "gemma3_text")
+    prompts = random_prompts(3, VOCAB - 3, 4, 30, seed=11)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    want = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+            want.append(out[0, len(prompt) :].tolist())
+    engine = make_engine(model_dir)
+    got = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in got] == want
+
+
+def test_bidirectional_and_non_gelu_gemma_are_refused_by_name():
     tiny = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2}
-    with pytest.raises(UnsupportedModelError, match="Gemma3ForConditionalGeneration is not supported") as refused:
-        ModelConfig.from_dict({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": tiny})
-    assert "Gemma3ForCausalLM" in str(refused.value)
+    with pytest.raises(ModelLoadError, match="Gemma3ForConditionalGeneration without a text_config"):
+        ModelConfig.from_dict({"architectures": ["Gemma3ForConditionalGeneration"], **tiny})
     cfg = ModelConfig.from_dict(
         {"architectures": ["Gemma3ForCausalLM"], "num_attention_heads": 2, "use_bidirectional_attention": True, **tiny}
     )

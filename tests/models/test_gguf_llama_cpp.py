@@ -14,7 +14,6 @@ from llama_cpp_converter import convert, write_llama_tokenizer
 from model_factory import hf_greedy, make_config, make_hf_model
 
 from llmctl.engine.llm_engine import LLMEngine
-from llmctl.errors import UnsupportedModelError
 from llmctl.models.gguf import gguf_config_dict, llama3_scaling_from_factors, read_metadata, rope_freqs_of
 from llmctl.models.gguf_reader import read_gguf
 from llmctl.sampling_params import SamplingParams
@@ -118,14 +117,3 @@ def test_a_yarn_file_from_the_converter_matches_transformers(tmp_path):
     cfg = gguf_config_dict(read_metadata(reader, gguf_file), {t.name for t in reader.tensors}, gguf_file)
     assert cfg["rope_scaling"] == YARN
     assert _greedy(gguf_file) == hf_greedy(model_dir, PROMPTS, 20)
-
-
-def test_a_mixture_of_experts_file_is_refused_by_name(tmp_path):
-    meta = {
-        "general.architecture": "llama",
-        "llama.expert_count": 8,
-        "llama.attention.head_count": 4,
-        "llama.embedding_length": 64,
-    }
-    with pytest.raises(UnsupportedModelError, match="mixture-of-experts GGUF"):
-        gguf_config_dict(meta, set(), tmp_path / "mixtral.gguf")

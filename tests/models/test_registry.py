@@ -28,24 +28,22 @@ def test_an_unknown_architecture_is_refused_with_the_registry_list():
 
 
 def test_an_unknown_gguf_architecture_is_refused_with_the_registry_list():
-    archs = "llama, mistral, qwen2, qwen3, granite, smollm3, olmo2, phi3, gemma, gemma2, gemma3"
+    archs = (
+        "llama, mistral, qwen2, qwen3, granite, smollm3, olmo2, phi3, gemma, gemma2, gemma3, "
+        "qwen2moe, qwen3moe, olmoe, gpt-oss"
+    )
     with pytest.raises(UnsupportedModelError, match=f"reads GGUF architectures {archs}$"):
         gguf_config_dict({"general.architecture": "mamba"}, set(), Path("x.gguf"))
 
 
 @pytest.mark.parametrize("family", registry.FAMILIES, ids=lambda f: f.model_type)
 def test_build_model_makes_the_registry_class(family):
-    cfg = ModelConfig.from_dict(
-        {
-            "model_type": family.model_type,  # no architectures: found by model_type
-            "vocab_size": 32,
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-        }
-    )
-    assert cfg.architecture == family.architecture
+    fields = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}
+    fields["num_attention_heads"] = 2
+    if family.text_architecture is not None:  # a multimodal checkpoint: its text model's config nested
+        fields = {"text_config": fields}
+    cfg = ModelConfig.from_dict({"model_type": family.model_type, **fields})  # no architectures: by model_type
+    assert cfg.architecture == (family.text_architecture or family.architecture)
     assert cfg.qk_norm == family.qk_norm and cfg.attention_bias == family.attention_bias
     model = build_model(cfg, dtype=torch.float32, device=torch.device("cpu"), ops=TorchOps())
     assert type(model) is family.model_class()

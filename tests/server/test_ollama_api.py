@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import jsonschema
@@ -198,9 +199,6 @@ def test_errors_are_ollamas_and_the_server_stays_up(think_server, tiny_server):
     with pytest.raises(ollama.ResponseError) as error:
         c.generate(model="thinker", prompt="hi", template="{{ .Prompt }}")
     assert error.value.status_code == 400 and "template" in error.value.error
-    with pytest.raises(ollama.ResponseError) as error:
-        c.embed(model="thinker", input="hi")
-    assert error.value.status_code == 501 and "embeddings" in error.value.error
     http = httpx.Client(base_url=think_server.url, timeout=30)
     r = http.post("/api/chat", json={"model": "thinker", "messages": ALPHA, "format": "yaml"}, headers=AUTH)
     assert r.status_code == 400 and "format" in r.json()["error"]
@@ -243,3 +241,19 @@ def test_a_dropped_stream_aborts_and_every_block_comes_back(tiny_server):
     )
     assert stats["kv"]["shared"] == 0
     assert scrape(http)["llmctl:request_success"][ABORTED] - aborted_before >= 1
+
+
+def test_ollama_port_serves_the_same_api_on_a_second_port(start_server):
+    server = start_server(
+        "tiny-random-llama", "--max-model-len", "128", "--kv-cache-memory", "16MiB", "--ollama-port", "0"
+    )
+    found = re.search(r"llmctl serve: also at (http://127\.0\.0\.1:(\d+)) \(--ollama-port\)", server.log())
+    assert found is not None, server.log()
+    assert int(found.group(2)) != int(server.url.rsplit(":", 1)[1])
+    second = ollama.Client(host=found.group(1), timeout=120)
+    assert [m.model for m in second.list().models] == [m.model for m in ollama.Client(host=server.url).list().models]
+    answer = second.generate(model="tiny-random-llama", prompt="hello", options={"temperature": 0, "num_predict": 4})
+    first = ollama.Client(host=server.url).generate(
+        model="tiny-random-llama", prompt="hello", options={"temperature": 0, "num_predict": 4}
+    )
+    assert answer.response == first.response and answer.eval_count == 4

@@ -101,10 +101,13 @@ def test_request_mix_covers_every_case():
 
 def test_http_source_reads_and_reports_failures():
     snapshot = synthetic_snapshot(16, 2)
+    status = {"models": [{"name": "a"}], "memory_used_bytes": 1}
     seen = {}
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen["auth"] = request.headers.get("authorization")
+        if request.url.path == "/v1/models/status":
+            return httpx.Response(200, json=status) if seen.get("mode", "ok") == "ok" else httpx.Response(404)
         seen["path"] = request.url.path
         mode = seen.get("mode", "ok")
         if mode == "ok":
@@ -117,7 +120,7 @@ def test_http_source_reads_and_reports_failures():
 
     async def main():
         source = HttpSource("http://engine:8000/", api_key="k3y", transport=httpx.MockTransport(handler))
-        assert await source.fetch() == snapshot
+        assert await source.fetch() == {**snapshot, "models_status": status}
         assert seen["auth"] == "Bearer k3y" and seen["path"] == "/v1/engine/stats"
         for mode, message in (("500", "HTTP 500"), ("html", "did not answer JSON"), ("down", "Connection refused")):
             seen["mode"] = mode

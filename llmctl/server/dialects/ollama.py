@@ -1,5 +1,5 @@
-"""The Ollama API: ``/api/chat``, ``/api/generate``, ``/api/tags``, ``/api/show``, ``/api/ps``,
-``/api/version`` (``/api/embed`` and ``/api/embeddings`` answer 501: the engine has no embeddings).
+"""The Ollama API: ``/api/chat``, ``/api/generate``, ``/api/embed``, ``/api/embeddings``,
+``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/version``.
 
 ``/api/chat`` is a chat request; ``/api/generate`` one too (``system`` and ``prompt`` as the system
 and user messages), unless it is ``raw`` or the model has no chat template (Ollama's default
@@ -10,7 +10,11 @@ stream as NDJSON by default (``stream: false`` for one object), the last object 
 are accepted and ignored (:data:`IGNORED_OPTIONS`), and sampler settings it does not have are
 refused unless they are at their neutral value. ``format`` is structured output (``"json"`` or a
 JSON schema); ``think`` splits the reasoning into ``thinking`` with the server's reasoning parser.
-Errors are Ollama's ``{"error": "..."}``.
+``/api/embed`` (and the older ``/api/embeddings``, one ``prompt``) runs the inputs as pooling
+requests (``llmctl/server/embeddings.py``): the server's pooling, the same vectors as
+``/v1/embeddings``; ``truncate`` (default true) cuts an input to the context length as Ollama does,
+false refuses it; ``dimensions`` is Matryoshka shortening, as on ``/v1/embeddings``; sampler
+``options`` do not apply and are ignored. Errors are Ollama's ``{"error": "..."}``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pydantic import BaseModel, Field
 from llmctl.config import QUANTIZED_AT_LOAD
 from llmctl.layers.quantization import weight_bytes
 from llmctl.server.dialects.bridge import ChatRun, Reply, client_gone, parse, renamed
+from llmctl.server.embeddings import EmbeddingRequest, PoolingServing
 from llmctl.server.protocol import STRICT, APIError, ChatCompletionRequest, CompletionRequest, bad_request
 from llmctl.server.serving import OpenAIServing
 from llmctl.structured.tool_calls import merge_calls
@@ -128,6 +133,26 @@ class GenerateRequest(_Request):
     context: list[int] | None = None
     raw: bool = False
     images: list[Any] | None = None
+
+
+class EmbedRequest(BaseModel):
+    model_config = STRICT
+
+    model: str
+    input: str | list[str]
+    truncate: bool = True
+    dimensions: int | None = None
+    options: dict[str, Any] | None = None  # sampler settings: nothing to sample
+    keep_alive: str | int | float | None = None
+
+
+class LegacyEmbeddingsRequest(BaseModel):
+    model_config = STRICT
+
+    model: str
+    prompt: str = ""
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
 
 
 class ShowRequest(BaseModel):
@@ -490,10 +515,51 @@ def show(serving: OpenAIServing, info: ModelInfo, raw: bytes) -> dict[str, Any]:
     return info.show()
 
 
-def no_embeddings() -> APIError:
-    return APIError(
-        501,
-        "embeddings are not supported: llmctl's engine generates text only (no embedding models)",
-        type="server_error",
-        code="not_implemented",
-    )
+# ---- embeddings ---------------------------------------------------------------------------------
+def _embedding_inputs(pooling: PoolingServing, texts: list[str], truncate: bool) -> list[list[int]]:
+    """Each text's token ids, cut to the context length when ``truncate`` (longer ones are refused
+    by the pooling path otherwise)."""
+    if not texts:
+        raise bad_request("input is an empty list", "input")
+    inputs = []
+    for i, text in enumerate(texts):
+        if not text:
+            raise bad_request(f"input[{i}] is an empty string", "input")
+        ids = pooling.serving.tokenizer.encode(text)
+        inputs.append(ids[: pooling.serving.max_model_len] if truncate else ids)
+    return inputs
+
+
+async def _embed_ids(
+    pooling: PoolingServing, model: str, inputs: list[list[int]], dimensions: int | None, request: Request
+) -> tuple[list[list[float]], int]:
+    check_model(pooling.serving, model)
+    body = EmbeddingRequest(input=inputs, dimensions=dimensions)
+    answer = await pooling.embeddings(body, request)
+    return [item["embedding"] for item in answer["data"]], answer["usage"]["prompt_tokens"]
+
+
+async def embed(pooling: PoolingServing, req: EmbedRequest, request: Request) -> dict[str, Any]:
+    """``/api/embed``: one vector per input, with Ollama's counts and durations."""
+    started = time.monotonic()
+    texts = [req.input] if isinstance(req.input, str) else req.input
+    inputs = _embedding_inputs(pooling, texts, req.truncate)
+    vectors, prompt_tokens = await _embed_ids(pooling, req.model, inputs, req.dimensions, request)
+    return {
+        "model": req.model,
+        "embeddings": vectors,
+        "total_duration": int((time.monotonic() - started) * NS),
+        "load_duration": 0,
+        "prompt_eval_count": prompt_tokens,
+    }
+
+
+async def legacy_embeddings(pooling: PoolingServing, req: LegacyEmbeddingsRequest, request: Request) -> dict[str, Any]:
+    """``/api/embeddings``: one ``prompt``, one ``embedding`` (empty for an empty prompt, as Ollama
+    answers it)."""
+    check_model(pooling.serving, req.model)
+    if not req.prompt:
+        return {"embedding": []}
+    inputs = _embedding_inputs(pooling, [req.prompt], truncate=True)
+    vectors, _ = await _embed_ids(pooling, req.model, inputs, None, request)
+    return {"embedding": vectors[0]}

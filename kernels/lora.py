@@ -1,0 +1,96 @@
+"""Batched multi-LoRA: one batch, tokens of many adapters (and of none), one pair of matmuls per
+projection instead of one forward per adapter (vLLM's punica kernels, as plain as they go).
+
+For token ``t`` with adapter slot ``s = slot[t]`` (``-1``: the base model, no delta)::
+
+    out[t] += (x[t] @ A[s]^T) @ B[s]^T * scale[s]
+
+Layouts: ``A [slots, rank, in]`` (PEFT's ``lora_A.weight`` per slot, rank zero-padded to the
+engine's largest), ``B [slots, out, rank]`` (``lora_B.weight``), ``scale [slots]`` fp32
+(``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA). A ``LoRABatchPlan`` is built once per step
+from the batch's per-token slots and read by every projection of every layer:
+
+- ``lora_delta_reference``: the oracle, each token's own adapter gathered (memory-hungry, exact);
+- ``lora_add_grouped``: the CPU path, the batch's rows grouped by slot, two GEMMs per adapter
+  present (a C++ kernel would only re-do what the grouped GEMMs already do: at LoRA ranks the
+  work is two skinny matmuls that torch's BLAS runs at full speed);
+- ``llmctl_kernels.lora_triton.lora_add_triton``: the same grouping as Triton kernels (CUDA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NO_ADAPTER = -1
+
+
+@dataclass
+class LoRABatchPlan:
+    """One step's tokens grouped by adapter slot: every kernel path reads it."""
+
+    slots: torch.Tensor  # [tokens] int64, NO_ADAPTER for base-model tokens
+    groups: list[tuple[int, slice | torch.Tensor]]  # (slot, its rows: a slice when contiguous)
+    order: torch.Tensor  # [adapter tokens] int32: token indices sorted by slot (Triton)
+    block_slot: torch.Tensor  # [blocks] int32: each block of ``block_m`` sorted tokens, its slot
+    block_start: torch.Tensor  # [blocks] int32: its first position in ``order``
+    block_end: torch.Tensor  # [blocks] int32: one past its last position in ``order``
+
+    @property
+    def empty(self) -> bool:
+        return not self.groups
+
+
+def plan_lora_batch(token_slots: list[int], device: torch.device, block_m: int = 16) -> LoRABatchPlan:
+    """Group a step's tokens by slot (host lists in, device tensors out: built once per step)."""
+    rows_of: dict[int, list[int]] = {}
+    for t, s in enumerate(token_slots):
+        if s != NO_ADAPTER:
+            rows_of.setdefault(s, []).append(t)
+    groups: list[tuple[int, slice | torch.Tensor]] = []
+    order: list[int] = []
+    blocks: list[tuple[int, int, int]] = []
+    for s in sorted(rows_of):
+        rows = rows_of[s]
+        contiguous = rows[-1] - rows[0] + 1 == len(rows)
+        groups.append((s, slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=device)))
+        start = len(order)
+        order += rows
+        blocks += [(s, b, min(b + block_m, len(order))) for b in range(start, len(order), block_m)]
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return LoRABatchPlan(
+        slots=torch.tensor(token_slots, dtype=torch.int64, device=device),
+        groups=groups,
+        order=ints(order),
+        block_slot=ints([b[0] for b in blocks]),
+        block_start=ints([b[1] for b in blocks]),
+        block_end=ints([b[2] for b in blocks]),
+    )
+
+
+def lora_delta_reference(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """``[tokens, out]`` deltas in fp32: each token's adapter gathered, zero where it has none."""
+    safe = slots.clamp(min=0)
+    xa = torch.einsum("ti,tri->tr", x.float(), a[safe].float())
+    delta = torch.einsum("tr,tor->to", xa, b[safe].float()) * scale[safe].float()[:, None]
+    return torch.where((slots >= 0)[:, None], delta, torch.zeros_like(delta))
+
+
+def lora_add_grouped(
+    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, plan: LoRABatchPlan
+) -> None:
+    """``out += delta`` in place: per adapter in the batch, its rows through ``x @ A^T @ B^T``."""
+    for s, rows in plan.groups:
+        xs = x[rows]
+        delta = (xs @ a[s].t()) @ b[s].t()
+        delta.mul_(scale[s].to(delta.dtype))
+        if isinstance(rows, slice):
+            out[rows] += delta.to(out.dtype)
+        else:
+            out.index_add_(0, rows, delta.to(out.dtype))

@@ -1,0 +1,1 @@
+"""Multi-LoRA serving: PEFT adapters beside the base model, many in one batch (docs/server.md)."""

@@ -1,0 +1,164 @@
+"""Reading a PEFT LoRA adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)
+into per-module weights placed on llmctl's modules, refusing clearly what llmctl cannot serve.
+
+A PEFT target such as ``model.layers.0.self_attn.q_proj`` lands on the fused module that holds it
+(``qkv_proj``, the q rows; ``gate_proj`` -> ``gate_up_proj``, part 0) through the model's
+``packed_modules``, the same table the checkpoint loader uses; ``o_proj``/``down_proj`` (and a
+fused target such as Phi-3's ``qkv_proj``) land whole on the module of that name.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llmctl.errors import InvalidRequestError
+from llmctl.layers.linear import LinearBase, QKVParallelLinear
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>A|B)(?:\.[A-Za-z0-9_-]+)?\.weight$")
+EMBEDDING_MODULES = frozenset({"embed_tokens", "lm_head", "wte", "word_embeddings"})
+_adapter_ids = itertools.count(1)  # never reused: a reloaded name is a new adapter (prefix-cache keys)
+
+
+class LoRAAdapterError(InvalidRequestError):
+    """An adapter that cannot be served here: unreadable, corrupt, or asking for what is not supported."""
+
+
+@dataclass(frozen=True)
+class LoRAPart:
+    """One target's weights on one llmctl module: output rows ``[offset, offset + size)``."""
+
+    offset: int
+    size: int
+    a: torch.Tensor  # [rank, in] (lora_A.weight)
+    b: torch.Tensor  # [size, rank] (lora_B.weight)
+
+
+@dataclass(eq=False)
+class LoRAAdapter:
+    """A loaded adapter, held on the host; the slot manager copies it to a device slot on demand."""
+
+    name: str
+    path: str
+    rank: int
+    scale: float  # lora_alpha / r (rsLoRA: / sqrt(r))
+    modules: dict[str, list[LoRAPart]]  # llmctl module name -> its parts
+    id: int = field(default_factory=lambda: next(_adapter_ids))
+
+
+def _config(path: Path) -> dict:
+    config_file = path / CONFIG_FILE
+    if not path.is_dir():
+        raise LoRAAdapterError(f"LoRA adapter {path}: no such directory")
+    if not config_file.is_file() or not (path / WEIGHTS_FILE).is_file():
+        raise LoRAAdapterError(f"LoRA adapter {path}: a PEFT adapter needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoRAAdapterError(f"LoRA adapter {path}: cannot read {CONFIG_FILE} ({e})") from e
+    if not isinstance(config, dict):
+        raise LoRAAdapterError(f"LoRA adapter {path}: {CONFIG_FILE} is not a JSON object")
+    return config
+
+
+def _check_supported(config: dict, path: Path, max_rank: int) -> None:
+    def refuse(why: str) -> LoRAAdapterError:
+        return LoRAAdapterError(f"LoRA adapter {path}: {why}")
+
+    if config.get("peft_type", "LORA") != "LORA":
+        raise refuse(f"peft_type {config.get('peft_type')!r} is not LoRA")
+    if config.get("use_dora"):
+        raise refuse("DoRA adapters (use_dora) are not supported")
+    if config.get("modules_to_save"):
+        raise refuse(f"modules_to_save {config['modules_to_save']} (full module copies) are not supported")
+    if config.get("bias", "none") != "none" or config.get("lora_bias"):
+        raise refuse("LoRA bias terms are not supported (bias must be 'none')")
+    if config.get("fan_in_fan_out"):
+        raise refuse("fan_in_fan_out (Conv1D-style weights) is not supported")
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise refuse("per-module rank_pattern/alpha_pattern is not supported")
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise refuse(f"r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise refuse(f"rank {rank} exceeds --max-lora-rank {max_rank}")
+    alpha = config.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise refuse(f"lora_alpha must be a positive number, got {alpha!r}")
+
+
+def _placement(model: nn.Module, modules: dict[str, nn.Module], target: str, path: Path) -> tuple[str, int, int]:
+    """(llmctl module name, output offset, rows) of a PEFT target module name."""
+    prefix, _, leaf = target.rpartition(".")
+    packed = getattr(model, "packed_modules", {})
+    if leaf in packed and f"{prefix}.{packed[leaf][0]}" in modules:
+        merged, part = packed[leaf]
+        name = f"{prefix}.{merged}"
+        module = modules[name]
+        index = {"q": 0, "k": 1, "v": 2}[part] if isinstance(module, QKVParallelLinear) else int(part)
+        offset, size = module.part_offset(index)
+        return name, offset, size
+    module = modules.get(target)
+    if not isinstance(module, LinearBase):
+        raise LoRAAdapterError(f"LoRA adapter {path}: the model has no linear module {target!r} to adapt")
+    return target, 0, module.out_features
+
+
+def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
+    """Read and check a PEFT adapter for ``model``; raises ``LoRAAdapterError`` naming what is wrong."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = _config(path)
+    _check_supported(config, path, max_rank)
+    try:
+        tensors = load_file(str(path / WEIGHTS_FILE))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise LoRAAdapterError(f"LoRA adapter {path}: cannot read {WEIGHTS_FILE} ({e})") from e
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        if "lora_magnitude_vector" in key:
+            raise LoRAAdapterError(f"LoRA adapter {path}: DoRA adapters are not supported ({key})")
+        if "lora_embedding" in key or EMBEDDING_MODULES.intersection(key.split(".")):
+            raise LoRAAdapterError(f"LoRA adapter {path}: embedding and lm_head targets are not supported ({key})")
+        match = _KEY.match(key)
+        if match is None:
+            raise LoRAAdapterError(f"LoRA adapter {path}: unexpected tensor {key!r} (only lora_A/lora_B weights)")
+        pairs.setdefault(match["module"], {})[match["which"]] = tensor
+    if not pairs:
+        raise LoRAAdapterError(f"LoRA adapter {path}: {WEIGHTS_FILE} holds no LoRA weights")
+    rank = config["r"]
+    alpha = config.get("lora_alpha", rank)
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    modules = dict(model.named_modules())
+    placed: dict[str, list[LoRAPart]] = {}
+    for target, pair in sorted(pairs.items()):
+        if set(pair) != {"A", "B"}:
+            raise LoRAAdapterError(f"LoRA adapter {path}: {target} lacks lora_{'B' if 'A' in pair else 'A'}")
+        a, b = pair["A"], pair["B"]
+        module_name, offset, size = _placement(model, modules, target, path)
+        in_features = modules[module_name].in_features
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] > max_rank:
+            raise LoRAAdapterError(
+                f"LoRA adapter {path}: {target} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
+                f"(need [r, in] and [out, r] with r <= --max-lora-rank {max_rank})"
+            )
+        if a.shape[1] != in_features or b.shape[0] != size:
+            raise LoRAAdapterError(
+                f"LoRA adapter {path}: {target} maps {a.shape[1]} -> {b.shape[0]} features but the model's "
+                f"module takes {in_features} -> {size}: an adapter of another base model?"
+            )
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoRAAdapterError(f"LoRA adapter {path}: {target} holds NaN or infinite weights")
+        placed.setdefault(module_name, []).append(LoRAPart(offset, size, a.to(dtype), b.to(dtype)))
+    return LoRAAdapter(name, str(path), rank, float(scale), placed)

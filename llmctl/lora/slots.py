@@ -1,0 +1,124 @@
+"""Device slots for LoRA weights: every linear module gets stacked ``A``/``B`` tensors with one
+entry per slot (``max_loras``), into which adapters are copied on demand and from which the
+batched kernel gathers each token's adapter. A slot whose adapter no batch token uses is given to
+a new adapter least-recently-used first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from llmctl.layers.linear import LinearBase
+from llmctl.lora.adapter import LoRAAdapter, LoRAPart
+from llmctl_kernels.lora import LoRABatchPlan
+
+# (out, x, A, B, scale, plan) -> None: out += delta in place (llmctl_kernels.lora / lora_triton)
+LoRAKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LoRABatchPlan], None]
+
+
+@dataclass
+class LoRABatch:
+    """The step's tokens grouped by slot, set by the model runner before each forward and read by
+    every adapted projection (None: no token of the step has an adapter)."""
+
+    plan: LoRABatchPlan | None = None
+
+
+class _PartStack:
+    """The slots of one output slice of a module: ``A [slots, R, in]``, ``B [slots, size, R]``."""
+
+    def __init__(
+        self, offset: int, size: int, in_features: int, slots: int, rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.offset, self.size = offset, size
+        self.a = torch.zeros(slots, rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(slots, size, rank, dtype=dtype, device=device)
+        self.scale = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.filled: set[int] = set()  # slots whose adapter targets this slice
+
+
+class LoRALinear:
+    """Adds the batch's LoRA deltas to one linear module's output (``LinearBase.lora``). A slice's
+    stack is allocated when the first adapter targeting it is loaded."""
+
+    def __init__(
+        self,
+        module: LinearBase,
+        batch: LoRABatch,
+        kernel: LoRAKernel,
+        slots: int,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.in_features, self.slots, self.rank, self.dtype, self.device = (
+            module.in_features, slots, rank, dtype, device
+        )  # fmt: skip
+        self.stacks: dict[tuple[int, int], _PartStack] = {}  # (offset, size) -> its slots
+        self.batch, self.kernel = batch, kernel
+
+    def load(self, slot: int, parts: list[tuple[LoRAPart, float]]) -> None:
+        """Put an adapter's parts (and scale) for this module into ``slot``, clearing what was there."""
+        for stack in self.stacks.values():
+            if slot in stack.filled:
+                stack.a[slot].zero_()
+                stack.b[slot].zero_()
+                stack.scale[slot] = 0.0
+                stack.filled.discard(slot)
+        for part, scale in parts:
+            key = (part.offset, part.size)
+            if key not in self.stacks:
+                self.stacks[key] = _PartStack(*key, self.in_features, self.slots, self.rank, self.dtype, self.device)
+            stack = self.stacks[key]
+            rank = part.a.shape[0]
+            stack.a[slot, :rank].copy_(part.a)
+            stack.b[slot, :, :rank].copy_(part.b)
+            stack.scale[slot] = scale
+            stack.filled.add(slot)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        plan = self.batch.plan
+        if plan is None or not self.stacks:  # no adapter token, or no adapter ever targeted this module
+            return out
+        if x.shape[0] != plan.slots.numel():
+            raise RuntimeError(f"LoRA: a projection saw {x.shape[0]} rows in a batch of {plan.slots.numel()} tokens")
+        for stack in self.stacks.values():
+            if stack.filled:
+                self.kernel(out[:, stack.offset : stack.offset + stack.size], x, stack.a, stack.b, stack.scale, plan)
+        return out
+
+
+class LoRASlots:
+    """``max_loras`` device slots shared by every adapted module, assigned least-recently-used."""
+
+    def __init__(self, layers: list[LoRALinear], names: list[str], num_slots: int) -> None:
+        self.layers = dict(zip(names, layers))
+        self.num_slots = num_slots
+        self.adapter_in: list[int | None] = [None] * num_slots  # slot -> adapter id
+        self.last_used = [0] * num_slots
+        self.clock = 0
+        self.loads = 0  # adapters copied into a slot so far
+
+    def slot_of(self, adapter: LoRAAdapter, busy: set[int]) -> int:
+        """The slot holding ``adapter``, copying it into the least recently used slot not in ``busy``
+        (slots the batch being built uses) when it is not loaded."""
+        self.clock += 1
+        if adapter.id in self.adapter_in:
+            slot = self.adapter_in.index(adapter.id)
+        else:
+            free = [s for s in range(self.num_slots) if s not in busy]
+            if not free:
+                raise RuntimeError(f"LoRA: a batch uses more than --max-loras {self.num_slots} adapters")
+            slot = min(free, key=lambda s: (self.adapter_in[s] is not None, self.last_used[s]))
+            self._load(slot, adapter)
+        self.last_used[slot] = self.clock
+        return slot
+
+    def _load(self, slot: int, adapter: LoRAAdapter) -> None:
+        for name, layer in self.layers.items():
+            layer.load(slot, [(part, adapter.scale) for part in adapter.modules.get(name, [])])
+        self.adapter_in[slot] = adapter.id
+        self.loads += 1

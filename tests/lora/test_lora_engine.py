@@ -1,0 +1,96 @@
+"""LoRA adapters in the engine: each adapter's greedy output equals transformers + peft with the
+adapter merged (fp32, CPU); a batch mixing the base model and three adapters, arriving staggered,
+gives every request exactly its tokens alone; prefix-cache keys carry the adapter."""
+
+from __future__ import annotations
+
+import pytest
+from lora_factory import MAX_NEW, engine_with, merged_greedy, run_alone
+from model_factory import random_prompts
+
+from llmctl.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_each_adapter_matches_peft_merged(family, lora_bases, lora_adapters) -> None:
+    base, adapters = lora_bases[family], lora_adapters[family]
+    prompts = random_prompts(2, 320, 5, 20, seed=3)
+    engine = engine_with(base, adapters)
+    base_tokens = merged_greedy(base, None, prompts, MAX_NEW)
+    for name, path in [(None, None), *adapters.items()]:
+        expected = merged_greedy(base, path, prompts, MAX_NEW)
+        if name is not None:
+            assert expected != base_tokens, f"adapter {name} should change the output"
+        got = [run_alone(engine, p, name) for p in prompts]
+        assert got == expected, f"{family} adapter {name}"
+    assert not engine.block_manager.usage  # every block back
+
+
+@pytest.mark.parametrize("max_loras", [3, 2])
+def test_mixed_batch_equals_alone(max_loras, lora_bases, lora_adapters) -> None:
+    """Base + 3 adapters in one batch (and one forward per step), staggered arrivals, chunked
+    prefill: each request gets exactly the tokens it gets alone. With 2 slots, a third adapter's
+    requests wait for one."""
+    base, adapters = lora_bases["llama"], lora_adapters["llama"]
+    loras = [None, "r8", "r64", "mlp16", "r8", None, "r64", "mlp16"]
+    prompts = random_prompts(len(loras), 320, 3, 40, seed=5)
+    alone_engine = engine_with(base, adapters)
+    alone = [run_alone(alone_engine, p, lora) for p, lora in zip(prompts, loras)]
+    engine = engine_with(base, adapters, max_num_batched_tokens=32, max_loras=max_loras)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    ids: list[str] = []
+    results: dict[str, list[int]] = {}
+    most_adapters = 0
+    while len(ids) < len(prompts) or engine.has_unfinished():
+        if len(ids) < len(prompts):  # a new request every step, while others prefill and decode
+            i = len(ids)
+            ids.append(engine.add_request(prompts[i], params, lora=loras[i]))
+        running = {seq.lora.name if seq.lora else None for seq in engine.scheduler.running}
+        assert len(running - {None}) <= max_loras
+        if None in running:
+            most_adapters = max(most_adapters, len(running) - 1)
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = list(out.outputs[0].token_ids)
+    assert most_adapters == max_loras  # the base model and that many adapters did share batches
+    assert [results[i] for i in ids] == alone
+    assert not engine.block_manager.usage
+
+
+def test_prefix_cache_key_includes_adapter(lora_bases, lora_adapters) -> None:
+    base, adapters = lora_bases["llama"], lora_adapters["llama"]
+    engine = engine_with(base, adapters)
+    prompt = random_prompts(1, 320, 40, 40, seed=9)[0]  # two full blocks of 16 and a partial one
+
+    def hit(lora: str | None) -> int:
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True), lora=lora)
+        seq = engine.requests[rid].sequences()[0]
+        while engine.has_unfinished():
+            engine.step()
+        return seq.num_cached_tokens
+
+    assert hit("r8") == 0
+    assert hit("r8") == 32  # the same adapter shares the prompt's full blocks
+    assert hit("r64") == 0  # another adapter never does
+    assert hit(None) == 0  # nor the base model
+    assert hit(None) == 32
+    engine.remove_lora("r8")
+    engine.add_lora("r8", adapters["r8"])  # the same name loaded again is another adapter
+    assert hit("r8") == 0
+
+
+def test_triton_kernels_in_the_engine(lora_bases, lora_adapters) -> None:
+    """The Triton kernels (the interpreter on a CPU) at the engine's selection point: a batch of the
+    base model and two adapters gives each the merged model's tokens."""
+    base, adapters = lora_bases["llama"], lora_adapters["llama"]
+    engine = engine_with(base, adapters, kernel_backend="triton")
+    assert engine.lora.kernel_name == "triton"
+    prompt = random_prompts(1, 320, 6, 6, seed=4)[0]
+    loras = [None, "r8", "r64"]
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(prompt, params, lora=lora) for lora in loras]
+    final = {}
+    while engine.has_unfinished():
+        final |= {out.request_id: list(out.outputs[0].token_ids) for out in engine.step() if out.finished}
+    for rid, lora in zip(ids, loras):
+        assert final[rid] == merged_greedy(base, lora and adapters[lora], [prompt], MAX_NEW)[0], lora
