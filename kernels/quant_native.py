@@ -106,8 +106,10 @@ def interleaves(packed, *, interleave: bool = True) -> bool:
 class InterleavedKernel:
     """The integer path of an int4/int8 weight from its tile-interleaved copy (``interleave_tiles``
     in quant_kernels.cpp: each tile of 4 rows is one run of bytes, blocks with their scales and
-    mins, read as one sequential stream instead of 12). Made once when bound; the same bits as the
-    row layout. ``tiles`` and its description are what the native decode loop binds too (one copy)."""
+    mins, read as one sequential stream instead of 12). Made once when bound; below
+    ``set_qgemm_min_rows`` rows of x (8) the same bits as the row layout, from there on the
+    int8-digit GEMM of kernels/cpu/qgemm.h, which reads the same tiles (prefill, batched decode).
+    ``tiles`` and its description are what the native decode loop binds too (one copy)."""
 
     def __init__(self, module, packed) -> None:
         self.int4 = isinstance(packed, PackedInt4)

@@ -67,6 +67,9 @@ using llk::quant::tile_layout;
 
 // The highest variant `set_isa` allows (the CPU's own support is checked where a variant is picked).
 std::atomic<int> g_isa_cap{static_cast<int>(llk::Isa::kAvx512Bf16)};
+// Rows of x from which interleaved_gemm takes qgemm.h's int8-digit GEMM (below: the int16 passes,
+// bound by the weight stream at those sizes); set_qgemm_min_rows moves it (tests, A/B runs).
+std::atomic<int64_t> g_qgemm_min_rows{8};
 
 constexpr int64_t MT = 4;   // rows of x that share one pass over a weight row (fp8)
 constexpr float X_LEVELS = 32767.f;  // activations: int16, scale = max|x| / 32767 per 32-input block
@@ -120,7 +123,9 @@ __attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float*
 }  // namespace
 
 QuantizedX llk::quant::quantize_x(const float* x, int64_t m, int64_t k, bool nibble_order) {
-  QuantizedX r{m, k, std::vector<int16_t>(m * k), std::vector<float>(m * k / QB), std::vector<float>(m * k / 16)};
+  // At qgemm's sizes the int16 rows are made only if a row-layout GEMM asks for them (packed_gemm).
+  if (m >= g_qgemm_min_rows.load(std::memory_order_relaxed)) return QuantizedX{m, k, {}, {}, {}, x};
+  QuantizedX r{m, k, std::vector<int16_t>(m * k), std::vector<float>(m * k / QB), std::vector<float>(m * k / 16), x};
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       for (int64_t b = 0; b < k / QB; ++b)
@@ -132,6 +137,19 @@ QuantizedX llk::quant::quantize_x(const float* x, int64_t m, int64_t k, bool nib
 }
 
 namespace {
+
+// The int16 rows of x that quantize_x skipped at qgemm's sizes (its m, k and float rows kept).
+QuantizedX int16_rows(const QuantizedX& xq, bool nibble_order) {
+  QuantizedX r{xq.m, xq.k, std::vector<int16_t>(xq.m * xq.k), std::vector<float>(xq.m * xq.k / QB),
+               std::vector<float>(xq.m * xq.k / 16), xq.x};
+  at::parallel_for(0, xq.m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t b = 0; b < xq.k / QB; ++b)
+        quantize_block_avx2(xq.x + i * xq.k + b * QB, nibble_order, r.q.data() + i * xq.k + b * QB,
+                            &r.scale[i * (xq.k / QB) + b], &r.sum16[i * (xq.k / 16) + 2 * b]);
+  });
+  return r;
+}
 
 // sum(x[row, g*G : (g+1)*G]) for every group g, from the 16-input partial sums.
 inline void group_sums(const QuantizedX& xq, int64_t row, int64_t group, float* out) {
@@ -320,6 +338,8 @@ void packed_gemm_as(const QuantizedX& xq, const uint8_t* w, bool int4, const voi
 
 void llk::quant::packed_gemm(const QuantizedX& xq, const uint8_t* w, bool int4, const at::Tensor& scales,
                              const at::Tensor& mins, int64_t group, int64_t n, float* out) {
+  if (xq.q.size() != static_cast<size_t>(xq.m * xq.k))  // quantize_x left the int16 rows to qgemm's sizes
+    return packed_gemm(int16_rows(xq, int4), w, int4, scales, mins, group, n, out);
   const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK(half || scales.scalar_type() == at::kFloat, "scales must be float32 or float16");
   TORCH_CHECK(!mins.defined() || mins.scalar_type() == scales.scalar_type(), "mins and scales of one dtype");
@@ -639,6 +659,8 @@ inline bool use_avx512() {
   return avx512 && avx512_allowed();
 }
 
+#include "qgemm.h"  // many rows: int8 activations, integer dot products (VNNI / AVX2 / scalar)
+
 constexpr int64_t MAX_PASS_ROWS = 8;  // the most x rows a tile variant takes in one pass
 
 template <typename S>
@@ -703,6 +725,10 @@ void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, 
 
 void llk::quant::interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, bool int4, bool half, int64_t group,
                                   bool mins, int64_t n, float* out) {
+  if (xq.x != nullptr && xq.m >= g_qgemm_min_rows.load(std::memory_order_relaxed))
+    return qgemm::gemm(xq.x, xq.m, xq.k, tiles, int4, half, group, mins, n, out);
+  if (xq.q.size() != static_cast<size_t>(xq.m * xq.k))  // made at qgemm's sizes, the threshold moved since
+    return interleaved_gemm(int16_rows(xq, int4), tiles, int4, half, group, mins, n, out);
   if (half) interleaved_gemm_as<uint16_t>(xq, tiles, int4, group, mins, n, out);
   else interleaved_gemm_as<float>(xq, tiles, int4, group, mins, n, out);
 }
@@ -830,6 +856,11 @@ std::string set_isa(const std::string& name) {
   TORCH_CHECK(llk::parse_isa(name, &level), "unknown or not compiled ISA level: ", name);
   g_isa_cap.store(static_cast<int>(level), std::memory_order_relaxed);
   return name;
+}
+
+int64_t set_qgemm_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1, "qgemm_min_rows must be at least 1");
+  return g_qgemm_min_rows.exchange(rows);
 }
 
 std::string isa() {

@@ -2,7 +2,9 @@
 ``interleaved_linear`` in kernels/cpu/quant_kernels.cpp, bound by ``llmctl_kernels.quant_native``): each
 tile of 4 rows stored as one run of bytes. It must give the very bits of the row layout's integer
 path (same arithmetic per row, in the same order), which the torch reference bounds; and the
-layout itself must put every byte where the kernel reads it (a hand-built tile)."""
+layout itself must put every byte where the kernel reads it (a hand-built tile). These are the
+int16 passes, which run below ``set_qgemm_min_rows`` rows of x: the module moves that threshold out
+of the way (from it on, the int8-digit GEMM runs: tests/kernels/test_quant_qgemm.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,14 @@ if native_unavailable_reason() is not None:
     pytest.skip(f"quantized CPU kernels: {native_unavailable_reason()}", allow_module_level=True)
 
 INT_PATH = False
+
+
+@pytest.fixture(autouse=True)
+def _int16_passes_at_every_m():
+    set_rows = load_quant_native().set_qgemm_min_rows
+    previous = set_rows(1 << 30)
+    yield
+    set_rows(previous)
 
 
 def _packed(kind: str, n: int, k: int, seed: int, half: bool):

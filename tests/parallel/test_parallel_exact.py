@@ -1,5 +1,6 @@
 """Greedy tokens with tensor parallelism 2, pipeline parallelism 2 and both are identical to one
-process, in fp32 on the CPU, on the random Llama/Qwen2/Qwen3 checkpoints and stories260k.
+process, in fp32 on the CPU, on the random Llama/Qwen2/Qwen3/Qwen2-MoE/Qwen3-MoE checkpoints and
+stories260k.
 
 The batches exercise chunked prefill (a 16-token budget), mixed prefill + decode steps, pipeline
 micro-batches (several sequences per step) and an uneven layer split (stories260k's 5 layers over
@@ -25,7 +26,9 @@ PROMPTS = random_prompts(4, 320, 3, 24, seed=7)
 
 @pytest.fixture(scope="module")
 def model_dirs(hf_model_dirs, stories_dir) -> list[str]:
-    return [str(hf_model_dirs[f]) for f in ("llama", "qwen2", "qwen3")] + [str(stories_dir)]
+    # the MoE families shard every expert's intermediate dimension across ranks (shared expert too)
+    families = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+    return [str(hf_model_dirs[f]) for f in families] + [str(stories_dir)]
 
 
 @pytest.fixture(scope="module")

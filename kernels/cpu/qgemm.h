@@ -1,0 +1,455 @@
+// Many rows of x (prefill, a batched decode step) against a packed int4/int8 weight in
+// interleave_tiles' layout, with int8 integer dot products as llama.cpp computes them: the
+// activations are rounded once per row and per block of 32 inputs to q = round(x * LEVELS / max|x|)
+// (round half to even) held as two int8 digits, q = 255 * hi + lo; every block is then one exact
+// integer dot product (255 * dot(w, hi) + dot(w, lo)), scaled in float:
+//     acc = fma(float(dot(w_block, q_block)), w_scale[group] * x_scale[block], acc)   (block order)
+//     out = fma(min[group], sum(x over group), out)                                   (group order)
+// (the sum of x exact in float). Two digits: int16's precision at int8's instructions (one digit,
+// llama.cpp's Q8 activations, cost SmolLM2-135M Q4_1 +1.3 % perplexity). Why this path: the int16
+// passes of quant_kernels.cpp recompute each weight block for every row with a float step per
+// block, row and 8 lanes; here the weight is unpacked once per block of MR rows, each instruction
+// does 64 (VNNI) or 32 (AVX2) multiply-adds, and the float step is one per block, row and 16 (8)
+// weight rows: a 64-row step computes from the packed bytes faster than from a float32 copy.
+//
+// Layout of the products: each 32-bit lane holds 4 consecutive bytes of one weight row (the tile's
+// natural order), so x goes to the lanes pre-arranged: int8 weights take x in input order; an int4
+// lane's low nibbles are inputs 8j, 8j+2, 8j+4, 8j+6 and its high ones 8j+1 ... 8j+7, so each
+// x block is stored as [those 16 for the low nibbles | 16 for the high] (nibble_lanes). Each
+// 4-tile panel's lanes are summed per weight row by a transpose (row_sums).
+// - AVX512-VNNI: vpdpbusd (u8 x s8 -> s32). int4 nibbles are the unsigned operand; int8 weights
+//   are signed, so both digits go in as digit + 128 (unsigned), and -(128 * 257) * sum(w row)
+//   is added once per block and panel for all the rows of x.
+// - AVX2: vpmaddubsw (u8 x s8 -> s16, two products: |15 * 127 * 2| and |128 * 127 * 2| fit without
+//   saturating) then vpmaddwd by ones; int8 weights by the sign trick (|w| times x with w's sign).
+// - scalar (`set_isa("generic")`): the same integers in plain loops, the same float steps (std::fma).
+// Overflow: |q| <= 32512, so an int4 block's sum is < 2^24 (exact as a float), an int8 block's
+// < 2^28 (one float rounding, the same in every variant). Every variant gives every output the
+// same bits, and no output depends on M, the row block, the thread or the panel.
+// AMX-INT8 and AVX-VNNI (VEX) variants are not built: AMX CPUs have AVX512-VNNI, which runs here.
+//
+// Included by quant_kernels.cpp inside its namespace, after the tile layout and avx512_allowed().
+
+namespace qgemm {
+
+// Activation steps each side of zero: 127 * 255 + 127, the most two such digits hold (int16's
+// precision: one int8 digit alone cost SmolLM2-135M Q4_1 +1.3 % perplexity on fables.txt).
+constexpr float LEVELS = 32512.f;
+constexpr int MR = 4;  // x rows per pass over a panel's block
+
+// x [m, k] rounded per 32-input block to q (|q| <= LEVELS) held as two int8 digits,
+// q = base * hi + lo: base 256 (lo in -128..127) for VNNI, where the combination is one shift;
+// base 255 (both in -127..127) for AVX2 and the scalar code: the sign trick cannot negate -128.
+// q is the same either way, and so is every integer dot product.
+struct Int8X {
+  int64_t m = 0, k = 0, groups = 0;
+  bool lanes = false;        // the digits' blocks in nibble_lanes order
+  int32_t base = 255;
+  std::vector<int8_t> hi, lo;  // [m, k]: input order (int8 weights, the scalar variant) or nibble_lanes order
+  std::vector<float> scale;  // [m, k / QB]
+  std::vector<float> sums;   // [m, groups]: exact float sums of x over each weight group (for the mins)
+};
+
+// One 32-input block of int8 x in an int4 lane's order (see the top of this file).
+inline void nibble_lanes(const int8_t* q, int8_t* out) {
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < 4; ++t) {
+      out[4 * j + t] = q[8 * j + 2 * t];
+      out[16 + 4 * j + t] = q[8 * j + 2 * t + 1];
+    }
+}
+
+// One block's digits (base 255 or 256) from q in 4 vectors of 8, in input or nibble_lanes order.
+__attribute__((target("avx2"))) inline __m256i digits_avx2(const __m256i* d, bool lanes) {
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(d[0], d[1]), _mm256_packs_epi32(d[2], d[3]));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (!lanes) return ordered;
+  const __m256i split = _mm256_shuffle_epi8(  // each 16 bytes: their evens, then their odds
+      ordered, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3,
+                                5, 7, 9, 11, 13, 15));
+  return _mm256_permute4x64_epi64(split, _MM_SHUFFLE(3, 1, 2, 0));  // all evens, then all odds
+}
+
+// The vector form of quantize's block: the same max, the same q (cvtps rounds half to even, as
+// nearbyint in the default rounding mode), the same digits (floor by an exact float division).
+__attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float* xb, int32_t base, bool lanes,
+                                                                     float* scale, int8_t* hi, int8_t* lo) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 v[4], amax8 = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    amax8 = _mm256_max_ps(_mm256_and_ps(v[i], abs_mask), amax8);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? LEVELS / amax : 0.f);
+  *scale = amax / LEVELS;
+  __m256i h[4], l[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    if (base == 256) {
+      h[i] = _mm256_srai_epi32(_mm256_add_epi32(q, _mm256_set1_epi32(128)), 8);
+      l[i] = _mm256_sub_epi32(q, _mm256_slli_epi32(h[i], 8));
+    } else {
+      const __m256 shifted = _mm256_cvtepi32_ps(_mm256_add_epi32(q, _mm256_set1_epi32(127)));
+      h[i] = _mm256_cvtps_epi32(_mm256_floor_ps(_mm256_div_ps(shifted, _mm256_set1_ps(255.f))));
+      l[i] = _mm256_sub_epi32(q, _mm256_sub_epi32(_mm256_slli_epi32(h[i], 8), h[i]));
+    }
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), digits_avx2(h, lanes));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), digits_avx2(l, lanes));
+}
+
+// ``vector``: the AVX2 block (the SIMD variants), else the plain loop (the scalar variant): the same bytes.
+inline Int8X quantize(const float* x, int64_t m, int64_t k, int64_t group, bool mins, bool lanes, int32_t base,
+                      bool vector) {
+  const int64_t nb = k / QB;
+  Int8X r{m, k, k / group, lanes, base, std::vector<int8_t>(m * k), std::vector<int8_t>(m * k), std::vector<float>(m * nb), {}};
+  if (mins) r.sums.resize(m * r.groups);
+  at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
+    int8_t hi[QB], lo[QB];
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xr = x + i * k;
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = xr + b * QB;
+        const int64_t at = i * k + b * QB;
+        if (vector) {
+          quantize_block_avx2(xb, base, lanes, &r.scale[i * nb + b], r.hi.data() + at, r.lo.data() + at);
+          continue;
+        }
+        float amax = 0.f;
+        for (int j = 0; j < QB; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        const float inv = amax > 0.f ? LEVELS / amax : 0.f;
+        r.scale[i * nb + b] = amax / LEVELS;
+        for (int j = 0; j < QB; ++j) {
+          const int32_t q = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
+          // floor((q + 127) / 255), or floor((q + 128) / 256): |hi| <= 127 for |q| <= 32512
+          const int32_t high = (q + base / 2 + base * 128) / base - 128;
+          hi[j] = static_cast<int8_t>(high);
+          lo[j] = static_cast<int8_t>(q - base * high);
+        }
+        if (lanes) {
+          nibble_lanes(hi, r.hi.data() + at);
+          nibble_lanes(lo, r.lo.data() + at);
+        } else {
+          std::memcpy(r.hi.data() + at, hi, QB);
+          std::memcpy(r.lo.data() + at, lo, QB);
+        }
+      }
+      for (int64_t g = 0; mins && g < r.groups; ++g) {
+        float s = 0.f;
+        for (int64_t j = g * group; j < (g + 1) * group; ++j) s += xr[j];
+        r.sums[i * r.groups + g] = s;
+      }
+    }
+  });
+  return r;
+}
+
+// A tile's pointers: group g's RT scales, block e of group g, the RT mins of group g.
+struct TileView {
+  const uint8_t* p;
+  const TileLayout& l;
+  const uint8_t* scales(int64_t g) const { return p + g * l.group_bytes(); }
+  const uint8_t* block(int64_t g, int64_t e) const { return scales(g) + RT * l.scale_bytes + e * RT * l.block_bytes; }
+  const uint8_t* mins(int64_t g) const { return p + l.groups * l.group_bytes() + g * RT * l.scale_bytes; }
+};
+
+// Where input j of a block sits in x.q's block (nibble_lanes is the inverse).
+inline int lane_position(int j, bool lanes) {
+  return !lanes ? j : (j % 2) * 16 + 4 * (j / 8) + (j % 8) / 2;
+}
+
+template <typename S>
+inline float scalar_at(const uint8_t* p, int r) {
+  S v;
+  std::memcpy(&v, p + r * sizeof(S), sizeof(S));
+  return to_float(v);
+}
+
+// ---- scalar reference: tiles [t0, t1) for every row of x, in input order -------------------------
+template <typename S>
+__attribute__((optimize("fp-contract=off"))) void tiles_ref(const Int8X& x, const uint8_t* tiles, const TileLayout& l,
+                                                             bool int4, int64_t t0, int64_t t1, int64_t n, float* out) {
+  const int64_t nb = x.k / QB;
+  for (int64_t t = t0; t < t1; ++t) {
+    const TileView tile{tiles + t * l.tile_bytes(), l};
+    for (int r = 0; r < RT && t * RT + r < n; ++r)
+      for (int64_t i = 0; i < x.m; ++i) {
+        const int8_t* xh = x.hi.data() + i * x.k;
+        const int8_t* xl = x.lo.data() + i * x.k;
+        float acc = 0.f;
+        for (int64_t g = 0, b = 0; g < l.groups; ++g) {
+          const float ws = scalar_at<S>(tile.scales(g), r);
+          for (int64_t e = 0; e < l.bpg; ++e, ++b) {
+            const uint8_t* w = tile.block(g, e) + r * l.block_bytes;
+            int32_t dot = 0;
+            for (int j = 0; j < QB; ++j) {
+              const int32_t wj = int4 ? (w[j / 2] >> (4 * (j % 2))) & 15 : static_cast<int8_t>(w[j]);
+              const int64_t at = b * QB + lane_position(j, x.lanes);
+              dot += wj * (x.base * xh[at] + xl[at]);
+            }
+            acc = std::fma(static_cast<float>(dot), ws * x.scale[i * nb + b], acc);
+          }
+        }
+        for (int64_t g = 0; l.mins && g < l.groups; ++g)
+          acc = std::fma(scalar_at<S>(tile.mins(g), r), x.sums[i * x.groups + g], acc);
+        out[i * n + t * RT + r] = acc;
+      }
+  }
+}
+
+// ---- AVX-512 VNNI: panels of 4 tiles (16 weight rows) ------------------------------------------
+// The 4 tiles' int32 lanes (lane 4r + j of tile t: row r, bytes 4j..4j+3) summed per row: lane 4r + t.
+__attribute__((target("avx512f,avx512bw"))) inline __m512i row_sums(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+  const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+  const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+}
+
+// An int8 tile block's two vectors (rows 0-1 | rows 2-3, 8 lanes a row) -> 4 lanes a row (lane 4r + j).
+__attribute__((target("avx512f"))) inline __m512i rows_of_tile(__m512i e0, __m512i e1) {
+  return _mm512_add_epi32(_mm512_shuffle_i64x2(e0, e1, _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i64x2(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// lane 4r + t <-> lane 4t + r (its own inverse): tile-major values to row_sums' order and back.
+__attribute__((target("avx512f"))) inline __m512i transpose_index() {
+  return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+}
+
+// The 4 tiles' RT values (scales or mins) at byte offset `at` of each, in row_sums' lane order.
+template <typename S>
+__attribute__((target("avx512f,f16c"))) inline __m512 panel_values(const uint8_t* const* p, int64_t at, __m512i idx) {
+  __m512 v;
+  if constexpr (std::is_same_v<S, uint16_t>) {
+    const __m256i h = _mm256_setr_epi64x(*reinterpret_cast<const int64_t*>(p[0] + at), *reinterpret_cast<const int64_t*>(p[1] + at),
+                                         *reinterpret_cast<const int64_t*>(p[2] + at), *reinterpret_cast<const int64_t*>(p[3] + at));
+    v = _mm512_cvtph_ps(h);
+  } else {
+    v = _mm512_castps128_ps512(_mm_loadu_ps(reinterpret_cast<const float*>(p[0] + at)));
+    v = _mm512_insertf32x4(v, _mm_loadu_ps(reinterpret_cast<const float*>(p[1] + at)), 1);
+    v = _mm512_insertf32x4(v, _mm_loadu_ps(reinterpret_cast<const float*>(p[2] + at)), 2);
+    v = _mm512_insertf32x4(v, _mm_loadu_ps(reinterpret_cast<const float*>(p[3] + at)), 3);
+  }
+  return _mm512_permutexvar_ps(idx, v);
+}
+
+// R rows of x (R <= MR) against one panel: the whole K, then the mins, stored in column order.
+template <typename S, bool INT4, int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni(const Int8X& x, int64_t i0,
+                                                                            const uint8_t* const* p,
+                                                                            const TileLayout& l, float* out,
+                                                                            int64_t ldo) {
+  const int64_t nb = x.k / QB;
+  const __m512i idx = transpose_index();
+  const __m512i low4 = _mm512_set1_epi8(15), bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t off = 0;  // byte offset of the group (then block) inside every tile of the panel
+  for (int64_t g = 0, b = 0; g < l.groups; ++g) {
+    const __m512 ws = panel_values<S>(p, off, idx);
+    off += RT * l.scale_bytes;
+    for (int64_t e = 0; e < l.bpg; ++e, ++b, off += RT * l.block_bytes) {
+      __m512i w[8];  // int4: tile t's low nibbles in w[t], high in w[4 + t]; int8: tile t's rows 0-1, 2-3 in w[2t], w[2t + 1]
+      __m512i fix;   // int8: -(128 * 257) * sum(w row) in row_sums' order, for the x + 128 of both digits
+      for (int t = 0; t < 4; ++t) {
+        if constexpr (INT4) {
+          const __m512i raw = _mm512_loadu_si512(p[t] + off);
+          w[t] = _mm512_and_si512(raw, low4);
+          w[4 + t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        } else {
+          for (int h = 0; h < 2; ++h) w[2 * t + h] = _mm512_loadu_si512(p[t] + off + 64 * h);
+        }
+      }
+      if constexpr (!INT4) {
+        __m512i s[4];
+        for (int t = 0; t < 4; ++t) s[t] = rows_of_tile(_mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, w[2 * t]),
+                                                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, w[2 * t + 1]));
+        const __m512i sum128 = row_sums(s[0], s[1], s[2], s[3]);  // 128 * sum(w row)
+        fix = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_add_epi32(_mm512_slli_epi32(sum128, 8), sum128));
+      }
+      for (int i = 0; i < R; ++i) {
+        const int64_t at = (i0 + i) * x.k + b * QB;
+        const int8_t* xh = x.hi.data() + at;
+        const int8_t* xl = x.lo.data() + at;
+        __m512i a[4];  // per tile: 256 * dot(w, hi) + dot(w, lo): the hi digit's sums shifted, then lo's added on
+        if constexpr (INT4) {
+          const auto half = [](const int8_t* p) {
+            return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+          };
+          const __m512i h0 = half(xh), h1 = half(xh + 16), l0 = half(xl), l1 = half(xl + 16);
+          for (int t = 0; t < 4; ++t) {
+            const __m512i top = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[t], h0), w[4 + t], h1);
+            a[t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(top, 8), w[t], l0), w[4 + t], l1);
+          }
+        } else {
+          const auto unsigned_x = [&](const int8_t* p) {
+            return _mm512_xor_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), bias);
+          };
+          const __m512i uh = unsigned_x(xh), ul = unsigned_x(xl);
+          for (int t = 0; t < 4; ++t) {
+            __m512i e[2];
+            for (int h = 0; h < 2; ++h) {
+              const __m512i top = _mm512_dpbusd_epi32(_mm512_setzero_si512(), uh, w[2 * t + h]);
+              e[h] = _mm512_dpbusd_epi32(_mm512_slli_epi32(top, 8), ul, w[2 * t + h]);
+            }
+            a[t] = rows_of_tile(e[0], e[1]);
+          }
+        }
+        __m512i sums = row_sums(a[0], a[1], a[2], a[3]);
+        if constexpr (!INT4) sums = _mm512_add_epi32(sums, fix);
+        const __m512 dots = _mm512_cvtepi32_ps(sums);
+        acc[i] = _mm512_fmadd_ps(dots, _mm512_mul_ps(ws, _mm512_set1_ps(x.scale[(i0 + i) * nb + b])), acc[i]);
+      }
+    }
+  }
+  if (l.mins) {
+    const int64_t mins_at = l.groups * l.group_bytes();
+    for (int64_t g = 0; g < l.groups; ++g) {
+      const __m512 mn = panel_values<S>(p, mins_at + g * RT * l.scale_bytes, idx);
+      for (int i = 0; i < R; ++i)
+        acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.sums[(i0 + i) * x.groups + g]), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + (i0 + i) * ldo, _mm512_permutexvar_ps(idx, acc[i]));
+}
+
+// ---- AVX2: panels of 2 tiles (8 weight rows) ----------------------------------------------------
+// One tile block's 4 rows against one digit's x block -> 4 int32 sums (rows 0..3).
+template <bool INT4>
+__attribute__((target("avx2"))) inline __m128i tile_dots_avx2(const __m256i* w, const int8_t* xb) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (INT4) {  // w[0..1]: low nibbles of rows 0-1, 2-3; w[2..3]: high nibbles
+    const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb)));
+    const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 16)));
+    __m256i s[2];
+    for (int h = 0; h < 2; ++h)  // |15 * 128 * 4| fits in int16
+      s[h] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w[h], xlo), _mm256_maddubs_epi16(w[2 + h], xhi)), ones);
+    const __m256i pairs = _mm256_hadd_epi32(s[0], s[1]);  // [r0 01, r0 23, r2 01, r2 23 | r1 .., r3 ..]
+    const __m256i four = _mm256_hadd_epi32(pairs, pairs);  // [r0, r2, r0, r2 | r1, r3, r1, r3]
+    return _mm_unpacklo_epi32(_mm256_castsi256_si128(four), _mm256_extracti128_si256(four, 1));  // [r0, r1, r2, r3]
+  } else {  // w[r]: row r's 32 bytes; |w| * (x with w's sign): |128 * 128 * 2| < 2^15 only with x > -128
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+    __m256i s[4];
+    for (int r = 0; r < 4; ++r)
+      s[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[r]), _mm256_sign_epi8(xv, w[r])), ones);
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));  // [r0, r1, r2, r3]
+  }
+}
+
+// 255 * dots(hi digit) + dots(lo digit) (AVX2's digits are base 255).
+template <bool INT4>
+__attribute__((target("avx2"))) inline __m128i tile_sums_avx2(const __m256i* w, const int8_t* xh, const int8_t* xl) {
+  const __m128i top = tile_dots_avx2<INT4>(w, xh);
+  return _mm_add_epi32(_mm_sub_epi32(_mm_slli_epi32(top, 8), top), tile_dots_avx2<INT4>(w, xl));
+}
+
+template <typename S>
+__attribute__((target("avx2,f16c"))) inline __m128 tile_values(const uint8_t* p) {
+  if constexpr (std::is_same_v<S, uint16_t>) return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  else return _mm_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
+template <typename S, bool INT4, int R>
+__attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Int8X& x, int64_t i0, const uint8_t* const* p,
+                                                          const TileLayout& l, float* out, int64_t ldo) {
+  const int64_t nb = x.k / QB;
+  const __m256i low4 = _mm256_set1_epi8(15);
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  int64_t off = 0;
+  for (int64_t g = 0, b = 0; g < l.groups; ++g) {
+    const __m256 ws = _mm256_set_m128(tile_values<S>(p[1] + off), tile_values<S>(p[0] + off));
+    off += RT * l.scale_bytes;
+    for (int64_t e = 0; e < l.bpg; ++e, ++b, off += RT * l.block_bytes) {
+      __m256i w[2][4];
+      for (int t = 0; t < 2; ++t) {
+        if constexpr (INT4) {
+          for (int h = 0; h < 2; ++h) {
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[t] + off + 32 * h));
+            w[t][h] = _mm256_and_si256(raw, low4);
+            w[t][2 + h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+          }
+        } else {
+          for (int r = 0; r < 4; ++r) w[t][r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[t] + off + 32 * r));
+        }
+      }
+      for (int i = 0; i < R; ++i) {
+        const int64_t at = (i0 + i) * x.k + b * QB;
+        const int8_t* xh = x.hi.data() + at;
+        const int8_t* xl = x.lo.data() + at;
+        const __m256 dots = _mm256_cvtepi32_ps(
+            _mm256_set_m128i(tile_sums_avx2<INT4>(w[1], xh, xl), tile_sums_avx2<INT4>(w[0], xh, xl)));
+        acc[i] = _mm256_fmadd_ps(dots, _mm256_mul_ps(ws, _mm256_set1_ps(x.scale[(i0 + i) * nb + b])), acc[i]);
+      }
+    }
+  }
+  if (l.mins) {
+    const int64_t mins_at = l.groups * l.group_bytes();
+    for (int64_t g = 0; g < l.groups; ++g) {
+      const int64_t at = mins_at + g * RT * l.scale_bytes;
+      const __m256 mn = _mm256_set_m128(tile_values<S>(p[1] + at), tile_values<S>(p[0] + at));
+      for (int i = 0; i < R; ++i)
+        acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.sums[(i0 + i) * x.groups + g]), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (i0 + i) * ldo, acc[i]);
+}
+
+enum class Variant { kScalar, kAvx2, kVnni };
+
+inline Variant variant() {
+  if (g_isa_cap.load(std::memory_order_relaxed) == static_cast<int>(llk::Isa::kGeneric)) return Variant::kScalar;
+  static const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vnni");
+  return vnni && avx512_allowed() ? Variant::kVnni : Variant::kAvx2;
+}
+
+using PanelFn = void (*)(const Int8X&, int64_t, const uint8_t* const*, const TileLayout&, float*, int64_t);
+
+template <typename S, bool INT4>
+void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_t group, bool mins, int64_t n,
+             float* out) {
+  const Variant v = variant();
+  const TileLayout l = tile_layout(k, group, INT4, sizeof(S), mins);
+  const Int8X x = quantize(xf, m, k, group, mins, INT4 && v != Variant::kScalar, v == Variant::kVnni ? 256 : 255,
+                           v != Variant::kScalar);
+  const int64_t tiles_n = (n + RT - 1) / RT, tile_bytes = l.tile_bytes();
+  if (v == Variant::kScalar) {
+    at::parallel_for(0, tiles_n, 4, [&](int64_t t0, int64_t t1) { tiles_ref<S>(x, tiles, l, INT4, t0, t1, n, out); });
+    return;
+  }
+  const bool vnni = v == Variant::kVnni;
+  const int64_t per_panel = vnni ? 4 : 2, panels = n / (per_panel * RT);  // whole panels; the rest: scalar
+  const std::array<PanelFn, MR + 1> fns =
+      vnni ? std::array<PanelFn, MR + 1>{nullptr, panel_vnni<S, INT4, 1>, panel_vnni<S, INT4, 2>,
+                                         panel_vnni<S, INT4, 3>, panel_vnni<S, INT4, 4>}
+           : std::array<PanelFn, MR + 1>{nullptr, panel_avx2<S, INT4, 1>, panel_avx2<S, INT4, 2>,
+                                         panel_avx2<S, INT4, 3>, panel_avx2<S, INT4, 4>};
+  at::parallel_for(0, panels + 1, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pi = begin; pi < end; ++pi) {
+      const int64_t t0 = pi * per_panel;
+      if (pi == panels) {  // the last tiles that make no whole panel
+        if (t0 < tiles_n) tiles_ref<S>(x, tiles, l, INT4, t0, tiles_n, n, out);
+        continue;
+      }
+      const uint8_t* p[4];
+      for (int t = 0; t < per_panel; ++t) p[t] = tiles + (t0 + t) * tile_bytes;
+      for (int64_t i0 = 0; i0 < m; i0 += MR)
+        fns[std::min<int64_t>(MR, m - i0)](x, i0, p, l, out + t0 * RT, n);
+    }
+  });
+}
+
+inline void gemm(const float* x, int64_t m, int64_t k, const uint8_t* tiles, bool int4, bool half, int64_t group,
+                 bool mins, int64_t n, float* out) {
+  if (int4) half ? gemm_as<uint16_t, true>(x, m, k, tiles, group, mins, n, out)
+                 : gemm_as<float, true>(x, m, k, tiles, group, mins, n, out);
+  else half ? gemm_as<uint16_t, false>(x, m, k, tiles, group, mins, n, out)
+            : gemm_as<float, false>(x, m, k, tiles, group, mins, n, out);
+}
+
+}  // namespace qgemm
