@@ -109,7 +109,13 @@ def chat(
         err.print("interrupted")
         raise typer.Exit(130) from None
 
-    repl = ChatRepl(engine, session, params, console, read_line=input if sys.stdin.isatty() else _echoing_input)
+    import torch
+
+    from llmctl.engine.compute_team import cpu_compute_team
+
+    read_line = input if sys.stdin.isatty() else _echoing_input
+    team = cpu_compute_team(engine.device, torch.get_num_threads())
+    repl = ChatRepl(engine, session, params, console, read_line=read_line, compute_team=team)
     repl.print_banner(load_seconds)
     enable_line_editing()
     repl.run()

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from llmctl.chat.session import PLAIN_CONTINUATION_NOTICE, ChatSession
+from llmctl.engine.compute_team import ComputeTeam
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.engine.outputs import CompletionOutput, RequestOutput
 from llmctl.errors import InvalidRequestError
@@ -160,8 +161,11 @@ class ChatRepl:
         params: SamplingParams,
         console: Console,
         read_line: Callable[[str], str] = input,
+        compute_team: ComputeTeam | None = None,
     ) -> None:
         self.engine = engine
+        # sizes the CPU compute team while an answer streams (llmctl/engine/compute_team.py)
+        self.compute_team = compute_team
         self.session = session
         self.params = params
         self.console = console
@@ -264,18 +268,19 @@ class ChatRepl:
             thinking = _Thinking(self, prepared.token_ids)
             final: RequestOutput | None = None
             interrupted = False
-            while self.engine.has_unfinished():
-                outputs = self.engine.step() if not stop.is_set() else []
-                if stop.is_set():  # Ctrl-C before or during the step: nothing more is printed
-                    self.engine.abort(request_id)
-                    interrupted = True
-                    break
-                for out in outputs:
-                    text = thinking.feed(out.outputs[0])
-                    if text:
-                        thinking.close()
-                        printer.feed(terminal_safe(text))
-                    final = out
+            with self._team_listening():
+                while self.engine.has_unfinished():
+                    outputs = self.engine.step() if not stop.is_set() else []
+                    if stop.is_set():  # Ctrl-C before or during the step: nothing more is printed
+                        self.engine.abort(request_id)
+                        interrupted = True
+                        break
+                    for out in outputs:
+                        text = thinking.feed(out.outputs[0])
+                        if text:
+                            thinking.close()
+                            printer.feed(terminal_safe(text))
+                        final = out
         thinking.close()
         if not interrupted:
             printer.flush()
@@ -285,6 +290,21 @@ class ChatRepl:
         stats = AnswerStats.from_output(final, len(prepared.token_ids), started, interrupted)
         self._finish_turn(answer, stats)
         return stats
+
+    @contextmanager
+    def _team_listening(self) -> Iterator[None]:
+        """The compute team follows this answer's steps, and is whole again when it ends (the
+        terminal is idle until the next question)."""
+        team = self.compute_team
+        if team is None:
+            yield
+            return
+        self.engine.stats.listeners.append(team)
+        try:
+            yield
+        finally:
+            self.engine.stats.listeners.remove(team)
+            team.reset()
 
     def _printer(self, style: str | None = None) -> WordWrap:
         """Answers wrap at word boundaries on a terminal; piped, the text goes out as it is."""

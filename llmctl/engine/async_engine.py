@@ -2,7 +2,10 @@
 
 The loop thread owns stepping; API coroutines add and abort requests under one lock, so a
 request joins the batch at the next step boundary. Each request's outputs are pushed into an
-``asyncio.Queue`` on the caller's event loop as soon as the step that produced them ends.
+``asyncio.Queue`` on the caller's event loop as soon as the step that produced them ends: one
+wake-up of that loop per step for all its requests, and none while an earlier delivery is still
+waiting to run there (the outputs join it, in order). A woken event loop takes a core from the
+compute team, so it is woken no more often than it can listen.
 """
 
 from __future__ import annotations
@@ -11,8 +14,11 @@ import asyncio
 import threading
 import traceback
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
+import torch
+
+from llmctl.engine.compute_team import ComputeTeam, cpu_compute_team
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.engine.openmp import release_thread_pool
 from llmctl.engine.outputs import RequestOutput
@@ -57,15 +63,58 @@ class FairLock:
         self.release()
 
 
+class Mailbox:
+    """Outputs on their way to one event loop's queues. ``post`` (any thread) schedules one
+    delivery on the loop unless one is already scheduled and has not run yet; ``deliver`` (on the
+    loop) empties the box into the queues in the order things were posted."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: list[tuple[asyncio.Queue, object]] = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def post(self, items: list[tuple[asyncio.Queue, object]]) -> None:
+        with self._lock:
+            self._items.extend(items)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self.deliver)
+        except RuntimeError:  # the loop is closed: nobody is left to read these outputs
+            with self._lock:
+                self._items.clear()
+                self._scheduled = False
+
+    def deliver(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+AUTO = "auto"  # compute_team: the CPU team for the engine's device (None on a GPU)
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_waiting: int | None = None,
+        compute_team: ComputeTeam | Literal["auto"] | None = AUTO,
+    ) -> None:
         self.engine = engine
         # refuse new requests while this many wait (None: no limit); the one place the limit is checked
         self.max_waiting = max_waiting
         self.lock = FairLock()  # held for a whole step; callers are served between steps, in order
         self._work = threading.Event()
         self._stopping = False
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[Mailbox, asyncio.Queue]] = {}
+        self._mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}
+        # sizes the CPU compute team between steps (llmctl/engine/compute_team.py); None: never resized
+        self.compute_team = compute_team if compute_team != AUTO else None
+        self._auto_team = compute_team == AUTO
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
@@ -73,9 +122,14 @@ class AsyncEngine:
     def start(self) -> AsyncEngine:
         """Start the loop thread. Call it from the thread that loaded the model: that thread's
         OpenMP workers are released here, so the loop thread's are the only ones (two pools on
-        a small machine cost ~25 % of throughput; llmctl/engine/openmp.py)."""
+        a small machine cost ~25 % of throughput; llmctl/engine/openmp.py). The compute team,
+        when there is one, listens to the loop's steps from here on."""
         if self._thread is None:
             release_thread_pool()
+            if self._auto_team:  # the size asked for is the one this (the loading) thread was given
+                self.compute_team = cpu_compute_team(self.engine.device, torch.get_num_threads())
+            if self.compute_team is not None:
+                self.engine.stats.listeners.append(self.compute_team)
             self._thread = threading.Thread(target=self._loop, name="llmctl-engine", daemon=True)
             self._thread.start()
         return self
@@ -86,6 +140,9 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        if self.compute_team is not None and self.compute_team in self.engine.stats.listeners:
+            self.engine.stats.listeners.remove(self.compute_team)
+            self.compute_team.reset()  # torch's default for threads started later is the whole team again
 
     @property
     def is_dead(self) -> bool:
@@ -104,8 +161,8 @@ class AsyncEngine:
                 with self.lock:
                     busy = self.engine.has_unfinished()
                     outputs = self.engine.step() if busy else []
-                for out in outputs:
-                    self._publish(out.request_id, out)
+                if outputs:
+                    self._publish([(out.request_id, out) for out in outputs])
                 if not busy:
                     self._work.wait(timeout=0.5)
                     self._work.clear()
@@ -115,14 +172,25 @@ class AsyncEngine:
             traceback.print_exc()
             with self.lock:  # adds check the error under the lock: none registers after this
                 self.error = exc
-            for request_id in list(self._streams):
-                self._publish(request_id, EngineDeadError(self.dead_error))
+            self._publish([(request_id, EngineDeadError(self.dead_error)) for request_id in list(self._streams)])
 
-    def _publish(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, queue = stream
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+    def _publish(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand a step's outputs to their streams: one post per event loop."""
+        posts: dict[Mailbox, list[tuple[asyncio.Queue, object]]] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                posts.setdefault(stream[0], []).append((stream[1], item))
+        for mailbox, batch in posts.items():
+            mailbox.post(batch)
+
+    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
+        mailbox = self._mailboxes.get(loop)
+        if mailbox is None or mailbox.loop.is_closed():
+            for old in [k for k in self._mailboxes if k.is_closed()]:  # loops that ended (asyncio.run per call)
+                del self._mailboxes[old]
+            mailbox = self._mailboxes[loop] = Mailbox(loop)
+        return mailbox
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -147,7 +215,7 @@ class AsyncEngine:
             if self.error is not None:  # the loop died after the check above: do not wait forever
                 raise EngineDeadError(self.dead_error)
             request_id = self.engine.add_request(prompt, params, **kwargs)
-            self._streams[request_id] = (loop, queue)
+            self._streams[request_id] = (self._mailbox(loop), queue)
         self._work.set()
         return request_id
 
