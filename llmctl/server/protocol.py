@@ -1,9 +1,11 @@
 """Request and response bodies of the OpenAI API, as pydantic models, and their mapping to
 ``SamplingParams``.
 
-Requests accept and ignore OpenAI fields that do not change the output (``metadata``, ``store``,
-``parallel_tool_calls``, ...), as vLLM does; fields that would change the output and that llmctl
-cannot honour are refused with a 400 rather than silently dropped. vLLM's extra sampling fields
+Requests accept and ignore the OpenAI fields that do not change the output (``metadata``,
+``store``, ``service_tier``, ``parallel_tool_calls``, ...; their values are still type-checked);
+any other field llmctl does not know is a 400 naming it, as OpenAI's API answers it, and fields
+that would change the output and that llmctl cannot honour are refused with a 400 rather than
+silently dropped. vLLM's extra sampling fields
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``skip_special_tokens``) and structured-output fields
 (``guided_json``/``_regex``/``_choice``/``_grammar``, ``structured_outputs``) are accepted too, and
@@ -77,7 +79,9 @@ class ErrorResponse(BaseModel):
 
 
 # ---- requests -----------------------------------------------------------------------------------
-STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+# the Ollama API's: unknown fields ignored, as Ollama's own server ignores them
+LENIENT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
@@ -105,6 +109,12 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator accepts
     user: str | None = None
+    # OpenAI fields that change nothing here: accepted, type-checked, ignored
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -287,7 +297,9 @@ class CompletionRequest(_Request):
 
 
 class ContentPart(BaseModel):
-    model_config = STRICT
+    # a part's payload is named by its type (image_url, input_audio, file, ...): only text is read,
+    # and any other type is refused by name when the message is rendered
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     type: str
     text: str | None = None
@@ -409,6 +421,7 @@ class ChatCompletionRequest(ChatTemplateFields, _Request):
     top_logprobs: int | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     include_reasoning: bool = True  # vLLM's: False leaves reasoning_content out (the split still holds)
+    parallel_tool_calls: bool | None = None  # accepted: every call the model writes is returned
 
     API_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
 

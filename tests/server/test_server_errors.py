@@ -129,19 +129,12 @@ def test_over_long_prompts_are_400(http):
     assert "maximum context length is 512 tokens" in error["message"] and error["param"] == "max_tokens"
 
 
-def test_harmless_unknown_fields_are_ignored(http):
-    r = completion(
-        http,
-        max_tokens=3,
-        temperature=0,
-        metadata={"who": "test"},
-        store=False,
-        frequency_penalty=0,
-        logit_bias={},
-        best_of=1,
-        some_future_field=[1, 2],
-    )
+def test_harmless_fields_are_accepted_and_unknown_ones_refused(http):
+    harmless = dict(metadata={"who": "test"}, store=False, frequency_penalty=0, logit_bias={}, best_of=1)
+    r = completion(http, max_tokens=3, temperature=0, **harmless)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == ", there was"
+    error = error_of(completion(http, max_tokens=3, temperature=0, **harmless, some_future_field=[1, 2]), 400)
+    assert error["param"] == "some_future_field" and "some_future_field" in error["message"]
 
 
 def test_api_key_is_required_on_v1_only(stories_server):

@@ -117,6 +117,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
     metadata: Metadata | None = None
+    service_tier: str | None = None  # accepted; changes nothing here
     output_config: OutputConfig | None = None
 
 

@@ -33,7 +33,7 @@ from llmctl.config import QUANTIZED_AT_LOAD
 from llmctl.layers.quantization import weight_bytes
 from llmctl.server.dialects.bridge import ChatRun, Reply, client_gone, parse, renamed
 from llmctl.server.embeddings import EmbeddingRequest, PoolingServing
-from llmctl.server.protocol import STRICT, APIError, ChatCompletionRequest, CompletionRequest, bad_request
+from llmctl.server.protocol import LENIENT, APIError, ChatCompletionRequest, CompletionRequest, bad_request
 from llmctl.server.serving import OpenAIServing
 from llmctl.structured.tool_calls import merge_calls
 
@@ -84,20 +84,20 @@ def _now() -> str:
 
 # ---- requests -----------------------------------------------------------------------------------
 class Function(BaseModel):
-    model_config = STRICT
+    model_config = LENIENT
 
     name: str
     arguments: dict[str, Any] = Field(default_factory=dict)
 
 
 class ToolCall(BaseModel):
-    model_config = STRICT
+    model_config = LENIENT
 
     function: Function
 
 
 class Message(BaseModel):
-    model_config = STRICT
+    model_config = LENIENT
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
@@ -108,7 +108,7 @@ class Message(BaseModel):
 
 
 class _Request(BaseModel):
-    model_config = STRICT
+    model_config = LENIENT
 
     model: str
     format: str | dict[str, Any] | None = None
@@ -136,7 +136,7 @@ class GenerateRequest(_Request):
 
 
 class EmbedRequest(BaseModel):
-    model_config = STRICT
+    model_config = LENIENT
 
     model: str
     input: str | list[str]
@@ -147,7 +147,7 @@ class EmbedRequest(BaseModel):
 
 
 class LegacyEmbeddingsRequest(BaseModel):
-    model_config = STRICT
+    model_config = LENIENT
 
     model: str
     prompt: str = ""
@@ -156,7 +156,7 @@ class LegacyEmbeddingsRequest(BaseModel):
 
 
 class ShowRequest(BaseModel):
-    model_config = STRICT
+    model_config = LENIENT
 
     model: str | None = None
     name: str | None = None  # the older field
