@@ -146,6 +146,7 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = None
     user: str | None = None
     priority: int = 0
+    keep_alive: str | int | float | None = None  # how long the model stays loaded (llmctl/server/model_manager.py)
 
 
 class RerankDocument(BaseModel):
@@ -165,6 +166,7 @@ class RerankRequest(BaseModel):
     instruction: str | None = None  # a reranker template's {instruction}
     user: str | None = None
     priority: int = 0
+    keep_alive: str | int | float | None = None  # how long the model stays loaded (llmctl/server/model_manager.py)
 
 
 class ScoreRequest(BaseModel):
@@ -176,6 +178,7 @@ class ScoreRequest(BaseModel):
     instruction: str | None = None
     user: str | None = None
     priority: int = 0
+    keep_alive: str | int | float | None = None  # how long the model stays loaded (llmctl/server/model_manager.py)
 
 
 def _request_id(prefix: str) -> str:

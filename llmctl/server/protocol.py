@@ -109,6 +109,7 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator accepts
     user: str | None = None
+    keep_alive: str | int | float | None = None  # how long the model stays loaded (llmctl/server/model_manager.py)
     # OpenAI fields that change nothing here: accepted, type-checked, ignored
     metadata: dict[str, str] | None = None
     store: bool | None = None

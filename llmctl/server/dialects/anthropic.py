@@ -107,6 +107,7 @@ class CountTokensRequest(BaseModel):
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None
+    keep_alive: str | int | float | None = None  # how long the model stays loaded (llmctl/server/model_manager.py)
 
 
 class MessagesRequest(CountTokensRequest):

@@ -74,6 +74,7 @@ class ResponsesRequest(BaseModel):
     top_logprobs: int | None = None
     max_tool_calls: int | None = None
     prompt: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None  # how long the model stays loaded (llmctl/server/model_manager.py)
 
     def refuse_unsupported(self) -> None:
         if self.previous_response_id is not None:
