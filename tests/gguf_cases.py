@@ -63,6 +63,30 @@ CASES: dict[str, tuple[str, dict[str, Any], str, str | None]] = {
         "llama",
         "default",
     ),
+    # DeepSeek-V2's shape with what llama.cpp fixes: the latent norms' epsilon is rms_norm_eps (1e-6,
+    # transformers' fixed one), routing greedy (llama.cpp ranks expert groups by their top two
+    # scores, V2 by its best), the rotary mscale equal to mscale_all_dim (the file keeps only that)
+    "deepseek2": (
+        "deepseek_v2",
+        {
+            "rms_norm_eps": 1e-6,
+            "topk_method": "greedy",
+            "n_group": None,
+            "topk_group": None,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "beta_fast": 8.0,
+                "beta_slow": 1.0,
+                "mscale": 0.5,
+                "mscale_all_dim": 0.5,
+            },
+        },
+        "llama",
+        "default",
+    ),
 }
 DENSE = tuple(CASES)[:10]
 MOE = tuple(CASES)[10:]

@@ -5,7 +5,8 @@ request joins the batch at the next step boundary. Each request's outputs are pu
 ``asyncio.Queue`` on the caller's event loop as soon as the step that produced them ends: one
 wake-up of that loop per step for all its requests, and none while an earlier delivery is still
 waiting to run there (the outputs join it, in order). A woken event loop takes a core from the
-compute team, so it is woken no more often than it can listen.
+compute team, so it is woken no more often than it can listen. A caller that wants only the
+finished output (a response that is not streamed) is woken once, when its request finishes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -94,6 +96,15 @@ class Mailbox:
             queue.put_nowait(item)
 
 
+@dataclass(frozen=True)
+class _Stream:
+    """Where one request's outputs go."""
+
+    mailbox: Mailbox
+    queue: asyncio.Queue
+    final_only: bool  # only the finished output (and errors)
+
+
 AUTO = "auto"  # compute_team: the CPU team for the engine's device (None on a GPU)
 
 
@@ -110,7 +121,7 @@ class AsyncEngine:
         self.lock = FairLock()  # held for a whole step; callers are served between steps, in order
         self._work = threading.Event()
         self._stopping = False
-        self._streams: dict[str, tuple[Mailbox, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}
         # sizes the CPU compute team between steps (llmctl/engine/compute_team.py); None: never resized
         self.compute_team = compute_team if compute_team != AUTO else None
@@ -179,8 +190,9 @@ class AsyncEngine:
         posts: dict[Mailbox, list[tuple[asyncio.Queue, object]]] = {}
         for request_id, item in items:
             stream = self._streams.get(request_id)
-            if stream is not None:
-                posts.setdefault(stream[0], []).append((stream[1], item))
+            if stream is None or (stream.final_only and isinstance(item, RequestOutput) and not item.finished):
+                continue
+            posts.setdefault(stream.mailbox, []).append((stream.queue, item))
         for mailbox, batch in posts.items():
             mailbox.post(batch)
 
@@ -199,11 +211,12 @@ class AsyncEngine:
         params: SamplingParams | PoolingParams,
         loop: asyncio.AbstractEventLoop,
         queue: asyncio.Queue,
+        final_only: bool = False,
         **kwargs: Any,
     ) -> str:
-        """Validate and queue (raises ``InvalidRequestError`` at once); outputs will be put on
-        ``queue`` through ``loop``. Blocks up to one engine step for the lock: call it from a
-        worker thread, as ``generate`` does, not on the event loop."""
+        """Validate and queue (raises ``InvalidRequestError`` at once); outputs (with ``final_only``:
+        the finished one alone) will be put on ``queue`` through ``loop``. Blocks up to one engine
+        step for the lock: call it from a worker thread, as ``generate`` does, not on the event loop."""
         if self.error is not None:
             raise EngineDeadError(self.dead_error)
         self.engine.prepare(params)  # compile a grammar here, outside the lock the loop steps under
@@ -215,20 +228,28 @@ class AsyncEngine:
             if self.error is not None:  # the loop died after the check above: do not wait forever
                 raise EngineDeadError(self.dead_error)
             request_id = self.engine.add_request(prompt, params, **kwargs)
-            self._streams[request_id] = (self._mailbox(loop), queue)
+            self._streams[request_id] = _Stream(self._mailbox(loop), queue, final_only)
         self._work.set()
         return request_id
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams | PoolingParams, **kwargs: Any
-    ) -> AsyncIterator[RequestOutput]:
-        """Yields each step's output for the request until it finishes (a pooling request: one).
-        Closing the iterator early (a client that went away) aborts the request and frees its
-        blocks (in a worker thread, so it takes effect within a step). The add itself runs in a
-        worker thread too, so the event loop never waits for the engine's lock."""
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | PoolingParams,
+        final_only: bool = False,
+        **kwargs: Any,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yields each step's output for the request until it finishes (a pooling request: one);
+        with ``final_only``, the finished output alone (each output carries the totals), so the
+        event loop is not woken per step for a caller that only wants the end. Closing the
+        iterator early (a client that went away) aborts the request and frees its blocks (in a
+        worker thread, so it takes effect within a step). The add itself runs in a worker thread
+        too, so the event loop never waits for the engine's lock."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        adding = asyncio.ensure_future(asyncio.to_thread(self.add_request, prompt, params, loop, queue, **kwargs))
+        adding = asyncio.ensure_future(
+            asyncio.to_thread(self.add_request, prompt, params, loop, queue, final_only, **kwargs)
+        )
         try:
             request_id = await asyncio.shield(adding)
         except asyncio.CancelledError:  # the caller left while the add was in flight: undo it once done
@@ -250,6 +271,12 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:  # abort in a worker thread: taking the lock may wait for a whole step
                 loop.run_in_executor(None, self._discard, request_id)
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        """End the request's ``generate`` with ``error`` (raised there, after the outputs already
+        on their way), which aborts the request. Any thread; a request not (or no longer) being
+        generated is left alone."""
+        self._publish([(request_id, error)])
 
     def _discard(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -21,6 +21,17 @@ token, and each active expert runs once over the tokens routed to it.
   ``[E, H, 2 * I]`` with gate and up in interleaved columns, ``down_proj`` ``[E, I, H]``) load
   into the same stacked weights (``concatenated=False, transposed=True``, transformers' own names
   for the layout).
+- Packed experts (a quantized GGUF file's blocks, ``StackedExperts.install_packed``): in place of
+  ``w13`` / ``w2``, one ``PackedExpert`` per expert, whose projections are linear layers holding a
+  packed weight (``install_packed_weight``): gate and up as one (gate rows, then up) where their
+  formats and group sizes agree, else two, and down. The forward groups rows as above and calls
+  each active expert's layers, so on a CPU they run the native kernels bound as every packed
+  layer's (``bound_cpu_kernel``: the engine binds them at load with its
+  ``quant_exact_activations``, their row layouts released for the tile-interleaved copies), the
+  packed references elsewhere; ``expert_bytes`` counts what they hold. A row's result is then
+  independent of how many rows share its expert where the int8-digit GEMM takes every row count
+  (kernels/cpu/qgemm.h); below its row threshold the int16 passes round the activations
+  differently, as for any packed layer. Packed experts are not sharded: tensor parallel size 1.
 - ``SparseMoeBlock``: router + experts + optional shared expert (Qwen2-MoE: a dense MLP whose
   output is scaled by ``sigmoid(shared_expert_gate(x))`` and added).
 
@@ -41,6 +52,7 @@ short window, which ``expert_stats`` reads for the engine's statistics.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import deque
 from collections.abc import Callable
@@ -52,7 +64,11 @@ from torch import nn
 
 from llmctl.distributed import TensorParallel
 from llmctl.layers.linear import LinearBase, copy_checked, linear
+from llmctl.layers.quantization.matmul import bound_cpu_kernel
+from llmctl.layers.quantization.methods import install_packed_weight
+from llmctl.layers.quantization.params import weight_bytes
 from llmctl.platform import native_gemm
+from llmctl_kernels.packed_formats import PackedWeight, packed_tensors
 
 # "softmax": softmax over every expert's logit, then top-k (Mixtral, Qwen MoE, OLMoE);
 # "topk_softmax": top-k of the raw logits, then a softmax over the k chosen (gpt-oss)
@@ -205,6 +221,69 @@ def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     return (up + 1) * glu
 
 
+@dataclass
+class PackedExpertWeights:
+    """One layer's experts as packed weights (a quantized file's blocks), one per expert and
+    projection: ``gate`` and ``up`` ``[I, H]``, ``down`` ``[H, I]``."""
+
+    gate: list[PackedWeight]
+    up: list[PackedWeight]
+    down: list[PackedWeight]
+
+
+def _rows_stacked(parts: list[PackedWeight]) -> PackedWeight | None:
+    """The parts' rows one after another in one packed weight, or None where their formats, group
+    sizes or mins differ (each part then stays a weight of its own: no re-encoding)."""
+    first = parts[0]
+    fields = packed_tensors(first)
+    if any(
+        type(p) is not type(first)
+        or getattr(p, "group_size", None) != getattr(first, "group_size", None)
+        or packed_tensors(p).keys() != fields.keys()
+        for p in parts
+    ):
+        return None
+    return dataclasses.replace(first, **{f: torch.cat([packed_tensors(p)[f] for p in parts]) for f in fields})
+
+
+def _packed_linear(packed: PackedWeight, device: torch.device) -> LinearBase:
+    """A replicated linear layer holding ``packed`` (``install_packed_weight``), on ``device``."""
+    out_features, in_features = packed.shape
+    with torch.device("meta"):  # the float weight it is built with is freed unallocated
+        layer = LinearBase(in_features, out_features, False, torch.float32, TensorParallel(), None)
+    install_packed_weight(layer, packed)
+    return layer.to(device)
+
+
+class PackedExpert(nn.Module):
+    """One expert's projections as packed linear layers, so that its kernels are bound, released
+    and counted as every packed layer's: ``gate_up`` (gate rows, then up) where gate and up share a
+    format, else ``gate`` and ``up``; ``down``."""
+
+    def __init__(self, gate: PackedWeight, up: PackedWeight, down: PackedWeight, device: torch.device) -> None:
+        super().__init__()
+        merged = _rows_stacked([gate, up])
+        self.gate_up = None if merged is None else _packed_linear(merged, device)
+        self.gate = None if merged is not None else _packed_linear(gate, device)
+        self.up = None if merged is not None else _packed_linear(up, device)
+        self.down = _packed_linear(down, device)
+
+    def forward(self, x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate_up = _packed_call(self.gate_up, x)
+        else:
+            gate_up = torch.cat([_packed_call(self.gate, x), _packed_call(self.up, x)], dim=-1)
+        return _packed_call(self.down, act(gate_up))
+
+
+def _packed_call(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` for 2-D ``x``: on a CPU straight into its bound kernel (the same call
+    ``PackedLinearMethod.apply`` makes), without the module call around it, which a decoded token
+    pays ~2-3 times per active expert and layer."""
+    kernel = bound_cpu_kernel(layer, release_rows=True) if x.device.type == "cpu" else None
+    return layer(x) if kernel is None else kernel(x)
+
+
 class StackedExperts(nn.Module):
     """``num_experts`` gated MLPs (``act``: SiLU-and-mul, or gpt-oss's ``clamped_swiglu``) with
     their weights stacked, optional biases (``bias``), and the checkpoint's layout of stacked
@@ -245,6 +324,7 @@ class StackedExperts(nn.Module):
             param.weight_loader = loader
             param.expert_shards = [f"{e}.{p}" for e in range(num_experts) for p in parts]
         self.panels = False  # w13 / w2 packed for the native GEMM (process_weights_after_loading)
+        self.packed: nn.ModuleList | None = None  # PackedExpert per expert, in place of w13 / w2 (install_packed)
         self.recent_counts: deque[torch.Tensor] = deque(maxlen=RECENT_STEPS)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: ExpertShard) -> None:
@@ -305,6 +385,8 @@ class StackedExperts(nn.Module):
     def process_weights_after_loading(self) -> None:
         """fp32 on a CPU with the native GEMM: each expert's matrices packed into panels (one
         tensor per projection still), for the batch-invariant native kernel."""
+        if self.packed is not None:
+            return
         w13 = self.w13.data
         if self.fused is not None or self.panels or w13.device.type != "cpu" or w13.dtype != torch.float32:
             return
@@ -316,6 +398,30 @@ class StackedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.stack([pack_panels(w) for w in self.w2.data]), requires_grad=False)
         self.panels = True
 
+    def install_packed(self, weights: PackedExpertWeights) -> None:
+        """Every expert's packed weights in place of the stacked float ones (freed): a
+        ``PackedExpert`` per expert. Tensor parallel size 1 and no biases: packed rows are not
+        sharded across ranks (``--quantization none`` shards the dequantized experts)."""
+        if self.tp.size != 1:
+            raise ValueError(
+                f"packed experts run with tensor parallel size 1 only (this is {self.tp.size}); "
+                "use --quantization none to dequantize them and shard them across ranks"
+            )
+        if self.w13_bias is not None:
+            raise ValueError("packed experts take no biases")
+        counts = {len(weights.gate), len(weights.up), len(weights.down)}
+        if counts != {self.num_experts}:
+            raise ValueError(f"expected {self.num_experts} experts' gate, up and down weights, got {sorted(counts)}")
+        experts = list(zip(weights.gate, weights.up, weights.down))
+        shapes = ((self.intermediate_size, self.hidden_size),) * 2 + ((self.hidden_size, self.intermediate_size),)
+        for e, parts in enumerate(experts):
+            for what, packed, want in zip(("gate", "up", "down"), parts, shapes):
+                if tuple(packed.shape) != want:
+                    raise ValueError(f"expert {e} {what}_proj: expected shape {want}, got {tuple(packed.shape)}")
+        device = self.w13.device
+        self.packed = nn.ModuleList(PackedExpert(*parts, device) for parts in experts)
+        self.w13 = self.w2 = None  # type: ignore[assignment]
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, routing ``weights`` and expert ``ids`` ``[T, top_k]`` -> ``[T, H]`` (this
         rank's partial sum under tensor parallelism)."""
@@ -323,32 +429,43 @@ class StackedExperts(nn.Module):
         flat = ids.reshape(-1)
         counts = torch.bincount(flat, minlength=self.num_experts)
         self.recent_counts.append(counts)
-        if self.fused is not None:
+        if self.fused is not None and self.packed is None:
             w2_bias = self.w2_bias if self.tp.rank == 0 else None  # once in the ranks' sum
             return self.fused(x, self.w13, self.w2, weights, ids, self.act, self.w13_bias, w2_bias)
+        if num_tokens == 1:  # one token (a single stream's decode step): its experts in slot order, no sort
+            outs = [self._expert(expert, x) for expert in flat.tolist()]
+            scaled = torch.cat(outs) * weights.reshape(-1, 1)  # the general path's rows, products and sum
+            return scaled.view(1, top_k, self.hidden_size).sum(dim=1).to(x.dtype)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, in token order
         rows = x.index_select(0, order // top_k)
         out = torch.empty(rows.shape[0], self.hidden_size, dtype=x.dtype, device=x.device)
-        gate_up_size = 2 * self.intermediate_size
         start = 0
         for expert, n in enumerate(counts.tolist()):
             if not n:  # no token chose it: its weights are not read
                 continue
             end = start + n
-            gate_up = linear(rows[start:end], self.w13[expert], None, gate_up_size)
-            if self.w13_bias is not None:  # after the matmul, as transformers adds it
-                gate_up = gate_up + self.w13_bias[expert]
-            down = linear(self.act(gate_up), self.w2[expert], None, self.hidden_size)
-            if self.w2_bias is not None and self.tp.rank == 0:  # once in the ranks' sum
-                down = down + self.w2_bias[expert]
-            out[start:end] = down
+            out[start:end] = self._expert(expert, rows[start:end])
             start = end
         scaled = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
         unsorted = torch.empty_like(scaled).index_copy_(0, order, scaled)  # back to (token, slot) order
         return unsorted.view(num_tokens, top_k, self.hidden_size).sum(dim=1).to(x.dtype)
 
+    def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """One expert's gated MLP over its rows ``[n, H] -> [n, H]``."""
+        if self.packed is not None:  # the expert's packed layers (their bound kernels on a CPU)
+            return self.packed[expert](rows, self.act)
+        gate_up = linear(rows, self.w13[expert], None, 2 * self.intermediate_size)
+        if self.w13_bias is not None:  # after the matmul, as transformers adds it
+            gate_up = gate_up + self.w13_bias[expert]
+        down = linear(self.act(gate_up), self.w2[expert], None, self.hidden_size)
+        if self.w2_bias is not None and self.tp.rank == 0:  # once in the ranks' sum
+            down = down + self.w2_bias[expert]
+        return down
+
     def expert_bytes(self) -> int:
-        """Bytes of one expert's weights on this rank."""
+        """Bytes of one expert's weights on this rank (packed: as ``weight_bytes`` counts them)."""
+        if self.packed is not None:
+            return weight_bytes(self.packed) // self.num_experts
         return (self.w13.numel() + self.w2.numel()) * self.w13.element_size() // self.num_experts
 
 

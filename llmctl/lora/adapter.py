@@ -55,24 +55,24 @@ class LoRAAdapter:
     id: int = field(default_factory=lambda: next(_adapter_ids))
 
 
-def _config(path: Path) -> dict:
+def _config(path: Path, label: str) -> dict:
     config_file = path / CONFIG_FILE
     if not path.is_dir():
-        raise LoRAAdapterError(f"LoRA adapter {path}: no such directory")
+        raise LoRAAdapterError(f"{label}: no such directory")
     if not config_file.is_file() or not (path / WEIGHTS_FILE).is_file():
-        raise LoRAAdapterError(f"LoRA adapter {path}: a PEFT adapter needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+        raise LoRAAdapterError(f"{label}: a PEFT adapter needs {CONFIG_FILE} and {WEIGHTS_FILE}")
     try:
         config = json.loads(config_file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LoRAAdapterError(f"LoRA adapter {path}: cannot read {CONFIG_FILE} ({e})") from e
+        raise LoRAAdapterError(f"{label}: cannot read {CONFIG_FILE} ({e})") from e
     if not isinstance(config, dict):
-        raise LoRAAdapterError(f"LoRA adapter {path}: {CONFIG_FILE} is not a JSON object")
+        raise LoRAAdapterError(f"{label}: {CONFIG_FILE} is not a JSON object")
     return config
 
 
-def _check_supported(config: dict, path: Path, max_rank: int) -> None:
+def _check_supported(config: dict, label: str, max_rank: int) -> None:
     def refuse(why: str) -> LoRAAdapterError:
-        return LoRAAdapterError(f"LoRA adapter {path}: {why}")
+        return LoRAAdapterError(f"{label}: {why}")
 
     if config.get("peft_type", "LORA") != "LORA":
         raise refuse(f"peft_type {config.get('peft_type')!r} is not LoRA")
@@ -96,7 +96,7 @@ def _check_supported(config: dict, path: Path, max_rank: int) -> None:
         raise refuse(f"lora_alpha must be a positive number, got {alpha!r}")
 
 
-def _placement(model: nn.Module, modules: dict[str, nn.Module], target: str, path: Path) -> tuple[str, int, int]:
+def _placement(model: nn.Module, modules: dict[str, nn.Module], target: str, label: str) -> tuple[str, int, int]:
     """(llmctl module name, output offset, rows) of a PEFT target module name."""
     prefix, _, leaf = target.rpartition(".")
     packed = getattr(model, "packed_modules", {})
@@ -109,34 +109,36 @@ def _placement(model: nn.Module, modules: dict[str, nn.Module], target: str, pat
         return name, offset, size
     module = modules.get(target)
     if not isinstance(module, LinearBase):
-        raise LoRAAdapterError(f"LoRA adapter {path}: the model has no linear module {target!r} to adapt")
+        raise LoRAAdapterError(f"{label}: the model has no linear module {target!r} to adapt")
     return target, 0, module.out_features
 
 
 def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
-    """Read and check a PEFT adapter for ``model``; raises ``LoRAAdapterError`` naming what is wrong."""
+    """Read and check a PEFT adapter for ``model``; raises ``LoRAAdapterError`` naming the adapter
+    (its name and directory: a server with many models and adapters says which) and what is wrong."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
-    config = _config(path)
-    _check_supported(config, path, max_rank)
+    label = f"LoRA adapter {name} ({path})"
+    config = _config(path, label)
+    _check_supported(config, label, max_rank)
     try:
         tensors = load_file(str(path / WEIGHTS_FILE))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise LoRAAdapterError(f"LoRA adapter {path}: cannot read {WEIGHTS_FILE} ({e})") from e
+        raise LoRAAdapterError(f"{label}: cannot read {WEIGHTS_FILE} ({e})") from e
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         if "lora_magnitude_vector" in key:
-            raise LoRAAdapterError(f"LoRA adapter {path}: DoRA adapters are not supported ({key})")
+            raise LoRAAdapterError(f"{label}: DoRA adapters are not supported ({key})")
         if "lora_embedding" in key or EMBEDDING_MODULES.intersection(key.split(".")):
-            raise LoRAAdapterError(f"LoRA adapter {path}: embedding and lm_head targets are not supported ({key})")
+            raise LoRAAdapterError(f"{label}: embedding and lm_head targets are not supported ({key})")
         match = _KEY.match(key)
         if match is None:
-            raise LoRAAdapterError(f"LoRA adapter {path}: unexpected tensor {key!r} (only lora_A/lora_B weights)")
+            raise LoRAAdapterError(f"{label}: unexpected tensor {key!r} (only lora_A/lora_B weights)")
         pairs.setdefault(match["module"], {})[match["which"]] = tensor
     if not pairs:
-        raise LoRAAdapterError(f"LoRA adapter {path}: {WEIGHTS_FILE} holds no LoRA weights")
+        raise LoRAAdapterError(f"{label}: {WEIGHTS_FILE} holds no LoRA weights")
     rank = config["r"]
     alpha = config.get("lora_alpha", rank)
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
@@ -144,21 +146,21 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int, d
     placed: dict[str, list[LoRAPart]] = {}
     for target, pair in sorted(pairs.items()):
         if set(pair) != {"A", "B"}:
-            raise LoRAAdapterError(f"LoRA adapter {path}: {target} lacks lora_{'B' if 'A' in pair else 'A'}")
+            raise LoRAAdapterError(f"{label}: {target} lacks lora_{'B' if 'A' in pair else 'A'}")
         a, b = pair["A"], pair["B"]
-        module_name, offset, size = _placement(model, modules, target, path)
+        module_name, offset, size = _placement(model, modules, target, label)
         in_features = modules[module_name].in_features
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] > max_rank:
             raise LoRAAdapterError(
-                f"LoRA adapter {path}: {target} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
+                f"{label}: {target} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
                 f"(need [r, in] and [out, r] with r <= --max-lora-rank {max_rank})"
             )
         if a.shape[1] != in_features or b.shape[0] != size:
             raise LoRAAdapterError(
-                f"LoRA adapter {path}: {target} maps {a.shape[1]} -> {b.shape[0]} features but the model's "
+                f"{label}: {target} maps {a.shape[1]} -> {b.shape[0]} features but the model's "
                 f"module takes {in_features} -> {size}: an adapter of another base model?"
             )
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise LoRAAdapterError(f"LoRA adapter {path}: {target} holds NaN or infinite weights")
+            raise LoRAAdapterError(f"{label}: {target} holds NaN or infinite weights")
         placed.setdefault(module_name, []).append(LoRAPart(offset, size, a.to(dtype), b.to(dtype)))
     return LoRAAdapter(name, str(path), rank, float(scale), placed)

@@ -19,6 +19,11 @@ layer with multi-head latent attention and DeepSeek's mixture of experts.
 - The small norms inside attention (``q_a_layernorm``, ``kv_a_layernorm``) use eps 1e-6 whatever
   ``rms_norm_eps`` says, as transformers builds them.
 
+GGUF files (llama.cpp's ``deepseek2``, llmctl/models/gguf.py): ``deepseek_gguf_config`` turns the
+metadata back into this config, and ``kv_b_proj`` is put together from the converter's
+``attn_k_b`` / ``attn_v_b`` halves (``LatentUpProjection``); the stacked experts load as the MoE
+families' (``gguf_expert_tensors``).
+
 Refused, with the reason: ``--quantization`` (no quantized expert kernels), tensor parallelism and
 the Triton kernels (the latent attention is a torch reference); quantized KV pools are refused when
 the pool is bound (llmctl/layers/mla.py). Defaults of fields a config.json leaves out are
@@ -27,15 +32,17 @@ the pool is bound (llmctl/layers/mla.py). Defaults of fields a config.json leave
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from llmctl.distributed import PipelineStage, TensorParallel
 from llmctl.errors import UnsupportedModelError
-from llmctl.layers.linear import ColumnParallelLinear, LinearMethod, RowParallelLinear
+from llmctl.layers.linear import ColumnParallelLinear, LinearMethod, RowParallelLinear, copy_checked
 from llmctl.layers.mla import LatentAttention
 from llmctl.layers.moe import RouterSpec, SparseMoeBlock
 from llmctl.layers.norm import RMSNorm
@@ -43,6 +50,7 @@ from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl.layers.rotary import RotaryEmbedding, rope_type_of, yarn_get_mscale
 from llmctl.models.config import ModelConfig
 from llmctl.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from llmctl.models.moe_families import gguf_expert_tensors as gguf_expert_tensors  # the registry's hook
 
 # DeepseekV2Config's defaults (num_experts_per_tok: DeepSeek-V2's 6, where the config has None)
 _DEFAULTS: dict[str, Any] = {
@@ -143,12 +151,34 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
 
 class LatentUpProjection(nn.Module):
     """``kv_b_proj``'s ``[heads * (nope_dim + v_dim), kv_lora_rank]`` weight, kept as stored: prefill
-    multiplies by it, decode reads its key and value rows apart (llmctl/layers/mla.py)."""
+    multiplies by it, decode reads its key and value rows apart (llmctl/layers/mla.py).
+
+    To the checkpoint loader it is a projection merged of two parts, ``k`` and ``v``
+    (``DeepseekV2ForCausalLM.packed_modules``), so that a GGUF file's halves (``k_b_proj``, ``v_b_proj``)
+    come together here. A checkpoint's whole ``kv_b_proj`` arrives as two ranges of its rows
+    (``part_sizes``), each copied where it lies."""
 
     def __init__(self, dims: LatentDims, dtype: torch.dtype) -> None:
         super().__init__()
-        rows = dims.num_heads * (dims.nope_dim + dims.v_dim)
+        self.dims, self.tp = dims, TensorParallel()
+        self.part_sizes = [dims.num_heads * dims.nope_dim, dims.num_heads * dims.v_dim]
+        rows = sum(self.part_sizes)
         self.weight = nn.Parameter(torch.empty(rows, dims.kv_lora_rank, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        """``loaded``: 2-D, a range of the checkpoint's rows (part ``k`` the first ``part_sizes[0]``);
+        3-D, llama.cpp's split (``k``: ``[heads, kv_lora_rank, nope_dim]``, each head's key rows
+        transposed; ``v``: ``[heads, v_dim, kv_lora_rank]``), put back into each head's rows."""
+        first = shard_id == "k"
+        if loaded.dim() == 2:
+            start = 0 if first else self.part_sizes[0]
+            copy_checked(param.data[start : start + loaded.shape[0]], loaded, f"kv_b_proj part {shard_id}")
+            return
+        dims = self.dims
+        per_head = param.data.view(dims.num_heads, dims.nope_dim + dims.v_dim, dims.kv_lora_rank)
+        rows = per_head[:, : dims.nope_dim] if first else per_head[:, dims.nope_dim :]
+        copy_checked(rows, loaded.transpose(1, 2) if first else loaded, f"kv_b_proj part {shard_id}")
 
 
 class DeepseekV2Attention(nn.Module):
@@ -258,7 +288,12 @@ class DeepseekV2Model(LlamaModel):
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     model_cls = DeepseekV2Model
-    packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    packed_modules = {
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+        "k_b_proj": ("kv_b_proj", "k"),  # a GGUF file's kv_b_proj, split (LatentUpProjection)
+        "v_b_proj": ("kv_b_proj", "v"),
+    }
 
     def __init__(
         self,
@@ -282,3 +317,41 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         # the rotary table spans the rope part of a head (config.json's head_dim may be absent)
         cfg = dataclasses.replace(cfg, head_dim=int(_field(cfg, "qk_rope_head_dim")))
         super().__init__(cfg, dtype=dtype, ops=ops, tp=tp, linear_method=None, stage=stage)
+
+
+def _float32(value: float) -> float:
+    """A float32 from the file as the shortest decimal that gives it back (config.json's value)."""
+    return float(str(np.float32(value)))
+
+
+def deepseek_gguf_config(cfg: dict[str, Any], field: Callable[..., Any], tensors: dict[str, list[float]]) -> None:
+    """The config of a llama.cpp ``deepseek2`` file (the registry's ``gguf_metadata`` copied the
+    plain fields): the converter writes MLA as one KV head of ``kv_lora_rank + rope`` dims and
+    keeps the per-head sizes in ``key_length_mla`` / ``value_length_mla`` (older files: in
+    ``key_length`` / ``value_length``); ``yarn_log_multiplier`` is ``0.1 * mscale_all_dim``, and
+    llama.cpp takes the rotary ``mscale`` equal to it. Expert groups route as the checkpoint does
+    (``group_limited_greedy``: a group's best score)."""
+    from gguf import ExpertGatingFuncType
+
+    gating = field("expert_gating_func", ExpertGatingFuncType.SOFTMAX)
+    if gating != ExpertGatingFuncType.SOFTMAX:
+        raise ValueError(
+            f"expert_gating_func {gating} (DeepSeek-V3's sigmoid routing) is not supported; "
+            "llmctl reads DeepSeek-V2 files (softmax routing)"
+        )
+    rope_dim = int(field("rope.dimension_count"))
+    cfg.update(
+        num_key_value_heads=cfg["num_attention_heads"],
+        head_dim=rope_dim,
+        q_lora_rank=field("attention.q_lora_rank", None),  # absent: V2-Lite's q_proj
+        qk_nope_head_dim=int(field("attention.key_length_mla", None) or field("attention.key_length")) - rope_dim,
+        v_head_dim=int(field("attention.value_length_mla", None) or field("attention.value_length")),
+        norm_topk_prob=bool(field("expert_weights_norm", False)),  # written only when true
+    )
+    groups = int(cfg.get("n_group") or 1)
+    grouped = int(cfg.get("topk_group") or groups) < groups
+    cfg["topk_method"] = "group_limited_greedy" if grouped else "greedy"
+    log_mul = field("rope.scaling.yarn_log_multiplier", None)
+    if cfg.get("rope_scaling") and log_mul is not None:
+        mscale = _float32(float(np.float32(log_mul)) / 0.1)
+        cfg["rope_scaling"].update(mscale=mscale, mscale_all_dim=mscale)

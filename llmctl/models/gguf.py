@@ -17,9 +17,15 @@ back here, which is exact for packed weights too because whole rows move. Its Ge
 every norm weight plus 1 (llama.cpp's norm has no ``1 + w``); the 1 is taken off again.
 
 Mixture-of-experts files (``expert_count`` > 0; Mixtral is ``llama`` with experts) store each
-layer's experts as stacked gate, up and down tensors; once a layer's are read, the family's
-``gguf_experts`` function turns them into its checkpoint's stacked tensors. Those are dequantized
-at load (no packed kernel takes a stack of matrices yet), as is any MXFP4 tensor.
+layer's experts as stacked gate, up and down tensors ``[experts, out, in]``. With
+``quantization="auto"``, a layer whose three stacks all repack (``gguf_quants.QUANTIZED_TYPES``) in a
+family whose experts are plain gate/up/down stacks (hook ``gguf_expert_tensors``: Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2) keeps them packed: each expert's slice is whole
+blocks and repacks exactly as a matrix does (``gguf_quants.repack_experts``), and the layer's
+``StackedExperts.install_packed`` takes them (tensor parallel size 1).
+Otherwise (a float stack among them, ``--quantization none``, gpt-oss's experts with their biases and MXFP4
+blocks), once a layer's are read the family's ``gguf_experts`` function turns them, dequantized,
+into its checkpoint's stacked float tensors. Any MXFP4 tensor is dequantized at load.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, GGUFReader, get_tensor_name_map
 
 from llmctl.errors import ModelLoadError, UnsupportedModelError
+from llmctl.layers.moe import PackedExpertWeights
 from llmctl.layers.ops import TorchOps
 from llmctl.layers.quantization import linear_method_for
 from llmctl.models import gguf_quants
@@ -44,11 +51,14 @@ from llmctl.models.gguf_tokenizer import GGUFTokenizerError, build_gguf_tokenize
 from llmctl.models.loader import build_model, load_weights
 from llmctl.models.registry import CausalLM, ModelFamily, family_for, family_for_gguf, gguf_architectures
 from llmctl.tokenizer import Tokenizer
-from llmctl_kernels.packed_formats import PackedWeight
+from llmctl_kernels.packed_formats import PackedWeight, dequantize
 
 # The stacked expert tensors of a layer ([experts, out, in] each), as llama.cpp's table names them;
 # a family's ``gguf_experts`` hook turns them into its checkpoint's tensors.
 _EXPERTS = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
+_EXPERT_WEIGHTS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+# Families whose experts are plain gate/up/down stacks, which a quantized file keeps packed
+_PACKED_EXPERT_HOOKS = ("gguf_expert_tensors",)
 # llmctl's module names (its models keep transformers' checkpoint names). What each is called in a
 # file of a given architecture is llama.cpp's own table (``gguf.TensorNameMap``, the converter's).
 _HF_GLOBAL = ("model.embed_tokens", "model.norm", "lm_head")
@@ -331,13 +341,16 @@ def read_tensor(tensor: Any, row_order: np.ndarray | None = None) -> PackedWeigh
 
 
 def iterate_gguf_tensors(
-    reader: GGUFReader, cfg: ModelConfig, path: Path, family: ModelFamily
-) -> Iterator[tuple[str, PackedWeight | torch.Tensor]]:
+    reader: GGUFReader, cfg: ModelConfig, path: Path, family: ModelFamily, *, packed_experts: bool = False
+) -> Iterator[tuple[str, PackedWeight | torch.Tensor | PackedExpertWeights]]:
     """(Hugging Face name, packed or dense tensor) for every weight, as the family's checkpoint holds
     it: Q/K rows restored where the converter interleaved them, the converter's norm offset taken off,
-    each layer's stacked experts handed to the family's ``gguf_experts`` hook once all are read."""
+    each layer's stacked experts handed to the family's ``gguf_experts`` hook once all are read, or,
+    with ``packed_experts`` where the family and the file's types allow, as
+    ``("<layer>.mlp.experts", PackedExpertWeights)`` (module docstring)."""
     heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}
     experts = _ExpertTensors(reader, family, path)
+    packable = packed_experts and family.gguf_experts in _PACKED_EXPERT_HOOKS
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:  # read into the config (rope scaling), not a weight
             continue
@@ -349,6 +362,9 @@ def iterate_gguf_tensors(
         if family.gguf_interleaved_qk and proj in heads:
             order = _unpermute_order(int(tensor.shape[-1]), heads[proj]).numpy()
         try:
+            if ".mlp.experts." in name:
+                yield from experts.add(name, _read_experts(tensor, packable))
+                continue
             value = read_tensor(tensor, order)
         except ValueError as exc:
             raise ModelLoadError(f"{path}: tensor {tensor.name!r} cannot be read ({exc})") from exc
@@ -358,10 +374,16 @@ def iterate_gguf_tensors(
             value = gguf_quants.to_float(value) - family.gguf_norm_offset
         if name.rsplit(".", 1)[0].endswith(_FLOAT_ONLY):
             value = gguf_quants.to_float(value)
-        if ".mlp.experts." in name:
-            yield from experts.add(name, gguf_quants.to_float(value))
-            continue
         yield name, value
+
+
+def _read_experts(tensor: Any, packable: bool) -> list[PackedWeight] | torch.Tensor:
+    """A stacked expert tensor: one packed weight per expert where ``packable`` and its type is
+    packed (a 3-D stack), else float32."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    if packable and len(shape) == 3 and tensor.tensor_type in gguf_quants.QUANTIZED_TYPES:
+        return gguf_quants.repack_experts(tensor.data, tensor.tensor_type, shape)
+    return gguf_quants.to_float(read_tensor(tensor))
 
 
 class _ExpertTensors:
@@ -380,7 +402,12 @@ class _ExpertTensors:
                 self.expected[prefix] = self.expected.get(prefix, 0) + 1
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
 
-    def add(self, name: str, value: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    def add(
+        self, name: str, value: torch.Tensor | list[PackedWeight]
+    ) -> Iterator[tuple[str, torch.Tensor | PackedExpertWeights]]:
+        """``value``: the stack as float32, or one packed weight per expert (``_read_experts``).
+        A layer whose gate, up and down all came packed is yielded packed; any other is dequantized
+        and goes through the hook."""
         prefix, _, part = name.partition(".experts.")  # part: gate_proj.weight, down_proj.bias, ...
         if self.hook is None:
             raise ModelLoadError(f"{self.path}: tensor {name!r}: this family has no experts")
@@ -388,10 +415,33 @@ class _ExpertTensors:
         parts[part] = value
         if len(parts) == self.expected[prefix]:
             del self.pending[prefix]
+            if set(parts) == set(_EXPERT_WEIGHTS) and all(isinstance(v, list) for v in parts.values()):
+                yield f"{prefix}.experts", PackedExpertWeights(*(parts[p] for p in _EXPERT_WEIGHTS))
+                return
+            parts = {p: v if isinstance(v, torch.Tensor) else _stack_dequantized(v) for p, v in parts.items()}
             try:
                 yield from self.hook(prefix, parts)
             except (KeyError, ValueError, RuntimeError) as exc:
                 raise ModelLoadError(f"{self.path}: the experts of {prefix!r} cannot be read ({exc})") from exc
+
+
+def _stack_dequantized(experts: list[PackedWeight]) -> torch.Tensor:
+    """Per-expert packed weights back as the float32 stack (``dequantize`` is bit for bit gguf's)."""
+    return torch.stack([dequantize(p) for p in experts])
+
+
+def _install_packed_experts(
+    model: CausalLM, tensors: Iterator[tuple[str, Any]], path: Path
+) -> Iterator[tuple[str, PackedWeight | torch.Tensor]]:
+    """Installs each layer's packed experts into its ``StackedExperts``; passes the rest on."""
+    for name, value in tensors:
+        if not isinstance(value, PackedExpertWeights):
+            yield name, value
+            continue
+        try:
+            model.get_submodule(name).install_packed(value)
+        except (ValueError, AttributeError) as exc:
+            raise ModelLoadError(f"{path}: the experts of {name!r} do not fit the model: {exc}") from exc
 
 
 def gguf_tokenizer(path: Path, meta: dict[str, Any] | None = None) -> Tokenizer:
@@ -449,14 +499,14 @@ def load_gguf(
         linear_method=linear_method_for(quantization) if quantization == "int8" else None,
     )
     family = family_for(cfg.architecture)
-    tensors = iterate_gguf_tensors(reader, cfg, path, family)
+    tensors = iterate_gguf_tensors(reader, cfg, path, family, packed_experts=quantization == "auto")
     with torch.no_grad():
         if quantization != "auto":
             rest = ((path, name, gguf_quants.to_float(value)) for name, value in tensors)
         else:
             from llmctl.models.gguf_packed import install_packed
 
-            rest = install_packed(model, tensors, path)
+            rest = install_packed(model, _install_packed_experts(model, tensors, path), path)
         load_weights(model, path, rest)
     if calibration_ids is not None:
         from llmctl.models.calibration import calibrate_quantization

@@ -121,6 +121,14 @@ def repack(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int])
     return PackedInt8(qweight, scales_t, mins_t, group)
 
 
+def repack_experts(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int, int]) -> list[PackedWeight]:
+    """A quantized stack of expert matrices (``shape`` = (E, N, K)) as one packed weight per
+    expert: each expert's rows are whole blocks, so its slice repacks as a matrix does."""
+    experts, rows, cols = shape
+    per_expert = np.ascontiguousarray(raw).reshape(experts, -1)
+    return [repack(per_expert[e], qtype, (rows, cols)) for e in range(experts)]
+
+
 def dense(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
     """An F32/F16/BF16 tensor, copied out of the memory map."""
     data = np.ascontiguousarray(raw)
@@ -131,8 +139,8 @@ def dense(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) 
 
 def dequantized(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
     """A quantized tensor as float32, by ``gguf.quants.dequantize`` (the format authors' reference):
-    the stacked experts ``[experts, out, in]``, which the packed formats (matrices) do not hold, and
-    MXFP4 (its e2m1 values times a power of two are exact in float32)."""
+    stacked experts ``[experts, out, in]`` where they are not kept packed (``--quantization none``,
+    gpt-oss), and MXFP4 (its e2m1 values times a power of two are exact in float32)."""
     from gguf.quants import dequantize as gguf_dequantize
 
     return torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, qtype), dtype=np.float32)).reshape(shape)

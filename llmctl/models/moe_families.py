@@ -18,8 +18,9 @@ layers the config keeps dense. What differs, as transformers' modeling files pla
 
 The experts' intermediate size is ``intermediate_size`` for Mixtral and OLMoE,
 ``moe_intermediate_size`` for the Qwen families. Defaults of fields a config.json leaves out are
-transformers' configuration defaults. ``--quantization`` is refused: the expert weights have no
-quantized kernels yet, and quantizing only the attention would misreport what runs.
+transformers' configuration defaults. ``--quantization`` (on-the-fly quantization of a float
+checkpoint) is refused: the experts are not quantized on the fly, and quantizing only the
+attention would misreport what runs. A quantized GGUF file's experts run packed (llmctl/models/gguf.py).
 
 GGUF files (llmctl/models/gguf.py) hold each layer's experts as three stacked tensors, which
 ``gguf_expert_tensors`` turns into transformers' stacked ones; ``moe_gguf_config`` fills in what
@@ -211,7 +212,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         if linear_method is not None:
             raise UnsupportedModelError(
                 f"{cfg.architecture}: --quantization is not supported for mixture-of-experts models yet "
-                "(the expert weights have no quantized kernels); run it with --quantization none"
+                "(experts are not quantized on the fly; a quantized GGUF file's run packed); "
+                "run it with --quantization none"
             )
         if cfg.family == "qwen2_moe":  # Qwen2MoeConfig names the q/k/v bias qkv_bias
             cfg = dataclasses.replace(cfg, attention_bias=bool(cfg.raw.get("qkv_bias", True)))

@@ -156,7 +156,8 @@ def serve(
         typer.Option(
             "--config",
             help="A YAML, JSON or TOML file of models to serve (name, model, per-model engine options such as "
-            "dtype, kv_cache_memory, max_model_len, quantization, keep_alive) and the default keep_alive.",
+            "dtype, kv_cache_memory, max_model_len, quantization, keep_alive; LoRA adapters as lora_modules "
+            "with max_loras and max_lora_rank) and the default keep_alive.",
             rich_help_panel=MODELS,
         ),
     ] = None,
@@ -312,11 +313,21 @@ def serve(
     ] = None,
     max_loras: Annotated[
         int,
-        typer.Option("--max-loras", min=1, help="Most LoRA adapters in a batch (device slots).", rich_help_panel=LORA),
+        typer.Option(
+            "--max-loras",
+            min=1,
+            help="Most LoRA adapters in a batch (device slots); a --config model's max_loras overrides it.",
+            rich_help_panel=LORA,
+        ),
     ] = EngineConfig.max_loras,
     max_lora_rank: Annotated[
         int,
-        typer.Option("--max-lora-rank", min=1, help="Largest LoRA rank an adapter may have.", rich_help_panel=LORA),
+        typer.Option(
+            "--max-lora-rank",
+            min=1,
+            help="Largest LoRA rank an adapter may have; a --config model's max_lora_rank overrides it.",
+            rich_help_panel=LORA,
+        ),
     ] = EngineConfig.max_lora_rank,
     enable_lora_runtime_updates: Annotated[
         bool,
@@ -344,6 +355,7 @@ def serve(
         FOREVER,
         ModelManager,
         ServerOptions,
+        check_adapter_names,
         describe_keep_alive,
         load_model,
         parse_keep_alive,
@@ -381,6 +393,7 @@ def serve(
         specs = [dataclasses.replace(specs[0], name=served_model_name)]
     with exit_on_error(err):
         specs = _attach_adapters(specs, adapters)
+        check_adapter_names(specs)
     engine_config = dataclasses.replace(
         engine_config,
         enable_lora=enable_lora_runtime_updates,

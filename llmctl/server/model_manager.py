@@ -24,9 +24,11 @@ A server started with one model (``llmctl serve MODEL``) loads it at start-up an
 model is *pinned* (requests' ``keep_alive`` is ignored) unless ``--keep-alive`` is given; only
 ``llmctl stop`` unloads it (and the next request loads it again).
 
-LoRA adapters (``--lora-modules``, ``/v1/load_lora_adapter``) belong to one base model each: they
-are kept in its spec (``lora_modules``), so the engine loads them with the model, and a request
-naming an adapter resolves to its base model's slot (``OpenAIServing`` picks the adapter).
+LoRA adapters (``--lora-modules``, a ``--config`` model's ``lora_modules``, ``/v1/load_lora_adapter``)
+belong to one base model each: they are kept in its spec (``lora_modules``), so the engine loads
+them with the model (an adapter that cannot be read fails that model's load, naming both), and a
+request naming an adapter resolves to its base model's slot; ``OpenAIServing.generation_target``
+then picks the adapter, for the OpenAI routes and the dialects translated onto them.
 """
 
 from __future__ import annotations
@@ -162,9 +164,14 @@ def read_config_file(path: str) -> tuple[list[ModelSpec], dict[str, Any]]:
           - name: stories
             model: ../shared/models/stories260k
             quantization: int8
+            lora_modules: {tales: ./tales-lora}  # or a list: [tales=./tales-lora]
+            max_lora_rank: 32
+            max_loras: 2
 
     ``models`` may also be a mapping from name to options. Engine options take the names of
-    ``llmctl serve``'s flags (``kv-cache-memory`` or ``kv_cache_memory``)."""
+    ``llmctl serve``'s flags (``kv-cache-memory`` or ``kv_cache_memory``); a model's LoRA adapters
+    are checked as ``--lora-modules`` / ``--max-loras`` / ``--max-lora-rank`` are, and read when the
+    model loads (a bad adapter fails that model's load alone)."""
     from llmctl.cli_options import engine_option_list
 
     file = Path(path).expanduser()
@@ -210,7 +217,7 @@ def read_config_file(path: str) -> tuple[list[ModelSpec], dict[str, Any]]:
             keep_alive_s = None if keep_alive is None else parse_keep_alive(keep_alive)
         except APIError as exc:
             raise ConfigError(f"{where}: {exc.message}") from None
-        overrides = {}
+        overrides = lora_options(entry, f"{where} ({name})")
         for key, value in entry.items():
             option = options.get(key)
             if option is None or key in NOT_PER_MODEL:
@@ -223,8 +230,52 @@ def read_config_file(path: str) -> tuple[list[ModelSpec], dict[str, Any]]:
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ConfigError(f"--config {path}: model names must differ: {names}")
+    check_adapter_names(specs)
     settings = {k: data[k] for k in ("keep_alive", "memory_budget") if k in data}
     return specs, settings
+
+
+def lora_options(entry: dict[str, Any], where: str) -> dict[str, Any]:
+    """Takes a config entry's ``lora_modules`` (name -> path, or a list of ``NAME=PATH``),
+    ``max_loras`` and ``max_lora_rank`` out of ``entry`` as ``EngineConfig`` fields, refusing what
+    ``llmctl serve``'s flags refuse."""
+    options: dict[str, Any] = {}
+    for key in ("max_loras", "max_lora_rank"):
+        if key in entry:
+            value = entry.pop(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{where}: {key} must be an integer of at least 1, got {value!r}")
+            options[key] = value
+    modules = entry.pop("lora_modules", None)
+    if modules is None:
+        return options
+    if isinstance(modules, dict):
+        pairs = [(str(name), adapter) for name, adapter in modules.items()]
+    elif isinstance(modules, list) and all(isinstance(item, str) for item in modules):
+        pairs = [tuple(item.split("=", 1)) if "=" in item else (item, None) for item in modules]
+    else:
+        raise ConfigError(f"{where}: lora_modules must map names to adapter directories, or list NAME=PATH")
+    adapters: dict[str, str] = {}
+    for name, adapter in pairs:
+        if not name or "=" in name or not isinstance(adapter, str) or not adapter:
+            raise ConfigError(f"{where}: lora_modules {name!r}: expected NAME=PATH (a PEFT adapter directory)")
+        if name in adapters:
+            raise ConfigError(f"{where}: lora_modules {name}: the name is given twice")
+        adapters[name] = adapter
+    options["lora_modules"] = tuple(f"{name}={adapter}" for name, adapter in adapters.items())
+    return options
+
+
+def check_adapter_names(specs: list[ModelSpec]) -> None:
+    """Every LoRA adapter's name is its own: no model and no other adapter answers to it."""
+    taken = {spec.name: "a model" for spec in specs}
+    for spec in specs:
+        for name in spec.adapters:
+            if name in taken:
+                raise ConfigError(
+                    f"LoRA adapter {name} of model {spec.name}: the name is already served ({taken[name]})"
+                )
+            taken[name] = f"an adapter of model {spec.name}"
 
 
 # ---- a loaded model ---------------------------------------------------------------------------------
@@ -478,8 +529,9 @@ class ModelManager:
 
     def resolve(self, model: str | None, ollama: bool = False) -> Slot:
         """The slot that ``model`` names (its served name, the path or hub id it comes from, the
-        directory it was loaded from; Ollama's ``:latest`` tag too); no model: the first one. An
-        unknown name is a 404, worded as OpenAI's API (or, ``ollama``, as Ollama's) words it."""
+        directory it was loaded from; a LoRA adapter's name: its base model's; Ollama's ``:latest``
+        tag too); no model: the first one. An unknown name is a 404, worded as OpenAI's API (or,
+        ``ollama``, as Ollama's) words it."""
         if model is None:
             return self.slots[self.default_name]
         for candidate in (model, model.removesuffix(":latest")):
@@ -489,8 +541,8 @@ class ModelManager:
             for slot in self.slots.values():
                 if candidate in slot.aliases:
                     return slot
-        if (found := self.adapter_slot(model)) is not None:
-            return found
+            if (found := self.adapter_slot(candidate)) is not None:
+                return found
         if ollama:
             served = ", ".join(f"'{name}'" for name in self.slots)
             raise APIError(404, f"model '{model}' not found (this server serves {served})", code="model_not_found")

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -100,6 +100,21 @@ def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
+class ChunkEvents:
+    """The SSE events of one streamed response, whose chunks differ only in their choices: the
+    envelope (id, created, model) is encoded once, each chunk's choice per event, so an event is
+    byte for byte its whole chunk's JSON for a fraction of the work."""
+
+    def __init__(self, empty: ChatCompletionChunk | CompletionChunk) -> None:
+        head, choices, tail = empty.to_json().partition('"choices":[]')
+        if not choices:
+            raise ValueError("a chunk without choices encodes them as []")
+        self._head, self._tail = f'{head}"choices":[', f"]{tail}"
+
+    def event(self, choice: ChatStreamChoice | CompletionStreamChoice) -> str:
+        return sse(self._head + choice.to_json() + self._tail)
+
+
 class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
 
@@ -125,13 +140,29 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
         watcher.cancel()
 
 
+def _api_error(exc: BaseException) -> APIError:
+    """The answer to an engine request that raised ``exc``."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        message = str(exc)
+        return bad_request(message, "prompt" if message.startswith("prompt") else None)
+    if isinstance(exc, EngineBusyError):
+        return queue_full(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return APIError(500, str(exc), type="server_error", code="engine_dead")
+    return APIError(500, f"internal error: {exc!r}", type="server_error")
+
+
 class Generation:
-    """The engine requests of one API call (one per prompt), merged into one stream of
+    """The engine requests of one API call (one per prompt), as one stream of
     ``(prompt_index, RequestOutput)`` in the order the engine produced them.
 
-    Each prompt's ``AsyncEngine.generate`` runs in its own task; ``cancel`` cancels those tasks,
-    which closes the generators, which aborts whatever has not finished. ``cancel`` is synchronous
-    so that it also works from a ``finally`` inside an already-cancelled stream."""
+    One prompt (the common case, whatever ``n``) is read straight from ``AsyncEngine.generate``;
+    several are merged, each prompt's stream pumped by its own task into one queue. With
+    ``final_only`` (a response that is not streamed) each request hands over its finished output
+    alone. ``cancel`` ends whatever has not finished (its engine request is aborted); it is
+    synchronous so that it also works from a ``finally`` inside an already-cancelled stream."""
 
     def __init__(
         self,
@@ -142,51 +173,53 @@ class Generation:
         user: str | None,
         priority: int = 0,
         lora: str | None = None,
+        final_only: bool = False,
     ) -> None:
         self.num_prompts = len(prompts)
-        adapter = {} if lora is None else {"lora": lora}  # the engine's LoRA adapter by name
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self.num_requests = self.num_prompts * params.n
+        adapter = {} if lora is None else {"lora": lora}  # the engine's LoRA adapter by name
+        self._async_engine = async_engine
+        self._request_ids = [f"{request_id}-{i}" if self.num_prompts > 1 else request_id for i in range(len(prompts))]
+        self._streams: list[AsyncGenerator[RequestOutput, None]] = [
+            async_engine.generate(
+                prompt, params, final_only=final_only, request_id=rid, user=user, priority=priority, **adapter
+            )
+            for prompt, rid in zip(prompts, self._request_ids)
+        ]
         self._unfinished = set(range(self.num_prompts))
         self._buffer: list[tuple[int, RequestOutput]] = []
+        self._failure: APIError | None = None
         self.final: dict[int, RequestOutput] = {}
-        self._tasks = [
-            asyncio.create_task(
-                self._pump(
-                    i,
-                    async_engine.generate(
-                        prompt,
-                        params,
-                        request_id=f"{request_id}-{i}" if self.num_prompts > 1 else request_id,
-                        user=user,
-                        priority=priority,
-                        **adapter,
-                    ),
-                )
-            )
-            for i, prompt in enumerate(prompts)
-        ]
+        self._merged: asyncio.Queue[tuple[int, RequestOutput | BaseException]] | None = None
+        self._tasks: list[asyncio.Task] = []
+        if self.num_prompts > 1:
+            self._merged = asyncio.Queue()
+            self._tasks = [asyncio.create_task(self._pump(i, stream)) for i, stream in enumerate(self._streams)]
 
     async def _pump(self, index: int, outputs: AsyncIterator[RequestOutput]) -> None:
+        assert self._merged is not None
         try:
             async for out in outputs:
-                self._queue.put_nowait((index, out))
+                self._merged.put_nowait((index, out))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it in the request's context
-            self._queue.put_nowait((index, exc))
+            self._merged.put_nowait((index, exc))
+
+    async def _receive(self) -> tuple[int, RequestOutput | BaseException]:
+        if self._merged is not None:
+            return await self._merged.get()
+        try:
+            return 0, await anext(self._streams[0])
+        except StopAsyncIteration:  # never read past the finished output; it means the stream was closed
+            return 0, APIError(500, "the request's output stream ended early", type="server_error")
+        except Exception as exc:  # noqa: BLE001 - raised below as the API error it stands for
+            return 0, exc
 
     async def _next(self) -> tuple[int, RequestOutput]:
-        index, item = await self._queue.get()
-        if isinstance(item, InvalidRequestError):
-            message = str(item)
-            raise bad_request(message, "prompt" if message.startswith("prompt") else None)
-        if isinstance(item, EngineBusyError):
-            raise queue_full(str(item))
-        if isinstance(item, EngineDeadError):
-            raise APIError(500, str(item), type="server_error", code="engine_dead")
-        if isinstance(item, APIError):
-            raise item
+        index, item = await self._receive()
+        if self._failure is not None:
+            raise self._failure
         if isinstance(item, BaseException):
-            raise APIError(500, f"internal error: {item!r}", type="server_error")
+            raise _api_error(item)
         if item.error is not None or any(c.finish_reason == "error" for c in item.outputs):
             raise request_failed(item)
         self.final[index] = item
@@ -216,11 +249,22 @@ class Generation:
     def cancel(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self._merged is None:
+            stream = self._streams[0]
+            # A stream being read is closed by its reader's cancellation; one that is not (never
+            # started, or paused at an output) is closed here, which aborts it unless it finished.
+            if not stream.ag_running and stream.ag_frame is not None:
+                asyncio.ensure_future(stream.aclose())
 
     def fail(self, error: APIError) -> None:
-        """End this API call with ``error`` (its stream: an error event, then ``[DONE]``); its
-        engine requests are aborted when the response closes."""
-        self._queue.put_nowait((-1, error))
+        """End this API call with ``error`` (its stream: an error event, then ``[DONE]``) at its next
+        output; its engine requests are aborted. A request still being added sees it at its
+        first output."""
+        self._failure = error
+        if self._merged is not None:
+            self._merged.put_nowait((-1, error))
+        else:
+            self._async_engine.fail(self._request_ids[0], error)
 
     def usage(self) -> Usage:
         prompt = sum(len(out.prompt_token_ids) for out in self.final.values())
@@ -279,6 +323,7 @@ class _ChoiceStream:
     split: ReasoningSplit | None = None  # with a reasoning parser: the think block's tokens
     reasoning_sent: int = 0  # characters of reasoning and of answer already sent
     answer_sent: int = 0
+    parser: ReplyParser | None = None  # with tools: the reply's tool calls
 
 
 @dataclass
@@ -342,11 +387,13 @@ class OpenAIServing:
         return self.async_engine.engine.lora_names()
 
     def check_model(self, model: str | None) -> None:
-        """The base model only (embeddings, tokenizer and the other dialects): a LoRA adapter's name is
+        """The base model only (embeddings and the tokenizer routes): a LoRA adapter's name is
         refused by name."""
         if model is not None and model in self.lora_names():
             raise bad_request(
-                f"`{model}` is a LoRA adapter: adapters serve /v1/completions and /v1/chat/completions", "model"
+                f"`{model}` is a LoRA adapter: adapters serve /v1/completions, /v1/chat/completions, "
+                "/v1/messages, /v1/responses, /api/chat and /api/generate",
+                "model",
             )
         if model is not None and model not in self.model_aliases:
             raise APIError(
@@ -410,7 +457,9 @@ class OpenAIServing:
         lora: str | None = None,
     ) -> Any:
         self.check_capacity()
-        generation = Generation(self.async_engine, prompts, params, request_id, user, priority, lora)
+        generation = Generation(
+            self.async_engine, prompts, params, request_id, user, priority, lora, final_only=stream is None
+        )
         self.state.live.add(generation)
         handed_over = False
         try:
@@ -482,6 +531,7 @@ class OpenAIServing:
             ).model_dump()
 
         async def stream(generation: Generation) -> AsyncIterator[str]:
+            events = ChunkEvents(CompletionChunk(id=request_id, created=created, model=model, choices=[]))
             choices: dict[int, _ChoiceStream] = {}
             async for i, out in generation.outputs():
                 for c in out.outputs:
@@ -505,21 +555,15 @@ class OpenAIServing:
                         generated = self.logprobs.completion(c, state.texts, len(c.token_ids))
                         logprobs = self._echoed_logprobs(out, echoed, generated, len(echo.get(i, "")), req.logprobs)
                     state.started, state.finished = True, c.finished
-                    chunk = CompletionChunk(
-                        id=request_id,
-                        created=created,
-                        model=model,
-                        choices=[
-                            CompletionStreamChoice(
-                                index=index,
-                                text=(echoed or "") + c.delta_text,
-                                logprobs=logprobs,
-                                finish_reason=c.finish_reason,
-                                stop_reason=c.stop_reason,
-                            )
-                        ],
+                    yield events.event(
+                        CompletionStreamChoice(
+                            index=index,
+                            text=(echoed or "") + c.delta_text,
+                            logprobs=logprobs,
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
                     )
-                    yield sse(chunk.to_json())
             if req.include_usage:
                 yield sse(
                     CompletionChunk(
@@ -673,8 +717,7 @@ class OpenAIServing:
             ).model_dump()
 
         async def stream(generation: Generation) -> AsyncIterator[str]:
-            def chunk(choice: ChatStreamChoice) -> str:
-                return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]).to_json())
+            chunk = ChunkEvents(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[])).event
 
             for index in range(req.n):
                 yield chunk(
@@ -683,7 +726,6 @@ class OpenAIServing:
                     )
                 )
             choices: dict[int, _ChoiceStream] = {}
-            parsers: dict[int, ReplyParser | None] = {}
             async for _, out in generation.outputs():
                 for c in out.outputs:
                     state = choices.get(c.index)
@@ -691,6 +733,7 @@ class OpenAIServing:
                         state = choices[c.index] = _ChoiceStream(
                             self.logprobs.texts(out.prompt_token_ids, params.skip_special_tokens),
                             split=None if reasoning is None else reasoning.splitter(out.prompt_token_ids),
+                            parser=reply_parser(tools, tool_choice),
                         )
                     newly_finished = c.finished and not state.finished
                     if not c.delta_text and not c.delta_token_ids and not newly_finished:
@@ -699,9 +742,8 @@ class OpenAIServing:
                     if req.logprobs:
                         logprobs = self.logprobs.chat(c, state.texts, len(c.token_ids), skip)
                     state.finished = c.finished
-                    parser = parsers.setdefault(c.index, reply_parser(tools, tool_choice))
                     thought, text = _split_delta(state, c)
-                    delta, finish_reason = _stream_delta(parser, text, c.finish_reason, state)
+                    delta, finish_reason = _stream_delta(state.parser, text, c.finish_reason, state)
                     if thought and req.include_reasoning:
                         delta.reasoning_content = thought
                     yield chunk(

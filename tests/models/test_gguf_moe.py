@@ -73,6 +73,8 @@ def _stored_types(hf_name: str, arch: str, types: dict[str, GGMLQuantizationType
         return {types[f"blk.{layer}.ffn_gate_exps.weight"], types[f"blk.{layer}.ffn_up_exps.weight"]}
     if hf_name.endswith(".experts.down_proj"):
         return {types[f"blk.{layer}.ffn_down_exps.weight"]}
+    if hf_name.endswith(".kv_b_proj.weight") and f"blk.{layer}.attn_k_b.weight" in types:  # DeepSeek's, split
+        return {types[f"blk.{layer}.attn_k_b.weight"], types[f"blk.{layer}.attn_v_b.weight"]}
     table = get_tensor_name_map({name: a for a, name in MODEL_ARCH_NAMES.items()}[arch], 8)
     gguf_name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
     return {types[gguf_name]}
@@ -115,7 +117,8 @@ def test_q8_0_file_matches_transformers_on_its_rounded_weights(case, root, tmp_p
     assert any(t.name.endswith("_exps.weight") and t.tensor_type.name == "Q8_0" for t in read_gguf(path).tensors)
     want = hf_greedy(_rounded_checkpoint(path, checkpoint(case, root), tmp_path / "rounded"), PROMPTS, 20)
     assert _greedy(path, quantization="none") == want
-    # attention kept packed (its int8 kernel on the exact activations), experts dequantized at load
+    # attention kept packed, and the experts where all three stacks are Q8_0 (their int8 kernels on
+    # the exact activations); experts with a float stack (rows not whole blocks) dequantized at load
     assert _greedy(path, quant_exact_activations=True) == want
 
 

@@ -30,7 +30,7 @@ def test_an_unknown_architecture_is_refused_with_the_registry_list():
 def test_an_unknown_gguf_architecture_is_refused_with_the_registry_list():
     archs = (
         "llama, mistral, qwen2, qwen3, granite, smollm3, olmo2, phi3, gemma, gemma2, gemma3, "
-        "qwen2moe, qwen3moe, olmoe, gpt-oss"
+        "qwen2moe, qwen3moe, olmoe, gpt-oss, deepseek2"
     )
     with pytest.raises(UnsupportedModelError, match=f"reads GGUF architectures {archs}$"):
         gguf_config_dict({"general.architecture": "mamba"}, set(), Path("x.gguf"))

@@ -10,6 +10,9 @@ the reasoning parser, ``text``, ``tool_use``) with ``stop_reason`` ``end_turn``,
 events (``message_start``, ``content_block_start``, ``ping``, ``content_block_delta``,
 ``content_block_stop``, ``message_delta``, ``message_stop``).
 
+``model`` may name a LoRA adapter: it goes along to the chat path, which runs the adapter
+(``OpenAIServing.generation_target``), as ``/v1/chat/completions`` does.
+
 Images and documents (this is a text model), server tools, and a temperature outside Anthropic's
 [0, 1] are refused with Anthropic's error JSON. ``thinking.budget_tokens`` is accepted but not
 enforced apart from ``max_tokens``.
@@ -353,7 +356,7 @@ class _Blocks:
 
 async def create_message(serving: OpenAIServing, raw: bytes, request: Request) -> Response:
     req = parse(raw, MessagesRequest)
-    serving.check_model(req.model)
+    serving.generation_target(req.model)  # the base model or an adapter; 404 for neither
     chat = chat_request(req, serving)
     stops = list(req.stop_sequences or [])
     keep_calls = first_call_only(not (req.tool_choice and req.tool_choice.disable_parallel_tool_use))
@@ -439,5 +442,5 @@ def _piece_events(blocks: _Blocks, piece: Piece, keep_calls: Any) -> list[str]:
 
 async def count_tokens(serving: OpenAIServing, raw: bytes) -> dict[str, Any]:
     req = parse(raw, CountTokensRequest)
-    serving.check_model(req.model)
+    serving.generation_target(req.model)  # an adapter shares its base model's tokenizer
     return {"input_tokens": prompt_tokens(serving, chat_request(req, serving))}

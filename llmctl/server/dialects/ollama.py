@@ -15,6 +15,9 @@ requests (``llmctl/server/embeddings.py``): the server's pooling, the same vecto
 ``/v1/embeddings``; ``truncate`` (default true) cuts an input to the context length as Ollama does,
 false refuses it; ``dimensions`` is Matryoshka shortening, as on ``/v1/embeddings``; sampler
 ``options`` do not apply and are ignored. Errors are Ollama's ``{"error": "..."}``.
+
+``/api/chat`` and ``/api/generate`` take a LoRA adapter's name as ``model`` and run that adapter, as
+the OpenAI routes do (:func:`generation_target`); the other routes serve the base model alone.
 """
 
 from __future__ import annotations
@@ -164,14 +167,35 @@ class ShowRequest(BaseModel):
 
 
 def check_model(serving: OpenAIServing, model: str | None) -> None:
-    """The served name (``NAME:latest`` too: Ollama's default tag); 404 in Ollama's words otherwise."""
+    """The served name (``NAME:latest`` too: Ollama's default tag); a LoRA adapter's name is refused
+    by name (the routes that check this serve the base model alone); 404 in Ollama's words otherwise."""
     if model is None:
         raise bad_request("model is required", "model")
     if model.removesuffix(":latest") in serving.model_aliases or model in serving.model_aliases:
         return
-    raise APIError(
+    if model.removesuffix(":latest") in serving.lora_names():
+        raise bad_request(f"'{model}' is a LoRA adapter: adapters serve /api/chat and /api/generate", "model")
+    raise _not_found(serving, model)
+
+
+def _not_found(serving: OpenAIServing, model: str) -> APIError:
+    return APIError(
         404, f"model '{model}' not found (this server serves '{serving.served_model_name}')", code="model_not_found"
     )
+
+
+def generation_target(serving: OpenAIServing, model: str | None) -> str | None:
+    """The LoRA adapter a chat or generate request runs (None: the base model), resolved by
+    ``OpenAIServing.generation_target`` as on the OpenAI routes, Ollama's ``:latest`` tag allowed;
+    404 in Ollama's words for a name that is neither."""
+    if model is None:
+        raise bad_request("model is required", "model")
+    for candidate in dict.fromkeys((model, model.removesuffix(":latest"))):
+        try:
+            return serving.generation_target(candidate)
+        except APIError:
+            continue
+    raise _not_found(serving, model)
 
 
 def _options(options: dict[str, Any] | None) -> dict[str, Any]:
@@ -268,9 +292,10 @@ def _chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
 
 
 def _openai_body(serving: OpenAIServing, req: _Request) -> dict[str, Any]:
+    model = generation_target(serving, req.model)
     _refuse_unsupported(req)
     return {
-        "model": None,
+        "model": model,
         "stream": True,
         "stream_options": {"include_usage": True},
         **_options(req.options),
@@ -382,7 +407,6 @@ async def _start(
 
 async def chat(serving: OpenAIServing, raw: bytes, request: Request) -> Response:
     req = parse(raw, ChatRequest)
-    check_model(serving, req.model)
     body = _openai_body(serving, req)
     if not req.messages:
         return _loaded(req.model, "chat")
@@ -397,7 +421,6 @@ async def chat(serving: OpenAIServing, raw: bytes, request: Request) -> Response
 
 async def generate(serving: OpenAIServing, raw: bytes, request: Request) -> Response:
     req = parse(raw, GenerateRequest)
-    check_model(serving, req.model)
     body = _openai_body(serving, req)
     if req.images:
         raise bad_request("images are not supported: this server runs a text-only model", "images")
@@ -421,7 +444,6 @@ async def generate(serving: OpenAIServing, raw: bytes, request: Request) -> Resp
             raise bad_request(f"system cannot be placed in the prompt ({reason})", "system")
         if req.think:
             raise bad_request("think needs the chat template (not raw: true)", "think")
-        body.pop("model")
         if "max_completion_tokens" in body:
             body["max_tokens"] = body.pop("max_completion_tokens")
         else:

@@ -4,8 +4,10 @@
 ``reasoning`` items) and ``instructions`` become a chat request; ``max_output_tokens``,
 ``temperature``, ``top_p``, ``text.format`` (structured outputs), function ``tools``,
 ``tool_choice``, ``reasoning.effort`` (the template's ``reasoning_effort``) and ``user`` map onto its
-fields. The answer's ``output`` holds a ``reasoning`` item (with a reasoning parser), a ``message``
-with ``output_text`` and ``function_call`` items; streamed, the Responses events from
+fields; ``model`` may name a LoRA adapter, which the chat path runs
+(``OpenAIServing.generation_target``) as for ``/v1/chat/completions``. The answer's ``output``
+holds a ``reasoning`` item (with a reasoning parser), a ``message`` with ``output_text`` and
+``function_call`` items; streamed, the Responses events from
 ``response.created`` to ``response.completed`` (``response.incomplete`` when ``max_output_tokens``
 cut it, ``response.failed`` when it failed).
 
@@ -339,7 +341,7 @@ def _output(reply: Reply, keep_calls: Any) -> list[dict[str, Any]]:
 
 async def create_response(serving: OpenAIServing, raw: bytes, request: Request) -> Response:
     req = parse(raw, ResponsesRequest)
-    serving.check_model(req.model)
+    serving.generation_target(req.model)  # the base model or an adapter; 404 for neither
     req.refuse_unsupported()
     chat = chat_request(req)
     keep_calls = first_call_only(req.parallel_tool_calls is not False)

@@ -1,0 +1,286 @@
+"""A mixture-of-experts model served side by side: llmctl, llama.cpp's ``llama-server`` and
+transformers on one random-weight MoE of Qwen3-MoE's shape, about 1.3B parameters in all and
+0.23B active per token (64 experts of which 8 run, 24 layers, hidden size 1024, expert width 256,
+a 16,384-token vocabulary).
+
+The checkpoint is built with transformers, written to GGUF by llama.cpp's own
+``convert_hf_to_gguf.py`` (F16) and quantized by ``llama-quantize`` (Q4_K_M by default, the type
+people download). Both servers serve that one file and are driven by ``llmctl bench --url`` with
+the same workload: 128 -> 128 tokens, one stream (8 prompts) and 64 concurrent (128 prompts).
+transformers decodes from the fp32 checkpoint in process (one stream, and a batch of 64).
+
+Bytes read per decoded token: the file's active-parameter floor (every tensor but the embedding
+table, the expert tensors counted at ``top_k / experts`` of their size) beside what llmctl's
+server reports (its weight bytes, less the experts no token of a pass chose, from
+``/v1/engine/stats``' ``experts.read_share_per_step``, less the embedding table), per token.
+
+    python -m benchmarks.moe_comparison --llama-server BIN [--quantize BIN] [--type Q4_K_M]
+        [--work DIR] [--cases c1,c64] [--no-transformers]
+
+``--quantize`` defaults to ``llama-quantize`` beside the ``llama-server`` binary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness import cpu_record, write_result
+from benchmarks.served_comparison import CASES, Case, bench, free_port, llama_server, wait_ready
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+
+SHAPE = dict(
+    vocab_size=16384,
+    hidden_size=1024,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    intermediate_size=2048,  # unused: every layer is sparse
+    moe_intermediate_size=256,
+    num_experts=64,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    mlp_only_layers=[],
+    decoder_sparse_step=1,
+    max_position_embeddings=4096,
+    rope_theta=1_000_000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
+    """A Llama-style BPE tokenizer.json (byte fallback, ``▁`` for spaces) of exactly ``vocab_size``
+    tokens: bytes, letters, letter pairs and triples, so random text has a realistic vocabulary."""
+    from tokenizers import Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    letters = "▁etaoinshrdlucmfwypvbgkjqxz"
+    merges: list[tuple[str, str]] = []
+    for ch in letters:
+        vocab.setdefault(ch, len(vocab))
+    pairs = [a + b for a in letters for b in letters[1:]]
+    candidates = [(p[0], p[1]) for p in pairs] + [(p, c) for p in pairs for c in letters[1:]]
+    for left, right in candidates:
+        if len(vocab) >= vocab_size:
+            break
+        merges.append((left, right))
+        vocab.setdefault(left + right, len(vocab))
+    if len(vocab) != vocab_size:
+        raise ValueError(f"cannot build a {vocab_size}-token vocabulary")
+    tok = Tokenizer(BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(model_dir)
+
+
+def build_checkpoint(model_dir: Path) -> Path:
+    """The random-weight Qwen3-MoE checkpoint (fp32 safetensors) and its tokenizer, made once."""
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(**SHAPE)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(model_dir)
+    write_tokenizer(model_dir, SHAPE["vocab_size"])
+    return model_dir
+
+
+def build_gguf(model_dir: Path, work: Path, quantize: Path, qtype: str) -> Path:
+    """llama.cpp's converter (F16), then ``llama-quantize`` to ``qtype``; made once."""
+    sys.path.insert(0, str(TESTS))
+    from llama_cpp_converter import convert
+
+    out = work / f"moe-1.3b-a0.23b-{qtype}.gguf"
+    if out.is_file():
+        return out
+    f16 = work / "moe-1.3b-a0.23b-F16.gguf"
+    if not f16.is_file():
+        convert(model_dir, f16, "f16", pre_tokenizer="default")
+    subprocess.run([str(quantize), str(f16), str(out), qtype], check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def file_bytes(path: Path) -> dict[str, float]:
+    """From the GGUF's tensor table: the bytes of the embedding table, of the expert tensors, of
+    everything else, and the active-parameter floor per token (all but the embedding table, the
+    experts at ``top_k / experts``)."""
+    from gguf import GGUFReader
+
+    embedding = experts = other = 0
+    for tensor in GGUFReader(str(path)).tensors:
+        size = int(tensor.n_bytes)
+        if tensor.name == "token_embd.weight":
+            embedding += size
+        elif "_exps." in tensor.name:
+            experts += size
+        else:
+            other += size
+    share = SHAPE["num_experts_per_tok"] / SHAPE["num_experts"]
+    return {"embedding": embedding, "experts": experts, "other": other, "floor": other + share * experts}
+
+
+def fetch_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def llmctl_case(model: Path, case: Case, out_dir: Path, files: dict[str, float]) -> dict:
+    """``llmctl serve`` on the file, ``llmctl bench --url`` against it, and the bytes its passes read."""
+    port = free_port()
+    cmd = [
+        *(sys.executable, "-m", "llmctl.cli", "serve", str(model), "--port", str(port)),
+        *("--log-level", "warning", "--no-access-log", "--max-model-len", str(case.input_len + case.output_len + 64)),
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        result = bench(url, str(model), case, out_dir / f"llmctl_{case.name}.json")
+        stats = fetch_json(f"{url}/v1/engine/stats?max_steps=64")
+        status = fetch_json(f"{url}/v1/models/status")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    experts = stats["experts"]
+    weights = status["models"][0]["weights_bytes"]
+    steps = [s for s in stats["steps"] if s["decode_tokens"] and not s["prefill_tokens"]]
+    tokens_per_pass = sum(s["decode_tokens"] for s in steps) / len(steps) if steps else 1.0
+    per_pass = weights - files["embedding"] - experts["weight_bytes"] * (1 - experts["read_share_per_step"])
+    row = _row("llmctl", case, result)
+    row |= {
+        "weights_mb": round(weights / 1e6, 1),
+        "expert_read_share": round(experts["read_share_per_step"], 3),
+        "decode_tokens_per_pass": round(tokens_per_pass, 1),
+        "bytes_per_token_mb": round(per_pass / tokens_per_pass / 1e6, 2),
+    }
+    return row
+
+
+def llama_case(binary: str, model: Path, case: Case, out_dir: Path) -> dict:
+    port = free_port()
+    proc = subprocess.Popen(
+        llama_server(binary, str(model), port, case), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        result = bench(url, str(model), case, out_dir / f"llama-server_{case.name}.json")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return _row("llama-server", case, result)
+
+
+def _row(engine: str, case: Case, result: dict) -> dict:
+    return {
+        "engine": engine,
+        "case": case.name,
+        "concurrency": case.concurrency,
+        "output_tok_s": round(result["output_throughput"], 1),
+        "stream_tok_s_median": round(result["stream_tokens_per_s_median"] or 0.0, 1),
+        "ttft_ms_median": round(result["ttft_ms"]["median"], 1),
+        "failed": result["failed"],
+    }
+
+
+def transformers_rows(model_dir: Path, prompt_len: int = 128) -> list[dict]:
+    """transformers' fp32 greedy decode in process: one stream (64 new tokens) and a batch of 64
+    equal-length prompts (16 new tokens); decode tok/s with the prefill's time taken off."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for batch, new_tokens in ((1, 64), (64, 16)):
+        ids = torch.randint(3, SHAPE["vocab_size"], (batch, prompt_len), generator=gen)
+
+        def run(n: int, ids: torch.Tensor = ids) -> float:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            return time.perf_counter() - start
+
+        run(2)  # warm-up
+        prefill = run(1)
+        total = run(new_tokens + 1)
+        tok_s = batch * new_tokens / (total - prefill)
+        rows.append(
+            {
+                "engine": "transformers",
+                "case": "c1" if batch == 1 else "c64",
+                "concurrency": batch,
+                "output_tok_s": round(tok_s, 1),
+                "stream_tok_s_median": round(tok_s / batch, 1),
+                "ttft_ms_median": round(prefill * 1e3, 1),
+                "failed": 0,
+            }
+        )
+        print(f"transformers  b={batch:<3} {tok_s:8.1f} tok/s decode (prefill {prefill:.2f} s)", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-server", required=True, help="llama-server (../shared/peer/build_llama_cpp.sh)")
+    parser.add_argument("--quantize", default=None, help="llama-quantize (default: beside llama-server)")
+    parser.add_argument("--type", default="Q4_K_M", help="llama-quantize type of the served file")
+    parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "llmctl-bench" / "moe")
+    parser.add_argument("--cases", default="c1,c64", help=f"any of {', '.join(CASES)}")
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "moe_comparison")
+    args = parser.parse_args()
+    quantize = Path(args.quantize or Path(args.llama_server).with_name("llama-quantize"))
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = build_checkpoint(args.work / "qwen3-moe-1.3b-a0.23b")
+    gguf = build_gguf(model_dir, args.work, quantize, args.type)
+    files = file_bytes(gguf)
+    record = cpu_record() | {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "file": gguf.name}
+    print(f"# {record['cpu']} · {record['cpus']} CPUs · {record['isa']} · {gguf.name}")
+    size_mb = gguf.stat().st_size / 1e6
+    print(f"# active-parameter floor: {files['floor'] / 1e6:.1f} MB per token (file: {size_mb:.0f} MB)")
+    rows = []
+    for name in args.cases.split(","):
+        case = CASES[name]
+        for row in (llmctl_case(gguf, case, args.out, files), llama_case(args.llama_server, gguf, case, args.out)):
+            rows.append(row)
+            extra = f"  {row['bytes_per_token_mb']} MB/token" if "bytes_per_token_mb" in row else ""
+            print(
+                f"{row['engine']:<13} {name:<4} c={case.concurrency:<3} {row['output_tok_s']:>8} tok/s  "
+                f"stream {row['stream_tok_s_median']:>6} tok/s  TTFT {row['ttft_ms_median']:>8} ms{extra}",
+                flush=True,
+            )
+    if not args.no_transformers:
+        rows += transformers_rows(model_dir)
+    write_result(record | {"floor_mb_per_token": round(files["floor"] / 1e6, 2), "rows": rows}, args.out / "moe.json")
+
+
+if __name__ == "__main__":
+    main()
