@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import cpu_record, write_result
-from benchmarks.served_comparison import CASES, Case, bench, free_port, llama_server, wait_ready
+from benchmarks.served_comparison import CASES, Case, bench, free_port, llama_server, serving
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -61,47 +61,20 @@ SHAPE = dict(
 )
 
 
-def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
-    """A Llama-style BPE tokenizer.json (byte fallback, ``▁`` for spaces) of exactly ``vocab_size``
-    tokens: bytes, letters, letter pairs and triples, so random text has a realistic vocabulary."""
-    from tokenizers import Tokenizer, decoders, normalizers
-    from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
-    letters = "▁etaoinshrdlucmfwypvbgkjqxz"
-    merges: list[tuple[str, str]] = []
-    for ch in letters:
-        vocab.setdefault(ch, len(vocab))
-    pairs = [a + b for a in letters for b in letters[1:]]
-    candidates = [(p[0], p[1]) for p in pairs] + [(p, c) for p in pairs for c in letters[1:]]
-    for left, right in candidates:
-        if len(vocab) >= vocab_size:
-            break
-        merges.append((left, right))
-        vocab.setdefault(left + right, len(vocab))
-    if len(vocab) != vocab_size:
-        raise ValueError(f"cannot build a {vocab_size}-token vocabulary")
-    tok = Tokenizer(BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.save_pretrained(model_dir)
-
-
 def build_checkpoint(model_dir: Path) -> Path:
     """The random-weight Qwen3-MoE checkpoint (fp32 safetensors) and its tokenizer, made once."""
     if (model_dir / "config.json").is_file():
         return model_dir
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
+    sys.path.insert(0, str(TESTS))
+    from llama_cpp_converter import write_llama_tokenizer
+
     torch.manual_seed(0)
     config = Qwen3MoeConfig(**SHAPE)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(model_dir)
-    write_tokenizer(model_dir, SHAPE["vocab_size"])
+    write_llama_tokenizer(model_dir, SHAPE["vocab_size"])
     return model_dir
 
 
@@ -151,19 +124,10 @@ def llmctl_case(model: Path, case: Case, out_dir: Path, files: dict[str, float])
         *(sys.executable, "-m", "llmctl.cli", "serve", str(model), "--port", str(port)),
         *("--log-level", "warning", "--no-access-log", "--max-model-len", str(case.input_len + case.output_len + 64)),
     ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc)
+    with serving(cmd, port) as url:
         result = bench(url, str(model), case, out_dir / f"llmctl_{case.name}.json")
         stats = fetch_json(f"{url}/v1/engine/stats?max_steps=64")
         status = fetch_json(f"{url}/v1/models/status")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     experts = stats["experts"]
     weights = status["models"][0]["weights_bytes"]
     steps = [s for s in stats["steps"] if s["decode_tokens"] and not s["prefill_tokens"]]
@@ -181,19 +145,8 @@ def llmctl_case(model: Path, case: Case, out_dir: Path, files: dict[str, float])
 
 def llama_case(binary: str, model: Path, case: Case, out_dir: Path) -> dict:
     port = free_port()
-    proc = subprocess.Popen(
-        llama_server(binary, str(model), port, case), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc)
+    with serving(llama_server(binary, str(model), port, case), port) as url:
         result = bench(url, str(model), case, out_dir / f"llama-server_{case.name}.json")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     return _row("llama-server", case, result)
 
 

