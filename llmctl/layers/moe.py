@@ -21,7 +21,8 @@ token, and each active expert runs once over the tokens routed to it.
   ``[E, H, 2 * I]`` with gate and up in interleaved columns, ``down_proj`` ``[E, I, H]``) load
   into the same stacked weights (``concatenated=False, transposed=True``, transformers' own names
   for the layout).
-- Packed experts (a quantized GGUF file's blocks, ``StackedExperts.install_packed``): in place of
+- Packed experts (a quantized GGUF file's blocks, or ``--quantization int8|int4|fp8`` on a float
+  checkpoint: ``StackedExperts.quantize_experts``; ``StackedExperts.install_packed``): in place of
   ``w13`` / ``w2``, one ``PackedExpert`` per expert, whose projections are linear layers holding a
   packed weight (``install_packed_weight``): gate and up as one (gate rows, then up) where their
   formats and group sizes agree, else two, and down. The forward groups rows as above and calls
@@ -32,6 +33,9 @@ token, and each active expert runs once over the tokens routed to it.
   independent of how many rows share its expert where the int8-digit GEMM takes every row count
   (kernels/cpu/qgemm.h); below its row threshold the int16 passes round the activations
   differently, as for any packed layer. Packed experts are not sharded: tensor parallel size 1.
+  A projection whose input features are not a whole number of the format's groups holds zero
+  columns up to the next whole group (as on-the-fly quantized dense layers do); its inputs are
+  zero-padded to match.
 - ``SparseMoeBlock``: router + experts + optional shared expert (Qwen2-MoE: a dense MLP whose
   output is scaled by ``sigmoid(shared_expert_gate(x))`` and added).
 
@@ -60,13 +64,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from llmctl.distributed import TensorParallel
 from llmctl.layers.linear import LinearBase, copy_checked, linear
 from llmctl.layers.quantization.matmul import bound_cpu_kernel
-from llmctl.layers.quantization.methods import install_packed_weight
+from llmctl.layers.quantization.methods import OnTheFlyQuantMethod, install_packed_weight
 from llmctl.layers.quantization.params import weight_bytes
+from llmctl.layers.quantization.quantize import quantize
 from llmctl.platform import native_gemm
 from llmctl_kernels.packed_formats import PackedWeight, packed_tensors
 
@@ -246,12 +252,29 @@ def _rows_stacked(parts: list[PackedWeight]) -> PackedWeight | None:
     return dataclasses.replace(first, **{f: torch.cat([packed_tensors(p)[f] for p in parts]) for f in fields})
 
 
-def _packed_linear(packed: PackedWeight, device: torch.device) -> LinearBase:
-    """A replicated linear layer holding ``packed`` (``install_packed_weight``), on ``device``."""
-    out_features, in_features = packed.shape
+# input features a packed weight's K must be a multiple of, per kind: what the kernels take (the
+# multiples OnTheFlyQuantMethod.quantize_layer pads a dense layer's K to)
+_K_MULTIPLE = {"int8": 32, "fp8": 16}
+
+
+def _quantized_expert(weight: torch.Tensor, method: OnTheFlyQuantMethod) -> PackedWeight:
+    """One expert projection ``[N, K]`` quantized as ``method`` quantizes the dense layers (its kind
+    and group size), with zero input columns appended up to a whole number of groups where K is not
+    one (e.g. 40 intermediate features -> 64 at int4 group 64): the group size stays the dense
+    layers', and the zero columns meet zero-padded inputs (``PackedExpert``)."""
+    multiple = method.group_size if method.kind == "int4" else _K_MULTIPLE[method.kind]
+    padding = -weight.shape[1] % multiple
+    return quantize(F.pad(weight, (0, padding)) if padding else weight, method.kind, method.group_size)
+
+
+def _packed_linear(packed: PackedWeight, in_features: int, device: torch.device) -> LinearBase:
+    """A replicated linear layer of ``in_features`` inputs holding ``packed`` (``install_packed_weight``:
+    up to 127 zero-padded input columns more), on ``device``; ``input_padding`` says how many."""
+    out_features, packed_in = packed.shape
     with torch.device("meta"):  # the float weight it is built with is freed unallocated
         layer = LinearBase(in_features, out_features, False, torch.float32, TensorParallel(), None)
     install_packed_weight(layer, packed)
+    layer.input_padding = packed_in - in_features
     return layer.to(device)
 
 
@@ -262,11 +285,12 @@ class PackedExpert(nn.Module):
 
     def __init__(self, gate: PackedWeight, up: PackedWeight, down: PackedWeight, device: torch.device) -> None:
         super().__init__()
+        hidden, inner = down.shape[0], gate.shape[0]  # rows are never padded, input columns may be
         merged = _rows_stacked([gate, up])
-        self.gate_up = None if merged is None else _packed_linear(merged, device)
-        self.gate = None if merged is not None else _packed_linear(gate, device)
-        self.up = None if merged is not None else _packed_linear(up, device)
-        self.down = _packed_linear(down, device)
+        self.gate_up = None if merged is None else _packed_linear(merged, hidden, device)
+        self.gate = None if merged is not None else _packed_linear(gate, hidden, device)
+        self.up = None if merged is not None else _packed_linear(up, hidden, device)
+        self.down = _packed_linear(down, inner, device)
 
     def forward(self, x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         if self.gate_up is not None:
@@ -279,7 +303,9 @@ class PackedExpert(nn.Module):
 def _packed_call(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)`` for 2-D ``x``: on a CPU straight into its bound kernel (the same call
     ``PackedLinearMethod.apply`` makes), without the module call around it, which a decoded token
-    pays ~2-3 times per active expert and layer."""
+    pays ~2-3 times per active expert and layer. Inputs are zero-padded to a padded weight's columns."""
+    if layer.input_padding:
+        x = F.pad(x, (0, layer.input_padding))
     kernel = bound_cpu_kernel(layer, release_rows=True) if x.device.type == "cpu" else None
     return layer(x) if kernel is None else kernel(x)
 
@@ -288,7 +314,9 @@ class StackedExperts(nn.Module):
     """``num_experts`` gated MLPs (``act``: SiLU-and-mul, or gpt-oss's ``clamped_swiglu``) with
     their weights stacked, optional biases (``bias``), and the checkpoint's layout of stacked
     tensors (``concatenated``: gate rows then up rows, else interleaved; ``transposed``: ``[E, H,
-    2 * I]`` / ``[E, I, H]``) (module docstring)."""
+    2 * I]`` / ``[E, I, H]``) (module docstring). With ``quant_method`` (``--quantization`` on a
+    float checkpoint) the experts load as float and are quantized into packed experts after
+    loading (``quantize_experts``)."""
 
     def __init__(
         self,
@@ -303,9 +331,17 @@ class StackedExperts(nn.Module):
         concatenated: bool = True,
         transposed: bool = False,
         fused: Callable[..., torch.Tensor] | None = None,
+        quant_method: OnTheFlyQuantMethod | None = None,
     ) -> None:
         super().__init__()
+        if quant_method is not None and (tp.size != 1 or bias):
+            raise ValueError(
+                "quantized experts run packed, with tensor parallel size 1 and no expert biases "
+                f"(this is tensor parallel size {tp.size}{', with biases' if bias else ''}); "
+                "use --quantization none"
+            )
         self.tp, self.act = tp, act
+        self.quant_method = quant_method
         self.fused = fused  # the kernel set's fused experts (``TritonOps.fused_experts``), else the loop below
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.concatenated, self.transposed = concatenated, transposed
@@ -383,9 +419,13 @@ class StackedExperts(nn.Module):
             copy_checked(dst.narrow(-1, offset, size), src, "gate_up_proj_bias")
 
     def process_weights_after_loading(self) -> None:
-        """fp32 on a CPU with the native GEMM: each expert's matrices packed into panels (one
-        tensor per projection still), for the batch-invariant native kernel."""
+        """With a ``quant_method``: the experts quantized (``quantize_experts``). Else fp32 on a CPU
+        with the native GEMM: each expert's matrices packed into panels (one tensor per projection
+        still), for the batch-invariant native kernel."""
         if self.packed is not None:
+            return
+        if self.quant_method is not None:
+            self.quantize_experts(self.quant_method)
             return
         w13 = self.w13.data
         if self.fused is not None or self.panels or w13.device.type != "cpu" or w13.dtype != torch.float32:
@@ -398,10 +438,26 @@ class StackedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.stack([pack_panels(w) for w in self.w2.data]), requires_grad=False)
         self.panels = True
 
+    def quantize_experts(self, method: OnTheFlyQuantMethod) -> None:
+        """Each expert's gate, up and down quantized as ``method`` quantizes the dense layers
+        (``_quantized_expert``), then installed (``install_packed``), which frees the float
+        stacks: one expert's float temporaries at a time, so a layer's peak is its float experts
+        plus their packed copies, and the model's stays near the float checkpoint's size."""
+        size = self.intermediate_size
+        gate, up, down = [], [], []
+        with torch.no_grad():
+            for e in range(self.num_experts):
+                w13 = self.w13.data[e]
+                gate.append(_quantized_expert(w13[:size], method))
+                up.append(_quantized_expert(w13[size:], method))
+                down.append(_quantized_expert(self.w2.data[e], method))
+        self.install_packed(PackedExpertWeights(gate, up, down))
+
     def install_packed(self, weights: PackedExpertWeights) -> None:
         """Every expert's packed weights in place of the stacked float ones (freed): a
         ``PackedExpert`` per expert. Tensor parallel size 1 and no biases: packed rows are not
-        sharded across ranks (``--quantization none`` shards the dequantized experts)."""
+        sharded across ranks (``--quantization none`` shards the dequantized experts). A weight
+        may carry up to 127 zero input columns past its projection's inputs (``_packed_linear``)."""
         if self.tp.size != 1:
             raise ValueError(
                 f"packed experts run with tensor parallel size 1 only (this is {self.tp.size}); "
@@ -415,9 +471,10 @@ class StackedExperts(nn.Module):
         experts = list(zip(weights.gate, weights.up, weights.down))
         shapes = ((self.intermediate_size, self.hidden_size),) * 2 + ((self.hidden_size, self.intermediate_size),)
         for e, parts in enumerate(experts):
-            for what, packed, want in zip(("gate", "up", "down"), parts, shapes):
-                if tuple(packed.shape) != want:
-                    raise ValueError(f"expert {e} {what}_proj: expected shape {want}, got {tuple(packed.shape)}")
+            for what, packed, (rows, cols) in zip(("gate", "up", "down"), parts, shapes):
+                n, k = packed.shape
+                if n != rows or not cols <= k < cols + 128:
+                    raise ValueError(f"expert {e} {what}_proj: expected shape {(rows, cols)}, got {(n, k)}")
         device = self.w13.device
         self.packed = nn.ModuleList(PackedExpert(*parts, device) for parts in experts)
         self.w13 = self.w2 = None  # type: ignore[assignment]
@@ -486,12 +543,20 @@ class SparseMoeBlock(nn.Module):
         shared_expert: nn.Module | None = None,
         shared_expert_gate: bool = False,
         fused_experts: Callable[..., torch.Tensor] | None = None,
+        expert_quant_method: OnTheFlyQuantMethod | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.gate = Router(hidden_size, spec, dtype=dtype, tp=tp)
+        self.gate = Router(hidden_size, spec, dtype=dtype, tp=tp)  # float whatever the quantization
         self.experts = StackedExperts(
-            spec.num_experts, hidden_size, intermediate_size, dtype=dtype, tp=tp, act=act, fused=fused_experts
+            spec.num_experts,
+            hidden_size,
+            intermediate_size,
+            dtype=dtype,
+            tp=tp,
+            act=act,
+            fused=fused_experts,
+            quant_method=expert_quant_method,
         )
         self.shared_expert = shared_expert
         self.shared_expert_gate = LinearBase(hidden_size, 1, False, dtype, tp, None) if shared_expert_gate else None

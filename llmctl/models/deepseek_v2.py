@@ -24,9 +24,9 @@ metadata back into this config, and ``kv_b_proj`` is put together from the conve
 ``attn_k_b`` / ``attn_v_b`` halves (``LatentUpProjection``); the stacked experts load as the MoE
 families' (``gguf_expert_tensors``).
 
-Refused, with the reason: ``--quantization`` (no quantized expert kernels), tensor parallelism and
-the Triton kernels (the latent attention is a torch reference); quantized KV pools are refused when
-the pool is bound (llmctl/layers/mla.py). Defaults of fields a config.json leaves out are
+Refused, with the reason: ``--quantization`` (the latent attention is not quantized on the fly),
+tensor parallelism and the Triton kernels (the latent attention is a torch reference); quantized KV
+pools are refused when the pool is bound (llmctl/layers/mla.py). Defaults of fields a config.json leaves out are
 ``DeepseekV2Config``'s."""
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     ) -> None:
         refusal = None
         if linear_method is not None:
-            refusal = "--quantization is not supported (the expert weights have no quantized kernels); use none"
+            refusal = "--quantization is not supported (its latent attention is not quantized on the fly yet); use none"
         elif tp.size > 1:
             refusal = "tensor parallelism does not take multi-head latent attention yet"
         elif ops.name != TorchOps.name:

@@ -156,8 +156,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
     ) -> None:
         if linear_method is not None:
             raise UnsupportedModelError(
-                f"{cfg.architecture}: --quantization is not supported for mixture-of-experts models yet "
-                "(the expert weights have no quantized kernels); run it with --quantization none"
+                f"{cfg.architecture}: --quantization is not supported for gpt-oss yet "
+                "(its expert biases and clamped SwiGLU experts are not quantized on the fly); "
+                "run it with --quantization none"
             )
         super().__init__(gpt_oss_config(cfg), linear_method=None, stage=stage, **kwargs)
 

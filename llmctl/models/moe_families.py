@@ -18,9 +18,12 @@ layers the config keeps dense. What differs, as transformers' modeling files pla
 
 The experts' intermediate size is ``intermediate_size`` for Mixtral and OLMoE,
 ``moe_intermediate_size`` for the Qwen families. Defaults of fields a config.json leaves out are
-transformers' configuration defaults. ``--quantization`` (on-the-fly quantization of a float
-checkpoint) is refused: the experts are not quantized on the fly, and quantizing only the
-attention would misreport what runs. A quantized GGUF file's experts run packed (llmctl/models/gguf.py).
+transformers' configuration defaults. ``--quantization int8|int4|fp8`` on a float checkpoint
+quantizes the attention and dense layers as any model's, and the experts, loaded as float, expert
+by expert into packed experts after loading (``StackedExperts.quantize_experts``); the routers stay
+float. Packed experts run with tensor parallel size 1, and ``--calibration`` (GPTQ) is refused:
+its layer-by-layer pass rounds linear layers only, not the experts. A quantized GGUF file's
+experts run packed too (llmctl/models/gguf.py).
 
 GGUF files (llmctl/models/gguf.py) hold each layer's experts as three stacked tensors, which
 ``gguf_expert_tensors`` turns into transformers' stacked ones; ``moe_gguf_config`` fills in what
@@ -37,11 +40,12 @@ import torch
 from torch import nn
 
 from llmctl.distributed import PipelineStage, TensorParallel
-from llmctl.errors import UnsupportedModelError
-from llmctl.layers.linear import LinearMethod, RowParallelLinear
-from llmctl.layers.moe import RouterSpec, SparseMoeBlock
+from llmctl.errors import ConfigError, UnsupportedModelError
+from llmctl.layers.linear import LinearBase, LinearMethod, RowParallelLinear
+from llmctl.layers.moe import RouterSpec, SparseMoeBlock, StackedExperts
 from llmctl.layers.norm import RMSNorm
 from llmctl.layers.ops import AttentionMetadata, TorchOps
+from llmctl.layers.quantization.methods import OnTheFlyQuantMethod, PackedLinearMethod
 from llmctl.layers.rotary import RotaryEmbedding
 from llmctl.models.config import ModelConfig
 from llmctl.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
@@ -95,6 +99,18 @@ def moe_layout(cfg: ModelConfig) -> MoeLayout:
         int(raw.get("decoder_sparse_step", 1)),
         frozenset(int(i) for i in raw.get("mlp_only_layers") or ()),
     )
+
+
+def refuse_calibrated_experts(model: nn.Module) -> None:
+    """Called before the experts are quantized: refuses a load whose linear layers were quantized
+    already, i.e. by GPTQ (``--calibration``), which rounds linear layers only; experts rounded on
+    their own beside them would pass for calibrated ones."""
+    experts = [m for m in model.modules() if isinstance(m, StackedExperts) and m.quant_method is not None]
+    if experts and any(isinstance(m, LinearBase) and isinstance(m.method, PackedLinearMethod) for m in model.modules()):
+        raise ConfigError(
+            f"{model.config.architecture}: --calibration (GPTQ) does not reach a mixture-of-experts model's "
+            "experts; quantize it without --calibration"
+        )
 
 
 class MoeAttention(LlamaAttention):
@@ -202,18 +218,25 @@ class MoeModel(LlamaModel):
                 fused_experts=ops.fused_experts,
                 shared_expert=shared,
                 shared_expert_gate=shared is not None,
+                expert_quant_method=method if isinstance(method, OnTheFlyQuantMethod) else None,
             )
 
 
 class MoeForCausalLM(LlamaForCausalLM):
     model_cls = MoeModel
 
-    def __init__(self, cfg: ModelConfig, *, linear_method: LinearMethod | None = None, **kwargs) -> None:
-        if linear_method is not None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        linear_method: LinearMethod | None = None,
+        tp: TensorParallel = TensorParallel(),
+        **kwargs,
+    ) -> None:
+        if linear_method is not None and tp.size != 1:
             raise UnsupportedModelError(
-                f"{cfg.architecture}: --quantization is not supported for mixture-of-experts models yet "
-                "(experts are not quantized on the fly; a quantized GGUF file's run packed); "
-                "run it with --quantization none"
+                f"{cfg.architecture}: --quantization quantizes the experts into packed experts, which run "
+                f"with tensor parallel size 1 only (this is {tp.size}); use --quantization none"
             )
         if cfg.family == "qwen2_moe":  # Qwen2MoeConfig names the q/k/v bias qkv_bias
             cfg = dataclasses.replace(cfg, attention_bias=bool(cfg.raw.get("qkv_bias", True)))
@@ -221,7 +244,11 @@ class MoeForCausalLM(LlamaForCausalLM):
             cfg = dataclasses.replace(cfg, rms_norm_eps=1e-5)  # OlmoeConfig's
         if cfg.family == "mixtral" and "rms_norm_eps" not in cfg.raw:
             cfg = dataclasses.replace(cfg, rms_norm_eps=1e-5)  # MixtralConfig's
-        super().__init__(cfg, linear_method=None, **kwargs)
+        super().__init__(cfg, linear_method=linear_method, tp=tp, **kwargs)
+
+    def process_weights_after_loading(self) -> None:
+        refuse_calibrated_experts(self)
+        super().process_weights_after_loading()
 
 
 # one class per family, for the registry and for people reading a traceback

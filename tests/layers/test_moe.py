@@ -11,7 +11,7 @@ from model_factory import make_config, make_hf_model
 from safetensors.torch import load_file, save_file
 
 from llmctl.distributed import TensorParallel
-from llmctl.errors import ModelLoadError, UnsupportedModelError
+from llmctl.errors import ModelLoadError
 from llmctl.layers.moe import (
     ExpertShard,
     RouterSpec,
@@ -24,7 +24,7 @@ from llmctl.layers.moe import (
 from llmctl.layers.ops import TorchOps
 from llmctl.layers.quantization import linear_method_for
 from llmctl.models.config import ModelConfig
-from llmctl.models.loader import build_model, load_model
+from llmctl.models.loader import build_model, init_random_weights, load_model
 from llmctl.platform import native_gemm
 from llmctl_kernels.activation import silu_and_mul_torch
 
@@ -236,12 +236,25 @@ def test_tensor_parallel_ranks_hold_slices_whose_partial_sums_add_up():
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
-def test_quantization_is_refused_for_moe(kind):
+def test_quantization_packs_the_experts_and_the_shared_expert_and_keeps_the_gates_float(kind):
+    """Qwen2-MoE (tests/layers/test_moe_quantized.py runs Qwen3-MoE and Mixtral end to end): the
+    routed experts packed, the shared expert's layers packed as dense layers, its gate and the
+    router float."""
     cfg = ModelConfig.from_dict(make_config("qwen2_moe").to_dict() | {"architectures": ["Qwen2MoeForCausalLM"]})
-    with pytest.raises(UnsupportedModelError, match="--quantization is not supported for mixture-of-experts"):
-        build_model(
-            cfg, dtype=torch.float32, device=torch.device("cpu"), ops=TorchOps(), linear_method=linear_method_for(kind)
-        )
+    model = build_model(
+        cfg, dtype=torch.float32, device=torch.device("cpu"), ops=TorchOps(), linear_method=linear_method_for(kind)
+    )
+    init_random_weights(model, seed=0)
+    model.process_weights_after_loading()
+    blocks = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert len(blocks) == 2  # the middle layer is dense (mlp_only_layers)
+    for block in blocks:
+        assert block.experts.w13 is None and len(block.experts.packed) == block.experts.num_experts
+        assert block.experts.packed[0].gate_up.packed_format == block.experts.packed[0].down.packed_format == kind
+        assert block.shared_expert.gate_up_proj.packed_format == kind
+        assert all("qweight" not in m._parameters for m in (block.gate, block.shared_expert_gate))  # still float
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(blocks[0](x)).all()
 
 
 def test_qwen2_moe_layers_follow_mlp_only_layers_and_sparse_step():
