@@ -3,7 +3,7 @@ projection instead of one forward per adapter (vLLM's punica kernels, as plain a
 
 For token ``t`` with adapter slot ``s = slot[t]`` (``-1``: the base model, no delta)::
 
-    out[t] += (x[t] @ A[s]^T) @ B[s]^T * scale[s]
+    out[t] += (x[t] @ A[s]^T * scale[s]) @ B[s]^T
 
 Layouts: ``A [slots, rank, in]`` (PEFT's ``lora_A.weight`` per slot, rank zero-padded to the
 engine's largest), ``B [slots, out, rank]`` (``lora_B.weight``), ``scale [slots]`` fp32
@@ -12,8 +12,8 @@ from the batch's per-token slots and read by every projection of every layer:
 
 - ``lora_delta_reference``: the oracle, each token's own adapter gathered (memory-hungry, exact);
 - ``lora_add_grouped``: the CPU path, the batch's rows grouped by slot, two GEMMs per adapter
-  present (a C++ kernel would only re-do what the grouped GEMMs already do: at LoRA ranks the
-  work is two skinny matmuls that torch's BLAS runs at full speed);
+  present (the expand summed into the output by ``addmm_``); the native decode loop
+  (kernels/cpu/decode_loop.cpp) makes the same torch calls, so both give the same bits;
 - ``llmctl_kernels.lora_triton.lora_add_triton``: the same grouping as Triton kernels (CUDA).
 """
 
@@ -85,12 +85,12 @@ def lora_delta_reference(
 def lora_add_grouped(
     out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, plan: LoRABatchPlan
 ) -> None:
-    """``out += delta`` in place: per adapter in the batch, its rows through ``x @ A^T @ B^T``."""
+    """``out += delta`` in place: per adapter in the batch, its rows through ``(x @ A^T * scale) @ B^T``
+    (one ``addmm_`` into ``out``)."""
     for s, rows in plan.groups:
-        xs = x[rows]
-        delta = (xs @ a[s].t()) @ b[s].t()
-        delta.mul_(scale[s].to(delta.dtype))
+        shrunk = x[rows] @ a[s].t()
+        shrunk.mul_(scale[s].to(shrunk.dtype))  # on the rank-wide product: the scale costs R, not out, per row
         if isinstance(rows, slice):
-            out[rows] += delta.to(out.dtype)
-        else:
-            out.index_add_(0, rows, delta.to(out.dtype))
+            out[rows].addmm_(shrunk.to(out.dtype), b[s].t())  # the expand summed into out by the GEMM itself
+        else:  # gathered, summed into, put back (a row never repeats)
+            out.index_put_((rows,), out[rows].addmm_(shrunk.to(out.dtype), b[s].t()))

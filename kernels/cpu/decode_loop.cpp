@@ -33,7 +33,9 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -190,6 +192,23 @@ struct Layer {
   Linear qkv, o, gate_up, down;
 };
 
+// LoRA adapters over a projection's output slice [offset, offset + size): A [slots, R, in],
+// B [slots, size, R], scale [slots] float32 (llmctl/lora/slots.py's stacks, bound by reference:
+// loading an adapter into a slot writes into these very tensors).
+struct LoraStack {
+  int64_t offset, size;
+  at::Tensor a, b, scale;
+};
+
+// One step's rows of one adapter slot: the range [start, end), or the row indices `rows`
+// (llmctl_kernels.lora.LoRABatchPlan.groups).
+struct LoraGroup {
+  int64_t slot, start, end;
+  at::Tensor rows;
+};
+
+enum Projection { kQkvProj, kOProj, kGateUpProj, kDownProj, kNumProjections };
+
 using cpuk::DecodeArgs;
 using IsaKernels = cpuk::Fp32Kernels;
 
@@ -303,6 +322,31 @@ class DecodeLoop {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // The LoRA stacks of one projection of one layer (projection: 0 qkv, 1 o, 2 gate_up, 3 down), in
+  // the order the module path adds them; an empty list: no adapter targets it.
+  void set_lora(int64_t layer, int64_t projection,
+                std::vector<std::tuple<int64_t, int64_t, at::Tensor, at::Tensor, at::Tensor>> stacks) {
+    TORCH_CHECK(0 <= layer && layer < num_layers() && 0 <= projection && projection < kNumProjections,
+                "LoRA: no such layer or projection");
+    if (lora_.empty()) lora_.resize(layers_.size());
+    std::vector<LoraStack>& bound = lora_[layer][projection];
+    bound.clear();
+    for (auto& [offset, size, a, b, scale] : stacks) {
+      TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && b.size(1) == size && b.size(2) == a.size(1) &&
+                      scale.dim() == 1 && scale.size(0) == a.size(0) && b.size(0) == a.size(0),
+                  "LoRA: A [slots, R, in], B [slots, size, R], scale [slots]");
+      bound.push_back({offset, size, std::move(a), std::move(b), std::move(scale)});
+    }
+  }
+
+  // The next step's LoRA rows by slot: (slot, start, end, row indices or None); used by one
+  // forward, then dropped (a step without a plan adds no delta).
+  void set_lora_plan(std::vector<std::tuple<int64_t, int64_t, int64_t, c10::optional<at::Tensor>>> groups) {
+    lora_plan_.clear();
+    for (auto& [slot, start, end, rows] : groups)
+      lora_plan_.push_back({slot, start, end, rows.has_value() ? *rows : at::Tensor()});
+  }
+
   // KIVI: the next step's plan (kv_cache.QuantizedKVCache.begin_step, shared by every layer); a
   // KIVI forward without one is refused, and the plan is used once.
   void set_kivi_plan(at::Tensor residual_tokens, at::Tensor residual_rows, at::Tensor staging_tokens,
@@ -361,12 +405,13 @@ class DecodeLoop {
     auto attn = at::empty({rows, hq_ * d_}, x.options());
     bool first = true;
     Clock clock(profile_ ? &op_ns_ : nullptr);
+    const std::vector<LoraGroup> plan = std::exchange(lora_plan_, {});
     for (int64_t i = 0; i < num_layers(); ++i) {
       const Layer& layer = layers_[i];
       rms_norm(x, first ? nullptr : &residual, layer.input_norm, normed, residual);
       first = false;
       clock.lap(kNorm);
-      const at::Tensor qkv = run_linear(layer.qkv, normed);
+      const at::Tensor qkv = add_lora(plan, i, kQkvProj, normed, run_linear(layer.qkv, normed));
       clock.lap(kQkv);
       const int64_t width = qkv.size(1);
       rotate(qkv.data_ptr<float>(), width, hq_, positions, q);
@@ -375,15 +420,15 @@ class DecodeLoop {
       clock.lap(kRotaryStore);
       attention(i, q, tables, lens, attn);
       clock.lap(kAttention);
-      x = run_linear(layer.o, attn);
+      x = add_lora(plan, i, kOProj, attn, run_linear(layer.o, attn));
       clock.lap(kO);
       rms_norm(x, &residual, layer.post_norm, normed, residual);
       clock.lap(kNorm);
-      const at::Tensor gate_up = run_linear(layer.gate_up, normed);
+      const at::Tensor gate_up = add_lora(plan, i, kGateUpProj, normed, run_linear(layer.gate_up, normed));
       clock.lap(kGateUp);
       const at::Tensor act = silu_and_mul(gate_up);
       clock.lap(kSilu);
-      x = run_linear(layer.down, act);
+      x = add_lora(plan, i, kDownProj, act, run_linear(layer.down, act));
       clock.lap(kDown);
     }
     rms_norm(x, &residual, final_norm_, normed, residual);
@@ -415,6 +460,7 @@ class DecodeLoop {
     const int64_t rows = embeddings.size(0);
     at::Tensor x = embeddings, residual, normed;
     Clock clock(profile_ ? &op_ns_ : nullptr);
+    const std::vector<LoraGroup> plan = std::exchange(lora_plan_, {});
     auto norm = [&](const at::Tensor& weight) {  // RMSNorm(x + residual); the first layer's residual is x
       const c10::optional<at::Tensor> before = residual.defined() ? c10::optional<at::Tensor>(residual) : c10::nullopt;
       std::tie(normed, residual) = cpuk::rms_norm(x, weight, eps_, before);
@@ -423,8 +469,8 @@ class DecodeLoop {
     for (int64_t i = 0; i < num_layers(); ++i) {
       const Layer& layer = layers_[i];
       norm(layer.input_norm);
-      const std::vector<at::Tensor> qkv =
-          run_linear(layer.qkv, normed).split_with_sizes({hq_ * d_, hkv_ * d_, hkv_ * d_}, -1);
+      const std::vector<at::Tensor> qkv = add_lora(plan, i, kQkvProj, normed, run_linear(layer.qkv, normed))
+                                              .split_with_sizes({hq_ * d_, hkv_ * d_, hkv_ * d_}, -1);
       clock.lap(kQkv);
       const at::Tensor q = cpuk::rotate(qkv[0].reshape({rows, hq_, d_}), positions, cos_sin_);
       const at::Tensor k = cpuk::rotate(qkv[1].reshape({rows, hkv_, d_}), positions, cos_sin_);
@@ -433,14 +479,14 @@ class DecodeLoop {
       clock.lap(kRotaryStore);
       const at::Tensor attn = cpuk::paged_decode_attention(q, k_cache, v_cache, tables, lens, scale_).flatten(1);
       clock.lap(kAttention);
-      x = run_linear(layer.o, attn);
+      x = add_lora(plan, i, kOProj, attn, run_linear(layer.o, attn));
       clock.lap(kO);
       norm(layer.post_norm);
-      const at::Tensor gate_up = run_linear(layer.gate_up, normed);
+      const at::Tensor gate_up = add_lora(plan, i, kGateUpProj, normed, run_linear(layer.gate_up, normed));
       clock.lap(kGateUp);
       const at::Tensor act = cpuk::silu_and_mul(gate_up);
       clock.lap(kSilu);
-      x = run_linear(layer.down, act);
+      x = add_lora(plan, i, kDownProj, act, run_linear(layer.down, act));
       clock.lap(kDown);
     }
     norm(final_norm_);
@@ -640,6 +686,25 @@ class DecodeLoop {
     });
   }
 
+  // out += the step's LoRA deltas of this projection, op for op as llmctl_kernels.lora.lora_add_grouped
+  // (the module path's CPU kernel): per stack, per slot in the plan, (x[rows] @ A^T * scale) @ B^T.
+  at::Tensor add_lora(const std::vector<LoraGroup>& plan, int64_t layer, Projection projection, const at::Tensor& x,
+                      at::Tensor out) const {
+    if (plan.empty() || lora_.empty()) return out;
+    for (const LoraStack& stack : lora_[layer][projection]) {
+      at::Tensor part = out.narrow(1, stack.offset, stack.size);
+      for (const LoraGroup& g : plan) {
+        const bool ranged = !g.rows.defined();
+        at::Tensor shrunk = at::matmul(ranged ? x.slice(0, g.start, g.end) : x.index({g.rows}), stack.a.select(0, g.slot).t());
+        shrunk.mul_(stack.scale.select(0, g.slot).to(shrunk.scalar_type()));
+        const at::Tensor expand = stack.b.select(0, g.slot).t();
+        if (ranged) part.slice(0, g.start, g.end).addmm_(shrunk.to(out.scalar_type()), expand);
+        else part.index_put_({g.rows}, part.index({g.rows}).addmm_(shrunk.to(out.scalar_type()), expand));
+      }
+    }
+    return out;
+  }
+
   at::Tensor silu_and_mul(const at::Tensor& x) {
     const int64_t rows = x.size(0), d = x.size(1) / 2;
     auto out = at::empty({rows, d}, x.options());
@@ -680,6 +745,8 @@ class DecodeLoop {
   KiviPool kivi_;
   std::vector<float> kivi_staging_;  // a KIVI step's staging rows (K then V), reused from step to step
   std::vector<Layer> layers_;
+  std::vector<std::array<std::vector<LoraStack>, kNumProjections>> lora_;  // per layer; empty: no adapters
+  std::vector<LoraGroup> lora_plan_;  // the next forward's (set_lora_plan)
 };
 
 }  // namespace
@@ -709,6 +776,8 @@ void bind(pybind11::module_& m) {
            pybind11::arg("value_group") = 0)
       .def("add_layer", &DecodeLoop::add_layer)
       .def("set_kivi_plan", &DecodeLoop::set_kivi_plan)
+      .def("set_lora", &DecodeLoop::set_lora)
+      .def("set_lora_plan", &DecodeLoop::set_lora_plan)
       .def("num_layers", &DecodeLoop::num_layers)
       .def("set_profile", &DecodeLoop::set_profile)
       .def("profile", &DecodeLoop::profile)

@@ -186,7 +186,7 @@ class ModelRunner:
             kernels = model.model.norm.ops.kernels  # the engine's (llmctl/platform.py); None without one
             bind_cpu_kernels(model, exact_activations=kernels is not None and kernels.quant_exact_activations)
         # Decode-only steps in one native call where the model allows (else None); decode_path says which.
-        self.native_decode, self.decode_path = build_native_decode(model, self.kv_cache, self.quantized_kv)
+        self.native_decode, self.decode_path = build_native_decode(model, self.kv_cache, self.quantized_kv, lora)
         if self.num_groups > 1 and self.native_decode is not None:  # the loop reads one table per step
             self.native_decode, self.decode_path = None, "decode: Python modules (sliding-window attention)"
 
@@ -198,12 +198,12 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices = self.prepare(sched)
         if self.quantized_kv is not None:
             self.quantized_kv.begin_batch(meta, positions)
-        # every token's adapter, in batch order; the native decode loop runs the base model only
+        # every token's adapter, in batch order (read by the adapted projections, or the native decode loop)
         adapted = self.lora is not None and self.lora.begin_batch(
             (item.seq.lora, item.num_new_tokens) for item in sched.scheduled
         )
         try:
-            if self.native_decode is not None and meta.num_prefill_tokens == 0 and not adapted:
+            if self.native_decode is not None and meta.num_prefill_tokens == 0:
                 hidden = self.native_decode(input_ids, positions, meta)
             else:
                 hidden = self.model(input_ids, positions, meta)

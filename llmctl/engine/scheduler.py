@@ -232,6 +232,10 @@ class Scheduler:
                 budget -= 1 + k
             if seq.status is SequenceStatus.RUNNING:
                 i += 1
+        if any(item.seq.lora is not None for item in out.decodes):
+            # each adapter's decode rows side by side: the LoRA kernels then add its deltas to one
+            # range of rows instead of gathering and scattering them (no row depends on its place)
+            out.decodes.sort(key=lambda item: -1 if item.seq.lora is None else item.seq.lora.id)
 
         # 2. prefill chunks of admitted prompts, then admissions, under max-min fair shares. With
         # chunked prefill off a prompt must fit whole, so decodes are not charged against it (a

@@ -79,6 +79,11 @@ class LoRALinear:
             stack.scale[slot] = scale
             stack.filled.add(slot)
 
+    def bound_stacks(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(offset, size, A, B, scale)`` of each slice some slot's adapter targets, in the order
+        ``__call__`` adds them: what the native decode loop binds (kernels/cpu/decode_loop.cpp)."""
+        return [(s.offset, s.size, s.a, s.b, s.scale) for s in self.stacks.values() if s.filled]
+
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         plan = self.batch.plan
         if plan is None or not self.stacks:  # no adapter token, or no adapter ever targeted this module

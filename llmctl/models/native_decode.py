@@ -22,6 +22,7 @@ from llmctl.platform import cpu_isa, decode_loop_kernels, quant_native_takes, se
 
 if TYPE_CHECKING:
     from llmctl.engine.kv_cache import QuantizedKVCache
+    from llmctl.lora.manager import LoRAManager
 
 ACTIVE = "decode: native loop"
 # Activation dtypes the loop takes: float32 with every kind of weight and KV cache it knows; bfloat16
@@ -29,18 +30,56 @@ ACTIVE = "decode: native loop"
 LOOP_DTYPES = (torch.float32, torch.bfloat16)
 
 
+class LoopLoRA:
+    """The engine's LoRA adapters inside the loop: every projection's slot stacks bound to it (again
+    after each adapter copied into a slot, which may add a stack), and each step's rows by slot. The
+    loop adds the deltas op for op as the module path's grouped kernel does (same bits)."""
+
+    def __init__(self, loop: object, manager: LoRAManager, layers: list) -> None:
+        self.loop, self.manager = loop, manager
+        self.projections = [
+            (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            for layer in layers
+        ]
+        self.bound_loads = -1  # LoRASlots.loads when last bound
+
+    def begin_step(self) -> None:
+        """Hand the loop this step's plan (none: the step adds no delta; the loop drops a plan once used)."""
+        plan = self.manager.batch.plan
+        if plan is None:
+            return
+        if self.manager.slots.loads != self.bound_loads:
+            for i, projections in enumerate(self.projections):
+                for p, linear in enumerate(projections):
+                    self.loop.set_lora(i, p, linear.lora.bound_stacks() if linear.lora is not None else [])
+            self.bound_loads = self.manager.slots.loads
+        self.loop.set_lora_plan(
+            [
+                (slot, rows.start, rows.stop, None) if isinstance(rows, slice) else (slot, 0, 0, rows)
+                for slot, rows in plan.groups
+            ]
+        )
+
+
 class NativeDecode:
     """``(input_ids, positions, meta) -> final hidden states`` of a decode-only step."""
 
     def __init__(
-        self, loop: object, embed: Callable[[torch.Tensor], torch.Tensor], kivi: QuantizedKVCache | None = None
+        self,
+        loop: object,
+        embed: Callable[[torch.Tensor], torch.Tensor],
+        kivi: QuantizedKVCache | None = None,
+        lora: LoopLoRA | None = None,
     ) -> None:
         self.loop = loop  # set_profile / profile: per-op times (benchmarks/features/decode_breakdown.py)
         self._forward = loop.forward
         self._embed = embed
         self._kivi = kivi  # a KIVI pool: each step passes the plan its begin_batch made
+        self._lora = lora  # the engine's LoRA adapters: each step passes its rows by slot
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self._lora is not None:
+            self._lora.begin_step()
         if self._kivi is not None:
             plan = self._kivi.plan
             self.loop.set_kivi_plan(
@@ -58,11 +97,14 @@ class NativeDecode:
 
 
 def build_native_decode(
-    model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCache | None = None
+    model: CausalLM,
+    kv_cache: torch.Tensor,
+    quantized_kv: QuantizedKVCache | None = None,
+    lora: LoRAManager | None = None,
 ) -> tuple[NativeDecode | None, str]:
     """The loop bound to ``model``'s weights and its KV pool: the float ``kv_cache`` [2, layers, ...],
     or a ``quantized_kv`` (int8, fp8, KIVI), and the decode path for start-up lines: ``ACTIVE``, or
-    why the module path runs instead."""
+    why the module path runs instead. With ``lora`` the loop adds the step's adapter deltas too."""
     reason = why_not(model, kv_cache, quantized_kv)
     if reason is not None:
         return None, f"decode: Python modules ({reason})"
@@ -115,7 +157,8 @@ def build_native_decode(
             *(_bind_linear(module, linear) for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)),
         )
     kivi = quantized_kv if quantized_kv is not None and quantized_kv.fmt.is_kivi else None
-    return NativeDecode(loop, model.model.embed_tokens, kivi), ACTIVE
+    adapters = None if lora is None else LoopLoRA(loop, lora, layers)
+    return NativeDecode(loop, model.model.embed_tokens, kivi, adapters), ACTIVE
 
 
 def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCache | None = None) -> str | None:

@@ -5,6 +5,7 @@ gives every request exactly its tokens alone; prefix-cache keys carry the adapte
 from __future__ import annotations
 
 import pytest
+import torch
 from lora_factory import MAX_NEW, engine_with, merged_greedy, run_alone
 from model_factory import random_prompts
 
@@ -94,3 +95,53 @@ def test_triton_kernels_in_the_engine(lora_bases, lora_adapters) -> None:
         final |= {out.request_id: list(out.outputs[0].token_ids) for out in engine.step() if out.finished}
     for rid, lora in zip(ids, loras):
         assert final[rid] == merged_greedy(base, lora and adapters[lora], [prompt], MAX_NEW)[0], lora
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decode_loop_adds_the_deltas_bitwise(dtype, lora_bases, lora_adapters, monkeypatch) -> None:
+    """Decode steps with adapters run in the native decode loop (kernels/cpu/decode_loop.cpp), which
+    adds each projection's deltas op for op as the module path's grouped kernel: every step's
+    logits equal the module path's bit for bit, for a batch mixing the base model and three
+    adapters (rows of one adapter not adjacent: index groups, and adjacent: range groups)."""
+    from llmctl.models.native_decode import ACTIVE
+
+    base, adapters = lora_bases["llama"], lora_adapters["llama"]  # the loop does not take Qwen3's q/k norms
+    loras = [None, "r8", "r64", "r8", "mlp16", "mlp16", None, "r64"]
+    prompts = random_prompts(len(loras), 320, 3, 12, seed=9)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+    def run(loop: bool) -> tuple[list[list[int]], list, int]:
+        monkeypatch.setenv("LLMCTL_DECODE_LOOP", "1" if loop else "0")
+        engine = engine_with(base, adapters, dtype=dtype)
+        if loop and engine.runner.decode_path != ACTIVE:  # no compiler, or bf16 without oneDNN's prepacking
+            pytest.skip(f"no native decode loop here: {engine.runner.decode_path}")
+        runner, steps, native_steps = engine.runner, [], []
+        execute, native = runner.execute, runner.native_decode
+        if native is not None:
+            runner.native_decode = lambda *a: native_steps.append(runner.lora.batch.plan is not None) or native(*a)
+        runner.execute = _recording(execute, steps)
+        ids = [engine.add_request(p, params, lora=lora) for p, lora in zip(prompts, loras)]
+        results: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = list(out.outputs[0].token_ids)
+        assert not engine.block_manager.usage
+        return [results[i] for i in ids], steps, sum(native_steps)
+
+    tokens, logits, adapted_loop_steps = run(loop=True)
+    want_tokens, want_logits, _ = run(loop=False)
+    assert adapted_loop_steps >= MAX_NEW - 2  # the loop ran the decode steps with adapters in the batch
+    assert tokens == want_tokens
+    assert len(logits) == len(want_logits)
+    for step, (got, want) in enumerate(zip(logits, want_logits)):
+        assert torch.equal(got, want), f"step {step}: max |diff| {(got - want).abs().max().item()}"
+
+
+def _recording(execute, steps: list):
+    def recording(sched):
+        output = execute(sched)
+        steps.append(output.logits.clone())
+        return output
+
+    return recording
