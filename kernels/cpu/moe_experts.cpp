@@ -114,13 +114,21 @@ class Experts {
       const int64_t* rows = order.data() + start[e];
       run_expert(experts_[e], xp, rows, start[e + 1] - start[e], top_k, dst);
     };
-    const int64_t threads = at::get_num_threads();
-    if (static_cast<int64_t>(active.size()) < threads || threads == 1) {
-      for (int64_t e : active) run_item(e);  // few experts: each kernel parallel inside
+    // An expert with more than a thread's share of the rows (or every expert, when there are fewer
+    // than threads) runs alone, its kernels parallel over their output columns; the rest are work
+    // items of one parallel region. Which rows meet in one kernel call, and so its bits, is the same.
+    const int64_t threads = at::get_num_threads(), items = static_cast<int64_t>(active.size());
+    size_t alone = 0;
+    if (threads == 1 || items < threads) {
+      alone = active.size();
     } else {
-      std::atomic<int64_t> next{0};
-      at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(active.size());) run_item(active[i]);
+      while (alone < active.size() && (start[active[alone] + 1] - start[active[alone]]) * threads > pairs) ++alone;
+    }
+    for (size_t i = 0; i < alone; ++i) run_item(active[i]);
+    if (alone < active.size()) {
+      std::atomic<size_t> next{alone};
+      at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+        for (size_t i; (i = next.fetch_add(1)) < active.size();) run_item(active[i]);
       });
     }
     // the Python path's arithmetic: scaled = out * weights, summed over the slots in slot order

@@ -29,7 +29,14 @@ token, and each active expert runs once over the tokens routed to it.
   each active expert's layers, so on a CPU they run the native kernels bound as every packed
   layer's (``bound_cpu_kernel``: the engine binds them at load with its
   ``quant_exact_activations``, their row layouts released for the tile-interleaved copies), the
-  packed references elsewhere; ``expert_bytes`` counts what they hold. A row's result is then
+  packed references elsewhere; ``expert_bytes`` counts what they hold. On a CPU that loop is the
+  reference of one native call per layer (``bind_native``, kernels/moe_native.py, bound on the
+  first forward after the engine has bound the layers' kernels): every active expert's chain
+  (gate_up, the native SiLU-and-mul, down) is one work item of a single parallel region instead
+  of ~3 short ones per expert from Python, each projection on the kernel its bound Python kernel
+  runs over the same rows, and the weighted sum the same torch ops, so the output is the loop's
+  bit for bit. The loop runs where the call cannot take the layer (``LLMCTL_MOE_NATIVE=0``, fp8,
+  exact activations, a torch or clamped activation, a non-fp32 input). A row's result is then
   independent of how many rows share its expert where the int8-digit GEMM takes every row count
   (kernels/cpu/qgemm.h); below its row threshold the int16 passes round the activations
   differently, as for any packed layer. Packed experts are not sharded: tensor parallel size 1.
@@ -315,8 +322,8 @@ def _native_projection(layer: LinearBase) -> Any | None:
     """``layer``'s bound CPU kernel described for the native MoE call (``ProjectionSpec``): its
     tile-interleaved copy, or the row layout / per-channel int8 with the scales that kernel reads;
     None where it runs anything else (fp8, exact activations, the torch reference)."""
-    from llmctl_kernels.quant_native import InterleavedKernel
     from llmctl_kernels.moe_native import PER_CHANNEL, ROWS, TILES, ProjectionSpec
+    from llmctl_kernels.quant_native import InterleavedKernel
 
     kernel = bound_cpu_kernel(layer, release_rows=True)
     if kernel is None:

@@ -73,8 +73,17 @@ def _experts(fmt: str, native_act: bool = True) -> StackedExperts:
     return experts
 
 
-def _routing(tokens: int, top_k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(tokens)])
+def _routing(tokens: int, top_k: int, gen: torch.Generator, skewed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random routing; ``skewed``: every token's first choice expert 0 (more than a thread's share)."""
+    if skewed:
+        ids = torch.stack(
+            [
+                torch.cat([torch.zeros(1, dtype=torch.long), torch.randperm(E - 1, generator=gen)[: top_k - 1] + 1])
+                for _ in range(tokens)
+            ]
+        )
+    else:
+        ids = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(tokens)])
     weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
     return weights, ids
 
@@ -105,11 +114,12 @@ def test_native_call_equals_the_python_loop_bit_for_bit(fmt, interleave, isa, mo
     gen = torch.Generator().manual_seed(1)
     for tokens in ROW_COUNTS:
         for top_k in TOP_KS:
-            x = torch.randn(tokens, H, generator=gen)
-            weights, ids = _routing(tokens, top_k, gen)
-            fused, loop = _both(experts, x, weights, ids)
-            assert experts.native, "the native call did not bind"
-            assert torch.equal(fused.view(torch.int32), loop.view(torch.int32)), (tokens, top_k)
+            for skewed in (False, True):
+                x = torch.randn(tokens, H, generator=gen)
+                weights, ids = _routing(tokens, top_k, gen, skewed)
+                fused, loop = _both(experts, x, weights, ids)
+                assert experts.native, "the native call did not bind"
+                assert torch.equal(fused.view(torch.int32), loop.view(torch.int32)), (tokens, top_k, skewed)
             assert experts.recent_counts[-1].tolist() == torch.bincount(ids.reshape(-1), minlength=E).tolist()
 
 
