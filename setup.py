@@ -26,6 +26,7 @@ CPU_SOURCES = [
     "kv_quant_attention.cpp",
     "gemm_kernels.cpp",
     "decode_loop.cpp",
+    "moe_experts.cpp",
     "bindings.cpp",
 ]
 # fp-contract and the AVX2 baseline differ per source: each sets its own with a pragma.

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # what each name below reads as (for type checkers; values co
     LLMCTL_CPU_ISA: str | None
     LLMCTL_QUANT_INTERLEAVE: bool
     LLMCTL_QUANT_HALF_SCALES: bool
+    LLMCTL_MOE_NATIVE: bool
     LLMCTL_GPTQ_CACHE: Path | None
     LLMCTL_GPTQ_CACHE_SIZE: str
     LLMCTL_PP_LAYER_PARTITION: str | None
@@ -166,6 +167,14 @@ VARIABLES: dict[str, EnvVar] = {
             "0 makes the CPU kernels read float32 scales and mins where float16 copies would be exact (same bits, "
             "more bytes a step).",
             _switch("LLMCTL_QUANT_HALF_SCALES", True),
+        ),
+        EnvVar(
+            "LLMCTL_MOE_NATIVE",
+            "bool",
+            "1",
+            "0 runs packed mixture-of-experts layers on the CPU expert by expert from Python instead of in one "
+            "native call per layer (same bits).",
+            _switch("LLMCTL_MOE_NATIVE", True),
         ),
         # ---- places on disk ----
         EnvVar(

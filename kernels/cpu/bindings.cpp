@@ -11,6 +11,9 @@
 namespace llk::decode_loop {
 void bind(pybind11::module_& m);  // decode_loop.cpp
 }
+namespace llk::moe {
+void bind(pybind11::module_& m);  // moe_experts.cpp
+}
 
 namespace {
 
@@ -93,4 +96,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_gemm(gemm);
   auto loop = m.def_submodule("decode_loop", "every decoder layer of a decode step in one call (decode_loop.cpp)");
   llk::decode_loop::bind(loop);
+  auto moe = m.def_submodule("moe", "one mixture-of-experts layer's packed experts in one call (moe_experts.cpp)");
+  llk::moe::bind(moe);
 }

@@ -29,7 +29,14 @@ token, and each active expert runs once over the tokens routed to it.
   each active expert's layers, so on a CPU they run the native kernels bound as every packed
   layer's (``bound_cpu_kernel``: the engine binds them at load with its
   ``quant_exact_activations``, their row layouts released for the tile-interleaved copies), the
-  packed references elsewhere; ``expert_bytes`` counts what they hold. A row's result is then
+  packed references elsewhere; ``expert_bytes`` counts what they hold. On a CPU that loop is the
+  reference of one native call per layer (``bind_native``, kernels/moe_native.py, bound on the
+  first forward after the engine has bound the layers' kernels): every active expert's chain
+  (gate_up, the native SiLU-and-mul, down) is one work item of a single parallel region instead
+  of ~3 short ones per expert from Python, each projection on the kernel its bound Python kernel
+  runs over the same rows, and the weighted sum the same torch ops, so the output is the loop's
+  bit for bit. The loop runs where the call cannot take the layer (``LLMCTL_MOE_NATIVE=0``, fp8,
+  exact activations, a torch or clamped activation, a non-fp32 input). A row's result is then
   independent of how many rows share its expert where the int8-digit GEMM takes every row count
   (kernels/cpu/qgemm.h); below its row threshold the int16 passes round the activations
   differently, as for any packed layer. Packed experts are not sharded: tensor parallel size 1.
@@ -67,14 +74,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmctl import envs
 from llmctl.distributed import TensorParallel
 from llmctl.layers.linear import LinearBase, copy_checked, linear
-from llmctl.layers.quantization.matmul import bound_cpu_kernel
+from llmctl.layers.quantization.matmul import bound_cpu_kernel, bound_exact_activations
 from llmctl.layers.quantization.methods import OnTheFlyQuantMethod, install_packed_weight
-from llmctl.layers.quantization.params import weight_bytes
+from llmctl.layers.quantization.params import kernel_packed, weight_bytes
 from llmctl.layers.quantization.quantize import quantize
-from llmctl.platform import native_gemm
-from llmctl_kernels.packed_formats import PackedWeight, packed_tensors
+from llmctl.platform import native_gemm, quant_cpu_kernels
+from llmctl_kernels.packed_formats import PackedInt4, PackedInt8, PackedWeight, packed_tensors
 
 # "softmax": softmax over every expert's logit, then top-k (Mixtral, Qwen MoE, OLMoE);
 # "topk_softmax": top-k of the raw logits, then a softmax over the k chosen (gpt-oss)
@@ -310,6 +318,45 @@ def _packed_call(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     return layer(x) if kernel is None else kernel(x)
 
 
+def _native_projection(layer: LinearBase) -> Any | None:
+    """``layer``'s bound CPU kernel described for the native MoE call (``ProjectionSpec``): its
+    tile-interleaved copy, or the row layout / per-channel int8 with the scales that kernel reads;
+    None where it runs anything else (fp8, exact activations, the torch reference)."""
+    from llmctl_kernels.moe_native import PER_CHANNEL, ROWS, TILES, ProjectionSpec
+    from llmctl_kernels.quant_native import InterleavedKernel
+
+    kernel = bound_cpu_kernel(layer, release_rows=True)
+    if kernel is None:
+        return None
+    in_features = layer.in_features
+    if isinstance(kernel, InterleavedKernel):
+        k = in_features + layer.input_padding
+        return ProjectionSpec(
+            TILES, kernel.int4, kernel.n, k, kernel.group, in_features, kernel.half, kernel.has_mins, kernel.tiles
+        )
+    if bound_exact_activations(layer):
+        return None
+    packed = kernel_packed(layer)
+    if not isinstance(packed, (PackedInt4, PackedInt8)):
+        return None
+    (n, k), group, mins = packed.shape, packed.group_size, packed.mins
+    int4 = isinstance(packed, PackedInt4)
+    layout = PER_CHANNEL if not int4 and group == k and mins is None else ROWS
+    half = packed.scales.dtype == torch.float16
+    return ProjectionSpec(
+        layout, int4, n, k, group, in_features, half, mins is not None, packed.qweight, packed.scales, mins
+    )
+
+
+def _native_silu(act: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Whether ``act`` is the ops' SiLU-and-mul on the native CPU kernel, which the native MoE call
+    runs itself (gpt-oss's clamped SwiGLU, or a torch activation, keep the Python loop)."""
+    from llmctl.layers.ops import TorchOps
+
+    ops = getattr(act, "__self__", None)
+    return getattr(act, "__func__", None) is TorchOps.silu_and_mul and isinstance(ops, TorchOps) and ops.native
+
+
 class StackedExperts(nn.Module):
     """``num_experts`` gated MLPs (``act``: SiLU-and-mul, or gpt-oss's ``clamped_swiglu``) with
     their weights stacked, optional biases (``bias``), and the checkpoint's layout of stacked
@@ -361,6 +408,9 @@ class StackedExperts(nn.Module):
             param.expert_shards = [f"{e}.{p}" for e in range(num_experts) for p in parts]
         self.panels = False  # w13 / w2 packed for the native GEMM (process_weights_after_loading)
         self.packed: nn.ModuleList | None = None  # PackedExpert per expert, in place of w13 / w2 (install_packed)
+        # the packed experts' native per-layer call (``bind_native``): None until bound, False where
+        # it cannot take them (the loop in ``forward`` runs)
+        self.native: Any = None
         self.recent_counts: deque[torch.Tensor] = deque(maxlen=RECENT_STEPS)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: ExpertShard) -> None:
@@ -489,6 +539,10 @@ class StackedExperts(nn.Module):
         if self.fused is not None and self.packed is None:
             w2_bias = self.w2_bias if self.tp.rank == 0 else None  # once in the ranks' sum
             return self.fused(x, self.w13, self.w2, weights, ids, self.act, self.w13_bias, w2_bias)
+        if self.packed is not None and x.device.type == "cpu" and num_tokens:
+            native = self.bind_native() if self.native is None else self.native
+            if native and x.dtype == torch.float32 and weights.dtype == torch.float32:
+                return native(x, weights, ids)
         if num_tokens == 1:  # one token (a single stream's decode step): its experts in slot order, no sort
             outs = [self._expert(expert, x) for expert in flat.tolist()]
             scaled = torch.cat(outs) * weights.reshape(-1, 1)  # the general path's rows, products and sum
@@ -506,6 +560,28 @@ class StackedExperts(nn.Module):
         scaled = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
         unsorted = torch.empty_like(scaled).index_copy_(0, order, scaled)  # back to (token, slot) order
         return unsorted.view(num_tokens, top_k, self.hidden_size).sum(dim=1).to(x.dtype)
+
+    def bind_native(self) -> Any:
+        """The packed experts' native per-layer call (kernels/moe_native.py), decided once, on
+        the first CPU forward (after the engine has bound every layer's kernel): False where
+        ``LLMCTL_MOE_NATIVE=0``, the native kernels are missing, the activation is not the native
+        SiLU-and-mul, or any projection runs a kernel the call does not (``_native_projection``)."""
+        self.native = False
+        if self.packed is None or not envs.LLMCTL_MOE_NATIVE or quant_cpu_kernels() is None:
+            return self.native
+        from llmctl_kernels.moe_native import NativeExperts, load_moe_native
+
+        if load_moe_native() is None or not _native_silu(self.act):
+            return self.native
+        experts = []
+        for expert in self.packed:
+            parts = [expert.gate_up] if expert.gate_up is not None else [expert.gate, expert.up]
+            specs = [_native_projection(layer) for layer in (*parts, expert.down)]
+            if any(spec is None for spec in specs):
+                return self.native
+            experts.append((specs[:-1], specs[-1]))
+        self.native = NativeExperts(self.hidden_size, self.intermediate_size, experts)
+        return self.native
 
     def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """One expert's gated MLP over its rows ``[n, H] -> [n, H]``."""

@@ -73,6 +73,14 @@ def bound_cpu_kernel(
     return cached[1]
 
 
+def bound_exact_activations(module: nn.Module) -> bool:
+    """Whether ``bound_cpu_kernel`` bound this module's kernel to the exact activations (False for
+    the integer path, or for a module never bound): a caller binding the same weight elsewhere
+    (the native MoE layer) takes the path this one runs."""
+    cached = module.__dict__.get("_bound_cpu_kernel")
+    return cached is not None and cached[2]
+
+
 def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 

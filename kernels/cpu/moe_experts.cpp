@@ -1,0 +1,187 @@
+// One mixture-of-experts layer's packed experts in one native call: every active expert's
+// gate_up -> SiLU-and-mul -> down chain as one work item of a single parallel region, instead of
+// ~3 short parallel regions per active expert from Python (llmctl/layers/moe.py's loop, which
+// stays the reference). Each projection runs the pointer-level kernel its bound Python kernel
+// runs (quant_kernels.h), over the same rows, so every product has the same bits; the weighted
+// sum over the top-k slots is the same ATen ops as the Python path's.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <pybind11/pybind11.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "cpu_kernels.h"
+#include "quant_kernels.h"
+
+namespace llk::moe {
+
+using llk::quant::QuantizedX;
+
+// How a projection's bound kernel reads its weight: interleave_tiles' layout, the row layout
+// (int4_linear / int8_linear's integer path) or per-output-channel int8.
+enum class Layout : int64_t { kTiles = 0, kRows = 1, kPerChannel = 2 };
+
+struct Projection {
+  Layout layout;
+  bool int4, half, has_mins;
+  int64_t n, k, group, in_features;  // k: the weight's input columns (in_features + zero padding)
+  at::Tensor weight, scales, mins;   // weight: the tiles, or qweight; scales / mins: the row layout's
+
+  // out [m, n] = x [m, in_features] @ W^T, as the Python path's bound kernel computes it.
+  void run(const float* x, int64_t m, float* out) const {
+    std::vector<float> padded;
+    if (k != in_features) {  // zero input columns up to the weight's (as F.pad in _packed_call)
+      padded.assign(m * k, 0.f);
+      for (int64_t i = 0; i < m; ++i) std::memcpy(padded.data() + i * k, x + i * in_features, in_features * 4);
+      x = padded.data();
+    }
+    const auto* w = static_cast<const uint8_t*>(weight.data_ptr());
+    switch (layout) {
+      case Layout::kTiles:
+        llk::quant::interleaved_gemm(llk::quant::quantize_x(x, m, k, int4), w, int4, half, group, has_mins, n, out);
+        return;
+      case Layout::kRows:
+        llk::quant::packed_gemm(llk::quant::quantize_x(x, m, k, int4), w, int4, scales, mins, group, n, out);
+        return;
+      case Layout::kPerChannel:
+        llk::quant::int8_per_channel_linear(x, m, k, reinterpret_cast<const int8_t*>(w), scales, n, out);
+        return;
+    }
+  }
+};
+
+Projection make_projection(int64_t layout, bool int4, int64_t n, int64_t k, int64_t group, int64_t in_features,
+                           bool half, bool has_mins, at::Tensor weight, c10::optional<at::Tensor> scales,
+                           c10::optional<at::Tensor> mins) {
+  TORCH_CHECK(layout >= 0 && layout <= 2, "layout: 0 tiles, 1 rows, 2 per-channel int8");
+  TORCH_CHECK(weight.is_contiguous() && weight.device().is_cpu(), "weight: contiguous, on the CPU");
+  TORCH_CHECK(in_features <= k && k % llk::quant::QB == 0, "k: a multiple of 32, at least in_features");
+  const auto lay = static_cast<Layout>(layout);
+  TORCH_CHECK(lay == Layout::kTiles || scales.has_value(), "the row layouts need their scales");
+  TORCH_CHECK(lay == Layout::kTiles || has_mins == mins.has_value(), "has_mins: whether the mins are given");
+  return Projection{lay,   int4,        half,   has_mins, n, k, group, in_features, weight,
+                    scales.value_or(at::Tensor()), mins.value_or(at::Tensor())};
+}
+
+class Experts {
+ public:
+  Experts(int64_t hidden, int64_t inner) : hidden_(hidden), inner_(inner) {}
+
+  // gate_up: one projection (gate rows, then up) or two (gate, up); down.
+  void add_expert(std::vector<Projection> gate_up, Projection down) {
+    TORCH_CHECK(gate_up.size() == 1 || gate_up.size() == 2, "gate_up: one merged projection or gate and up");
+    const int64_t width = gate_up.size() == 1 ? 2 * inner_ : inner_;
+    for (const auto& p : gate_up) TORCH_CHECK(p.n == width && p.in_features == hidden_, "gate/up shape");
+    TORCH_CHECK(down.n == hidden_ && down.in_features == inner_, "down shape");
+    experts_.push_back({std::move(gate_up), std::move(down)});
+  }
+
+  int64_t num_experts() const { return static_cast<int64_t>(experts_.size()); }
+
+  // x [T, H] fp32, weights [T, k] fp32, ids [T, k] int64 -> [T, H].
+  at::Tensor forward(const at::Tensor& x_in, const at::Tensor& weights, const at::Tensor& ids_in) const {
+    TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == hidden_ && x_in.scalar_type() == at::kFloat, "x: fp32 [T, H]");
+    TORCH_CHECK(ids_in.dim() == 2 && ids_in.size(0) == x_in.size(0), "ids: [T, k]");
+    const auto x = x_in.contiguous();
+    const auto ids = ids_in.to(at::kLong).contiguous();
+    const int64_t tokens = x.size(0), top_k = ids.size(1), pairs = tokens * top_k, E = num_experts();
+    // (token, slot) pairs grouped by expert in token order: a stable sort by expert id, as the Python path's
+    const int64_t* id = ids.data_ptr<int64_t>();
+    std::vector<int64_t> start(E + 1, 0), order(pairs);
+    for (int64_t p = 0; p < pairs; ++p) {
+      TORCH_CHECK(id[p] >= 0 && id[p] < E, "expert id out of range");
+      ++start[id[p] + 1];
+    }
+    std::partial_sum(start.begin(), start.end(), start.begin());
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t p = 0; p < pairs; ++p) order[fill[id[p]]++] = p;
+    std::vector<int64_t> active;
+    for (int64_t e = 0; e < E; ++e)
+      if (start[e + 1] > start[e]) active.push_back(e);
+    // the largest first: a thread that takes the next item as it finishes balances uneven experts
+    std::stable_sort(active.begin(), active.end(),
+                     [&](int64_t a, int64_t b) { return start[a + 1] - start[a] > start[b + 1] - start[b]; });
+
+    auto unsorted = at::empty({pairs, hidden_}, x.options());  // each pair's expert output, (token, slot) order
+    const float* xp = x.data_ptr<float>();
+    float* dst = unsorted.data_ptr<float>();
+    auto run_item = [&](int64_t e) {
+      const int64_t* rows = order.data() + start[e];
+      run_expert(experts_[e], xp, rows, start[e + 1] - start[e], top_k, dst);
+    };
+    // An expert with more than a thread's share of the rows (or every expert, when there are fewer
+    // than threads) runs alone, its kernels parallel over their output columns; the rest are work
+    // items of one parallel region. Which rows meet in one kernel call, and so its bits, is the same.
+    const int64_t threads = at::get_num_threads(), items = static_cast<int64_t>(active.size());
+    size_t alone = 0;
+    if (threads == 1 || items < threads) {
+      alone = active.size();
+    } else {
+      while (alone < active.size() && (start[active[alone] + 1] - start[active[alone]]) * threads > pairs) ++alone;
+    }
+    for (size_t i = 0; i < alone; ++i) run_item(active[i]);
+    if (alone < active.size()) {
+      std::atomic<size_t> next{alone};
+      at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+        for (size_t i; (i = next.fetch_add(1)) < active.size();) run_item(active[i]);
+      });
+    }
+    // the Python path's arithmetic: scaled = out * weights, summed over the slots in slot order
+    auto scaled = unsorted * weights.reshape({-1, 1});
+    return scaled.view({tokens, top_k, hidden_}).sum(1).to(x_in.scalar_type());
+  }
+
+ private:
+  struct Expert {
+    std::vector<Projection> gate_up;
+    Projection down;
+  };
+
+  // One expert's gated MLP over its rows (pair indices ``pairs``, rows x[p / top_k]), each output
+  // row written to dst[p].
+  void run_expert(const Expert& ex, const float* x, const int64_t* pairs, int64_t m, int64_t top_k,
+                  float* dst) const {
+    std::vector<float> rows(m * hidden_);
+    for (int64_t i = 0; i < m; ++i)
+      std::memcpy(rows.data() + i * hidden_, x + (pairs[i] / top_k) * hidden_, hidden_ * 4);
+    auto gate_up = at::empty({m, 2 * inner_}, at::kFloat);
+    float* gu = gate_up.data_ptr<float>();
+    if (ex.gate_up.size() == 1) {
+      ex.gate_up[0].run(rows.data(), m, gu);
+    } else {  // gate and up side by side in each row, as torch.cat([gate, up], dim=-1)
+      std::vector<float> part(m * inner_);
+      for (int64_t h = 0; h < 2; ++h) {
+        ex.gate_up[h].run(rows.data(), m, part.data());
+        for (int64_t i = 0; i < m; ++i)
+          std::memcpy(gu + i * 2 * inner_ + h * inner_, part.data() + i * inner_, inner_ * 4);
+      }
+    }
+    const auto act = llk::cpu::silu_and_mul(gate_up);  // the native activation the Python path's act calls
+    std::vector<float> out(m * hidden_);
+    ex.down.run(act.data_ptr<float>(), m, out.data());
+    for (int64_t i = 0; i < m; ++i) std::memcpy(dst + pairs[i] * hidden_, out.data() + i * hidden_, hidden_ * 4);
+  }
+
+  int64_t hidden_, inner_;
+  std::vector<Expert> experts_;
+};
+
+void bind(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<Projection>(m, "Projection", "One expert projection's packed weight, as its bound kernel reads it");
+  m.def("make_projection", &make_projection, "Bind one expert projection", py::arg("layout"), py::arg("int4"),
+        py::arg("n"), py::arg("k"), py::arg("group"), py::arg("in_features"), py::arg("half"), py::arg("has_mins"), py::arg("weight"),
+        py::arg("scales") = py::none(), py::arg("mins") = py::none());
+  py::class_<Experts>(m, "Experts", "One layer's packed experts, run in one call")
+      .def(py::init<int64_t, int64_t>(), py::arg("hidden"), py::arg("inner"))
+      .def("add_expert", &Experts::add_expert)
+      .def("num_experts", &Experts::num_experts)
+      .def("forward", &Experts::forward, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace llk::moe
