@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from model_factory import hf_greedy, make_config, make_hf_model, random_prompts
+from test_moe_packed import _staggered
 
 from llmctl.distributed import TensorParallel
 from llmctl.engine.llm_engine import LLMEngine
@@ -122,26 +123,13 @@ def test_greedy_tokens_on_exact_activations_equal_transformers_on_the_round_trip
     assert [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY)] == want
 
 
-def _staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    """Requests joining one per step, so that each runs beside others at every stage."""
-    ids, results, pending = [], {}, list(prompts)
-    while pending or engine.has_unfinished():
-        if pending:
-            ids.append(engine.add_request(pending.pop(0), params))
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.outputs[0].token_ids
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return [results[i] for i in ids]
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sixteen_staggered_requests_decode_as_each_alone(family, kind, moe_dirs, gemm_from_one_row):
     engine = _engine(moe_dirs[family], quantization=kind)
     prompts = random_prompts(16, VOCAB, 2, 47, seed=5)
-    together = _staggered(engine, prompts, GREEDY)
-    assert together == [_staggered(engine, [p], GREEDY)[0] for p in prompts]
+    together = [tokens for tokens, _ in _staggered(engine, prompts, GREEDY)]
+    assert together == [_staggered(engine, [p], GREEDY)[0][0] for p in prompts]
 
 
 def _cfg(family: str) -> ModelConfig:
