@@ -27,6 +27,7 @@ CPU_SOURCES = [
     "gemm_kernels.cpp",
     "decode_loop.cpp",
     "moe_experts.cpp",
+    "lora_kernels.cpp",
     "bindings.cpp",
 ]
 # fp-contract and the AVX2 baseline differ per source: each sets its own with a pragma.

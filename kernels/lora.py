@@ -11,19 +11,31 @@ engine's largest), ``B [slots, out, rank]`` (``lora_B.weight``), ``scale [slots]
 from the batch's per-token slots and read by every projection of every layer:
 
 - ``lora_delta_reference``: the oracle, each token's own adapter gathered (memory-hungry, exact);
-- ``lora_add_grouped``: the CPU path, the batch's rows grouped by slot, two GEMMs per adapter
-  present (the expand summed into the output by ``addmm_``); the native decode loop
-  (kernels/cpu/decode_loop.cpp) makes the same torch calls, so both give the same bits;
+- ``lora_add_grouped``: the batch's rows grouped by slot, two torch GEMMs per adapter present
+  (the expand summed into the output by ``addmm_``): CUDA with the torch backend, or a CPU
+  without the native kernels;
+- ``lora_add_native``: the CPU kernel (kernels/cpu/lora_kernels.cpp), every slice of a module in
+  two parallel regions, from *transposed* fp32 stacks (``A^T [slots, in, R]``, ``B^T [slots, R,
+  out]``, R rounded up to 16); the native decode loop calls the same kernel, so both give the
+  same bits;
 - ``llmctl_kernels.lora_triton.lora_add_triton``: the same grouping as Triton kernels (CUDA).
+
+A ``LoRAKernel`` names one of them with the layout its stacks are stored in; it adds the deltas of
+every adapted slice of a module, ``(offset, size, A, B, scale)`` each, in one call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 NO_ADAPTER = -1
+RANK_ALIGN = 16  # the native kernel's stacks round the rank up to this (zero columns)
+
+# One adapted output slice of a module: (offset, size, A, B, scale) in the kernel's layout.
+Stack = tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -36,6 +48,7 @@ class LoRABatchPlan:
     block_slot: torch.Tensor  # [blocks] int32: each block of ``block_m`` sorted tokens, its slot
     block_start: torch.Tensor  # [blocks] int32: its first position in ``order``
     block_end: torch.Tensor  # [blocks] int32: one past its last position in ``order``
+    spans: list[tuple[int, int, int, torch.Tensor | None]]  # native kernels: (slot, start, end, rows or None)
 
     @property
     def empty(self) -> bool:
@@ -69,6 +82,7 @@ def plan_lora_batch(token_slots: list[int], device: torch.device, block_m: int =
         block_slot=ints([b[0] for b in blocks]),
         block_start=ints([b[1] for b in blocks]),
         block_end=ints([b[2] for b in blocks]),
+        spans=[(s, rows.start, rows.stop, None) if isinstance(rows, slice) else (s, 0, 0, rows) for s, rows in groups],
     )
 
 
@@ -94,3 +108,34 @@ def lora_add_grouped(
             out[rows].addmm_(shrunk.to(out.dtype), b[s].t())  # the expand summed into out by the GEMM itself
         else:  # gathered, summed into, put back (a row never repeats)
             out.index_put_((rows,), out[rows].addmm_(shrunk.to(out.dtype), b[s].t()))
+
+
+def lora_add_native(out: torch.Tensor, x: torch.Tensor, stacks: list[Stack], plan: LoRABatchPlan) -> None:
+    """``out += delta`` in place for every slice in ``stacks`` (transposed fp32 stacks), in the CPU
+    kernel the native decode loop calls too."""
+    from llmctl_kernels.cpu_native import load_native
+
+    load_native().lora_add(out, x, stacks, plan.spans)
+
+
+def per_slice(kernel: Callable[..., None]) -> Callable[[torch.Tensor, torch.Tensor, list[Stack], LoRABatchPlan], None]:
+    """A one-slice kernel ``(out_slice, x, A, B, scale, plan)`` as a whole-module one."""
+
+    def add(out: torch.Tensor, x: torch.Tensor, stacks: list[Stack], plan: LoRABatchPlan) -> None:
+        for offset, size, a, b, scale in stacks:
+            kernel(out[:, offset : offset + size], x, a, b, scale, plan)
+
+    return add
+
+
+@dataclass(frozen=True)
+class LoRAKernel:
+    """How an engine adds LoRA deltas: ``add(out, x, stacks, plan)`` for one module's slices;
+    ``transposed``: its stacks are ``A^T [slots, in, R]`` / ``B^T [slots, R, size]`` in fp32 with R
+    rounded up to ``RANK_ALIGN`` (the native CPU kernel), else ``A [slots, R, in]`` /
+    ``B [slots, size, R]`` in the model's dtype; ``block_m``: tokens per plan block (Triton)."""
+
+    add: Callable[[torch.Tensor, torch.Tensor, list[Stack], LoRABatchPlan], None]
+    transposed: bool
+    block_m: int
+    name: str

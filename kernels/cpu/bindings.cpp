@@ -6,6 +6,7 @@
 #include "cpu_kernels.h"
 #include "gemm_kernels.h"
 #include "kv_quant_attention.h"
+#include "lora_kernels.h"
 #include "quant_kernels.h"
 
 namespace llk::decode_loop {
@@ -47,6 +48,8 @@ void bind_cpu(pybind11::module_& m) {
   m.def("rms_norm", &rms_norm, "RMSNorm with optional fused residual add (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
   m.def("rotate", &rotate, "Rotary embedding, rotate-half layout (CPU)");
+  m.def("lora_add", &llk::lora::lora_add,
+        "out += each adapter slot's LoRA deltas over its rows, from transposed fp32 stacks (lora_kernels.cpp)");
 }
 
 void bind_quant(pybind11::module_& m) {

@@ -273,6 +273,8 @@ std::string set_isa(const std::string& name) {
   return name;
 }
 
+Isa selected_isa() { return g_isa; }
+
 std::vector<std::string> compiled_isas() {
 #ifdef LLK_X86_VARIANTS
   return {"generic", "avx2", "avx512", "avx512bf16"};

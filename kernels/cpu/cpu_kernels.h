@@ -49,6 +49,7 @@ struct DecodeArgs {
 // ---- tensor-level kernels (the Python module `llmctl_kernels._C.cpu`) ----
 std::string set_isa(const std::string& name);
 std::vector<std::string> compiled_isas();
+llk::Isa selected_isa();  // set_isa's level (the multi-LoRA kernel follows it too)
 void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
                        at::Tensor slot_mapping);
 // window > 0: a sliding window, softcap > 0: attention-logit soft-capping (attention_window.h).

@@ -42,6 +42,7 @@
 #include "gemm_kernels.h"
 #include "isa.h"
 #include "kv_quant_attention.h"
+#include "lora_kernels.h"
 #include "quant_kernels.h"
 
 // The loop's own arithmetic is that of the quantized kernels' baseline: AVX2+FMA+F16C (the loader
@@ -192,21 +193,6 @@ struct Layer {
   Linear qkv, o, gate_up, down;
 };
 
-// LoRA adapters over a projection's output slice [offset, offset + size): A [slots, R, in],
-// B [slots, size, R], scale [slots] float32 (llmctl/lora/slots.py's stacks, bound by reference:
-// loading an adapter into a slot writes into these very tensors).
-struct LoraStack {
-  int64_t offset, size;
-  at::Tensor a, b, scale;
-};
-
-// One step's rows of one adapter slot: the range [start, end), or the row indices `rows`
-// (llmctl_kernels.lora.LoRABatchPlan.groups).
-struct LoraGroup {
-  int64_t slot, start, end;
-  at::Tensor rows;
-};
-
 enum Projection { kQkvProj, kOProj, kGateUpProj, kDownProj, kNumProjections };
 
 using cpuk::DecodeArgs;
@@ -323,29 +309,21 @@ class DecodeLoop {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // The LoRA stacks of one projection of one layer (projection: 0 qkv, 1 o, 2 gate_up, 3 down), in
-  // the order the module path adds them; an empty list: no adapter targets it.
-  void set_lora(int64_t layer, int64_t projection,
-                std::vector<std::tuple<int64_t, int64_t, at::Tensor, at::Tensor, at::Tensor>> stacks) {
+  // the order the module path adds them; an empty list: no adapter targets it. The stacks are
+  // llmctl/lora/slots.py's transposed ones (lora_kernels.h), bound by reference: loading an
+  // adapter into a slot writes into these very tensors.
+  void set_lora(int64_t layer, int64_t projection, std::vector<llk::lora::Stack> stacks) {
     TORCH_CHECK(0 <= layer && layer < num_layers() && 0 <= projection && projection < kNumProjections,
                 "LoRA: no such layer or projection");
     if (lora_.empty()) lora_.resize(layers_.size());
-    std::vector<LoraStack>& bound = lora_[layer][projection];
-    bound.clear();
-    for (auto& [offset, size, a, b, scale] : stacks) {
-      TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && b.size(1) == size && b.size(2) == a.size(1) &&
-                      scale.dim() == 1 && scale.size(0) == a.size(0) && b.size(0) == a.size(0),
-                  "LoRA: A [slots, R, in], B [slots, size, R], scale [slots]");
-      bound.push_back({offset, size, std::move(a), std::move(b), std::move(scale)});
-    }
+    for (const auto& stack : stacks) llk::lora::check_stack(stack, std::get<2>(stack).size(1));
+    lora_[layer][projection] = std::move(stacks);
   }
 
-  // The next step's LoRA rows by slot: (slot, start, end, row indices or None); used by one
-  // forward, then dropped (a step without a plan adds no delta).
-  void set_lora_plan(std::vector<std::tuple<int64_t, int64_t, int64_t, c10::optional<at::Tensor>>> groups) {
-    lora_plan_.clear();
-    for (auto& [slot, start, end, rows] : groups)
-      lora_plan_.push_back({slot, start, end, rows.has_value() ? *rows : at::Tensor()});
-  }
+  // The next step's LoRA rows by slot: (slot, start, end, row indices or None), as
+  // llmctl_kernels.lora.LoRABatchPlan.spans; used by one forward, then dropped (a step without a
+  // plan adds no delta).
+  void set_lora_plan(std::vector<llk::lora::Group> groups) { lora_plan_ = std::move(groups); }
 
   // KIVI: the next step's plan (kv_cache.QuantizedKVCache.begin_step, shared by every layer); a
   // KIVI forward without one is refused, and the plan is used once.
@@ -405,7 +383,7 @@ class DecodeLoop {
     auto attn = at::empty({rows, hq_ * d_}, x.options());
     bool first = true;
     Clock clock(profile_ ? &op_ns_ : nullptr);
-    const std::vector<LoraGroup> plan = std::exchange(lora_plan_, {});
+    const std::vector<llk::lora::Group> plan = std::exchange(lora_plan_, {});
     for (int64_t i = 0; i < num_layers(); ++i) {
       const Layer& layer = layers_[i];
       rms_norm(x, first ? nullptr : &residual, layer.input_norm, normed, residual);
@@ -460,7 +438,7 @@ class DecodeLoop {
     const int64_t rows = embeddings.size(0);
     at::Tensor x = embeddings, residual, normed;
     Clock clock(profile_ ? &op_ns_ : nullptr);
-    const std::vector<LoraGroup> plan = std::exchange(lora_plan_, {});
+    const std::vector<llk::lora::Group> plan = std::exchange(lora_plan_, {});
     auto norm = [&](const at::Tensor& weight) {  // RMSNorm(x + residual); the first layer's residual is x
       const c10::optional<at::Tensor> before = residual.defined() ? c10::optional<at::Tensor>(residual) : c10::nullopt;
       std::tie(normed, residual) = cpuk::rms_norm(x, weight, eps_, before);
@@ -686,22 +664,12 @@ class DecodeLoop {
     });
   }
 
-  // out += the step's LoRA deltas of this projection, op for op as llmctl_kernels.lora.lora_add_grouped
-  // (the module path's CPU kernel): per stack, per slot in the plan, (x[rows] @ A^T * scale) @ B^T.
-  at::Tensor add_lora(const std::vector<LoraGroup>& plan, int64_t layer, Projection projection, const at::Tensor& x,
-                      at::Tensor out) const {
-    if (plan.empty() || lora_.empty()) return out;
-    for (const LoraStack& stack : lora_[layer][projection]) {
-      at::Tensor part = out.narrow(1, stack.offset, stack.size);
-      for (const LoraGroup& g : plan) {
-        const bool ranged = !g.rows.defined();
-        at::Tensor shrunk = at::matmul(ranged ? x.slice(0, g.start, g.end) : x.index({g.rows}), stack.a.select(0, g.slot).t());
-        shrunk.mul_(stack.scale.select(0, g.slot).to(shrunk.scalar_type()));
-        const at::Tensor expand = stack.b.select(0, g.slot).t();
-        if (ranged) part.slice(0, g.start, g.end).addmm_(shrunk.to(out.scalar_type()), expand);
-        else part.index_put_({g.rows}, part.index({g.rows}).addmm_(shrunk.to(out.scalar_type()), expand));
-      }
-    }
+  // out += the step's LoRA deltas of this projection: the kernel the module path calls
+  // (llmctl_kernels.lora.lora_add_native), so both give the same bits.
+  at::Tensor add_lora(const std::vector<llk::lora::Group>& plan, int64_t layer, Projection projection,
+                      const at::Tensor& x, at::Tensor out) const {
+    if (plan.empty() || lora_.empty() || lora_[layer][projection].empty()) return out;
+    llk::lora::lora_add(out, x, lora_[layer][projection], plan);
     return out;
   }
 
@@ -745,8 +713,8 @@ class DecodeLoop {
   KiviPool kivi_;
   std::vector<float> kivi_staging_;  // a KIVI step's staging rows (K then V), reused from step to step
   std::vector<Layer> layers_;
-  std::vector<std::array<std::vector<LoraStack>, kNumProjections>> lora_;  // per layer; empty: no adapters
-  std::vector<LoraGroup> lora_plan_;  // the next forward's (set_lora_plan)
+  std::vector<std::array<std::vector<llk::lora::Stack>, kNumProjections>> lora_;  // per layer; empty: none
+  std::vector<llk::lora::Group> lora_plan_;  // the next forward's (set_lora_plan)
 };
 
 }  // namespace

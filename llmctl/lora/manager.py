@@ -17,21 +17,21 @@ from torch import nn
 from llmctl.errors import ConfigError, InvalidRequestError
 from llmctl.layers.linear import LinearBase
 from llmctl.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
-from llmctl.lora.slots import LoRABatch, LoRAKernel, LoRALinear, LoRASlots
+from llmctl.lora.slots import LoRABatch, LoRALinear, LoRASlots
 from llmctl.platform import KernelSet
-from llmctl_kernels.lora import NO_ADAPTER, plan_lora_batch
+from llmctl_kernels.lora import NO_ADAPTER, LoRAKernel, lora_add_grouped, lora_add_native, per_slice, plan_lora_batch
 
 
-def lora_kernel(kernels: KernelSet) -> tuple[LoRAKernel, int, str]:
-    """(kernel, tokens per plan block, name) for this engine's kernel set: the Triton kernels with
-    the Triton backend, else the grouped torch GEMMs (CPU, or CUDA with the torch backend)."""
+def lora_kernel(kernels: KernelSet, dtype: torch.dtype) -> LoRAKernel:
+    """This engine's LoRA kernel: the Triton kernels with the Triton backend, the native CPU kernel
+    where the native CPU kernels run (fp32 or bf16), else the grouped torch GEMMs."""
     if kernels.backend == "triton":
         from llmctl_kernels.lora_triton import BLOCK_M, lora_add_triton
 
-        return lora_add_triton, BLOCK_M, "triton"
-    from llmctl_kernels.lora import lora_add_grouped
-
-    return lora_add_grouped, 16, "grouped torch"
+        return LoRAKernel(per_slice(lora_add_triton), transposed=False, block_m=BLOCK_M, name="triton")
+    if kernels.native_cpu and dtype in (torch.float32, torch.bfloat16):
+        return LoRAKernel(lora_add_native, transposed=True, block_m=16, name=f"native CPU ({kernels.isa})")
+    return LoRAKernel(per_slice(lora_add_grouped), transposed=False, block_m=16, name="grouped torch")
 
 
 class LoRAManager:
@@ -48,12 +48,12 @@ class LoRAManager:
             raise ConfigError("--max-loras and --max-lora-rank must be at least 1")
         self.model, self.max_rank, self.dtype = model, max_lora_rank, dtype
         self.device = kernels.device
-        kernel, self.block_m, self.kernel_name = lora_kernel(kernels)
+        self.kernel = lora_kernel(kernels, dtype)
         self.batch = LoRABatch()
         names, layers = [], []
         for name, module in model.named_modules():
             if isinstance(module, LinearBase):
-                module.lora = LoRALinear(module, self.batch, kernel, max_loras, max_lora_rank, dtype, self.device)
+                module.lora = LoRALinear(module, self.batch, self.kernel, max_loras, max_lora_rank, dtype, self.device)
                 names.append(name)
                 layers.append(module.lora)
         self.slots = LoRASlots(layers, names, max_loras)
@@ -101,7 +101,7 @@ class LoRAManager:
                 slot = self.slots.slot_of(adapter, busy)
                 busy.add(slot)
             token_slots += [slot] * count
-        self.batch.plan = plan_lora_batch(token_slots, self.device, self.block_m) if busy else None
+        self.batch.plan = plan_lora_batch(token_slots, self.device, self.kernel.block_m) if busy else None
         return bool(busy)
 
     def end_batch(self) -> None:
@@ -109,4 +109,4 @@ class LoRAManager:
 
     def describe(self) -> str:
         """For start-up lines."""
-        return f"LoRA: {self.slots.num_slots} slots, rank <= {self.max_rank}, {self.kernel_name} kernels"
+        return f"LoRA: {self.slots.num_slots} slots, rank <= {self.max_rank}, {self.kernel.name} kernels"

@@ -6,17 +6,13 @@ a new adapter least-recently-used first.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from llmctl.layers.linear import LinearBase
 from llmctl.lora.adapter import LoRAAdapter, LoRAPart
-from llmctl_kernels.lora import LoRABatchPlan
-
-# (out, x, A, B, scale, plan) -> None: out += delta in place (llmctl_kernels.lora / lora_triton)
-LoRAKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LoRABatchPlan], None]
+from llmctl_kernels.lora import RANK_ALIGN, LoRABatchPlan, LoRAKernel, Stack
 
 
 @dataclass
@@ -28,16 +24,39 @@ class LoRABatch:
 
 
 class _PartStack:
-    """The slots of one output slice of a module: ``A [slots, R, in]``, ``B [slots, size, R]``."""
+    """The slots of one output slice of a module in its kernel's layout: ``A [slots, R, in]``,
+    ``B [slots, size, R]``, or transposed in fp32 with R rounded up (``LoRAKernel.transposed``)."""
 
     def __init__(
-        self, offset: int, size: int, in_features: int, slots: int, rank: int, dtype: torch.dtype, device: torch.device
+        self,
+        offset: int,
+        size: int,
+        in_features: int,
+        slots: int,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        transposed: bool,
     ) -> None:
-        self.offset, self.size = offset, size
-        self.a = torch.zeros(slots, rank, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(slots, size, rank, dtype=dtype, device=device)
+        self.offset, self.size, self.transposed = offset, size, transposed
+        if transposed:
+            rank = -(-rank // RANK_ALIGN) * RANK_ALIGN
+            self.a = torch.zeros(slots, in_features, rank, dtype=torch.float32, device=device)
+            self.b = torch.zeros(slots, rank, size, dtype=torch.float32, device=device)
+        else:
+            self.a = torch.zeros(slots, rank, in_features, dtype=dtype, device=device)
+            self.b = torch.zeros(slots, size, rank, dtype=dtype, device=device)
         self.scale = torch.zeros(slots, dtype=torch.float32, device=device)
         self.filled: set[int] = set()  # slots whose adapter targets this slice
+
+    def put(self, slot: int, part: LoRAPart) -> None:
+        rank = part.a.shape[0]
+        if self.transposed:
+            self.a[slot, :, :rank].copy_(part.a.t())
+            self.b[slot, :rank].copy_(part.b.t())
+        else:
+            self.a[slot, :rank].copy_(part.a)
+            self.b[slot, :, :rank].copy_(part.b)
 
 
 class LoRALinear:
@@ -59,6 +78,7 @@ class LoRALinear:
         )  # fmt: skip
         self.stacks: dict[tuple[int, int], _PartStack] = {}  # (offset, size) -> its slots
         self.batch, self.kernel = batch, kernel
+        self._bound: list[Stack] = []  # bound_stacks(), as of the last load
 
     def load(self, slot: int, parts: list[tuple[LoRAPart, float]]) -> None:
         """Put an adapter's parts (and scale) for this module into ``slot``, clearing what was there."""
@@ -71,28 +91,27 @@ class LoRALinear:
         for part, scale in parts:
             key = (part.offset, part.size)
             if key not in self.stacks:
-                self.stacks[key] = _PartStack(*key, self.in_features, self.slots, self.rank, self.dtype, self.device)
+                self.stacks[key] = _PartStack(
+                    *key, self.in_features, self.slots, self.rank, self.dtype, self.device, self.kernel.transposed
+                )
             stack = self.stacks[key]
-            rank = part.a.shape[0]
-            stack.a[slot, :rank].copy_(part.a)
-            stack.b[slot, :, :rank].copy_(part.b)
+            stack.put(slot, part)
             stack.scale[slot] = scale
             stack.filled.add(slot)
+        self._bound = [(s.offset, s.size, s.a, s.b, s.scale) for s in self.stacks.values() if s.filled]
 
-    def bound_stacks(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def bound_stacks(self) -> list[Stack]:
         """``(offset, size, A, B, scale)`` of each slice some slot's adapter targets, in the order
         ``__call__`` adds them: what the native decode loop binds (kernels/cpu/decode_loop.cpp)."""
-        return [(s.offset, s.size, s.a, s.b, s.scale) for s in self.stacks.values() if s.filled]
+        return list(self._bound)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         plan = self.batch.plan
-        if plan is None or not self.stacks:  # no adapter token, or no adapter ever targeted this module
+        if plan is None or not self._bound:  # no adapter token, or no loaded adapter targets this module
             return out
         if x.shape[0] != plan.slots.numel():
             raise RuntimeError(f"LoRA: a projection saw {x.shape[0]} rows in a batch of {plan.slots.numel()} tokens")
-        for stack in self.stacks.values():
-            if stack.filled:
-                self.kernel(out[:, stack.offset : stack.offset + stack.size], x, stack.a, stack.b, stack.scale, plan)
+        self.kernel.add(out, x, self._bound, plan)
         return out
 
 

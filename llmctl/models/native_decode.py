@@ -33,7 +33,7 @@ LOOP_DTYPES = (torch.float32, torch.bfloat16)
 class LoopLoRA:
     """The engine's LoRA adapters inside the loop: every projection's slot stacks bound to it (again
     after each adapter copied into a slot, which may add a stack), and each step's rows by slot. The
-    loop adds the deltas op for op as the module path's grouped kernel does (same bits)."""
+    loop adds the deltas with the native kernel the module path calls (same bits)."""
 
     def __init__(self, loop: object, manager: LoRAManager, layers: list) -> None:
         self.loop, self.manager = loop, manager
@@ -53,12 +53,7 @@ class LoopLoRA:
                 for p, linear in enumerate(projections):
                     self.loop.set_lora(i, p, linear.lora.bound_stacks() if linear.lora is not None else [])
             self.bound_loads = self.manager.slots.loads
-        self.loop.set_lora_plan(
-            [
-                (slot, rows.start, rows.stop, None) if isinstance(rows, slice) else (slot, 0, 0, rows)
-                for slot, rows in plan.groups
-            ]
-        )
+        self.loop.set_lora_plan(plan.spans)
 
 
 class NativeDecode:
@@ -111,6 +106,8 @@ def build_native_decode(
     module, unavailable = decode_loop_kernels()
     if module is None:
         return None, f"decode: Python modules ({unavailable})"
+    if lora is not None and not lora.kernel.transposed:  # the loop calls the native LoRA kernel
+        return None, f"decode: Python modules (LoRA through {lora.kernel.name} kernels)"
     layers = model.model.stage_layers
     attn = layers[0].self_attn
     if quantized_kv is None:

@@ -10,13 +10,20 @@ from lora_factory import MAX_NEW, engine_with, merged_greedy, run_alone
 from model_factory import random_prompts
 
 from llmctl.sampling_params import SamplingParams
+from llmctl_kernels.cpu_native import load_native, native_unavailable_reason
 
 
+@pytest.mark.parametrize("kernels", ["native CPU", "grouped torch"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_each_adapter_matches_peft_merged(family, lora_bases, lora_adapters) -> None:
+def test_each_adapter_matches_peft_merged(family, kernels, lora_bases, lora_adapters, monkeypatch) -> None:
+    """Through the native CPU kernel, and through torch's GEMMs with the native kernels off."""
+    if kernels == "native CPU" and load_native() is None:
+        pytest.skip(f"native CPU kernels: {native_unavailable_reason()}")
+    monkeypatch.setenv("LLMCTL_NATIVE_CPU_KERNELS", "1" if kernels == "native CPU" else "0")
     base, adapters = lora_bases[family], lora_adapters[family]
     prompts = random_prompts(2, 320, 5, 20, seed=3)
     engine = engine_with(base, adapters)
+    assert engine.lora.kernel.name.startswith(kernels)
     base_tokens = merged_greedy(base, None, prompts, MAX_NEW)
     for name, path in [(None, None), *adapters.items()]:
         expected = merged_greedy(base, path, prompts, MAX_NEW)
@@ -85,7 +92,7 @@ def test_triton_kernels_in_the_engine(lora_bases, lora_adapters) -> None:
     base model and two adapters gives each the merged model's tokens."""
     base, adapters = lora_bases["llama"], lora_adapters["llama"]
     engine = engine_with(base, adapters, kernel_backend="triton")
-    assert engine.lora.kernel_name == "triton"
+    assert engine.lora.kernel.name == "triton"
     prompt = random_prompts(1, 320, 6, 6, seed=4)[0]
     loras = [None, "r8", "r64"]
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -100,7 +107,7 @@ def test_triton_kernels_in_the_engine(lora_bases, lora_adapters) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_decode_loop_adds_the_deltas_bitwise(dtype, lora_bases, lora_adapters, monkeypatch) -> None:
     """Decode steps with adapters run in the native decode loop (kernels/cpu/decode_loop.cpp), which
-    adds each projection's deltas op for op as the module path's grouped kernel: every step's
+    adds each projection's deltas with the native LoRA kernel the module path calls: every step's
     logits equal the module path's bit for bit, for a batch mixing the base model and three
     adapters (rows of one adapter not adjacent: index groups, and adjacent: range groups)."""
     from llmctl.models.native_decode import ACTIVE
