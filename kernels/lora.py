@@ -15,9 +15,9 @@ from the batch's per-token slots and read by every projection of every layer:
   (the expand summed into the output by ``addmm_``): CUDA with the torch backend, or a CPU
   without the native kernels;
 - ``lora_add_native``: the CPU kernel (kernels/cpu/lora_kernels.cpp), every slice of a module in
-  two parallel regions, from *transposed* fp32 stacks (``A^T [slots, in, R]``, ``B^T [slots, R,
-  out]``, R rounded up to 16); the native decode loop calls the same kernel, so both give the
-  same bits;
+  two parallel regions, from *transposed* stacks (``A^T [slots, in, R]``, ``B^T [slots, R, out]``,
+  R rounded up to 16, fp32 or bf16 as the activations); the native decode loop calls the same
+  kernel, so both give the same bits;
 - ``llmctl_kernels.lora_triton.lora_add_triton``: the same grouping as Triton kernels (CUDA).
 
 A ``LoRAKernel`` names one of them with the layout its stacks are stored in; it adds the deltas of
@@ -111,8 +111,8 @@ def lora_add_grouped(
 
 
 def lora_add_native(out: torch.Tensor, x: torch.Tensor, stacks: list[Stack], plan: LoRABatchPlan) -> None:
-    """``out += delta`` in place for every slice in ``stacks`` (transposed fp32 stacks), in the CPU
-    kernel the native decode loop calls too."""
+    """``out += delta`` in place for every slice in ``stacks`` (transposed stacks in ``x``'s dtype),
+    in the CPU kernel the native decode loop calls too."""
     from llmctl_kernels.cpu_native import load_native
 
     load_native().lora_add(out, x, stacks, plan.spans)
@@ -131,9 +131,9 @@ def per_slice(kernel: Callable[..., None]) -> Callable[[torch.Tensor, torch.Tens
 @dataclass(frozen=True)
 class LoRAKernel:
     """How an engine adds LoRA deltas: ``add(out, x, stacks, plan)`` for one module's slices;
-    ``transposed``: its stacks are ``A^T [slots, in, R]`` / ``B^T [slots, R, size]`` in fp32 with R
-    rounded up to ``RANK_ALIGN`` (the native CPU kernel), else ``A [slots, R, in]`` /
-    ``B [slots, size, R]`` in the model's dtype; ``block_m``: tokens per plan block (Triton)."""
+    ``transposed``: its stacks are ``A^T [slots, in, R]`` / ``B^T [slots, R, size]`` with R rounded
+    up to ``RANK_ALIGN`` (the native CPU kernel), else ``A [slots, R, in]`` / ``B [slots, size, R]``;
+    in the model's dtype either way; ``block_m``: tokens per plan block (Triton)."""
 
     add: Callable[[torch.Tensor, torch.Tensor, list[Stack], LoRABatchPlan], None]
     transposed: bool

@@ -3,8 +3,10 @@
 // rank-wide products, then every output column) instead of two small GEMM calls per slot and
 // slice. Why: a 64-row decode step of a 30-layer model over 4 adapters made ~1,700 GEMM calls of
 // 25-40 us each from torch, ~40 % of the step, for ~4 % of its FLOPs. The stacks are stored
-// transposed (A^T [slots, in, R], B^T [slots, R, size], fp32) so both phases run along contiguous
-// rows of 16 floats with the accumulators of up to 8 batch rows in registers.
+// transposed (A^T [slots, in, R], B^T [slots, R, size], in the activations' dtype) so both phases
+// run along contiguous rows of 16 numbers with the fp32 accumulators of up to 8 batch rows in
+// registers. A decode step reads every adapter's weights of the batch once: at 64 rows it runs at
+// the memory's pace, not the arithmetic's.
 #include "lora_kernels.h"
 
 #include <ATen/ATen.h>
@@ -24,10 +26,11 @@
 
 namespace {
 
+template <typename T>
 struct LoraStackView {
   int64_t offset, size, rank, shrunk_col;  // shrunk_col: its rank-wide products' first column
-  const float* a_t;
-  const float* b_t;
+  const T* a_t;
+  const T* b_t;
   const float* scale;
 };
 
@@ -44,7 +47,7 @@ struct LoraCall {
   const int64_t* rows;  // the batch rows, grouped by slot
   float* shrunk;        // [rows, shrunk_width]: every stack's scaled rank-wide products
   int64_t shrunk_width;
-  std::vector<LoraStackView> stacks;
+  std::vector<LoraStackView<T>> stacks;
   std::vector<RowBlock> blocks;
 };
 
@@ -97,7 +100,7 @@ void run(LoraCall<T>& call, ShrinkFn shrink, ExpandFn expand) {
   at::parallel_for(0, static_cast<int64_t>(items.size()), std::max<int64_t>(1, kMinWork / expand_work),
                    [&](int64_t begin, int64_t end) {
                      for (int64_t i = begin; i < end; ++i) {
-                       const LoraStackView& st = call.stacks[items[i].first];
+                       const LoraStackView<T>& st = call.stacks[items[i].first];
                        const int64_t c0 = items[i].second;
                        expand(call, st, c0, std::min(c0 + kColumns, st.size));
                      }
@@ -131,8 +134,8 @@ void lora_add_typed(at::Tensor& out, const at::Tensor& x, const std::vector<llk:
   int64_t width = 0;
   for (const llk::lora::Stack& stack : stacks) {
     const at::Tensor& a_t = std::get<2>(stack);
-    call.stacks.push_back({std::get<0>(stack), std::get<1>(stack), a_t.size(2), width, a_t.data_ptr<float>(),
-                           std::get<3>(stack).data_ptr<float>(), std::get<4>(stack).data_ptr<float>()});
+    call.stacks.push_back({std::get<0>(stack), std::get<1>(stack), a_t.size(2), width, a_t.data_ptr<T>(),
+                           std::get<3>(stack).data_ptr<T>(), std::get<4>(stack).data_ptr<float>()});
     width += a_t.size(2);
   }
   std::vector<float> shrunk(rows.size() * width);
@@ -158,8 +161,8 @@ namespace llk::lora {
 void check_stack(const Stack& stack, int64_t in_features) {
   const auto& [offset, size, a_t, b_t, scale] = stack;
   TORCH_CHECK(a_t.dim() == 3 && b_t.dim() == 3 && scale.dim() == 1, "LoRA: A^T [slots, in, R], B^T [slots, R, size]");
-  TORCH_CHECK(a_t.scalar_type() == at::kFloat && b_t.scalar_type() == at::kFloat && scale.scalar_type() == at::kFloat,
-              "LoRA: fp32 stacks");
+  TORCH_CHECK(a_t.scalar_type() == b_t.scalar_type() && scale.scalar_type() == at::kFloat,
+              "LoRA: A^T and B^T of one dtype, fp32 scales");
   TORCH_CHECK(a_t.is_contiguous() && b_t.is_contiguous() && scale.is_contiguous(), "LoRA: contiguous stacks");
   const int64_t slots = a_t.size(0), rank = a_t.size(2);
   TORCH_CHECK(rank % 16 == 0 && b_t.size(0) == slots && scale.size(0) == slots && b_t.size(1) == rank &&
@@ -174,6 +177,7 @@ void lora_add(at::Tensor out, const at::Tensor& x, const std::vector<Stack>& sta
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "LoRA: CPU tensors");
   for (const Stack& stack : stacks) {
     check_stack(stack, x.size(1));
+    TORCH_CHECK(std::get<2>(stack).scalar_type() == x.scalar_type(), "LoRA: stacks in the activations' dtype");
     TORCH_CHECK(std::get<0>(stack) + std::get<1>(stack) <= out.size(1), "LoRA: a slice past the output");
   }
   for (const auto& group : groups) {

@@ -13,8 +13,8 @@
 namespace llk::lora {
 
 // An adapted output slice [offset, offset + size) of the projection: its slots' A^T
-// [slots, in, R] and B^T [slots, R, size] (R a multiple of 16, zero-padded), fp32, contiguous,
-// and scale [slots] fp32 (kernels/lora.py's transposed stacks).
+// [slots, in, R] and B^T [slots, R, size] (R a multiple of 16, zero-padded) in the activations'
+// dtype, contiguous, and scale [slots] fp32 (kernels/lora.py's transposed stacks).
 using Stack = std::tuple<int64_t, int64_t, at::Tensor, at::Tensor, at::Tensor>;
 // One slot's rows of the batch: [start, end), or the int64 row indices when given.
 using Group = std::tuple<int64_t, int64_t, int64_t, c10::optional<at::Tensor>>;

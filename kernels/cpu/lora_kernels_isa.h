@@ -39,8 +39,8 @@ inline void store1(float* p, float v) { *p = v; }
 inline void store1(at::BFloat16* p, float v) { *p = static_cast<at::BFloat16>(v); }  // nearest even
 
 // s[j][c : c + 16] = scale * sum_i x[j][i] * a_t[i][c : c + 16] for j < NR rows (a_t: [in, ld]).
-template <int NR>
-inline void shrink_rows(const float* const* x, int64_t in, const float* a_t, int64_t ld, float scale, float* const* s,
+template <int NR, typename T>
+inline void shrink_rows(const float* const* x, int64_t in, const T* a_t, int64_t ld, float scale, float* const* s,
                         int64_t c) {
   v16 acc[NR] = {};
   for (int64_t i = 0; i < in; ++i) {
@@ -54,7 +54,7 @@ inline void shrink_rows(const float* const* x, int64_t in, const float* a_t, int
 // out[j][c : c + 16] += sum_r s[j][r] * b_t[r][c : c + 16] for j < NR rows (b_t: [rank, ld]); the
 // last chunk of a row narrower than 16 (`width`) goes element by element, in the same order.
 template <int NR, typename T>
-inline void expand_rows(const float* const* s, int64_t rank, const float* b_t, int64_t ld, T* const* out, int64_t c,
+inline void expand_rows(const float* const* s, int64_t rank, const T* b_t, int64_t ld, T* const* out, int64_t c,
                         int64_t width) {
   if (width == 16) {
     v16 acc[NR];
@@ -70,7 +70,7 @@ inline void expand_rows(const float* const* s, int64_t rank, const float* b_t, i
   for (int j = 0; j < NR; ++j)
     for (int64_t k = c; k < c + width; ++k) {
       float acc = load1(out[j] + k);
-      for (int64_t r = 0; r < rank; ++r) acc += s[j][r] * b_t[r * ld + k];
+      for (int64_t r = 0; r < rank; ++r) acc += s[j][r] * load1(b_t + r * ld + k);
       store1(out[j] + k, acc);
     }
 }
@@ -109,21 +109,21 @@ void shrink_block(const LoraCall<T>& call, const RowBlock& block, std::vector<fl
     }
     s[j] = call.shrunk + (block.first + j) * call.shrunk_width;
   }
-  for (const LoraStackView& st : call.stacks) {
-    const float* a_t = st.a_t + block.slot * in * st.rank;
+  for (const LoraStackView<T>& st : call.stacks) {
+    const T* a_t = st.a_t + block.slot * in * st.rank;
     const float scale = st.scale[block.slot];
     float* s_stack[kRows];
     for (int64_t j = 0; j < block.n; ++j) s_stack[j] = s[j] + st.shrunk_col;
     for (int64_t c = 0; c < st.rank; c += 16)
-      with_rows(block.n, [&]<int NR>() { shrink_rows<NR>(x, in, a_t, st.rank, scale, s_stack, c); });
+      with_rows(block.n, [&]<int NR>() { shrink_rows<NR, T>(x, in, a_t, st.rank, scale, s_stack, c); });
   }
 }
 
 // Phase 2, one stack's output columns [c0, c1) over every block: out += shrunk @ B^T.
 template <typename T>
-void expand_columns(const LoraCall<T>& call, const LoraStackView& st, int64_t c0, int64_t c1) {
+void expand_columns(const LoraCall<T>& call, const LoraStackView<T>& st, int64_t c0, int64_t c1) {
   for (const RowBlock& block : call.blocks) {
-    const float* b_t = st.b_t + block.slot * st.rank * st.size;
+    const T* b_t = st.b_t + block.slot * st.rank * st.size;
     const float* s[kRows];
     T* out[kRows];
     for (int64_t j = 0; j < block.n; ++j) {

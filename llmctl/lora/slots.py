@@ -25,7 +25,7 @@ class LoRABatch:
 
 class _PartStack:
     """The slots of one output slice of a module in its kernel's layout: ``A [slots, R, in]``,
-    ``B [slots, size, R]``, or transposed in fp32 with R rounded up (``LoRAKernel.transposed``)."""
+    ``B [slots, size, R]``, or transposed with R rounded up (``LoRAKernel.transposed``)."""
 
     def __init__(
         self,
@@ -41,8 +41,8 @@ class _PartStack:
         self.offset, self.size, self.transposed = offset, size, transposed
         if transposed:
             rank = -(-rank // RANK_ALIGN) * RANK_ALIGN
-            self.a = torch.zeros(slots, in_features, rank, dtype=torch.float32, device=device)
-            self.b = torch.zeros(slots, rank, size, dtype=torch.float32, device=device)
+            self.a = torch.zeros(slots, in_features, rank, dtype=dtype, device=device)
+            self.b = torch.zeros(slots, rank, size, dtype=dtype, device=device)
         else:
             self.a = torch.zeros(slots, rank, in_features, dtype=dtype, device=device)
             self.b = torch.zeros(slots, size, rank, dtype=dtype, device=device)

@@ -63,13 +63,13 @@ def test_triton_matches_reference(rank: int, dtype: torch.dtype) -> None:
 
 
 def _transposed(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The native kernel's stacks: A^T [slots, in, R16], B^T [slots, R16, n] in fp32, R zero-padded."""
+    """The native kernel's stacks: A^T [slots, in, R16], B^T [slots, R16, n], R zero-padded."""
     slots, rank, k = a.shape
     padded = -(-rank // 16) * 16
-    a_t = torch.zeros(slots, k, padded)
-    b_t = torch.zeros(slots, padded, b.shape[1])
-    a_t[:, :, :rank] = a.float().transpose(1, 2)
-    b_t[:, :rank] = b.float().transpose(1, 2)
+    a_t = torch.zeros(slots, k, padded, dtype=a.dtype)
+    b_t = torch.zeros(slots, padded, b.shape[1], dtype=b.dtype)
+    a_t[:, :, :rank] = a.transpose(1, 2)
+    b_t[:, :rank] = b.transpose(1, 2)
     return a_t, b_t
 
 
@@ -95,7 +95,7 @@ def test_native_matches_reference(isa: str, rank: int, dtype: torch.dtype) -> No
     slots_of = [TOKEN_SLOTS, sorted(TOKEN_SLOTS)]  # the second batch: each slot's rows contiguous
     x = torch.randn(len(TOKEN_SLOTS), k).to(dtype)
     for n, offset in zip(sizes, offsets):
-        a, b, scale = _weights(3, rank, k, n, torch.float32, [rank, rank // 2, 3])
+        a, b, scale = _weights(3, rank, k, n, dtype, [rank, rank // 2, 3])
         stacks.append((offset, n, *_transposed(a, b), scale))
         deltas.append((offset, n, a, b, scale))
     for token_slots in slots_of:
@@ -119,7 +119,7 @@ def test_native_batched_rows_get_their_bits_alone(isa: str, dtype: torch.dtype) 
     """A row's deltas do not depend on the rows beside it (block of 8, 4, 2 or one): 37 rows over
     three adapters give each row exactly what it gets as a batch of one."""
     k, n = 96, 80
-    a, b, scale = _weights(3, 16, k, n, torch.float32, [16, 16, 5])
+    a, b, scale = _weights(3, 16, k, n, dtype, [16, 16, 5])
     stacks = [(0, n, *_transposed(a, b), scale)]
     token_slots = [t % 3 for t in range(37)]
     x = torch.randn(len(token_slots), k).to(dtype)
@@ -146,6 +146,8 @@ def test_native_refuses_bad_stacks() -> None:
         lora_add_native(out, x, [(0, n, a.transpose(1, 2).contiguous(), b.transpose(1, 2).contiguous(), scale)], plan)
     with pytest.raises(RuntimeError, match="past the output"):
         lora_add_native(out, x, [(8, n, a_t, b_t, scale)], plan)
-    with pytest.raises(RuntimeError, match="fp32 stacks"):
+    with pytest.raises(RuntimeError, match="of one dtype"):
         lora_add_native(out, x, [(0, n, a_t.double(), b_t, scale)], plan)
+    with pytest.raises(RuntimeError, match="activations' dtype"):
+        lora_add_native(out, x, [(0, n, a_t.bfloat16(), b_t.bfloat16(), scale)], plan)
     assert not out.any()
