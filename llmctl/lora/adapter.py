@@ -41,6 +41,7 @@ class LoRAPart:
     size: int
     a: torch.Tensor  # [rank, in] (lora_A.weight)
     b: torch.Tensor  # [size, rank] (lora_B.weight)
+    scale: float  # its target's lora_alpha / r (rsLoRA: / sqrt(r)), rank_pattern/alpha_pattern applied
 
 
 @dataclass(eq=False)
@@ -49,8 +50,7 @@ class LoRAAdapter:
 
     name: str
     path: str
-    rank: int
-    scale: float  # lora_alpha / r (rsLoRA: / sqrt(r))
+    rank: int  # the largest of its targets' ranks
     modules: dict[str, list[LoRAPart]]  # llmctl module name -> its parts
     id: int = field(default_factory=lambda: next(_adapter_ids))
 
@@ -84,16 +84,42 @@ def _check_supported(config: dict, label: str, max_rank: int) -> None:
         raise refuse("LoRA bias terms are not supported (bias must be 'none')")
     if config.get("fan_in_fan_out"):
         raise refuse("fan_in_fan_out (Conv1D-style weights) is not supported")
-    if config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise refuse("per-module rank_pattern/alpha_pattern is not supported")
-    rank = config.get("r")
-    if not isinstance(rank, int) or rank < 1:
-        raise refuse(f"r must be a positive integer, got {rank!r}")
-    if rank > max_rank:
-        raise refuse(f"rank {rank} exceeds --max-lora-rank {max_rank}")
-    alpha = config.get("lora_alpha", rank)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
-        raise refuse(f"lora_alpha must be a positive number, got {alpha!r}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(config.get(key) or {}, dict):
+            raise refuse(f"{key} must be an object of module pattern -> value, got {config[key]!r}")
+        for pattern in config.get(key) or {}:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise refuse(f"{key} pattern {pattern!r} is not a regular expression ({e})") from e
+    ranks = {"r": config.get("r")} | {f"rank_pattern[{k!r}]": v for k, v in (config.get("rank_pattern") or {}).items()}
+    for where, rank in ranks.items():
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise refuse(f"{where} must be a positive integer, got {rank!r}")
+        if rank > max_rank:
+            raise refuse(f"rank {rank} exceeds --max-lora-rank {max_rank}")
+    alphas = {"lora_alpha": config.get("lora_alpha", config["r"])} | {
+        f"alpha_pattern[{k!r}]": v for k, v in (config.get("alpha_pattern") or {}).items()
+    }
+    for where, alpha in alphas.items():
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+            raise refuse(f"{where} must be a positive number, got {alpha!r}")
+
+
+def _pattern_value(patterns: dict, target: str, default: int | float) -> int | float:
+    """PEFT's per-module override (``peft.utils.other.get_pattern_key``): the first pattern that
+    matches the end of the target's name at a dot boundary, else the adapter-wide value."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", target):
+            return value
+    return default
+
+
+def _target_scale(config: dict, target: str) -> tuple[int, float]:
+    """(rank, scale) of one target module: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
+    rank = _pattern_value(config.get("rank_pattern") or {}, target, config["r"])
+    alpha = _pattern_value(config.get("alpha_pattern") or {}, target, config.get("lora_alpha", config["r"]))
+    return rank, alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
 def _placement(model: nn.Module, modules: dict[str, nn.Module], target: str, label: str) -> tuple[str, int, int]:
@@ -139,9 +165,6 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int, d
         pairs.setdefault(match["module"], {})[match["which"]] = tensor
     if not pairs:
         raise LoRAAdapterError(f"{label}: {WEIGHTS_FILE} holds no LoRA weights")
-    rank = config["r"]
-    alpha = config.get("lora_alpha", rank)
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     modules = dict(model.named_modules())
     placed: dict[str, list[LoRAPart]] = {}
     for target, pair in sorted(pairs.items()):
@@ -155,6 +178,11 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int, d
                 f"{label}: {target} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
                 f"(need [r, in] and [out, r] with r <= --max-lora-rank {max_rank})"
             )
+        rank, scale = _target_scale(config, target)
+        if a.shape[0] != rank:
+            raise LoRAAdapterError(
+                f"{label}: {target} has rank {a.shape[0]} but {CONFIG_FILE} gives it rank {rank} (r, rank_pattern)"
+            )
         if a.shape[1] != in_features or b.shape[0] != size:
             raise LoRAAdapterError(
                 f"{label}: {target} maps {a.shape[1]} -> {b.shape[0]} features but the model's "
@@ -162,5 +190,6 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int, d
             )
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise LoRAAdapterError(f"{label}: {target} holds NaN or infinite weights")
-        placed.setdefault(module_name, []).append(LoRAPart(offset, size, a.to(dtype), b.to(dtype)))
-    return LoRAAdapter(name, str(path), rank, float(scale), placed)
+        placed.setdefault(module_name, []).append(LoRAPart(offset, size, a.to(dtype), b.to(dtype), float(scale)))
+    rank = max(part.a.shape[0] for parts in placed.values() for part in parts)
+    return LoRAAdapter(name, str(path), rank, placed)

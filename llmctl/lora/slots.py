@@ -80,15 +80,15 @@ class LoRALinear:
         self.batch, self.kernel = batch, kernel
         self._bound: list[Stack] = []  # bound_stacks(), as of the last load
 
-    def load(self, slot: int, parts: list[tuple[LoRAPart, float]]) -> None:
-        """Put an adapter's parts (and scale) for this module into ``slot``, clearing what was there."""
+    def load(self, slot: int, parts: list[LoRAPart]) -> None:
+        """Put an adapter's parts (and their scales) for this module into ``slot``, clearing what was there."""
         for stack in self.stacks.values():
             if slot in stack.filled:
                 stack.a[slot].zero_()
                 stack.b[slot].zero_()
                 stack.scale[slot] = 0.0
                 stack.filled.discard(slot)
-        for part, scale in parts:
+        for part in parts:
             key = (part.offset, part.size)
             if key not in self.stacks:
                 self.stacks[key] = _PartStack(
@@ -96,7 +96,7 @@ class LoRALinear:
                 )
             stack = self.stacks[key]
             stack.put(slot, part)
-            stack.scale[slot] = scale
+            stack.scale[slot] = part.scale
             stack.filled.add(slot)
         self._bound = [(s.offset, s.size, s.a, s.b, s.scale) for s in self.stacks.values() if s.filled]
 
@@ -143,6 +143,6 @@ class LoRASlots:
 
     def _load(self, slot: int, adapter: LoRAAdapter) -> None:
         for name, layer in self.layers.items():
-            layer.load(slot, [(part, adapter.scale) for part in adapter.modules.get(name, [])])
+            layer.load(slot, adapter.modules.get(name, []))
         self.adapter_in[slot] = adapter.id
         self.loads += 1

@@ -26,6 +26,8 @@ def make_adapter(
     alpha: float = 16.0,
     use_rslora: bool = False,
     std: float = 0.3,
+    rank_pattern: dict | None = None,
+    alpha_pattern: dict | None = None,
 ) -> Path:
     """A PEFT adapter of ``base_dir`` with every lora_A/lora_B drawn at random (lora_B non-zero,
     so the adapter changes the output)."""
@@ -34,7 +36,13 @@ def make_adapter(
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, use_rslora=use_rslora
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=targets,
+        init_lora_weights=False,
+        use_rslora=use_rslora,
+        rank_pattern=rank_pattern or {},
+        alpha_pattern=alpha_pattern or {},
     )
     peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)

@@ -34,6 +34,40 @@ def test_each_adapter_matches_peft_merged(family, kernels, lora_bases, lora_adap
     assert not engine.block_manager.usage  # every block back
 
 
+def test_rank_and_alpha_patterns_match_peft(lora_bases, tmp_path) -> None:
+    """PEFT's per-module ``rank_pattern`` / ``alpha_pattern`` (a name suffix, and a regex over one
+    layer): each target gets its own rank and scale, and the output equals the merged model's."""
+    from lora_factory import ALL_LINEAR, make_adapter
+
+    base = lora_bases["llama"]
+    adapter = make_adapter(
+        base,
+        tmp_path / "patterns",
+        rank=8,
+        targets=ALL_LINEAR,
+        seed=41,
+        alpha=16,
+        std=0.15,
+        rank_pattern={"q_proj": 32, r"layers\.1\.mlp\.down_proj": 4},
+        alpha_pattern={"v_proj": 96, "o_proj": 2},
+    )
+    engine = engine_with(base, {"patterns": adapter})
+    parts = engine.lora.adapters["patterns"].modules
+    q = parts["model.layers.0.self_attn.qkv_proj"]
+    assert [(p.a.shape[0], p.scale) for p in sorted(q, key=lambda p: p.offset)] == [
+        (32, 16 / 32),
+        (8, 16 / 8),
+        (8, 96 / 8),
+    ]  # q, k, v
+    assert parts["model.layers.1.mlp.down_proj"][0].a.shape[0] == 4
+    assert parts["model.layers.0.mlp.down_proj"][0].a.shape[0] == 8
+    prompts = random_prompts(2, 320, 5, 20, seed=6)
+    expected = merged_greedy(base, adapter, prompts, MAX_NEW)
+    assert expected != merged_greedy(base, None, prompts, MAX_NEW)
+    assert [run_alone(engine, p, "patterns") for p in prompts] == expected
+    assert not engine.block_manager.usage
+
+
 @pytest.mark.parametrize("max_loras", [3, 2])
 def test_mixed_batch_equals_alone(max_loras, lora_bases, lora_adapters) -> None:
     """Base + 3 adapters in one batch (and one forward per step), staggered arrivals, chunked

@@ -44,6 +44,10 @@ def test_bad_adapters_fail_alone(lora_bases, lora_adapters, tmp_path) -> None:
         _edit_config(adapters["r8"], tmp_path, "dora", use_dora=True): "DoRA",
         _edit_config(adapters["r8"], tmp_path, "bias", bias="all"): "bias",
         lm_head: "embedding and lm_head targets are not supported",
+        _edit_config(adapters["r8"], tmp_path, "big_pattern", rank_pattern={"q_proj": 32}): "rank 32 exceeds",
+        _edit_config(adapters["r8"], tmp_path, "pattern_rank", rank_pattern={"v_proj": 4}): "gives it rank 4",
+        _edit_config(adapters["r8"], tmp_path, "bad_regex", alpha_pattern={"q_proj(": 8}): "not a regular expr",
+        _edit_config(adapters["r8"], tmp_path, "bad_alpha", alpha_pattern={"q_proj": -1}): "positive number",
     }
     for path, message in cases.items():
         with pytest.raises(LoRAAdapterError, match=message):
