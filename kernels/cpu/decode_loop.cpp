@@ -191,6 +191,7 @@ at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
 struct Layer {
   at::Tensor input_norm, post_norm;
   Linear qkv, o, gate_up, down;
+  at::Tensor q_norm, k_norm;  // per-head RMSNorm weights [head_dim] before rotary (Qwen3); undefined: none
 };
 
 enum Projection { kQkvProj, kOProj, kGateUpProj, kDownProj, kNumProjections };
@@ -290,7 +291,8 @@ class DecodeLoop {
     gemmk::set_isa(isa);  // the variant kernels/gemm_native.py selects: same bits as the module path
   }
 
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, Linear qkv, Linear o, Linear gate_up, Linear down) {
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, Linear qkv, Linear o, Linear gate_up, Linear down,
+                 c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm) {
     const int64_t hidden = final_norm_.size(0);
     TORCH_CHECK(static_cast<int64_t>(layers_.size()) < k_pool_.size(0), "more layers than KV cache layers");
     TORCH_CHECK(qkv.k == hidden && qkv.n == (hq_ + 2 * hkv_) * d_ && o.k == hq_ * d_ && o.n == hidden &&
@@ -302,8 +304,17 @@ class DecodeLoop {
     if (bf16_)
       for (const Linear* l : {&qkv, &o, &gate_up, &down})
         TORCH_CHECK(l->kind == Linear::kMkldnn, "bf16 activations in the loop: oneDNN-prepacked weights only");
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
+    at::Tensor qn, kn;
+    if (q_norm.has_value()) {
+      qn = q_norm->contiguous();
+      kn = k_norm->contiguous();
+      TORCH_CHECK(qn.dim() == 1 && qn.size(0) == d_ && kn.dim() == 1 && kn.size(0) == d_ &&
+                      qn.scalar_type() == act && kn.scalar_type() == act,
+                  "q/k norm weights [head_dim] of the activation dtype");
+    }
     layers_.push_back({input_norm.contiguous(), post_norm.contiguous(), std::move(qkv), std::move(o),
-                       std::move(gate_up), std::move(down)});
+                       std::move(gate_up), std::move(down), std::move(qn), std::move(kn)});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -392,6 +403,10 @@ class DecodeLoop {
       const at::Tensor qkv = add_lora(plan, i, kQkvProj, normed, run_linear(layer.qkv, normed));
       clock.lap(kQkv);
       const int64_t width = qkv.size(1);
+      if (layer.q_norm.defined()) {
+        head_norm(qkv, 0, hq_, layer.q_norm);
+        head_norm(qkv, hq_ * d_, hkv_, layer.k_norm);
+      }
       rotate(qkv.data_ptr<float>(), width, hq_, positions, q);
       rotate(qkv.data_ptr<float>() + hq_ * d_, width, hkv_, positions, k);
       store_kv(i, k.data_ptr<float>(), hkv_ * d_, qkv.data_ptr<float>() + (hq_ + hkv_) * d_, width, slots);
@@ -450,8 +465,13 @@ class DecodeLoop {
       const std::vector<at::Tensor> qkv = add_lora(plan, i, kQkvProj, normed, run_linear(layer.qkv, normed))
                                               .split_with_sizes({hq_ * d_, hkv_ * d_, hkv_ * d_}, -1);
       clock.lap(kQkv);
-      const at::Tensor q = cpuk::rotate(qkv[0].reshape({rows, hq_, d_}), positions, cos_sin_);
-      const at::Tensor k = cpuk::rotate(qkv[1].reshape({rows, hkv_, d_}), positions, cos_sin_);
+      at::Tensor q = qkv[0].reshape({rows, hq_, d_}), k = qkv[1].reshape({rows, hkv_, d_});
+      if (layer.q_norm.defined()) {  // as LlamaAttention: RMSNorm over heads flattened into rows
+        q = std::get<0>(cpuk::rms_norm(q.flatten(0, 1), layer.q_norm, eps_, c10::nullopt)).view_as(q);
+        k = std::get<0>(cpuk::rms_norm(k.flatten(0, 1), layer.k_norm, eps_, c10::nullopt)).view_as(k);
+      }
+      q = cpuk::rotate(q, positions, cos_sin_);
+      k = cpuk::rotate(k, positions, cos_sin_);
       const at::Tensor k_cache = k_pool_.select(0, i), v_cache = v_pool_.select(0, i);
       cpuk::reshape_and_cache(k, qkv[2].reshape({rows, hkv_, d_}), k_cache, v_cache, slots);
       clock.lap(kRotaryStore);
@@ -483,6 +503,20 @@ class DecodeLoop {
     float* res_out = new_residual.data_ptr<float>();
     at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
       k_.rms_norm(xp, rp, weight.data_ptr<float>(), out.data_ptr<float>(), res_out, begin, end, hidden, eps_);
+    });
+  }
+
+  // RMSNorm of each of ``heads`` heads (head_dim wide, from column ``offset`` of every row of
+  // ``qkv``) in place: the row kernel the module path's q/k norm runs, one head a row.
+  void head_norm(const at::Tensor& qkv, int64_t offset, int64_t heads, const at::Tensor& weight) {
+    const int64_t width = qkv.size(1);
+    float* base = qkv.data_ptr<float>() + offset;
+    const float* w = weight.data_ptr<float>();
+    at::parallel_for(0, qkv.size(0), 8, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        float* row = base + r * width;
+        k_.rms_norm(row, nullptr, w, row, nullptr, 0, heads, d_, eps_);
+      }
     });
   }
 

@@ -152,6 +152,8 @@ def build_native_decode(
             layer.input_layernorm.weight,
             layer.post_attention_layernorm.weight,
             *(_bind_linear(module, linear) for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+            a.q_norm.weight if a.qk_norm else None,
+            a.k_norm.weight if a.qk_norm else None,
         )
     kivi = quantized_kv if quantized_kv is not None and quantized_kv.fmt.is_kivi else None
     adapters = None if lora is None else LoopLoRA(loop, lora, layers)
@@ -176,6 +178,13 @@ def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCa
         (stage.start != 0 or not stage.is_last, "pipeline parallel"),
         (not layers or not all(isinstance(layer, LlamaDecoderLayer) for layer in layers), "no decoder layers"),
         (family_reason is not None, family_reason),  # what the loop does not compute for this family
+        (
+            any(
+                a.qk_norm and {a.q_norm.eps, a.k_norm.eps} != {model.model.norm.eps}
+                for a in _qk_normed_attentions(layers)
+            ),
+            "q/k norms of another eps",
+        ),
         (_any_attention_has(layers, "sliding_window"), "sliding-window attention"),
         (_any_attention_has(layers, "logit_softcap"), "attention-logit soft-capping"),
         (dtype not in LOOP_DTYPES, f"{dtype} activations"),
@@ -205,6 +214,10 @@ def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCa
             if reason is not None:
                 return reason
     return None
+
+
+def _qk_normed_attentions(layers: list) -> list:
+    return [layer.self_attn for layer in layers if getattr(getattr(layer, "self_attn", None), "qk_norm", False)]
 
 
 def _any_attention_has(layers: list, feature: str) -> bool:

@@ -110,7 +110,6 @@ FAMILIES: tuple[ModelFamily, ...] = (
         "Qwen3",
         qk_norm=True,
         gguf_architecture="qwen3",
-        native_decode_why_not="per-head q/k norm",
     ),
     ModelFamily(
         "GraniteForCausalLM",

@@ -1,8 +1,9 @@
 """The native decode loop (kernels/cpu/decode_loop.cpp, llmctl/models/native_decode.py) against the
 Python module path it replaces on decode-only steps: the same logits bit for bit, step by step,
 for dense fp32 and packed int4/int8 weights, float, 8-bit and KIVI KV caches, padded inputs, q/k/v and
-MLP biases, tied embeddings, a GGUF file mixing packed and float layers, speculative verify rows,
-and the real SmolLM2; batched == unbatched; and the settings it leaves to the module path say why."""
+MLP biases, Qwen3's per-head q/k norms, tied embeddings, a GGUF file mixing packed and float layers,
+speculative verify rows, and the real SmolLM2; batched == unbatched; and the settings it leaves to
+the module path say why."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def assert_same_as_module_path(model: str, monkeypatch, prompts, **kw) -> None:
         assert torch.equal(got, want), f"step {step}: max |diff| {(got - want).abs().max().item()}"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
 @pytest.mark.parametrize("quantization", ["none", "int4", "int8"])
 def test_bitwise_equal_to_the_module_path(hf_model_dirs, monkeypatch, family, quantization):
     # llama: llama3 rope scaling; qwen2: q/k/v biases and tied embeddings; int4 group 64 pads the
@@ -108,7 +109,7 @@ def test_onednn_prepacks_bf16_where_the_cpu_can():
     assert onednn_prepacks_bf16()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
 def test_bf16_bitwise_equal_to_the_module_path(hf_model_dirs, monkeypatch, family):
     # bf16 activations, oneDNN-prepacked weights and a bf16 KV pool (what --dtype auto runs on CPUs
     # with AVX512-BF16 or AMX); qwen2's q/k/v biases are bf16 and go into oneDNN's call
@@ -208,10 +209,7 @@ def test_what_it_does_not_take_runs_the_module_path(llama_dir, monkeypatch, kw, 
     assert reason in engine.runner.decode_path
 
 
-def test_qwen3_qk_norm_and_the_switch(hf_model_dirs, llama_dir, monkeypatch):
-    monkeypatch.setenv("LLMCTL_DECODE_LOOP", "1")
-    engine = LLMEngine(model=str(hf_model_dirs["qwen3"]), skip_tokenizer=True, dtype="float32", kv_cache_memory=8 << 20)
-    assert engine.runner.native_decode is None and "q/k norm" in engine.runner.decode_path
+def test_the_switch(llama_dir, monkeypatch):
     monkeypatch.setenv("LLMCTL_DECODE_LOOP", "0")
     engine = LLMEngine(model=str(llama_dir), skip_tokenizer=True, dtype="float32", kv_cache_memory=8 << 20)
     assert engine.runner.native_decode is None and "LLMCTL_DECODE_LOOP=0" in engine.runner.decode_path
