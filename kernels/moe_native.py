@@ -63,6 +63,11 @@ class NativeExperts:
             self._experts.add_expert([_bind(module, p) for p in gate_up], _bind(module, down))
         self._forward = self._experts.forward
 
+    @property
+    def module(self):
+        """The bound ``_C.moe.Experts`` object (the native decode loop calls it too)."""
+        return self._experts
+
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self._forward(x, weights, ids)
 

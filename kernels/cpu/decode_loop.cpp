@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -43,6 +44,7 @@
 #include "isa.h"
 #include "kv_quant_attention.h"
 #include "lora_kernels.h"
+#include "moe_experts.h"
 #include "quant_kernels.h"
 
 // The loop's own arithmetic is that of the quantized kernels' baseline: AVX2+FMA+F16C (the loader
@@ -188,10 +190,22 @@ at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
   return l.bias.defined() ? out.add_(l.bias) : out;
 }
 
+// A mixture-of-experts MLP: the router's softmax top-k (renormalized or not) picks each row's
+// experts, whose packed weights run in moe_experts.cpp's one call, the object the Python layer
+// calls (llmctl/layers/moe.py, StackedExperts.bind_native).
+struct MoeMlp {
+  Linear router;
+  int64_t top_k = 0;
+  bool renormalize = false;
+  const llk::moe::Experts* experts = nullptr;
+  pybind11::object owner;  // the Python object holding `experts`
+};
+
 struct Layer {
   at::Tensor input_norm, post_norm;
-  Linear qkv, o, gate_up, down;
+  Linear qkv, o, gate_up, down;             // gate_up, down: a dense MLP's
   at::Tensor q_norm, k_norm;  // per-head RMSNorm weights [head_dim] before rotary (Qwen3); undefined: none
+  std::shared_ptr<MoeMlp> moe;  // set: a mixture-of-experts MLP instead of gate_up / down
 };
 
 enum Projection { kQkvProj, kOProj, kGateUpProj, kDownProj, kNumProjections };
@@ -294,28 +308,42 @@ class DecodeLoop {
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, Linear qkv, Linear o, Linear gate_up, Linear down,
                  c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm) {
     const int64_t hidden = final_norm_.size(0);
-    TORCH_CHECK(static_cast<int64_t>(layers_.size()) < k_pool_.size(0), "more layers than KV cache layers");
-    TORCH_CHECK(qkv.k == hidden && qkv.n == (hq_ + 2 * hkv_) * d_ && o.k == hq_ * d_ && o.n == hidden &&
-                    gate_up.k == hidden && gate_up.n % 2 == 0 && down.k == gate_up.n / 2 && down.n == hidden,
-                "layer shapes disagree");
-    const at::ScalarType act = bf16_ ? at::kBFloat16 : at::kFloat;
-    TORCH_CHECK(input_norm.scalar_type() == act && post_norm.scalar_type() == act,
-                "norm weights of the activation dtype");
+    TORCH_CHECK(gate_up.k == hidden && gate_up.n % 2 == 0 && down.k == gate_up.n / 2 && down.n == hidden,
+                "MLP shapes disagree");
     if (bf16_)
-      for (const Linear* l : {&qkv, &o, &gate_up, &down})
+      for (const Linear* l : {&gate_up, &down})
         TORCH_CHECK(l->kind == Linear::kMkldnn, "bf16 activations in the loop: oneDNN-prepacked weights only");
-    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
-    at::Tensor qn, kn;
-    if (q_norm.has_value()) {
-      qn = q_norm->contiguous();
-      kn = k_norm->contiguous();
-      TORCH_CHECK(qn.dim() == 1 && qn.size(0) == d_ && kn.dim() == 1 && kn.size(0) == d_ &&
-                      qn.scalar_type() == act && kn.scalar_type() == act,
-                  "q/k norm weights [head_dim] of the activation dtype");
-    }
-    layers_.push_back({input_norm.contiguous(), post_norm.contiguous(), std::move(qkv), std::move(o),
-                       std::move(gate_up), std::move(down), std::move(qn), std::move(kn)});
+    Layer layer = attention_layer(std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o),
+                                  std::move(q_norm), std::move(k_norm));
+    layer.gate_up = std::move(gate_up);
+    layer.down = std::move(down);
+    layers_.push_back(std::move(layer));
   }
+
+  // A mixture-of-experts layer: attention as add_layer's, then the router (a float linear over the
+  // experts), softmax top-k and the packed experts of `experts` (a `_C.moe.Experts`). fp32 only.
+  void add_moe_layer(at::Tensor input_norm, at::Tensor post_norm, Linear qkv, Linear o, Linear router, int64_t top_k,
+                     bool renormalize, pybind11::object experts, c10::optional<at::Tensor> q_norm,
+                     c10::optional<at::Tensor> k_norm) {
+    TORCH_CHECK(!bf16_, "mixture-of-experts layers in the loop: fp32 activations only");
+    auto moe = std::make_shared<MoeMlp>();
+    moe->experts = llk::moe::experts_of(experts);
+    moe->owner = std::move(experts);
+    const int64_t hidden = final_norm_.size(0), num_experts = llk::moe::num_experts(*moe->experts);
+    TORCH_CHECK(router.k == hidden && router.n == num_experts && 0 < top_k && top_k <= num_experts,
+                "router [experts, hidden] and 0 < top_k <= experts");
+    moe->router = std::move(router);
+    moe->top_k = top_k;
+    moe->renormalize = renormalize;
+    Layer layer = attention_layer(std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o),
+                                  std::move(q_norm), std::move(k_norm));
+    layer.moe = std::move(moe);
+    layers_.push_back(std::move(layer));
+  }
+
+  // Per mixture-of-experts layer, in layer order: the tokens each expert took in the last forward
+  // (int64 [experts]; torch.bincount of the ids, as StackedExperts.forward records them).
+  std::vector<at::Tensor> expert_counts() const { return expert_counts_; }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
@@ -386,6 +414,7 @@ class DecodeLoop {
                   "KIVI plan: a token past the batch");
       kivi_.planned = false;
     }
+    expert_counts_.clear();
     auto x = embeddings.contiguous();
     auto residual = at::empty_like(x);
     auto normed = at::empty_like(x);
@@ -417,6 +446,11 @@ class DecodeLoop {
       clock.lap(kO);
       rms_norm(x, &residual, layer.post_norm, normed, residual);
       clock.lap(kNorm);
+      if (layer.moe) {
+        x = experts(*layer.moe, normed);
+        clock.lap(kExperts);
+        continue;
+      }
       const at::Tensor gate_up = add_lora(plan, i, kGateUpProj, normed, run_linear(layer.gate_up, normed));
       clock.lap(kGateUp);
       const at::Tensor act = silu_and_mul(gate_up);
@@ -504,6 +538,42 @@ class DecodeLoop {
     at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
       k_.rms_norm(xp, rp, weight.data_ptr<float>(), out.data_ptr<float>(), res_out, begin, end, hidden, eps_);
     });
+  }
+
+  // A layer's norms and attention, checked against the loop's shapes and dtype.
+  Layer attention_layer(at::Tensor input_norm, at::Tensor post_norm, Linear qkv, Linear o,
+                        c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm) const {
+    const int64_t hidden = final_norm_.size(0);
+    TORCH_CHECK(static_cast<int64_t>(layers_.size()) < k_pool_.size(0), "more layers than KV cache layers");
+    TORCH_CHECK(qkv.k == hidden && qkv.n == (hq_ + 2 * hkv_) * d_ && o.k == hq_ * d_ && o.n == hidden,
+                "attention shapes disagree");
+    const at::ScalarType act = bf16_ ? at::kBFloat16 : at::kFloat;
+    TORCH_CHECK(input_norm.scalar_type() == act && post_norm.scalar_type() == act,
+                "norm weights of the activation dtype");
+    if (bf16_)
+      for (const Linear* l : {&qkv, &o})
+        TORCH_CHECK(l->kind == Linear::kMkldnn, "bf16 activations in the loop: oneDNN-prepacked weights only");
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
+    Layer layer{input_norm.contiguous(), post_norm.contiguous(), std::move(qkv), std::move(o)};
+    if (q_norm.has_value()) {
+      layer.q_norm = q_norm->contiguous();
+      layer.k_norm = k_norm->contiguous();
+      for (const at::Tensor* w : {&layer.q_norm, &layer.k_norm})
+        TORCH_CHECK(w->dim() == 1 && w->size(0) == d_ && w->scalar_type() == act,
+                    "q/k norm weights [head_dim] of the activation dtype");
+    }
+    return layer;
+  }
+
+  // The MoE MLP of one layer, op for op as SparseMoeBlock.forward at tensor parallel size 1: the
+  // router's logits, route()'s softmax in fp32, top-k and renormalization, the experts' call.
+  at::Tensor experts(const MoeMlp& moe, const at::Tensor& normed) {
+    const at::Tensor logits = run_linear(moe.router, normed);
+    const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
+    auto [weights, ids] = at::topk(probs, moe.top_k, -1);
+    if (moe.renormalize) weights = weights / weights.sum(-1, true);
+    expert_counts_.push_back(at::bincount(ids.reshape(-1), {}, moe.router.n));
+    return llk::moe::run_experts(*moe.experts, normed, weights, ids);
   }
 
   // RMSNorm of each of ``heads`` heads (head_dim wide, from column ``offset`` of every row of
@@ -716,9 +786,9 @@ class DecodeLoop {
     return out;
   }
 
-  enum Op { kNorm, kQkv, kRotaryStore, kAttention, kO, kGateUp, kSilu, kDown, kNumOps };
+  enum Op { kNorm, kQkv, kRotaryStore, kAttention, kO, kGateUp, kSilu, kDown, kExperts, kNumOps };
   static constexpr const char* kOpNames[kNumOps] = {"norm", "qkv", "rotary_store", "attention",
-                                                    "o", "gate_up", "silu", "down"};
+                                                    "o", "gate_up", "silu", "down", "experts"};
   using OpTimes = std::array<int64_t, kNumOps>;
   // Adds the time since the previous lap to an op's total (nothing when profiling is off).
   struct Clock {
@@ -749,6 +819,7 @@ class DecodeLoop {
   std::vector<Layer> layers_;
   std::vector<std::array<std::vector<llk::lora::Stack>, kNumProjections>> lora_;  // per layer; empty: none
   std::vector<llk::lora::Group> lora_plan_;  // the next forward's (set_lora_plan)
+  std::vector<at::Tensor> expert_counts_;    // the last forward's, per MoE layer (expert_counts)
 };
 
 }  // namespace
@@ -777,6 +848,8 @@ void bind(pybind11::module_& m) {
            pybind11::arg("residual_k") = pybind11::none(), pybind11::arg("residual_v") = pybind11::none(),
            pybind11::arg("value_group") = 0)
       .def("add_layer", &DecodeLoop::add_layer)
+      .def("add_moe_layer", &DecodeLoop::add_moe_layer)
+      .def("expert_counts", &DecodeLoop::expert_counts)
       .def("set_kivi_plan", &DecodeLoop::set_kivi_plan)
       .def("set_lora", &DecodeLoop::set_lora)
       .def("set_lora_plan", &DecodeLoop::set_lora_plan)

@@ -15,6 +15,8 @@
 #include <numeric>
 #include <vector>
 
+#include "moe_experts.h"
+
 #include "cpu_kernels.h"
 #include "quant_kernels.h"
 
@@ -170,6 +172,17 @@ class Experts {
   int64_t hidden_, inner_;
   std::vector<Expert> experts_;
 };
+
+const Experts* experts_of(pybind11::handle object) {
+  TORCH_CHECK(pybind11::isinstance<Experts>(object), "not a llmctl_kernels._C.moe.Experts object");
+  return object.cast<const Experts*>();
+}
+
+int64_t num_experts(const Experts& experts) { return experts.num_experts(); }
+
+at::Tensor run_experts(const Experts& experts, const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids) {
+  return experts.forward(x, weights, ids);
+}
 
 void bind(pybind11::module_& m) {
   namespace py = pybind11;

@@ -15,6 +15,7 @@ import torch
 
 from llmctl.layers.attention import Attention
 from llmctl.layers.linear import LinearBase, RowParallelLinear, UnquantizedLinearMethod
+from llmctl.layers.moe import SparseMoeBlock, StackedExperts
 from llmctl.layers.ops import AttentionMetadata, TorchOps
 from llmctl.models.llama import LlamaDecoderLayer
 from llmctl.models.registry import CausalLM, family_for
@@ -65,12 +66,14 @@ class NativeDecode:
         embed: Callable[[torch.Tensor], torch.Tensor],
         kivi: QuantizedKVCache | None = None,
         lora: LoopLoRA | None = None,
+        moe_experts: list[StackedExperts] | None = None,
     ) -> None:
         self.loop = loop  # set_profile / profile: per-op times (benchmarks/features/decode_breakdown.py)
         self._forward = loop.forward
         self._embed = embed
         self._kivi = kivi  # a KIVI pool: each step passes the plan its begin_batch made
         self._lora = lora  # the engine's LoRA adapters: each step passes its rows by slot
+        self._moe_experts = moe_experts or []  # each step's expert counts go to their layers' stats
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self._lora is not None:
@@ -86,9 +89,13 @@ class NativeDecode:
                 plan.finalize_blocks,
                 plan.residual_table,
             )
-        return self._forward(
+        hidden = self._forward(
             self._embed(input_ids), positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens
         )
+        if self._moe_experts:  # as StackedExperts.forward records them on the module path
+            for experts, counts in zip(self._moe_experts, self.loop.expert_counts()):
+                experts.recent_counts.append(counts)
+        return hidden
 
 
 def build_native_decode(
@@ -109,6 +116,8 @@ def build_native_decode(
     if lora is not None and not lora.kernel.transposed:  # the loop calls the native LoRA kernel
         return None, f"decode: Python modules (LoRA through {lora.kernel.name} kernels)"
     layers = model.model.stage_layers
+    if lora is not None and any(isinstance(layer.mlp, SparseMoeBlock) for layer in layers):
+        return None, "decode: Python modules (LoRA on a mixture of experts)"
     attn = layers[0].self_attn
     if quantized_kv is None:
         pool = dict(kv_kind="auto", k_pool=kv_cache[0], v_pool=kv_cache[1])
@@ -146,18 +155,25 @@ def build_native_decode(
         model.model.norm.weight,
         **pool,
     )
+    moe_experts = []  # each MoE layer's experts, in layer order: the loop's expert counts go to them
     for layer in layers:
         a, mlp = layer.self_attn, layer.mlp
-        loop.add_layer(
-            layer.input_layernorm.weight,
-            layer.post_attention_layernorm.weight,
-            *(_bind_linear(module, linear) for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)),
-            a.q_norm.weight if a.qk_norm else None,
-            a.k_norm.weight if a.qk_norm else None,
-        )
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        attention = (_bind_linear(module, a.qkv_proj), _bind_linear(module, a.o_proj))
+        qk_norms = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm else (None, None)
+        if isinstance(mlp, SparseMoeBlock):
+            spec = mlp.gate.spec
+            router = _bind_linear(module, mlp.gate)
+            loop.add_moe_layer(
+                *norms, *attention, router, spec.top_k, spec.norm_topk_prob, mlp.experts.native.module, *qk_norms
+            )
+            moe_experts.append(mlp.experts)
+        else:
+            dense = (_bind_linear(module, mlp.gate_up_proj), _bind_linear(module, mlp.down_proj))
+            loop.add_layer(*norms, *attention, *dense, *qk_norms)
     kivi = quantized_kv if quantized_kv is not None and quantized_kv.fmt.is_kivi else None
     adapters = None if lora is None else LoopLoRA(loop, lora, layers)
-    return NativeDecode(loop, model.model.embed_tokens, kivi, adapters), ACTIVE
+    return NativeDecode(loop, model.model.embed_tokens, kivi, adapters, moe_experts), ACTIVE
 
 
 def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCache | None = None) -> str | None:
@@ -209,10 +225,37 @@ def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCa
     if type(ops) is not TorchOps or not ops.native:
         return "native CPU kernels off"
     for layer in layers:
-        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        if isinstance(layer.mlp, SparseMoeBlock) and (reason := _moe_why_not(layer.mlp, dtype)) is not None:
+            return reason
+        mlp = (
+            (layer.mlp.gate,)
+            if isinstance(layer.mlp, SparseMoeBlock)
+            else (layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        )
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *mlp):
             reason = _linear_why_not(linear, dtype)
             if reason is not None:
                 return reason
+    return None
+
+
+def _moe_why_not(block: SparseMoeBlock, dtype: torch.dtype) -> str | None:
+    """Why the loop cannot run this mixture-of-experts MLP: it runs softmax top-k routing and the
+    packed experts' native call (``StackedExperts.bind_native``) in fp32, at tensor parallel size 1."""
+    spec, experts = block.gate.spec, block.experts
+    checks = [
+        (dtype != torch.float32, f"mixture of experts with {dtype} activations"),
+        (block.shared_expert is not None, "shared experts"),
+        (spec.scoring != "softmax" or spec.num_groups > 1 or spec.scaling_factor != 1.0, "its expert routing"),
+        (block.gate.bias is not None, "a router bias"),
+        (experts.tp.size != 1, "tensor parallel experts"),
+        (experts.packed is None, "float experts (the loop runs packed ones: --quantization or a quantized GGUF)"),
+    ]
+    for failed, reason in checks:
+        if failed:
+            return reason
+    if not (experts.native if experts.native is not None else experts.bind_native()):
+        return "experts without the native MoE call"
     return None
 
 

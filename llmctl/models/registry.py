@@ -252,7 +252,6 @@ FAMILIES: tuple[ModelFamily, ...] = (
         gguf_interleaved_qk=True,
         gguf_config="moe_gguf_config",
         gguf_experts="gguf_expert_tensors",
-        native_decode_why_not="mixture of experts",
     ),
     ModelFamily(
         "Qwen2MoeForCausalLM",
@@ -268,7 +267,6 @@ FAMILIES: tuple[ModelFamily, ...] = (
         ),
         gguf_config="moe_gguf_config",
         gguf_experts="gguf_expert_tensors",
-        native_decode_why_not="mixture of experts",
     ),
     ModelFamily(
         "Qwen3MoeForCausalLM",
@@ -281,7 +279,6 @@ FAMILIES: tuple[ModelFamily, ...] = (
         gguf_metadata=(("expert_feed_forward_length", "moe_intermediate_size"),),
         gguf_config="moe_gguf_config",
         gguf_experts="gguf_expert_tensors",
-        native_decode_why_not="mixture of experts",
     ),
     ModelFamily(
         "OlmoeForCausalLM",
@@ -292,7 +289,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
         gguf_architecture="olmoe",
         gguf_config="moe_gguf_config",
         gguf_experts="gguf_expert_tensors",
-        native_decode_why_not="mixture of experts",
+        native_decode_why_not="OlmoeForCausalLM's q/k norms over the whole projection",
     ),
     ModelFamily(
         "GptOssForCausalLM",

@@ -213,3 +213,42 @@ def test_the_switch(llama_dir, monkeypatch):
     monkeypatch.setenv("LLMCTL_DECODE_LOOP", "0")
     engine = LLMEngine(model=str(llama_dir), skip_tokenizer=True, dtype="float32", kv_cache_memory=8 << 20)
     assert engine.runner.native_decode is None and "LLMCTL_DECODE_LOOP=0" in engine.runner.decode_path
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_moe_bitwise_equal_to_the_module_path(hf_model_dirs, monkeypatch, family, quantization):
+    """Mixture-of-experts layers with packed experts run in the loop: the router, softmax top-k and
+    the native experts call of the module path, the same logits bit for bit, batched and alone, and
+    the same per-expert token counts for the engine's stats."""
+    from llmctl.layers.moe import expert_stats
+
+    model = str(hf_model_dirs[family])
+    prompts = random_prompts(5, VOCAB, 3, 30, seed=21)
+    kw = dict(quantization=quantization, kv_cache_memory=16 << 20)
+    assert_same_as_module_path(model, monkeypatch, prompts, **kw)
+    assert_same_as_module_path(model, monkeypatch, prompts[:1], **kw)
+    stats = {}
+    for loop in (True, False):
+        monkeypatch.setenv("LLMCTL_DECODE_LOOP", "1" if loop else "0")
+        engine = LLMEngine(model=model, skip_tokenizer=True, dtype="float32", **kw)
+        engine.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        stats[loop] = expert_stats(engine.runner.model)
+    assert stats[True]["layers"] and stats[True] == stats[False]
+
+
+@pytest.mark.parametrize(
+    ("family", "kw", "reason"),
+    [
+        ("qwen3_moe", {}, "float experts"),
+        ("qwen2_moe", dict(quantization="int4"), "shared experts"),
+        ("olmoe", dict(quantization="int4"), "q/k norms over the whole projection"),
+        ("qwen3_moe", dict(quantization="int4", dtype="bfloat16"), "mixture of experts with torch.bfloat16"),
+    ],
+)
+def test_moe_it_does_not_take_runs_the_module_path(hf_model_dirs, monkeypatch, family, kw, reason):
+    monkeypatch.setenv("LLMCTL_DECODE_LOOP", "1")
+    kw = {"dtype": "float32", **kw}
+    engine = LLMEngine(model=str(hf_model_dirs[family]), skip_tokenizer=True, kv_cache_memory=16 << 20, **kw)
+    assert engine.runner.native_decode is None
+    assert reason in engine.runner.decode_path

@@ -15,14 +15,6 @@ def make_engine(model_dir) -> LLMEngine:
     return LLMEngine(model=str(model_dir), skip_tokenizer=True, dtype="float32", kv_cache_memory=8 << 20)
 
 
-def test_moe_decodes_on_the_module_path_and_says_why(hf_model_dirs, monkeypatch):
-    monkeypatch.setenv("LLMCTL_DECODE_LOOP", "1")
-    engine = make_engine(hf_model_dirs["qwen2_moe"])
-    assert engine.runner.native_decode is None
-    if engine.model.model.norm.ops.kernels.decode_loop_why_not() is None:  # the kernels would take it
-        assert engine.runner.decode_path == "decode: Python modules (mixture of experts)"
-
-
 def test_the_stats_snapshot_counts_the_tokens_each_expert_took(hf_model_dirs):
     engine = make_engine(hf_model_dirs["qwen2_moe"])
     assert make_engine(hf_model_dirs["llama"]).stats_snapshot()["experts"] is None  # no experts, no section
