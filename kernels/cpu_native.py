@@ -1,5 +1,6 @@
 """Native CPU kernels (C++; kernels/cpu/cpu_kernels.cpp), compiled at install time into
-``llmctl_kernels._C.cpu`` (setup.py; ``llmctl_kernels.native_module`` loads it).
+``llmctl_kernels._C.cpu`` (setup.py; ``llmctl_kernels.native_module`` loads it), with the
+multi-LoRA kernel (``lora_add``, kernels/cpu/lora_kernels.cpp) under the same ISA selection.
 
 Optional: where they were not built (no C++ compiler at install), the engine keeps the pure-torch
 references; whether to use them at all is llmctl's choice. One build holds a variant per
@@ -190,7 +191,7 @@ def reshape_and_cache_native(
 
 
 if __name__ == "__main__":  # `python -m llmctl_kernels.cpu_native`: which native kernels this install has
-    from llmctl_kernels import decode_loop, gemm_native, kv_quant_native, quant_native
+    from llmctl_kernels import decode_loop, gemm_native, kv_quant_native, moe_native, quant_native
 
     def describe(module, variant: str | None, reason: str | None) -> str:
         return f"{module.__name__}{f' ({variant})' if variant else ''}" if module is not None else str(reason)
@@ -205,3 +206,5 @@ if __name__ == "__main__":  # `python -m llmctl_kernels.cpu_native`: which nativ
     print("native decode loop:", describe(loop, None, decode_loop.unavailable_reason()))
     gemm = gemm_native.load_gemm_native()
     print("fp32 GEMM kernels:", describe(gemm, gemm and isa_level(), gemm_native.native_unavailable_reason()))
+    moe = moe_native.load_moe_native()
+    print("MoE experts call:", describe(moe, None, moe_native.EXTENSION.unavailable_reason()))

@@ -5,12 +5,14 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
+from llmctl.cli_options import MODEL as MODEL_PANEL
 from llmctl.cli_options import SAMPLING, config_for_model, engine_options, exit_on_error, parse_template_kwargs
 from llmctl.config import EMBEDDED_MODEL_NAME, EngineConfig
 from llmctl.models.gguf_files import SMOLLM2_NAME, default_model
@@ -56,6 +58,15 @@ def chat(
             rich_help_panel=SAMPLING,
         ),
     ] = False,
+    lora: Annotated[
+        Path | None,
+        typer.Option(
+            "--lora",
+            help="A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) every answer "
+            "runs through, as an Ollama Modelfile's ADAPTER.",
+            rich_help_panel=MODEL_PANEL,
+        ),
+    ] = None,
     chat_template_kwargs: Annotated[
         str | None,
         typer.Option(
@@ -90,6 +101,8 @@ def chat(
                 )
                 template_kwargs = parse_template_kwargs(chat_template_kwargs, "--chat-template-kwargs")
                 config = config_for_model(replace(engine_config, max_num_seqs=1), model)
+                if lora is not None:
+                    config = with_adapter(config, lora)
             except ValueError as exc:  # e.g. an unreadable --kv-cache-memory size
                 err.print(f"[bold red]error:[/] {escape(str(exc))}")
                 raise typer.Exit(1) from None
@@ -115,10 +128,20 @@ def chat(
 
     read_line = input if sys.stdin.isatty() else _echoing_input
     team = cpu_compute_team(engine.device, torch.get_num_threads())
-    repl = ChatRepl(engine, session, params, console, read_line=read_line, compute_team=team)
+    adapter = engine.lora_names()[0] if lora is not None else None
+    repl = ChatRepl(engine, session, params, console, read_line=read_line, compute_team=team, lora=adapter)
     repl.print_banner(load_seconds)
     enable_line_editing()
     repl.run()
+
+
+def with_adapter(config: EngineConfig, path: Path) -> EngineConfig:
+    """``config`` serving the adapter at ``path`` (named after its directory), its slots as wide as
+    the adapter's largest declared rank."""
+    from llmctl.lora.adapter import declared_rank
+
+    rank = max(config.max_lora_rank, declared_rank(path) or 0)
+    return replace(config, lora_modules=(f"{path.name or 'adapter'}={path}",), max_loras=1, max_lora_rank=rank)
 
 
 def _echoing_input(prompt: str) -> str:

@@ -184,8 +184,10 @@ class ChatRepl:
         console: Console,
         read_line: Callable[[str], str] = input,
         compute_team: ComputeTeam | None = None,
+        lora: str | None = None,
     ) -> None:
         self.engine = engine
+        self.lora = lora  # the LoRA adapter every answer runs through (chat --lora), or None
         # sizes the CPU compute team while an answer streams (llmctl/engine/compute_team.py)
         self.compute_team = compute_team
         self.session = session
@@ -218,7 +220,8 @@ class ChatRepl:
     def print_banner(self, load_seconds: float) -> None:
         engine = self.engine
         dtype = engine.dtype_description
-        self.console.print(f"[bold]llmctl chat[/] · {escape(engine.model_label)}")
+        adapter = f" · LoRA {escape(self.lora)}" if self.lora else ""
+        self.console.print(f"[bold]llmctl chat[/] · {escape(engine.model_label)}{adapter}")
         self.console.print(
             f"[dim]{dtype} · {engine.device} · context {engine.max_model_len} tokens · load {load_seconds:.1f} s[/]"
         )
@@ -280,7 +283,7 @@ class ChatRepl:
                 )
             started = time.time()
             try:
-                request_id = self.engine.add_request(prepared.token_ids, self.params)
+                request_id = self.engine.add_request(prepared.token_ids, self.params, lora=self.lora)
             except InvalidRequestError as exc:
                 self.session.discard_pending()
                 self._error(str(exc))

@@ -122,6 +122,17 @@ def _target_scale(config: dict, target: str) -> tuple[int, float]:
     return rank, alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
+def declared_rank(path: str | Path) -> int | None:
+    """The largest rank an adapter directory's config declares (``r``, ``rank_pattern``), to size
+    the slots for it; None when it cannot be read (loading it then says why)."""
+    try:
+        config = json.loads((Path(path) / CONFIG_FILE).read_text())
+        ranks = [config["r"], *(config.get("rank_pattern") or {}).values()]
+        return max(r for r in ranks if isinstance(r, int) and not isinstance(r, bool))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def _placement(model: nn.Module, modules: dict[str, nn.Module], target: str, label: str) -> tuple[str, int, int]:
     """(llmctl module name, output offset, rows) of a PEFT target module name."""
     prefix, _, leaf = target.rpartition(".")

@@ -47,3 +47,31 @@ def test_runtime_routes_only_behind_the_flag(enabled: bool) -> None:
     assert answer.status_code == 404
     assert ("no LoRA adapter named `nope`" in answer.text) == enabled
     assert ("no route" in answer.text) != enabled
+
+
+def test_chat_answers_through_the_adapter(stories_dir, tmp_path) -> None:
+    """``llmctl chat MODEL --lora DIR``: the banner names the adapter, the slots take its rank (32,
+    above the default 16), and the greedy answer is the adapter's, not the base model's."""
+    import subprocess
+    import sys
+
+    from lora_factory import ALL_LINEAR, make_adapter
+
+    adapter = make_adapter(stories_dir, tmp_path / "tale", rank=32, targets=ALL_LINEAR, seed=7, std=0.2)
+
+    def answer(*extra: str) -> str:
+        cmd = [sys.executable, "-m", "llmctl.cli", "chat", str(stories_dir), "-t", "0", "-n", "16"]
+        done = subprocess.run(
+            [*cmd, "--dtype", "float32", "--kv-cache-memory", "16MiB", *extra],
+            input="Once upon a time\n",
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    plain, adapted = answer(), answer("--lora", str(adapter))
+    assert "LoRA tale" in adapted and "LoRA" not in plain
+    banner_lines = 3
+    assert adapted.splitlines()[banner_lines:] != plain.splitlines()[banner_lines:]
