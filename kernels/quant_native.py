@@ -96,10 +96,11 @@ def bind_native(
 
 def interleaves(packed, *, interleave: bool = True) -> bool:
     """Whether the integer path binds this weight to the tile-interleaved layout: int4, and int8 in
-    groups of 32 (GGUF's Q8_0) up to K/2 (a per-output-channel int8 weight keeps ``int8_linear``);
-    ``interleave=False`` keeps the row layout (the A/B switch)."""
+    groups of 32 (GGUF's Q8_0) up to K/2 (a per-output-channel int8 weight keeps ``int8_linear``)
+    or of 16 (Q6_K); ``interleave=False`` keeps the row layout (the A/B switch)."""
     k, group = packed.shape[1], packed.group_size
-    fits = group % 32 == 0 and (isinstance(packed, PackedInt4) or 2 * group <= k)
+    int4 = isinstance(packed, PackedInt4)
+    fits = (group % 32 == 0 and (int4 or 2 * group <= k)) or (not int4 and group == 16 and k % 32 == 0)
     return interleave and fits and packed.qweight.device.type == "cpu"
 
 

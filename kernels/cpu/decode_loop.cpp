@@ -137,7 +137,7 @@ Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<a
   if (tiles.has_value()) {
     const quantk::TileLayout layout = quantk::tile_layout(l.k_packed, group, l.kind == Linear::kInt4,
                                                           l.scales.element_size(), l.mins.defined());
-    TORCH_CHECK(group % quantk::QB == 0 && tiles->scalar_type() == at::kByte && tiles->is_contiguous() &&
+    TORCH_CHECK((group % quantk::QB == 0 || group == 16) && tiles->scalar_type() == at::kByte && tiles->is_contiguous() &&
                     tiles->numel() == (l.n + quantk::RT - 1) / quantk::RT * layout.tile_bytes(),
                 "packed linear: interleaved tiles that do not match the weight");
     l.tiles = *tiles;

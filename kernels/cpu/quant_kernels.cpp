@@ -358,6 +358,8 @@ namespace {
 //   for each group g: the RT rows' scales of g, then for each block of g the RT rows' blocks (16
 //                     bytes for int4, 32 for int8), row after row;
 //   then, with mins:  for each group g the RT rows' mins of g.
+// int8 in groups of 16 (GGUF's Q6_K): for each 32-input block the RT rows' scales of its first
+// group, of its second, then the RT rows' 32 bytes; the mins as above, per group of 16.
 // Rows past n (in the last tile) are zero. Each row's arithmetic is that of the tiles above, in the
 // same order (the same products, accumulators, hsum256 and mins): the same bits.
 
@@ -523,10 +525,45 @@ __attribute__((target("avx2,fma,f16c"))) void tile_interleaved(const uint8_t* p,
     finish_rows<S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x[i].group_sums, acc[i], out + i * RT);
 }
 
+// int8 in groups of 16 against MX x rows (AVX2, on every x86 variant): each block's two halves
+// scaled apart, as int8_tile_avx2 does for group 16 (first half, then second, into the same
+// accumulator), so each row gets the row layout's bits.
+template <typename S, int MX>
+__attribute__((target("avx2,fma,f16c"))) void tile_interleaved_g16(const uint8_t* p, const TileLayout& l,
+                                                                   const XRow* x, float* out) {
+  __m256 acc[MX][RT];
+  for (int i = 0; i < MX; ++i)
+    for (int r = 0; r < RT; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < l.groups / 2; ++b) {
+    const __m256 first = group_scales<S>(p), second = group_scales<S>(p + RT * sizeof(S));
+    p += 2 * RT * sizeof(S);
+    prefetch_ahead<Int8Block>(p);
+    __m256i x0[MX], x1[MX];
+    __m256 s0[MX], s1[MX];
+    for (int i = 0; i < MX; ++i) {
+      x0[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].q + b * QB));
+      x1[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].q + b * QB + 16));
+      const __m256 xd = _mm256_set1_ps(x[i].scale[b]);
+      s0[i] = _mm256_mul_ps(first, xd);
+      s1[i] = _mm256_mul_ps(second, xd);
+    }
+    for (int r = 0; r < RT; ++r) {
+      const Int8Block::Words w = Int8Block::unpack(p + r * QB);
+      for (int i = 0; i < MX; ++i) {
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w.lo, x0[i])), lane(s0[i], r), acc[i][r]);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w.hi, x1[i])), lane(s1[i], r), acc[i][r]);
+      }
+    }
+    p += RT * QB;
+  }
+  for (int i = 0; i < MX; ++i)
+    finish_rows<S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x[i].group_sums, acc[i], out + i * RT);
+}
+
 }  // namespace
 
 TileLayout llk::quant::tile_layout(int64_t k, int64_t group, bool int4, int64_t scale_bytes, bool mins) {
-  return {k / group, group / QB, int4 ? QB / 2 : QB, scale_bytes, mins};
+  return {k / group, group / QB, int4 ? QB / 2 : QB, scale_bytes, mins};  // group 16: bpg 0
 }
 
 namespace {
@@ -684,12 +721,18 @@ struct InterleavedTiles {
 };
 
 template <typename S>
+TilePick<S> pick_g16() {
+  return {{{{2, tile_interleaved_g16<S, 2>}, {1, tile_interleaved_g16<S, 1>}, {1, tile_interleaved_g16<S, 1>}}}, false};
+}
+
+template <typename S>
 void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, int64_t group, bool mins, int64_t n,
                          float* out) {
   const TileLayout l = tile_layout(xq.k, group, int4, sizeof(S), mins);
   const auto [passes, by_group_sums] =
-      int4 ? (l.bpg == 1 ? InterleavedTiles<S, true, Int4Block>::pick() : InterleavedTiles<S, false, Int4Block>::pick())
-           : (l.bpg == 1 ? InterleavedTiles<S, true, Int8Block>::pick() : InterleavedTiles<S, false, Int8Block>::pick());
+      l.bpg == 0 ? pick_g16<S>()
+      : int4     ? (l.bpg == 1 ? InterleavedTiles<S, true, Int4Block>::pick() : InterleavedTiles<S, false, Int4Block>::pick())
+                 : (l.bpg == 1 ? InterleavedTiles<S, true, Int8Block>::pick() : InterleavedTiles<S, false, Int8Block>::pick());
   TORCH_INTERNAL_ASSERT(passes[0].first <= MAX_PASS_ROWS);
   const int64_t m = xq.m, nb = xq.k / QB, tile_bytes = l.tile_bytes();
   std::vector<float> xsums(m * l.groups), by_group;
@@ -725,7 +768,8 @@ void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, 
 
 void llk::quant::interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, bool int4, bool half, int64_t group,
                                   bool mins, int64_t n, float* out) {
-  if (xq.x != nullptr && xq.m >= g_qgemm_min_rows.load(std::memory_order_relaxed))
+  // group 16 stays on the int16 passes at every M (qgemm.h has no per-16 scales)
+  if (xq.x != nullptr && xq.m >= g_qgemm_min_rows.load(std::memory_order_relaxed) && group % QB == 0)
     return qgemm::gemm(xq.x, xq.m, xq.k, tiles, int4, half, group, mins, n, out);
   if (xq.q.size() != static_cast<size_t>(xq.m * xq.k))  // made at qgemm's sizes, the threshold moved since
     return interleaved_gemm(int16_rows(xq, int4), tiles, int4, half, group, mins, n, out);
@@ -736,14 +780,16 @@ void llk::quant::interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, bo
 namespace llk::quant {
 
 // A packed int4 (uint8 [n, k / 2]) or int8 (int8 [n, k]) weight with its scales (and mins) [n, k /
-// group], float32 or float16, in the interleaved layout (uint8, flat). Group: a multiple of 32.
+// group], float32 or float16, in the interleaved layout (uint8, flat). Group: a multiple of 32, or
+// 16 for int8.
 at::Tensor interleave_tiles(const at::Tensor& qweight, const at::Tensor& scales,
                                const c10::optional<at::Tensor>& mins, int64_t group) {
   const bool int4 = qweight.scalar_type() == at::kByte;
   TORCH_CHECK((int4 || qweight.scalar_type() == at::kChar) && qweight.dim() == 2 && qweight.is_contiguous(),
               "qweight: contiguous uint8 (int4) or int8 [n, packed k]");
   const int64_t n = qweight.size(0), row_bytes = qweight.size(1), k = int4 ? 2 * row_bytes : row_bytes;
-  TORCH_CHECK(group % QB == 0 && k % group == 0, "interleaved tiles need a group that is a multiple of 32 dividing K");
+  TORCH_CHECK(((group % QB == 0) || (group == 16 && !int4)) && k % group == 0 && k % QB == 0,
+              "interleaved tiles need a group that is a multiple of 32 (or int8's 16) dividing K");
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
                   scales.numel() == n * (k / group), "scales: contiguous float32 or float16 [n, k / group]");
   TORCH_CHECK(!mins.has_value() || (mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() &&
@@ -760,10 +806,16 @@ at::Tensor interleave_tiles(const at::Tensor& qweight, const at::Tensor& scales,
     uint8_t* tile = dst + (j / RT) * tile_bytes;
     const int64_t r = j % RT;
     for (int64_t g = 0; g < l.groups; ++g) {
-      uint8_t* group_start = tile + g * l.group_bytes();
-      std::memcpy(group_start + r * sb, s + (j * l.groups + g) * sb, sb);
-      for (int64_t e = 0; e < l.bpg; ++e)
-        std::memcpy(group_start + RT * sb + (e * RT + r) * bb, q + j * row_bytes + (g * l.bpg + e) * bb, bb);
+      if (l.bpg == 0) {  // group 16: a block's two groups' scales, then its bytes
+        uint8_t* block_start = tile + (g / 2) * 2 * l.group_bytes();
+        std::memcpy(block_start + ((g % 2) * RT + r) * sb, s + (j * l.groups + g) * sb, sb);
+        if (g % 2 == 0) std::memcpy(block_start + 2 * RT * sb + r * bb, q + j * row_bytes + (g / 2) * bb, bb);
+      } else {
+        uint8_t* group_start = tile + g * l.group_bytes();
+        std::memcpy(group_start + r * sb, s + (j * l.groups + g) * sb, sb);
+        for (int64_t e = 0; e < l.bpg; ++e)
+          std::memcpy(group_start + RT * sb + (e * RT + r) * bb, q + j * row_bytes + (g * l.bpg + e) * bb, bb);
+      }
       if (mn != nullptr) std::memcpy(tile + l.groups * l.group_bytes() + (g * RT + r) * sb, mn + (j * l.groups + g) * sb, sb);
     }
   }
@@ -775,7 +827,8 @@ at::Tensor interleaved_linear(const at::Tensor& x_in, const at::Tensor& tiles, b
                                  int64_t group, bool half, bool mins) {
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
   const int64_t k = x_in.size(1);
-  TORCH_CHECK(group % QB == 0 && k % group == 0, "group must be a multiple of 32 dividing K");
+  TORCH_CHECK(((group % QB == 0) || (group == 16 && !int4)) && k % group == 0 && k % QB == 0,
+              "group must be a multiple of 32 (or int8's 16) dividing K");
   const TileLayout l = tile_layout(k, group, int4, half ? 2 : 4, mins);
   TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
                   tiles.numel() == (n + RT - 1) / RT * l.tile_bytes(), "tiles do not match n, K and the group");

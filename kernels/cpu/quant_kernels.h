@@ -24,11 +24,14 @@ struct QuantizedX {
   const float* x = nullptr;  // the float rows themselves (interleaved_gemm's int8 path at many rows)
 };
 
-// One tile of RT weight rows in interleave_tiles' layout (quant_kernels.cpp describes it).
+// One tile of RT weight rows in interleave_tiles' layout (quant_kernels.cpp describes it). bpg 0:
+// int8 in groups of 16 (GGUF's Q6_K), two groups to a 32-input block.
 struct TileLayout {
   int64_t groups, bpg, block_bytes, scale_bytes;
   bool mins;
-  int64_t group_bytes() const { return RT * scale_bytes + bpg * RT * block_bytes; }
+  int64_t group_bytes() const {
+    return RT * scale_bytes + (bpg == 0 ? RT * block_bytes / 2 : bpg * RT * block_bytes);
+  }
   int64_t tile_bytes() const { return groups * group_bytes() + (mins ? groups * RT * scale_bytes : 0); }
 };
 

@@ -47,9 +47,10 @@ def _packed(kind: str, n: int, k: int, seed: int, half: bool):
     if kind.startswith("int4"):
         packed = quantize_int4(w, int(kind[5:]))
     else:
-        sym = quantize_int8(w, 32)
-        mins = torch.randn(n, k // 32, generator=gen) * 0.1 if kind == "int8-mins" else None
-        packed = PackedInt8(sym.qweight, sym.scales, mins, 32)
+        group = 16 if kind.startswith("int8g16") else 32  # 16: GGUF's Q6_K (mins: merged with a Q4_K part)
+        sym = quantize_int8(w, group)
+        mins = torch.randn(n, k // group, generator=gen) * 0.1 if kind.endswith("-mins") else None
+        packed = PackedInt8(sym.qweight, sym.scales, mins, group)
     if not half:
         return packed, packed
     # GGUF-like: float16 scales and mins, as kernel_packed makes them (the twin: the same values in float32)
@@ -59,7 +60,7 @@ def _packed(kind: str, n: int, k: int, seed: int, half: bool):
     return cls(packed.qweight, *halves, packed.group_size), twin
 
 
-@pytest.mark.parametrize("kind", ["int4g32", "int4g64", "int4g128", "int8g32", "int8-mins"])
+@pytest.mark.parametrize("kind", ["int4g32", "int4g64", "int4g128", "int8g32", "int8-mins", "int8g16", "int8g16-mins"])
 @pytest.mark.parametrize("half", [False, True])
 @pytest.mark.parametrize(
     "m", [1, 3, 5, 8, 14, 33]
@@ -76,6 +77,23 @@ def test_interleaved_gives_the_row_layout_bits(kind, half, m, n, k):
     assert torch.equal(out, rows)
     reference = int_path_reference(x, twin)
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["int8g16", "int8g16-mins"])
+def test_group_16_keeps_the_int16_passes_at_many_rows(kind):
+    """At the int8-digit GEMM's sizes (from 8 rows, the default threshold) a group-16 weight stays
+    on the int16 passes, as its row layout does: the same bits at every M."""
+    set_rows = load_quant_native().set_qgemm_min_rows
+    previous = set_rows(8)
+    try:
+        packed, _ = _packed(kind, 30, 384, seed=3, half=True)
+        kernel = bind_native(packed)
+        assert isinstance(kernel, InterleavedKernel) and kernel.group == 16
+        for m in (1, 8, 64):
+            x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m))
+            assert torch.equal(kernel(x), quant_linear_native(x, packed, INT_PATH)), m
+    finally:
+        set_rows(previous)
 
 
 def test_the_avx2_passes_give_the_same_bits():
