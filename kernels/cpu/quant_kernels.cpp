@@ -525,7 +525,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_interleaved(const uint8_t* p,
     finish_rows<S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x[i].group_sums, acc[i], out + i * RT);
 }
 
-// int8 in groups of 16 against MX x rows (AVX2, on every x86 variant): each block's two halves
+// int8 in groups of 16 against MX x rows (AVX2; the AVX-512 forms below give its bits): each block's two halves
 // scaled apart, as int8_tile_avx2 does for group 16 (first half, then second, into the same
 // accumulator), so each row gets the row layout's bits.
 template <typename S, int MX>
@@ -682,6 +682,87 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
   finish_rows<S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x->group_sums, rows, out);
 }
 
+// tile_interleaved_pairs for int8 in groups of 16: 2 * PAIRS x rows, each 256-bit half one row's
+// ymm arithmetic of tile_interleaved_g16, lane for lane (both halves of a block, each with its scale).
+template <typename S, int PAIRS>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void tile_interleaved_g16_pairs(
+    const uint8_t* p, const TileLayout& l, const XRow* x, float* out) {
+  __m512 acc[PAIRS][RT];
+  for (int i = 0; i < PAIRS; ++i)
+    for (int r = 0; r < RT; ++r) acc[i][r] = _mm512_setzero_ps();
+  const __m512i lane_of[RT] = {_mm512_set1_epi32(0), _mm512_set1_epi32(1), _mm512_set1_epi32(2), _mm512_set1_epi32(3)};
+  for (int64_t b = 0; b < l.groups / 2; ++b) {
+    const __m512 first = _mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_castps_si256(group_scales<S>(p))));
+    const __m512 second =
+        _mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_castps_si256(group_scales<S>(p + RT * sizeof(S)))));
+    p += 2 * RT * sizeof(S);
+    prefetch_ahead<Int8Block>(p);
+    __m512i x0[PAIRS], x1[PAIRS];
+    __m512 s0[PAIRS], s1[PAIRS];
+    for (int i = 0; i < PAIRS; ++i) {
+      const XRow& a = x[2 * i];
+      const XRow& c = x[2 * i + 1];
+      x0[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + b * QB))),
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.q + b * QB)), 1);
+      x1[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + b * QB + 16))),
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.q + b * QB + 16)), 1);
+      const __m512 xd = _mm512_insertf32x8(_mm512_set1_ps(a.scale[b]), _mm256_set1_ps(c.scale[b]), 1);
+      s0[i] = _mm512_mul_ps(first, xd);
+      s1[i] = _mm512_mul_ps(second, xd);
+    }
+    for (int r = 0; r < RT; ++r) {
+      const Int8Block::Words512 w = Int8Block::unpack512(p + r * QB);
+      for (int i = 0; i < PAIRS; ++i) {
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(w.lo, x0[i])),
+                                    _mm512_permutevar_ps(s0[i], lane_of[r]), acc[i][r]);
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(w.hi, x1[i])),
+                                    _mm512_permutevar_ps(s1[i], lane_of[r]), acc[i][r]);
+      }
+    }
+    p += RT * QB;
+  }
+  for (int i = 0; i < PAIRS; ++i) {
+    __m256 lo[RT], hi[RT];
+    for (int r = 0; r < RT; ++r) {
+      lo[r] = _mm512_castps512_ps256(acc[i][r]);
+      hi[r] = _mm512_extractf32x8_ps(acc[i][r], 1);
+    }
+    _mm_storeu_ps(out + (2 * i) * RT, hsum_rows(lo));
+    _mm_storeu_ps(out + (2 * i + 1) * RT, hsum_rows(hi));
+  }
+  if (l.mins) add_pass_mins<S, PAIRS>(reinterpret_cast<const S*>(p), l.groups, x[0], out);
+}
+
+// tile_interleaved_row512 for int8 in groups of 16: weight rows r and r + 1 in the two halves, the
+// block's halves scaled apart: tile_interleaved_g16<..., 1>'s arithmetic, lane for lane.
+template <typename S>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void tile_interleaved_g16_row512(
+    const uint8_t* p, const TileLayout& l, const XRow* x, float* out) {
+  __m512 acc[RT / 2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  const __m512i pick[RT / 2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)};
+  for (int64_t b = 0; b < l.groups / 2; ++b) {
+    const __m512 first = _mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_castps_si256(group_scales<S>(p))));
+    const __m512 second =
+        _mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_castps_si256(group_scales<S>(p + RT * sizeof(S)))));
+    p += 2 * RT * sizeof(S);
+    prefetch_ahead<Int8Block>(p);
+    const __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q + b * QB)));
+    const __m512i x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q + b * QB + 16)));
+    const __m512 xd = _mm512_set1_ps(x->scale[b]);
+    const __m512 s0 = _mm512_mul_ps(first, xd), s1 = _mm512_mul_ps(second, xd);
+    for (int h = 0; h < RT / 2; ++h) {
+      const Int8Block::Words512 w = Int8Block::unpack512_rows(p + 2 * h * QB);
+      acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(w.lo, x0)), _mm512_permutevar_ps(s0, pick[h]), acc[h]);
+      acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(w.hi, x1)), _mm512_permutevar_ps(s1, pick[h]), acc[h]);
+    }
+    p += RT * QB;
+  }
+  const __m256 rows[RT] = {_mm512_castps512_ps256(acc[0]), _mm512_extractf32x8_ps(acc[0], 1),
+                           _mm512_castps512_ps256(acc[1]), _mm512_extractf32x8_ps(acc[1], 1)};
+  finish_rows<S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x->group_sums, rows, out);
+}
+
 // Whether `set_isa` lets AVX-512 code run (a cap below avx512 keeps AVX2 or the scalar code, for
 // tests and A/B runs).
 inline bool avx512_allowed() {
@@ -722,6 +803,9 @@ struct InterleavedTiles {
 
 template <typename S>
 TilePick<S> pick_g16() {
+  if (use_avx512())
+    return {{{{4, tile_interleaved_g16_pairs<S, 2>}, {1, tile_interleaved_g16_row512<S>}, {1, tile_interleaved_g16_row512<S>}}},
+            true};
   return {{{{2, tile_interleaved_g16<S, 2>}, {1, tile_interleaved_g16<S, 1>}, {1, tile_interleaved_g16<S, 1>}}}, false};
 }
 

@@ -96,10 +96,11 @@ def test_group_16_keeps_the_int16_passes_at_many_rows(kind):
         set_rows(previous)
 
 
-def test_the_avx2_passes_give_the_same_bits():
+@pytest.mark.parametrize("kind", ["int4g32", "int8g16-mins"])
+def test_the_avx2_passes_give_the_same_bits(kind):
     """``set_isa_cap("avx2")``, applied to the loaded kernels at once: the AVX2 passes of 2 x rows where
     this CPU would take the AVX-512 pairs; both must give the row layout's bits."""
-    packed, _ = _packed("int4g32", 30, 384, seed=7, half=True)
+    packed, _ = _packed(kind, 30, 384, seed=7, half=True)
     x = torch.randn(19, 384, generator=torch.Generator().manual_seed(1))
     best = bind_native(packed)(x)
     set_isa_cap("avx2")
