@@ -199,6 +199,9 @@ struct MoeMlp {
   bool renormalize = false;
   const llk::moe::Experts* experts = nullptr;
   pybind11::object owner;  // the Python object holding `experts`
+  // A shared expert every row runs (Qwen2-MoE): a dense gated MLP, its output times
+  // sigmoid(shared_gate(x)) when that gate is given; undefined kinds (n == 0): none.
+  Linear shared_gate_up, shared_down, shared_gate;
 };
 
 struct Layer {
@@ -324,7 +327,8 @@ class DecodeLoop {
   // experts), softmax top-k and the packed experts of `experts` (a `_C.moe.Experts`). fp32 only.
   void add_moe_layer(at::Tensor input_norm, at::Tensor post_norm, Linear qkv, Linear o, Linear router, int64_t top_k,
                      bool renormalize, pybind11::object experts, c10::optional<at::Tensor> q_norm,
-                     c10::optional<at::Tensor> k_norm) {
+                     c10::optional<at::Tensor> k_norm, c10::optional<Linear> shared_gate_up,
+                     c10::optional<Linear> shared_down, c10::optional<Linear> shared_gate) {
     TORCH_CHECK(!bf16_, "mixture-of-experts layers in the loop: fp32 activations only");
     auto moe = std::make_shared<MoeMlp>();
     moe->experts = llk::moe::experts_of(experts);
@@ -335,6 +339,16 @@ class DecodeLoop {
     moe->router = std::move(router);
     moe->top_k = top_k;
     moe->renormalize = renormalize;
+    TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value() && (shared_gate_up || !shared_gate),
+                "a shared expert: gate_up and down (and optionally its gate)");
+    if (shared_gate_up) {
+      TORCH_CHECK(shared_gate_up->k == hidden && shared_gate_up->n % 2 == 0 && shared_down->k == shared_gate_up->n / 2 &&
+                      shared_down->n == hidden && (!shared_gate || (shared_gate->k == hidden && shared_gate->n == 1)),
+                  "shared expert shapes disagree");
+      moe->shared_gate_up = std::move(*shared_gate_up);
+      moe->shared_down = std::move(*shared_down);
+      if (shared_gate) moe->shared_gate = std::move(*shared_gate);
+    }
     Layer layer = attention_layer(std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o),
                                   std::move(q_norm), std::move(k_norm));
     layer.moe = std::move(moe);
@@ -566,14 +580,19 @@ class DecodeLoop {
   }
 
   // The MoE MLP of one layer, op for op as SparseMoeBlock.forward at tensor parallel size 1: the
-  // router's logits, route()'s softmax in fp32, top-k and renormalization, the experts' call.
+  // router's logits, route()'s softmax in fp32, top-k and renormalization, the experts' call, then
+  // a shared expert's gated MLP, scaled by the sigmoid of its gate, added.
   at::Tensor experts(const MoeMlp& moe, const at::Tensor& normed) {
     const at::Tensor logits = run_linear(moe.router, normed);
     const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
     auto [weights, ids] = at::topk(probs, moe.top_k, -1);
     if (moe.renormalize) weights = weights / weights.sum(-1, true);
     expert_counts_.push_back(at::bincount(ids.reshape(-1), {}, moe.router.n));
-    return llk::moe::run_experts(*moe.experts, normed, weights, ids);
+    at::Tensor out = llk::moe::run_experts(*moe.experts, normed, weights, ids);
+    if (moe.shared_down.n == 0) return out;
+    at::Tensor shared = run_linear(moe.shared_down, silu_and_mul(run_linear(moe.shared_gate_up, normed)));
+    if (moe.shared_gate.n != 0) shared = at::sigmoid(run_linear(moe.shared_gate, normed)) * shared;
+    return out + shared;
   }
 
   // RMSNorm of each of ``heads`` heads (head_dim wide, from column ``offset`` of every row of

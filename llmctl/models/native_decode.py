@@ -17,7 +17,7 @@ from llmctl.layers.attention import Attention
 from llmctl.layers.linear import LinearBase, RowParallelLinear, UnquantizedLinearMethod
 from llmctl.layers.moe import SparseMoeBlock, StackedExperts
 from llmctl.layers.ops import AttentionMetadata, TorchOps
-from llmctl.models.llama import LlamaDecoderLayer
+from llmctl.models.llama import LlamaDecoderLayer, LlamaMLP
 from llmctl.models.registry import CausalLM, family_for
 from llmctl.platform import cpu_isa, decode_loop_kernels, quant_native_takes, select_kernels
 
@@ -163,10 +163,10 @@ def build_native_decode(
         qk_norms = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm else (None, None)
         if isinstance(mlp, SparseMoeBlock):
             spec = mlp.gate.spec
-            router = _bind_linear(module, mlp.gate)
-            loop.add_moe_layer(
-                *norms, *attention, router, spec.top_k, spec.norm_topk_prob, mlp.experts.native.module, *qk_norms
-            )
+            router, *shared = (_bind_linear(module, linear) for linear in _moe_linears(mlp))
+            shared += [None] * (3 - len(shared))  # gate_up, down, gate: None where absent
+            experts = mlp.experts.native.module
+            loop.add_moe_layer(*norms, *attention, router, spec.top_k, spec.norm_topk_prob, experts, *qk_norms, *shared)
             moe_experts.append(mlp.experts)
         else:
             dense = (_bind_linear(module, mlp.gate_up_proj), _bind_linear(module, mlp.down_proj))
@@ -227,11 +227,8 @@ def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCa
     for layer in layers:
         if isinstance(layer.mlp, SparseMoeBlock) and (reason := _moe_why_not(layer.mlp, dtype)) is not None:
             return reason
-        mlp = (
-            (layer.mlp.gate,)
-            if isinstance(layer.mlp, SparseMoeBlock)
-            else (layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        )
+        moe = isinstance(layer.mlp, SparseMoeBlock)
+        mlp = _moe_linears(layer.mlp) if moe else (layer.mlp.gate_up_proj, layer.mlp.down_proj)
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *mlp):
             reason = _linear_why_not(linear, dtype)
             if reason is not None:
@@ -239,13 +236,23 @@ def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCa
     return None
 
 
+def _moe_linears(block: SparseMoeBlock) -> tuple[LinearBase, ...]:
+    """The router and a shared expert's linears (gate_up, down, gate), as the loop binds them."""
+    shared = block.shared_expert
+    if shared is None:
+        return (block.gate,)
+    gate = () if block.shared_expert_gate is None else (block.shared_expert_gate,)
+    return (block.gate, shared.gate_up_proj, shared.down_proj, *gate)
+
+
 def _moe_why_not(block: SparseMoeBlock, dtype: torch.dtype) -> str | None:
-    """Why the loop cannot run this mixture-of-experts MLP: it runs softmax top-k routing and the
-    packed experts' native call (``StackedExperts.bind_native``) in fp32, at tensor parallel size 1."""
+    """Why the loop cannot run this mixture-of-experts MLP: it runs softmax top-k routing, the packed
+    experts' native call (``StackedExperts.bind_native``) and a gated dense shared expert, in fp32,
+    at tensor parallel size 1."""
     spec, experts = block.gate.spec, block.experts
     checks = [
         (dtype != torch.float32, f"mixture of experts with {dtype} activations"),
-        (block.shared_expert is not None, "shared experts"),
+        (block.shared_expert is not None and not isinstance(block.shared_expert, LlamaMLP), "its shared expert"),
         (spec.scoring != "softmax" or spec.num_groups > 1 or spec.scaling_factor != 1.0, "its expert routing"),
         (block.gate.bias is not None, "a router bias"),
         (experts.tp.size != 1, "tensor parallel experts"),
