@@ -168,6 +168,15 @@ def bench(
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Also write the figures to this JSON file.", rich_help_panel=REPORT)
     ] = None,
+    lora_modules: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--lora-modules",
+            help="NAME=DIR of a PEFT LoRA adapter, once per adapter (in process): the requests spread "
+            "round-robin over them.",
+            rich_help_panel=WORKLOAD,
+        ),
+    ] = None,
     baseline: Annotated[
         str | None,
         typer.Option(
@@ -209,6 +218,7 @@ def bench(
         json_path=json_path,
         baseline=baseline,
         engine_config=replace(engine_config, seed=seed),
+        lora_modules=tuple(lora_modules or ()),
         argv=list(sys.argv[1:]),
     )
     with exit_on_error(err):

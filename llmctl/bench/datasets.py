@@ -42,6 +42,7 @@ class BenchRequest:
     prompt_len: int  # tokens, as the benchmark's tokenizer counts them
     output_len: int  # tokens to ask for (max_tokens)
     user: str | None = None
+    lora: str | None = None  # the LoRA adapter it runs with (in process, bench --lora-modules)
 
 
 class PromptFactory:

@@ -90,7 +90,7 @@ class InProcessTarget:
         record = RequestRecord(start=start, end=start, prompt_tokens=request.prompt_len)
         final = None
         try:
-            async for out in self.engine.generate(request.prompt, params, user=request.user):
+            async for out in self.engine.generate(request.prompt, params, user=request.user, lora=request.lora):
                 now = time.perf_counter()
                 if out.outputs[0].delta_token_ids:
                     record.chunk_times.append(now)

@@ -68,6 +68,7 @@ class BenchOptions:
     json_path: Path | None = None
     baseline: str | None = None
     engine_config: EngineConfig = field(default_factory=EngineConfig)  # the in-process engine's settings
+    lora_modules: tuple[str, ...] = ()  # NAME=DIR adapters the in-process requests spread over
     argv: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -85,6 +86,17 @@ class BenchOptions:
             raise BenchError("--concurrency and --warmup cannot be negative")
         if not self.request_rate > 0:
             raise BenchError("--request-rate must be positive (inf sends every request at once)")
+        if self.lora_modules and self.url is not None:
+            raise BenchError(
+                "--lora-modules runs adapters in process; against --url name an adapter the server has "
+                "with --served-model-name"
+            )
+        if self.lora_modules and self.baseline is not None:
+            raise BenchError("--lora-modules and --baseline: the transformers baseline runs the base model only")
+        for entry in self.lora_modules:
+            name, _, path = entry.partition("=")
+            if not name or not path:
+                raise BenchError(f"--lora-modules takes NAME=DIR, got {entry!r}")
 
     @property
     def effective_ignore_eos(self) -> bool:
@@ -301,8 +313,13 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
         and not (Path(config.model) / "tokenizer.json").is_file()
     ):
         config.skip_tokenizer = True  # token-id prompts: a checkpoint without tokenizer files still benchmarks
+    if options.lora_modules:
+        config = _with_adapters(config, options.lora_modules)
+        facts["notes"].append(f"requests spread round-robin over the LoRA adapters {', '.join(config.lora_modules)}")
     engine = LLMEngine(config)
     requests = build_requests(options, engine.tokenizer, engine.model.config.vocab_size, engine.max_model_len)
+    if adapters := engine.lora_names():
+        requests = [replace(r, lora=adapters[i % len(adapters)]) for i, r in enumerate(requests)]
     too_long = max(r.prompt_len + r.output_len for r in requests)
     if too_long > engine.max_model_len:
         raise BenchError(
@@ -326,6 +343,19 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
         model_spec=spec,
     )
     return result, timed, facts
+
+
+def _with_adapters(config: EngineConfig, lora_modules: tuple[str, ...]) -> EngineConfig:
+    """``config`` serving the adapters, one slot each, as wide as the largest declared rank."""
+    from llmctl.lora.adapter import declared_rank
+
+    ranks = [declared_rank(entry.partition("=")[2]) or 0 for entry in lora_modules]
+    return replace(
+        config,
+        lora_modules=tuple(lora_modules),
+        max_loras=max(config.max_loras, len(lora_modules)),
+        max_lora_rank=max(config.max_lora_rank, *ranks),
+    )
 
 
 async def _probe_server(target: HttpTarget) -> dict[str, Any] | None:

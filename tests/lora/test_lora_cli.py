@@ -75,3 +75,37 @@ def test_chat_answers_through_the_adapter(stories_dir, tmp_path) -> None:
     assert "LoRA tale" in adapted and "LoRA" not in plain
     banner_lines = 3
     assert adapted.splitlines()[banner_lines:] != plain.splitlines()[banner_lines:]
+
+
+def test_bench_spreads_requests_over_the_adapters(lora_bases, lora_adapters, monkeypatch) -> None:
+    """``llmctl bench MODEL --lora-modules a=DIR --lora-modules b=DIR``: the in-process requests run
+    round-robin over the adapters (the engine sees each request's adapter; r64 sizes the slots);
+    --url or a malformed entry is one clear line."""
+    from typer.testing import CliRunner
+
+    from llmctl.cli import app
+    from llmctl.engine.async_engine import AsyncEngine
+
+    seen: list[str | None] = []
+    generate = AsyncEngine.generate
+
+    def recording(self, prompt, params, final_only=False, **kwargs):
+        seen.append(kwargs.get("lora"))
+        return generate(self, prompt, params, final_only, **kwargs)
+
+    monkeypatch.setattr(AsyncEngine, "generate", recording)
+    adapters = lora_adapters["llama"]
+    workload = ["--num-prompts", "6", "--warmup", "0", "--concurrency", "3", "--input-len", "8", "--output-len", "4"]
+    engine = [str(lora_bases["llama"]), "--dtype", "float32", "--kv-cache-memory", "16MiB"]
+    loras = ["--lora-modules", f"a={adapters['r8']}", "--lora-modules", f"b={adapters['r64']}"]
+    result = CliRunner().invoke(app, ["bench", *engine, *workload, *loras])
+    assert result.exit_code == 0, result.output
+    assert sorted(seen) == ["a", "a", "a", "b", "b", "b"]
+    assert "round-robin over the LoRA adapters" in result.output
+    for extra, message in [
+        (["--url", "http://127.0.0.1:9"], "--lora-modules runs adapters in process"),
+        (["--lora-modules", "nodir"], "takes NAME=DIR"),
+    ]:
+        args = [*workload, *(loras if "--url" in extra else []), *extra]
+        result = CliRunner().invoke(app, ["bench", *(() if "--url" in extra else engine), *args])
+        assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
