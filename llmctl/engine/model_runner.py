@@ -24,7 +24,7 @@ from llmctl.engine.kv_cache import KVFormat, QuantizedKVCache
 from llmctl.engine.pooler import PooledChunk, pool_chunk
 from llmctl.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmctl.engine.sequence import Sequence
-from llmctl.layers.embedding import ParallelLMHead
+from llmctl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from llmctl.layers.ops import AttentionMetadata
 from llmctl.layers.quantization.matmul import bound_cpu_kernel
 from llmctl.layers.quantization.methods import PackedLinearMethod
@@ -37,15 +37,22 @@ def bind_cpu_kernels(model: torch.nn.Module, *, exact_activations: bool = False)
     """Bind every packed CPU layer's kernel at load instead of at its first call: the weight bytes
     a start-up line reports are then those a request runs with (the tile-interleaved copies made,
     the row layouts they replace released), and the first request does not pay for the binding.
-    Here, above the layers, because it needs to tell linear layers from the LM head."""
+    Here, above the layers, because it needs to tell linear layers from the LM head, and a tied
+    LM head (whose rows the embedding looks tokens up in) from an untied one."""
+    looked_up = {  # the packed rows an embedding reads
+        m._parameters["qweight"].data_ptr()
+        for m in model.modules()
+        if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead) and "qweight" in m._parameters
+    }
     for module in model.modules():
         qweight = module._parameters.get("qweight")
         if qweight is None or qweight.device.type != "cpu":
             continue
         if isinstance(getattr(module, "method", None), PackedLinearMethod):
             bound_cpu_kernel(module, release_rows=True, exact_activations=exact_activations)
-        elif isinstance(module, ParallelLMHead):  # keeps its rows: a tied embedding reads them
-            bound_cpu_kernel(module, exact_activations=exact_activations)
+        elif isinstance(module, ParallelLMHead):
+            untied = qweight.data_ptr() not in looked_up
+            bound_cpu_kernel(module, release_rows=untied, exact_activations=exact_activations)
 
 
 def kv_format(

@@ -153,3 +153,29 @@ def test_a_prompt_in_several_chunks_through_the_packed_lm_head(tiny_llama):
     got = chunked.generate([prompt], params)[0].outputs[0].token_ids
     assert got == engine().generate([prompt], params)[0].outputs[0].token_ids
     assert chunked.block_manager.num_free_blocks == chunked.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_an_untied_packed_lm_head_holds_its_rows_once(tmp_path, monkeypatch, tie):
+    """The tiny file's Q6_K output.weight binds the tile-interleaved copy: an untied head then drops
+    its row layout (held once, the same tokens as the row layout gives); a tied one keeps it for
+    the embedding's lookups."""
+    from llmctl_kernels.quant_native import native_unavailable_reason
+
+    if native_unavailable_reason() is not None:
+        pytest.skip(f"quantized CPU kernels: {native_unavailable_reason()}")
+    path = write_tiny_gguf(tmp_path / "m.gguf", tmp_path / "hf", tie=tie)
+    prompts = [[1, 5, 9, 200], [1, 7]]
+    tokens, held = {}, {}
+    for interleave in ("1", "0"):
+        monkeypatch.setenv("LLMCTL_QUANT_INTERLEAVE", interleave)
+        engine = LLMEngine(model=str(path), skip_tokenizer=True, dtype="float32", kv_cache_memory=8 << 20)
+        head = engine.runner.model.lm_head
+        if interleave == "1":
+            assert head.qweight.is_meta != tie
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        tokens[interleave] = [o.outputs[0].token_ids for o in outs]
+        held[interleave] = weight_bytes(engine.runner.model)
+    assert tokens["1"] == tokens["0"]
+    if not tie:  # the tiles replace the rows (and the scales' float16 copies the row kernels read)
+        assert held["1"] <= held["0"]
