@@ -596,6 +596,43 @@ add_pass_mins(const S* mins, int64_t groups, const XRow& first, float* out) {
   for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + 16 * v, y[v]);
 }
 
+// group_scales in both 256-bit halves.
+template <typename S>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"), always_inline)) inline __m512 group_scales512(
+    const uint8_t* p) {
+  return _mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_castps_si256(group_scales<S>(p))));
+}
+
+// x rows a and c's block b in the two 256-bit halves (x0: its first 16 inputs, x1: the last 16);
+// returns their scales, a's in the low half.
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"), always_inline)) inline __m512 load_pair(
+    const XRow& a, const XRow& c, int64_t b, __m512i& x0, __m512i& x1) {
+  x0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + b * QB))),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.q + b * QB)), 1);
+  x1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + b * QB + 16))),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.q + b * QB + 16)), 1);
+  return _mm512_insertf32x8(_mm512_set1_ps(a.scale[b]), _mm256_set1_ps(c.scale[b]), 1);
+}
+
+// The 2 * PAIRS rows' hsums (row u of the pass in out[u * RT .. + RT]), then their mins (at
+// ``mins``, the tile's end): lane 4u + r of the vectors holds row u's result for weight row r, and
+// each group adds min[r, g] * sum(x row u over g) to it, the product and the sum rounded
+// separately, in group order: what finish_rows does for one row, 16 (x row, weight row) pairs a vector.
+template <typename S, int PAIRS>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) inline void finish_pairs(
+    const __m512 (*acc)[RT], const uint8_t* mins, const TileLayout& l, const XRow* x, float* out) {
+  for (int i = 0; i < PAIRS; ++i) {
+    __m256 lo[RT], hi[RT];
+    for (int r = 0; r < RT; ++r) {
+      lo[r] = _mm512_castps512_ps256(acc[i][r]);
+      hi[r] = _mm512_extractf32x8_ps(acc[i][r], 1);
+    }
+    _mm_storeu_ps(out + (2 * i) * RT, hsum_rows(lo));
+    _mm_storeu_ps(out + (2 * i + 1) * RT, hsum_rows(hi));
+  }
+  if (l.mins) add_pass_mins<S, PAIRS>(reinterpret_cast<const S*>(mins), l.groups, x[0], out);
+}
+
 // Pairs of x rows in zmm registers: each 256-bit half of every vector holds one row's ymm
 // operands (its x blocks, its scale products, its accumulators) and the weight words fill both
 // halves, so one AVX-512 instruction does the two rows' ymm instructions, lane for lane: the same
@@ -612,22 +649,13 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
   const __m512i lane_of[RT] = {_mm512_set1_epi32(0), _mm512_set1_epi32(1), _mm512_set1_epi32(2), _mm512_set1_epi32(3)};
   int64_t b = 0;
   for (int64_t g = 0; g < l.groups; ++g) {
-    const __m512 scales = _mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_castps_si256(group_scales<S>(p))));
+    const __m512 scales = group_scales512<S>(p);
     p += RT * sizeof(S);
     for (int64_t e = 0; e < bpg; ++e, ++b, p += RT * Block::BYTES) {
       prefetch_ahead<Block>(p);
       __m512i x0[PAIRS], x1[PAIRS];
       __m512 sx[PAIRS];
-      for (int i = 0; i < PAIRS; ++i) {
-        const XRow& a = x[2 * i];
-        const XRow& c = x[2 * i + 1];
-        x0[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + b * QB))),
-                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.q + b * QB)), 1);
-        x1[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + b * QB + 16))),
-                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.q + b * QB + 16)), 1);
-        const __m512 xd = _mm512_insertf32x8(_mm512_set1_ps(a.scale[b]), _mm256_set1_ps(c.scale[b]), 1);
-        sx[i] = _mm512_mul_ps(scales, xd);
-      }
+      for (int i = 0; i < PAIRS; ++i) sx[i] = _mm512_mul_ps(scales, load_pair(x[2 * i], x[2 * i + 1], b, x0[i], x1[i]));
       for (int r = 0; r < RT; ++r) {
         const typename Block::Words512 w2 = Block::unpack512(p + r * Block::BYTES);
         for (int i = 0; i < PAIRS; ++i)
@@ -636,20 +664,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
       }
     }
   }
-  // The 2 * PAIRS rows' hsums (row u of the pass in out[u * RT .. + RT]), then their mins: lane
-  // 4u + r of the vectors holds row u's result for weight row r, and each group adds
-  // min[r, g] * sum(x row u over g) to it, the product and the sum rounded separately, in group
-  // order: what finish_rows does for one row, 16 (x row, weight row) pairs a vector.
-  for (int i = 0; i < PAIRS; ++i) {
-    __m256 lo[RT], hi[RT];
-    for (int r = 0; r < RT; ++r) {
-      lo[r] = _mm512_castps512_ps256(acc[i][r]);
-      hi[r] = _mm512_extractf32x8_ps(acc[i][r], 1);
-    }
-    _mm_storeu_ps(out + (2 * i) * RT, hsum_rows(lo));
-    _mm_storeu_ps(out + (2 * i + 1) * RT, hsum_rows(hi));
-  }
-  if (l.mins) add_pass_mins<S, PAIRS>(reinterpret_cast<const S*>(p), l.groups, x[0], out);
+  finish_pairs<S, PAIRS>(acc, p, l, x, out);
 }
 
 // One x row against a tile with AVX-512 (decode): weight rows r and r + 1 in the two halves of
@@ -664,7 +679,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
                                 _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)};
   int64_t b = 0;
   for (int64_t g = 0; g < l.groups; ++g) {
-    const __m512 scales = _mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_castps_si256(group_scales<S>(p))));
+    const __m512 scales = group_scales512<S>(p);
     p += RT * sizeof(S);
     for (int64_t e = 0; e < bpg; ++e, ++b, p += RT * Block::BYTES) {
       prefetch_ahead<Block>(p);
@@ -692,21 +707,14 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
     for (int r = 0; r < RT; ++r) acc[i][r] = _mm512_setzero_ps();
   const __m512i lane_of[RT] = {_mm512_set1_epi32(0), _mm512_set1_epi32(1), _mm512_set1_epi32(2), _mm512_set1_epi32(3)};
   for (int64_t b = 0; b < l.groups / 2; ++b) {
-    const __m512 first = _mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_castps_si256(group_scales<S>(p))));
-    const __m512 second =
-        _mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_castps_si256(group_scales<S>(p + RT * sizeof(S)))));
+    const __m512 first = group_scales512<S>(p);
+    const __m512 second = group_scales512<S>(p + RT * sizeof(S));
     p += 2 * RT * sizeof(S);
     prefetch_ahead<Int8Block>(p);
     __m512i x0[PAIRS], x1[PAIRS];
     __m512 s0[PAIRS], s1[PAIRS];
     for (int i = 0; i < PAIRS; ++i) {
-      const XRow& a = x[2 * i];
-      const XRow& c = x[2 * i + 1];
-      x0[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + b * QB))),
-                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.q + b * QB)), 1);
-      x1[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + b * QB + 16))),
-                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.q + b * QB + 16)), 1);
-      const __m512 xd = _mm512_insertf32x8(_mm512_set1_ps(a.scale[b]), _mm256_set1_ps(c.scale[b]), 1);
+      const __m512 xd = load_pair(x[2 * i], x[2 * i + 1], b, x0[i], x1[i]);
       s0[i] = _mm512_mul_ps(first, xd);
       s1[i] = _mm512_mul_ps(second, xd);
     }
@@ -721,16 +729,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
     }
     p += RT * QB;
   }
-  for (int i = 0; i < PAIRS; ++i) {
-    __m256 lo[RT], hi[RT];
-    for (int r = 0; r < RT; ++r) {
-      lo[r] = _mm512_castps512_ps256(acc[i][r]);
-      hi[r] = _mm512_extractf32x8_ps(acc[i][r], 1);
-    }
-    _mm_storeu_ps(out + (2 * i) * RT, hsum_rows(lo));
-    _mm_storeu_ps(out + (2 * i + 1) * RT, hsum_rows(hi));
-  }
-  if (l.mins) add_pass_mins<S, PAIRS>(reinterpret_cast<const S*>(p), l.groups, x[0], out);
+  finish_pairs<S, PAIRS>(acc, p, l, x, out);
 }
 
 // tile_interleaved_row512 for int8 in groups of 16: weight rows r and r + 1 in the two halves, the
@@ -742,9 +741,8 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
   const __m512i pick[RT / 2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                                 _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)};
   for (int64_t b = 0; b < l.groups / 2; ++b) {
-    const __m512 first = _mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_castps_si256(group_scales<S>(p))));
-    const __m512 second =
-        _mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_castps_si256(group_scales<S>(p + RT * sizeof(S)))));
+    const __m512 first = group_scales512<S>(p);
+    const __m512 second = group_scales512<S>(p + RT * sizeof(S));
     p += 2 * RT * sizeof(S);
     prefetch_ahead<Int8Block>(p);
     const __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q + b * QB)));
