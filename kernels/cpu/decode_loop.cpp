@@ -61,15 +61,36 @@ namespace {
 // One linear layer: a plain fp32 weight (at::linear, as F.linear), a panel-packed fp32 weight (the
 // native fp32 GEMM, gemm_kernels.h), a packed int4/int8 weight (the integer tiles with int16
 // activations, as kernels/quant_native.py binds them) or a weight prepacked for oneDNN (its
-// _linear_pointwise op, as llmctl.layers.linear.linear calls it: the bf16 models' layers).
+// _linear_pointwise op, as llmctl.layers.linear.linear calls it: the bf16 models' layers), or
+// parts of those side by side (a merged projection whose packed parts keep their own formats:
+// llmctl.layers.quantization.methods.SplitPackedMethod).
 struct Linear {
-  enum Kind { kDense = 0, kInt4 = 1, kInt8 = 2, kPanel = 3, kMkldnn = 4 };
+  enum Kind { kDense = 0, kInt4 = 1, kInt8 = 2, kPanel = 3, kMkldnn = 4, kSplit = 5 };
   Kind kind = kDense;
   at::Tensor weight, qweight, scales, mins, bias;
   at::Tensor tiles;  // packed int4/int8: the same weight in quant_kernels.cpp's tile-interleaved layout, if bound
   int64_t n = 0, k = 0, k_packed = 0, group = 0;
   bool bias_in_gemm = false;  // a column-parallel dense layer passes its bias to F.linear
+  std::vector<Linear> parts;  // kSplit: the parts, in output order
 };
+
+Linear make_split_linear(std::vector<Linear> parts, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(!parts.empty(), "a split linear needs parts");
+  Linear l;
+  l.kind = Linear::kSplit;
+  l.k = parts.front().k;
+  for (const Linear& part : parts) {
+    TORCH_CHECK(part.k == l.k && part.kind != Linear::kSplit && part.kind != Linear::kMkldnn && !part.bias.defined(),
+                "split linear parts: float32 or packed, one input width, no bias of their own");
+    l.n += part.n;
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == l.n && bias->scalar_type() == at::kFloat, "float32 bias [n]");
+    l.bias = bias->contiguous();
+  }
+  l.parts = std::move(parts);
+  return l;
+}
 
 Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<at::Tensor> weight,
                    c10::optional<at::Tensor> qweight, c10::optional<at::Tensor> scales,
@@ -159,6 +180,12 @@ at::Tensor mkldnn_linear(const at::Tensor& x, const at::Tensor& weight, const at
 // x [m, k] contiguous float32 (bf16 for a prepacked layer) -> [m, n], as PackedLinearMethod.apply /
 // UnquantizedLinearMethod.apply.
 at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
+  if (l.kind == Linear::kSplit) {  // as SplitPackedMethod: the parts' outputs side by side, then the bias
+    std::vector<at::Tensor> outs;
+    for (const Linear& part : l.parts) outs.push_back(run_linear(part, x));
+    auto out = at::cat(outs, -1);
+    return l.bias.defined() ? out.add_(l.bias) : out;
+  }
   if (l.kind == Linear::kMkldnn) {  // a row-parallel layer adds its bias after the (here absent) reduce
     if (l.bias_in_gemm || !l.bias.defined()) return mkldnn_linear(x, l.weight, l.bias);
     return mkldnn_linear(x, l.weight, at::Tensor()) + l.bias;
@@ -854,6 +881,8 @@ void bind(pybind11::module_& m) {
         pybind11::arg("mins") = pybind11::none(), pybind11::arg("group") = 0, pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("bias_in_gemm") = false, pybind11::arg("out_features") = 0,
         pybind11::arg("tiles") = pybind11::none());
+  m.def("make_split_linear", &make_split_linear, "Bind a merged projection's parts, side by side",
+        pybind11::arg("parts"), pybind11::arg("bias") = pybind11::none());
   pybind11::class_<DecodeLoop>(m, "DecodeLoop", "Every decoder layer of a decode step in one call")
       .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
                           const std::string&, at::Tensor, at::Tensor, c10::optional<at::Tensor>,

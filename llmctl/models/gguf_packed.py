@@ -3,8 +3,9 @@ layers (``install_packed_weight`` / ``install_packed_embedding``, the quantizati
 contract), everything else (norms, biases, F32/F16/BF16 matrices) through the plain loader.
 
 A merged projection (QKV, gate-up) gets its parts concatenated in the layer's order; parts in
-different packed formats meet exactly in a common one (``gguf_quants.concat_parts``), and a merge
-that mixes packed and float parts is dequantized as a whole.
+different packed formats stay apart, each run of one format a packed layer of its own
+(``SplitPackedMethod``), and
+a merge that mixes packed and float parts is dequantized as a whole.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def install_packed(
 ) -> list[tuple[Path, str, torch.Tensor]]:
     """Installs every packed GGUF tensor; returns the rest, as float, for ``load_weights``."""
     from llmctl.layers.quantization import install_packed_embedding, install_packed_weight
+    from llmctl.layers.quantization.methods import install_split_packed_weight
 
     dense: list[tuple[Path, str, torch.Tensor]] = []
     merged: dict[str, dict[str | int, tuple[str, PackedWeight | torch.Tensor]]] = {}
@@ -52,7 +54,12 @@ def install_packed(
         merged.setdefault(module, {})[part] = (name, value)
     for module, parts in merged.items():
         ordered = [parts[p] for p in sorted(parts, key=_part_key)] if None not in parts else [parts[None]]
-        packed = gguf_quants.concat_parts([value for _, value in ordered])
+        values = [value for _, value in ordered]
+        if gguf_quants.formats_differ(values):  # runs of one format each, side by side
+            runs = [gguf_quants.concat_parts(run) for run in gguf_quants.format_runs(values)]
+            _install(install_split_packed_weight, model.get_submodule(module), runs, path, module)
+            continue
+        packed = gguf_quants.concat_parts(values)
         if packed is None:  # a float part (or only float parts): this layer runs dequantized
             dense.extend((path, name, gguf_quants.to_float(value)) for name, value in ordered)
             continue

@@ -157,6 +157,29 @@ def _as_int8(packed: PackedWeight, group: int) -> PackedInt8:
     return PackedInt8(qweight, packed.scales.repeat_interleave(repeat, 1), mins.repeat_interleave(repeat, 1), group)
 
 
+def formats_differ(parts: list[PackedWeight]) -> bool:
+    """Whether int4/int8 parts of a merged projection come in different formats (type, group size,
+    mins): concatenated they would meet in ``concat_parts``' common format."""
+    if not all(isinstance(p, (PackedInt4, PackedInt8)) for p in parts):
+        return False
+    first = parts[0]
+    return not all(
+        type(p) is type(first) and p.group_size == first.group_size and (p.mins is None) == (first.mins is None)
+        for p in parts
+    )
+
+
+def format_runs(parts: list[PackedWeight]) -> list[list[PackedWeight]]:
+    """The parts in runs of neighbours that share one format (each run concatenates as it is)."""
+    runs: list[list[PackedWeight]] = []
+    for part in parts:
+        if runs and not formats_differ([runs[-1][0], part]):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return runs
+
+
 def concat_parts(parts: list[PackedWeight]) -> PackedWeight | None:
     """Merged projections (QKV, gate-up) stack their parts along the output rows. Parts in
     different formats meet in PackedInt8 with mins at the smallest group size, which holds every
@@ -164,11 +187,7 @@ def concat_parts(parts: list[PackedWeight]) -> PackedWeight | None:
     if not all(isinstance(p, (PackedInt4, PackedInt8)) for p in parts):
         return None
     first = parts[0]
-    same = all(
-        type(p) is type(first) and p.group_size == first.group_size and (p.mins is None) == (first.mins is None)
-        for p in parts
-    )
-    if not same:
+    if formats_differ(parts):
         group = min(p.group_size for p in parts)
         parts = [_as_int8(p, group) for p in parts]
         first = parts[0]

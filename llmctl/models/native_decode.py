@@ -290,11 +290,15 @@ def _quantized_kv_why_not(quantized_kv: QuantizedKVCache | None) -> str:
 
 
 def _linear_why_not(layer: LinearBase, dtype: torch.dtype) -> str | None:
-    from llmctl.layers.quantization.methods import PackedLinearMethod
+    from llmctl.layers.quantization.methods import PackedLinearMethod, SplitPackedMethod
     from llmctl.layers.quantization.params import read_packed
 
     if layer.tp.size != 1:
         return "tensor parallel"
+    if type(layer.method) is SplitPackedMethod:  # each part as a layer of its own
+        if layer.bias is not None and layer.bias.dtype != torch.float32:
+            return "non-float32 bias"
+        return next((r for part in layer.parts if (r := _linear_why_not(part, dtype)) is not None), None)
     if dtype == torch.bfloat16:  # the loop calls oneDNN's prepacked linear, as the module path does
         prepacked = type(layer.method) is UnquantizedLinearMethod and layer.weight.is_mkldnn
         return None if prepacked else "bf16 layers not prepacked for oneDNN"
@@ -315,7 +319,11 @@ def _linear_why_not(layer: LinearBase, dtype: torch.dtype) -> str | None:
 
 
 def _bind_linear(module: object, layer: LinearBase) -> object:
+    from llmctl.layers.quantization.methods import SplitPackedMethod
+
     bias = None if layer.bias is None else layer.bias.data.contiguous()
+    if type(layer.method) is SplitPackedMethod:
+        return module.make_split_linear([_bind_linear(module, part) for part in layer.parts], bias)
     bias_in_gemm = not isinstance(layer, RowParallelLinear)  # row-parallel adds it after the reduce
     if type(layer.method) is UnquantizedLinearMethod:
         # panel (fp32) and mkldnn (bf16): llmctl.layers.linear.prepack_for_cpu

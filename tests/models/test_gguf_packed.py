@@ -41,18 +41,23 @@ def test_every_quantized_tensor_is_installed_packed_and_exact(tiny_llama):
     dense_weights = dict(dense.named_parameters())
     formats = {}
     for name, module in packed.named_modules():
-        if getattr(module, "packed_format", None) is None:
+        parts = list(getattr(module, "parts", ()))  # a merged projection whose parts keep their formats
+        if ".parts." in name or (getattr(module, "packed_format", None) is None and not parts):
             continue
-        weight = dequantize(read_packed(module))
+        weight = torch.cat([dequantize(read_packed(m)) for m in parts or [module]])
         dense_weight = dense_weights[f"{name}.weight"]
         if dense_weight.dim() == 3:  # fp32 weights packed in panels for the native GEMM
             dense_weight = unpack_panels(dense_weight, weight.shape[0])
         assert torch.equal(weight, dense_weight.float()), name
-        formats[name] = (module.packed_format, module.packed_group_size)
+        formats[name] = [(m.packed_format, m.packed_group_size) for m in parts] or (
+            module.packed_format,
+            module.packed_group_size,
+        )
     layer0, layer1 = "model.layers.0.", "model.layers.1."
-    assert formats[layer0 + "self_attn.qkv_proj"] == ("int8", 32)  # Q4_0 + Q4_1 + Q8_0 meet in int8
+    # parts in different formats stay apart, neighbours of one format together
+    assert formats[layer0 + "self_attn.qkv_proj"] == [("int4", 32), ("int8", 32)]  # Q4_0 + Q4_1, Q8_0
     assert formats[layer0 + "mlp.down_proj"] == ("int8", 16)  # Q6_K
-    assert formats[layer1 + "self_attn.qkv_proj"] == ("int8", 16)  # Q4_K + Q5_K + Q6_K
+    assert formats[layer1 + "self_attn.qkv_proj"] == [("int4", 32), ("int8", 32), ("int8", 16)]  # Q4_K, Q5_K, Q6_K
     assert formats["model.embed_tokens"] == ("int8", 32) and formats["lm_head"] == ("int8", 16)
     # o_proj is F16 and gate (BF16) + up (Q8_0) mix float with packed: those run dequantized
     assert layer1 + "self_attn.o_proj" not in formats and layer1 + "mlp.gate_up_proj" not in formats

@@ -49,6 +49,42 @@ class PackedLinearMethod:
         return out if bias is None else out + bias
 
 
+class SplitPackedMethod:
+    """A merged projection (QKV, gate-up) whose parts keep their own packed formats, e.g. a GGUF
+    file's q/k in Q4_K and v in Q6_K: each part is a packed linear layer of its own (``layer.parts``)
+    and the outputs sit side by side. Why: one common format that holds every part exactly (int8
+    by 16 with mins) reads 12 bits a weight where the parts read 4.5-6.6."""
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        raise TypeError("split packed weights are installed with install_split_packed_weight")
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch.cat([part.method.apply(part, x, None) for part in layer.parts], dim=-1)
+        return out if bias is None else out + bias
+
+
+def install_split_packed_weight(layer: LinearBase, parts: list[PackedWeight]) -> None:
+    """Puts the packed parts of a merged projection into a built linear layer, each as its own packed
+    linear layer (``SplitPackedMethod``), and frees the dense weight. The bias stays on the layer."""
+    if layer.tp.size != 1:
+        raise ValueError("packed weights are supported with tensor parallel size 1 only")
+    sizes = [packed.shape[0] for packed in parts]
+    if sum(sizes) != layer.out_features:
+        raise ValueError(f"{type(layer).__name__}: packed parts of {sizes} rows, layer needs {layer.out_features}")
+    dtype = layer.bias.dtype if layer.bias is not None else torch.float32
+    modules = []
+    for packed, size in zip(parts, sizes):
+        part = LinearBase(layer.in_features, size, False, dtype, layer.tp, None)
+        install_packed_weight(part, packed)
+        modules.append(part)
+    layer._parameters.pop("weight", None)
+    layer.parts = nn.ModuleList(modules)
+    layer.method = SplitPackedMethod()
+
+
 def _layer_device(layer: nn.Module) -> torch.device:
     tensor = next(iter(layer.parameters()), None)
     return tensor.device if tensor is not None and not tensor.is_meta else torch.device("cpu")
