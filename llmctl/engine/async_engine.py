@@ -167,13 +167,26 @@ class AsyncEngine:
         return None if self.error is None else f"engine loop failed: {self.error!r}"
 
     def _loop(self) -> None:
+        # A step's outputs are handed over as the next step starts its forward pass: the event
+        # loops then encode and send them while the forward runs without the GIL, instead of
+        # holding the GIL as the engine thread schedules the next step. A step that runs no
+        # forward, or an idle engine, hands them over at its end.
+        pending: list[RequestOutput] = []
+
+        def hand_over() -> None:
+            if pending:
+                self._publish([(out.request_id, out) for out in pending])
+                pending.clear()
+
         try:
             while not self._stopping:
                 with self.lock:
                     busy = self.engine.has_unfinished()
-                    outputs = self.engine.step() if busy else []
-                if outputs:
-                    self._publish([(out.request_id, out) for out in outputs])
+                    outputs = self.engine.step(before_forward=hand_over) if busy else []
+                hand_over()
+                pending.extend(outputs)
+                if not busy or not self.engine.has_unfinished():
+                    hand_over()
                 if not busy:
                     self._work.wait(timeout=0.5)
                     self._work.clear()
