@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmctl_kernels.cpu_native import EXTENSION as _CPU_KERNELS
+
 NO_ADAPTER = -1
 RANK_ALIGN = 16  # the native kernel's stacks round the rank up to this (zero columns)
 
@@ -112,10 +114,9 @@ def lora_add_grouped(
 
 def lora_add_native(out: torch.Tensor, x: torch.Tensor, stacks: list[Stack], plan: LoRABatchPlan) -> None:
     """``out += delta`` in place for every slice in ``stacks`` (transposed stacks in ``x``'s dtype),
-    in the CPU kernel the native decode loop calls too."""
-    from llmctl_kernels.cpu_native import load_native
-
-    load_native().lora_add(out, x, stacks, plan.spans)
+    in the CPU kernel the native decode loop calls too. Called per adapted module and step: the
+    loaded module is read directly (``NativeKernels.module``), not through its lock."""
+    (_CPU_KERNELS.module or _CPU_KERNELS.require()).lora_add(out, x, stacks, plan.spans)
 
 
 def per_slice(kernel: Callable[..., None]) -> Callable[[torch.Tensor, torch.Tensor, list[Stack], LoRABatchPlan], None]:

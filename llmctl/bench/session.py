@@ -314,7 +314,9 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
     ):
         config.skip_tokenizer = True  # token-id prompts: a checkpoint without tokenizer files still benchmarks
     if options.lora_modules:
-        config = _with_adapters(config, options.lora_modules)
+        from llmctl.lora.adapter import config_with_adapters
+
+        config = config_with_adapters(config, options.lora_modules)
         facts["notes"].append(f"requests spread round-robin over the LoRA adapters {', '.join(config.lora_modules)}")
     engine = LLMEngine(config)
     requests = build_requests(options, engine.tokenizer, engine.model.config.vocab_size, engine.max_model_len)
@@ -343,19 +345,6 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
         model_spec=spec,
     )
     return result, timed, facts
-
-
-def _with_adapters(config: EngineConfig, lora_modules: tuple[str, ...]) -> EngineConfig:
-    """``config`` serving the adapters, one slot each, as wide as the largest declared rank."""
-    from llmctl.lora.adapter import declared_rank
-
-    ranks = [declared_rank(entry.partition("=")[2]) or 0 for entry in lora_modules]
-    return replace(
-        config,
-        lora_modules=tuple(lora_modules),
-        max_loras=max(config.max_loras, len(lora_modules)),
-        max_lora_rank=max(config.max_lora_rank, *ranks),
-    )
 
 
 async def _probe_server(target: HttpTarget) -> dict[str, Any] | None:

@@ -101,8 +101,10 @@ def chat(
                 )
                 template_kwargs = parse_template_kwargs(chat_template_kwargs, "--chat-template-kwargs")
                 config = config_for_model(replace(engine_config, max_num_seqs=1), model)
-                if lora is not None:
-                    config = with_adapter(config, lora)
+                if lora is not None:  # named after its directory
+                    from llmctl.lora.adapter import config_with_adapters
+
+                    config = config_with_adapters(config, (f"{lora.name or 'adapter'}={lora}",))
             except ValueError as exc:  # e.g. an unreadable --kv-cache-memory size
                 err.print(f"[bold red]error:[/] {escape(str(exc))}")
                 raise typer.Exit(1) from None
@@ -133,15 +135,6 @@ def chat(
     repl.print_banner(load_seconds)
     enable_line_editing()
     repl.run()
-
-
-def with_adapter(config: EngineConfig, path: Path) -> EngineConfig:
-    """``config`` serving the adapter at ``path`` (named after its directory), its slots as wide as
-    the adapter's largest declared rank."""
-    from llmctl.lora.adapter import declared_rank
-
-    rank = max(config.max_lora_rank, declared_rank(path) or 0)
-    return replace(config, lora_modules=(f"{path.name or 'adapter'}={path}",), max_loras=1, max_lora_rank=rank)
 
 
 def _echoing_input(prompt: str) -> str:

@@ -183,13 +183,15 @@ class AsyncEngine:
                 with self.lock:
                     busy = self.engine.has_unfinished()
                     outputs = self.engine.step(before_forward=hand_over) if busy else []
-                hand_over()
+                    more = busy and self.engine.has_unfinished()
+                hand_over()  # a step that ran no forward still owes the previous step's outputs
                 pending.extend(outputs)
-                if not busy or not self.engine.has_unfinished():
+                if not more:  # no step follows to hand these over
                     hand_over()
                 if not busy:
                     self._work.wait(timeout=0.5)
                     self._work.clear()
+            hand_over()
         except BaseException as exc:  # noqa: BLE001 - surface to every waiting client, never hang them
             # The traceback first, then the error: a server reports the failure (and exits) once
             # it sees the error, so the traceback always comes before that message, never after.

@@ -565,7 +565,10 @@ class StackedExperts(nn.Module):
         """The packed experts' native per-layer call (kernels/moe_native.py), decided once, on
         the first CPU forward (after the engine has bound every layer's kernel): False where
         ``LLMCTL_MOE_NATIVE=0``, the native kernels are missing, the activation is not the native
-        SiLU-and-mul, or any projection runs a kernel the call does not (``_native_projection``)."""
+        SiLU-and-mul, or any projection runs a kernel the call does not (``_native_projection``).
+        Later calls return that decision (the native decode loop asks at its binding)."""
+        if self.native is not None:
+            return self.native
         self.native = False
         if self.packed is None or not envs.LLMCTL_MOE_NATIVE or quant_cpu_kernels() is None:
             return self.native

@@ -9,6 +9,7 @@ fused target such as Phi-3's ``qkv_proj``) land whole on the module of that name
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from llmctl.config import EngineConfig
 from llmctl.errors import InvalidRequestError
 from llmctl.layers.linear import LinearBase, QKVParallelLinear
 
@@ -122,7 +124,19 @@ def _target_scale(config: dict, target: str) -> tuple[int, float]:
     return rank, alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
-def declared_rank(path: str | Path) -> int | None:
+def config_with_adapters(config: EngineConfig, lora_modules: tuple[str, ...]) -> EngineConfig:
+    """``config`` serving the ``NAME=DIR`` adapters (``chat --lora``, ``bench --lora-modules``): a
+    slot each, as wide as the largest rank their configs declare."""
+    ranks = [_declared_rank(entry.partition("=")[2]) or 0 for entry in lora_modules]
+    return dataclasses.replace(
+        config,
+        lora_modules=tuple(lora_modules),
+        max_loras=len(lora_modules),
+        max_lora_rank=max(config.max_lora_rank, *ranks),
+    )
+
+
+def _declared_rank(path: str | Path) -> int | None:
     """The largest rank an adapter directory's config declares (``r``, ``rank_pattern``), to size
     the slots for it; None when it cannot be read (loading it then says why)."""
     try:

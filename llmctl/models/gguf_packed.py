@@ -4,8 +4,7 @@ contract), everything else (norms, biases, F32/F16/BF16 matrices) through the pl
 
 A merged projection (QKV, gate-up) gets its parts concatenated in the layer's order; parts in
 different packed formats stay apart, each run of one format a packed layer of its own
-(``SplitPackedMethod``), and
-a merge that mixes packed and float parts is dequantized as a whole.
+(``SplitPackedMethod``), and a merge that mixes packed and float parts is dequantized as a whole.
 """
 
 from __future__ import annotations

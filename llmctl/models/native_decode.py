@@ -195,10 +195,7 @@ def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCa
         (not layers or not all(isinstance(layer, LlamaDecoderLayer) for layer in layers), "no decoder layers"),
         (family_reason is not None, family_reason),  # what the loop does not compute for this family
         (
-            any(
-                a.qk_norm and {a.q_norm.eps, a.k_norm.eps} != {model.model.norm.eps}
-                for a in _qk_normed_attentions(layers)
-            ),
+            any({a.q_norm.eps, a.k_norm.eps} != {model.model.norm.eps} for a in _qk_normed_attentions(layers)),
             "q/k norms of another eps",
         ),
         (_any_attention_has(layers, "sliding_window"), "sliding-window attention"),
@@ -225,9 +222,9 @@ def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCa
     if type(ops) is not TorchOps or not ops.native:
         return "native CPU kernels off"
     for layer in layers:
-        if isinstance(layer.mlp, SparseMoeBlock) and (reason := _moe_why_not(layer.mlp, dtype)) is not None:
-            return reason
         moe = isinstance(layer.mlp, SparseMoeBlock)
+        if moe and (reason := _moe_why_not(layer.mlp, dtype)) is not None:
+            return reason
         mlp = _moe_linears(layer.mlp) if moe else (layer.mlp.gate_up_proj, layer.mlp.down_proj)
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *mlp):
             reason = _linear_why_not(linear, dtype)
@@ -261,7 +258,7 @@ def _moe_why_not(block: SparseMoeBlock, dtype: torch.dtype) -> str | None:
     for failed, reason in checks:
         if failed:
             return reason
-    if not (experts.native if experts.native is not None else experts.bind_native()):
+    if not experts.bind_native():
         return "experts without the native MoE call"
     return None
 
