@@ -34,7 +34,8 @@ class ProjectionSpec:
     """One expert projection as its bound kernel reads it: ``weight`` is the tiles
     (``InterleavedKernel.tiles``) or the packed ``qweight``; ``scales`` / ``mins`` the row
     layout's (as that kernel was given them); ``k`` the weight's input columns, ``in_features``
-    the projection's (the rest are zero columns the inputs are padded to)."""
+    the projection's (the rest are zero columns the inputs are padded to); ``scale_bytes`` the
+    tiles' scale format (``InterleavedKernel.scale_bytes``; the row layouts read their scales' dtype)."""
 
     layout: int
     int4: bool
@@ -42,7 +43,7 @@ class ProjectionSpec:
     k: int
     group: int
     in_features: int
-    half: bool
+    scale_bytes: int
     has_mins: bool
     weight: torch.Tensor
     scales: torch.Tensor | None = None
@@ -74,5 +75,5 @@ class NativeExperts:
 
 def _bind(module, p: ProjectionSpec):
     return module.make_projection(
-        p.layout, p.int4, p.n, p.k, p.group, p.in_features, p.half, p.has_mins, p.weight, p.scales, p.mins
+        p.layout, p.int4, p.n, p.k, p.group, p.in_features, p.scale_bytes, p.has_mins, p.weight, p.scales, p.mins
     )

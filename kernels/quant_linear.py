@@ -79,9 +79,10 @@ INT8_ACTIVATION_LEVELS = 127 * 255 + 127  # the many-row path (kernels/cpu/qgemm
 def int8_activation_reference(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """The many-row integer path (kernels/cpu/qgemm.h) in torch: x rounded per row and per 32-input
     block to ``INT8_ACTIVATION_LEVELS`` steps (scale = max|x| / levels, round half to even; the
-    kernel holds each as two int8 digits), each block's exact integer dot product with the weight's
-    ``q`` times ``w_scale * x_scale`` (rounded to float32 as the kernel does), summed in float64;
-    plus each group's ``min`` times the float sum of x over the group. The kernel sums the same
+    kernel holds each as two int8 digits), each block's (for groups of 16: each half block's) exact
+    integer dot product with the weight's ``q`` times ``w_scale * x_scale`` (rounded to float32 as
+    the kernel does), summed in float64; plus each group's ``min`` times the float sum of x over
+    the group. The kernel sums the same
     terms in float32 by fused multiply-adds in block order: they differ by that rounding only."""
     m, k = x.shape
     n = packed.shape[0]
@@ -94,9 +95,13 @@ def int8_activation_reference(x: torch.Tensor, packed: PackedWeight) -> torch.Te
     x_scale = amax / steps  # [m, nb]
     no_mins = None if isinstance(packed, PackedInt8) else torch.zeros_like(packed.scales, dtype=torch.float32)
     q_only = dataclasses.replace(packed, scales=torch.ones_like(packed.scales, dtype=torch.float32), mins=no_mins)
-    wq = dequantize(q_only).reshape(n, nb, ACTIVATION_BLOCK)  # the integer codes q
-    dots = torch.einsum("mbj,nbj->mnb", xq.double(), wq.double())  # exact: |dot| < 2^28
-    w_scale = packed.scales.float().repeat_interleave(group // ACTIVATION_BLOCK, dim=1)  # [n, nb]
+    # one integer dot per part of a block with one weight scale: the block, or each half for groups of 16
+    part = min(group, ACTIVATION_BLOCK)
+    parts = k // part
+    wq = dequantize(q_only).reshape(n, parts, part)  # the integer codes q
+    dots = torch.einsum("mbj,nbj->mnb", xq.reshape(m, parts, part).double(), wq.double())  # exact: |dot| < 2^28
+    w_scale = packed.scales.float().repeat_interleave(group // part, dim=1)  # [n, parts]
+    x_scale = x_scale.repeat_interleave(ACTIVATION_BLOCK // part, dim=1)  # [m, parts]
     scale = (w_scale[None, :, :] * x_scale[:, None, :]).double()  # float32 products, as the kernel's
     out = (dots * scale).sum(-1)
     if packed.mins is not None:

@@ -19,6 +19,8 @@ from llmctl_kernels.packed_formats import PackedFp8, PackedInt4, PackedInt8
 # Rows of x up to which the fp8 kernel converts weights inside its dot products; above, it dequantizes
 # slabs of the weight for torch's GEMM (both compute the same float products).
 FP8_DIRECT_MAX_ROWS = 32
+# Inputs per step of the stepped scale format (quant_kernels.h's STEP: GGUF's K-quant super-block)
+STEP_INPUTS = 256
 
 
 def cpu_unsupported_reason() -> str | None:
@@ -73,20 +75,21 @@ def quant_linear_native(
 
 
 def bind_native(
-    packed, *, exact_activations: bool = False, interleave: bool = True
+    packed, *, exact_activations: bool = False, interleave: bool = True, stepped: bool = True
 ) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``quant_linear_native(x, packed, exact_activations=...)`` with the kernel, its arguments and
     the path chosen once, or None where the native kernels do not take this weight. Why: at decode
     sizes the per-call Python dispatch (format checks, imports) cost several times the kernel
     itself, over ~120 calls a token. The integer path of a grouped int4/int8 weight is bound to its
-    tile-interleaved copy (``InterleavedKernel``) unless ``interleave`` is False (the A/B switch)."""
+    tile-interleaved copy (``InterleavedKernel``) unless ``interleave`` is False (the A/B switch);
+    ``stepped=False`` keeps its scales out of the stepped format there (the A/B switch)."""
     if not supports(packed) or load_quant_native() is None:
         return None
     module = EXTENSION.module
     if isinstance(packed, (PackedInt4, PackedInt8)):
         int_path = not exact_activations
         if int_path and interleaves(packed, interleave=interleave):
-            return InterleavedKernel(module, packed)
+            return InterleavedKernel(module, packed, stepped=stepped)
         linear = module.int4_linear if isinstance(packed, PackedInt4) else module.int8_linear
         args = (packed.qweight, packed.scales, packed.mins, packed.group_size, int_path)
         return lambda x: linear(x, *args)
@@ -110,18 +113,44 @@ class InterleavedKernel:
     mins, read as one sequential stream instead of 12). Made once when bound; below
     ``set_qgemm_min_rows`` rows of x (8) the same bits as the row layout, from there on the
     int8-digit GEMM of kernels/cpu/qgemm.h, which reads the same tiles (prefill, batched decode).
-    ``tiles`` and its description are what the native decode loop binds too (one copy)."""
+    ``tiles`` and its description are what the native decode loop binds too (one copy).
 
-    def __init__(self, module, packed) -> None:
+    Scales and mins that factor as an int8 per group times a float32 step per 256 inputs (GGUF's
+    K-quants: ``d * sc`` per super-block) are stored so (``scale_bytes`` 1, "stepped"): Q4_K then
+    reads 4.75 bits a weight instead of 6 (float32 scales), Q6_K 8.6 instead of 10, with the same
+    bits out (the kernels multiply back the very float32 values). Otherwise float16 where the
+    caller gave exact float16 copies (``scale_bytes`` 2), else float32 (4)."""
+
+    def __init__(self, module, packed, *, stepped: bool = True) -> None:
         self.int4 = isinstance(packed, PackedInt4)
         self.n, self.group = packed.shape[0], packed.group_size
-        self.half = packed.scales.dtype == torch.float16
         self.has_mins = packed.mins is not None
-        self.tiles = module.interleave_tiles(packed.qweight, packed.scales, packed.mins, self.group)
+        steps = _stepped_scales(module, packed) if stepped else None
+        if steps is not None:
+            self.scale_bytes = 1
+            self.tiles = module.interleave_tiles(packed.qweight, *steps[:2], self.group, *steps[2:])
+        else:
+            self.scale_bytes = packed.scales.element_size()
+            self.tiles = module.interleave_tiles(packed.qweight, packed.scales, packed.mins, self.group)
         self._linear = module.interleaved_linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.tiles, self.int4, self.n, self.group, self.half, self.has_mins)
+        return self._linear(x, self.tiles, self.int4, self.n, self.group, self.scale_bytes, self.has_mins)
+
+
+def _stepped_scales(module, packed) -> tuple | None:
+    """``(int8 scales, int8 mins or None, scale steps, min steps or None)`` for ``interleave_tiles``,
+    or None where the scales (or mins) do not factor exactly or K is not whole steps."""
+    k, group = packed.shape[1], packed.group_size
+    if k % STEP_INPUTS != 0 or STEP_INPUTS % group != 0 or group == STEP_INPUTS:
+        return None
+    scales = module.step_scales(packed.scales.float().contiguous(), group)
+    if scales is None:
+        return None
+    if packed.mins is None:
+        return scales[0], None, scales[1], None
+    mins = module.step_scales(packed.mins.float().contiguous(), group)
+    return None if mins is None else (scales[0], mins[0], scales[1], mins[1])
 
 
 if __name__ == "__main__":  # `python -m llmctl_kernels.quant_native`: whether this install has them

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # what each name below reads as (for type checkers; values co
     LLMCTL_CPU_ISA: str | None
     LLMCTL_QUANT_INTERLEAVE: bool
     LLMCTL_QUANT_HALF_SCALES: bool
+    LLMCTL_QUANT_STEPPED_SCALES: bool
     LLMCTL_MOE_NATIVE: bool
     LLMCTL_GPTQ_CACHE: Path | None
     LLMCTL_GPTQ_CACHE_SIZE: str
@@ -167,6 +168,14 @@ VARIABLES: dict[str, EnvVar] = {
             "0 makes the CPU kernels read float32 scales and mins where float16 copies would be exact (same bits, "
             "more bytes a step).",
             _switch("LLMCTL_QUANT_HALF_SCALES", True),
+        ),
+        EnvVar(
+            "LLMCTL_QUANT_STEPPED_SCALES",
+            "bool",
+            "1",
+            "0 keeps float32 (or float16) scales in the CPU kernels' tiles where an int8 per group times a float32 "
+            "step per 256 inputs would be exact, as GGUF's K-quants are (same bits, more bytes a step).",
+            _switch("LLMCTL_QUANT_STEPPED_SCALES", True),
         ),
         EnvVar(
             "LLMCTL_MOE_NATIVE",

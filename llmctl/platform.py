@@ -100,13 +100,19 @@ def quant_native_takes(packed: Any) -> bool:
 
 def bind_quant_kernel(packed: Any, *, exact_activations: bool = False) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``x -> x @ dequantize(packed)^T`` on the native kernels with the path chosen once (the integer
-    path, or exact activations; the tile-interleaved layout unless ``LLMCTL_QUANT_INTERLEAVE=0``),
-    or None where only the torch reference applies."""
+    path, or exact activations; the tile-interleaved layout unless ``LLMCTL_QUANT_INTERLEAVE=0``, its
+    scales stepped where they factor unless ``LLMCTL_QUANT_STEPPED_SCALES=0``), or None where only
+    the torch reference applies."""
     if quant_cpu_kernels() is None:
         return None
     from llmctl_kernels.quant_native import bind_native
 
-    return bind_native(packed, exact_activations=exact_activations, interleave=envs.LLMCTL_QUANT_INTERLEAVE)
+    return bind_native(
+        packed,
+        exact_activations=exact_activations,
+        interleave=envs.LLMCTL_QUANT_INTERLEAVE,
+        stepped=envs.LLMCTL_QUANT_STEPPED_SCALES,
+    )
 
 
 def kv_quant_cpu_kernels() -> ModuleType | None:

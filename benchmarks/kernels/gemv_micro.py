@@ -86,7 +86,7 @@ def main() -> None:
         flat = [torch.empty(nbytes, dtype=torch.uint8).fill_(1) for _ in range(copies)]
         x = torch.randn(1, k)
         ref = (quant.int4_linear if int4 else quant.int8_linear)(x, q, s, mn, 32, True)
-        same = torch.equal(ref, quant.interleaved_linear(x, tiles, int4, n, 32, True, mn is not None))
+        same = torch.equal(ref, quant.interleaved_linear(x, tiles, int4, n, 32, 2, mn is not None))
         print(
             f"\n{name}: N={n} K={k} {'Q4_1' if int4 else 'Q8_0'}, {nbytes / 1e6:.3f} MB, {copies} copies, "
             f"tiles == rows: {same}"

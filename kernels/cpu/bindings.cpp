@@ -60,7 +60,12 @@ void bind_quant(pybind11::module_& m) {
         "x rows from which the interleaved layout takes the int8-activation GEMM (qgemm.h); returns the old value");
   m.def("int4_linear", &int4_linear, "x @ dequant(int4)^T from the packed nibbles");
   m.def("int8_linear", &int8_linear, "x @ dequant(int8)^T from the packed bytes");
-  m.def("interleave_tiles", &interleave_tiles, "a packed int4/int8 weight in the tile-interleaved layout");
+  namespace py = pybind11;
+  m.def("step_scales", &step_scales,
+        "float32 scales [n, k / group] as (int8 per group, float32 step per 256 inputs), exactly, or None");
+  m.def("interleave_tiles", &interleave_tiles, "a packed int4/int8 weight in the tile-interleaved layout",
+        py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("group"), py::arg("scale_steps") = py::none(),
+        py::arg("min_steps") = py::none());
   m.def("interleaved_linear", &interleaved_linear, "x @ dequant(W)^T from interleave_tiles' layout");
   m.def("fp8_linear", &fp8_linear, "x @ dequant(fp8 e4m3)^T from the packed bytes");
 }

@@ -69,6 +69,7 @@ struct Linear {
   Kind kind = kDense;
   at::Tensor weight, qweight, scales, mins, bias;
   at::Tensor tiles;  // packed int4/int8: the same weight in quant_kernels.cpp's tile-interleaved layout, if bound
+  int64_t tile_scale_bytes = 0;  // the tiles' scales: 4 float32, 2 float16, 1 stepped
   int64_t n = 0, k = 0, k_packed = 0, group = 0;
   bool bias_in_gemm = false;  // a column-parallel dense layer passes its bias to F.linear
   std::vector<Linear> parts;  // kSplit: the parts, in output order
@@ -95,7 +96,8 @@ Linear make_split_linear(std::vector<Linear> parts, c10::optional<at::Tensor> bi
 Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<at::Tensor> weight,
                    c10::optional<at::Tensor> qweight, c10::optional<at::Tensor> scales,
                    c10::optional<at::Tensor> mins, int64_t group, c10::optional<at::Tensor> bias,
-                   bool bias_in_gemm, int64_t out_features, c10::optional<at::Tensor> tiles) {
+                   bool bias_in_gemm, int64_t out_features, c10::optional<at::Tensor> tiles,
+                   int64_t tile_scale_bytes) {
   Linear l;
   l.k = in_features;
   l.group = group;
@@ -156,12 +158,15 @@ Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<a
   if (l.mins.defined())
     TORCH_CHECK(l.mins.is_contiguous() && l.mins.scalar_type() == l.scales.scalar_type(), "mins of the scales' dtype");
   if (tiles.has_value()) {
-    const quantk::TileLayout layout = quantk::tile_layout(l.k_packed, group, l.kind == Linear::kInt4,
-                                                          l.scales.element_size(), l.mins.defined());
+    TORCH_CHECK(tile_scale_bytes == 4 || tile_scale_bytes == 2 || tile_scale_bytes == 1,
+                "packed linear: tile_scale_bytes 4, 2 or 1 (stepped)");
+    const quantk::TileLayout layout =
+        quantk::tile_layout(l.k_packed, group, l.kind == Linear::kInt4, tile_scale_bytes, l.mins.defined());
     TORCH_CHECK((group % quantk::QB == 0 || group == 16) && tiles->scalar_type() == at::kByte && tiles->is_contiguous() &&
                     tiles->numel() == (l.n + quantk::RT - 1) / quantk::RT * layout.tile_bytes(),
                 "packed linear: interleaved tiles that do not match the weight");
     l.tiles = *tiles;
+    l.tile_scale_bytes = tile_scale_bytes;
   }
   return l;
 }
@@ -209,7 +214,7 @@ at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
   }
   const quantk::QuantizedX xq = quantk::quantize_x(xp.data_ptr<float>(), m, l.k_packed, /*nibble_order=*/int4);
   if (l.tiles.defined())  // the layout the module path's bound kernel reads (kernels/quant_native.py): same bits
-    quantk::interleaved_gemm(xq, l.tiles.data_ptr<uint8_t>(), int4, l.scales.scalar_type() == at::kHalf, l.group,
+    quantk::interleaved_gemm(xq, l.tiles.data_ptr<uint8_t>(), int4, l.tile_scale_bytes, l.group,
                              l.mins.defined(), l.n, out.data_ptr<float>());
   else
     quantk::packed_gemm(xq, static_cast<const uint8_t*>(l.qweight.data_ptr()), int4, l.scales, l.mins, l.group, l.n,
@@ -880,7 +885,7 @@ void bind(pybind11::module_& m) {
         pybind11::arg("qweight") = pybind11::none(), pybind11::arg("scales") = pybind11::none(),
         pybind11::arg("mins") = pybind11::none(), pybind11::arg("group") = 0, pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("bias_in_gemm") = false, pybind11::arg("out_features") = 0,
-        pybind11::arg("tiles") = pybind11::none());
+        pybind11::arg("tiles") = pybind11::none(), pybind11::arg("tile_scale_bytes") = 0);
   m.def("make_split_linear", &make_split_linear, "Bind a merged projection's parts, side by side",
         pybind11::arg("parts"), pybind11::arg("bias") = pybind11::none());
   pybind11::class_<DecodeLoop>(m, "DecodeLoop", "Every decoder layer of a decode step in one call")

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <vector>
 
@@ -30,7 +31,9 @@ enum class Layout : int64_t { kTiles = 0, kRows = 1, kPerChannel = 2 };
 
 struct Projection {
   Layout layout;
-  bool int4, half, has_mins;
+  bool int4;
+  int64_t scale_bytes;  // the tiles' scales: 4 float32, 2 float16, 1 stepped
+  bool has_mins;
   int64_t n, k, group, in_features;  // k: the weight's input columns (in_features + zero padding)
   at::Tensor weight, scales, mins;   // weight: the tiles, or qweight; scales / mins: the row layout's
 
@@ -45,7 +48,8 @@ struct Projection {
     const auto* w = static_cast<const uint8_t*>(weight.data_ptr());
     switch (layout) {
       case Layout::kTiles:
-        llk::quant::interleaved_gemm(llk::quant::quantize_x(x, m, k, int4), w, int4, half, group, has_mins, n, out);
+        llk::quant::interleaved_gemm(llk::quant::quantize_x(x, m, k, int4), w, int4, scale_bytes, group, has_mins, n,
+                                     out);
         return;
       case Layout::kRows:
         llk::quant::packed_gemm(llk::quant::quantize_x(x, m, k, int4), w, int4, scales, mins, group, n, out);
@@ -58,7 +62,7 @@ struct Projection {
 };
 
 Projection make_projection(int64_t layout, bool int4, int64_t n, int64_t k, int64_t group, int64_t in_features,
-                           bool half, bool has_mins, at::Tensor weight, c10::optional<at::Tensor> scales,
+                           int64_t scale_bytes, bool has_mins, at::Tensor weight, c10::optional<at::Tensor> scales,
                            c10::optional<at::Tensor> mins) {
   TORCH_CHECK(layout >= 0 && layout <= 2, "layout: 0 tiles, 1 rows, 2 per-channel int8");
   TORCH_CHECK(weight.is_contiguous() && weight.device().is_cpu(), "weight: contiguous, on the CPU");
@@ -66,7 +70,7 @@ Projection make_projection(int64_t layout, bool int4, int64_t n, int64_t k, int6
   const auto lay = static_cast<Layout>(layout);
   TORCH_CHECK(lay == Layout::kTiles || scales.has_value(), "the row layouts need their scales");
   TORCH_CHECK(lay == Layout::kTiles || has_mins == mins.has_value(), "has_mins: whether the mins are given");
-  return Projection{lay,   int4,        half,   has_mins, n, k, group, in_features, weight,
+  return Projection{lay,   int4,        scale_bytes, has_mins, n, k, group, in_features, weight,
                     scales.value_or(at::Tensor()), mins.value_or(at::Tensor())};
 }
 
@@ -109,12 +113,19 @@ class Experts {
     std::stable_sort(active.begin(), active.end(),
                      [&](int64_t a, int64_t b) { return start[a + 1] - start[a] > start[b + 1] - start[b]; });
 
-    auto unsorted = at::empty({pairs, hidden_}, x.options());  // each pair's expert output, (token, slot) order
+    // each pair's expert output times its weight, (token, slot) order: a buffer kept between calls,
+    // as a prefill chunk's (64 MB at 2,048 tokens of 8 slots) would be mapped and faulted in afresh
+    std::lock_guard<std::mutex> hold(scratch_lock_);
+    if (scratch_.numel() < pairs * hidden_) scratch_ = at::empty({pairs * hidden_}, x.options());
+    auto scaled = scratch_.narrow(0, 0, pairs * hidden_).view({tokens, top_k, hidden_});
+    const auto w = weights.to(at::kFloat).contiguous();
+    TORCH_CHECK(w.numel() == pairs, "weights: [T, k]");
     const float* xp = x.data_ptr<float>();
-    float* dst = unsorted.data_ptr<float>();
+    const float* wp = w.data_ptr<float>();
+    float* dst = scaled.data_ptr<float>();
     auto run_item = [&](int64_t e) {
       const int64_t* rows = order.data() + start[e];
-      run_expert(experts_[e], xp, rows, start[e + 1] - start[e], top_k, dst);
+      run_expert(experts_[e], xp, rows, start[e + 1] - start[e], top_k, wp, dst);
     };
     // An expert with more than a thread's share of the rows (or every expert, when there are fewer
     // than threads) runs alone, its kernels parallel over their output columns; the rest are work
@@ -133,9 +144,8 @@ class Experts {
         for (size_t i; (i = next.fetch_add(1)) < active.size();) run_item(active[i]);
       });
     }
-    // the Python path's arithmetic: scaled = out * weights, summed over the slots in slot order
-    auto scaled = unsorted * weights.reshape({-1, 1});
-    return scaled.view({tokens, top_k, hidden_}).sum(1).to(x_in.scalar_type());
+    // the Python path's arithmetic: out * weights (run_expert), summed over the slots in slot order
+    return scaled.sum(1).to(x_in.scalar_type());
   }
 
  private:
@@ -145,8 +155,8 @@ class Experts {
   };
 
   // One expert's gated MLP over its rows (pair indices ``pairs``, rows x[p / top_k]), each output
-  // row written to dst[p].
-  void run_expert(const Expert& ex, const float* x, const int64_t* pairs, int64_t m, int64_t top_k,
+  // row times its weight w[p] written to dst[p].
+  void run_expert(const Expert& ex, const float* x, const int64_t* pairs, int64_t m, int64_t top_k, const float* w,
                   float* dst) const {
     std::vector<float> rows(m * hidden_);
     for (int64_t i = 0; i < m; ++i)
@@ -166,11 +176,18 @@ class Experts {
     const auto act = llk::cpu::silu_and_mul(gate_up);  // the native activation the Python path's act calls
     std::vector<float> out(m * hidden_);
     ex.down.run(act.data_ptr<float>(), m, out.data());
-    for (int64_t i = 0; i < m; ++i) std::memcpy(dst + pairs[i] * hidden_, out.data() + i * hidden_, hidden_ * 4);
+    for (int64_t i = 0; i < m; ++i) {
+      float* row = dst + pairs[i] * hidden_;
+      const float* y = out.data() + i * hidden_;
+      const float weight = w[pairs[i]];
+      for (int64_t j = 0; j < hidden_; ++j) row[j] = y[j] * weight;
+    }
   }
 
   int64_t hidden_, inner_;
   std::vector<Expert> experts_;
+  mutable std::mutex scratch_lock_;
+  mutable at::Tensor scratch_ = at::empty({0}, at::kFloat);
 };
 
 const Experts* experts_of(pybind11::handle object) {
@@ -188,7 +205,7 @@ void bind(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<Projection>(m, "Projection", "One expert projection's packed weight, as its bound kernel reads it");
   m.def("make_projection", &make_projection, "Bind one expert projection", py::arg("layout"), py::arg("int4"),
-        py::arg("n"), py::arg("k"), py::arg("group"), py::arg("in_features"), py::arg("half"), py::arg("has_mins"), py::arg("weight"),
+        py::arg("n"), py::arg("k"), py::arg("group"), py::arg("in_features"), py::arg("scale_bytes"), py::arg("has_mins"), py::arg("weight"),
         py::arg("scales") = py::none(), py::arg("mins") = py::none());
   py::class_<Experts>(m, "Experts", "One layer's packed experts, run in one call")
       .def(py::init<int64_t, int64_t>(), py::arg("hidden"), py::arg("inner"))

@@ -3,7 +3,8 @@
 // activations are rounded once per row and per block of 32 inputs to q = round(x * LEVELS / max|x|)
 // (round half to even) held as two int8 digits, q = 255 * hi + lo; every block is then one exact
 // integer dot product (255 * dot(w, hi) + dot(w, lo)), scaled in float:
-//     acc = fma(float(dot(w_block, q_block)), w_scale[group] * x_scale[block], acc)   (block order)
+//     acc = fma(float(dot(w_block, q_block)), w_scale[group] * x_scale[block], acc)   (block order;
+//                                                     int8 in groups of 16: each half block, in turn)
 //     out = fma(min[group], sum(x over group), out)                                   (group order)
 // (the sum of x exact in float). Two digits: int16's precision at int8's instructions (one digit,
 // llama.cpp's Q8 activations, cost SmolLM2-135M Q4_1 +1.3 % perplexity). Why this path: the int16
@@ -147,25 +148,25 @@ inline Int8X quantize(const float* x, int64_t m, int64_t k, int64_t group, bool 
   return r;
 }
 
-// A tile's pointers: group g's RT scales, block e of group g, the RT mins of group g.
+// A tile's pointers: group g's RT scales, block e of group g, the RT mins of group g. Groups of 16
+// (bpg 0) pair up in a block: its two groups' scales, then its bytes.
 struct TileView {
   const uint8_t* p;
   const TileLayout& l;
-  const uint8_t* scales(int64_t g) const { return p + g * l.group_bytes(); }
-  const uint8_t* block(int64_t g, int64_t e) const { return scales(g) + RT * l.scale_bytes + e * RT * l.block_bytes; }
-  const uint8_t* mins(int64_t g) const { return p + l.groups * l.group_bytes() + g * RT * l.scale_bytes; }
+  const uint8_t* scales(int64_t g) const {
+    if (l.bpg == 0) return p + l.groups_offset() + (g / 2) * 2 * l.group_bytes() + (g % 2) * RT * l.scale_bytes;
+    return p + l.groups_offset() + g * l.group_bytes();
+  }
+  const uint8_t* block(int64_t g, int64_t e) const {
+    if (l.bpg == 0) return scales(g - g % 2) + 2 * RT * l.scale_bytes;
+    return scales(g) + RT * l.scale_bytes + e * RT * l.block_bytes;
+  }
+  const uint8_t* mins(int64_t g) const { return p + l.mins_offset() + g * RT * l.scale_bytes; }
 };
 
 // Where input j of a block sits in x.q's block (nibble_lanes is the inverse).
 inline int lane_position(int j, bool lanes) {
   return !lanes ? j : (j % 2) * 16 + 4 * (j / 8) + (j % 8) / 2;
-}
-
-template <typename S>
-inline float scalar_at(const uint8_t* p, int r) {
-  S v;
-  std::memcpy(&v, p + r * sizeof(S), sizeof(S));
-  return to_float(v);
 }
 
 // ---- scalar reference: tiles [t0, t1) for every row of x, in input order -------------------------
@@ -175,17 +176,20 @@ __attribute__((optimize("fp-contract=off"))) void tiles_ref(const Int8X& x, cons
   const int64_t nb = x.k / QB;
   for (int64_t t = t0; t < t1; ++t) {
     const TileView tile{tiles + t * l.tile_bytes(), l};
+    const TileScales<S> ts(tile.p, l);
     for (int r = 0; r < RT && t * RT + r < n; ++r)
       for (int64_t i = 0; i < x.m; ++i) {
         const int8_t* xh = x.hi.data() + i * x.k;
         const int8_t* xl = x.lo.data() + i * x.k;
         float acc = 0.f;
-        for (int64_t g = 0, b = 0; g < l.groups; ++g) {
-          const float ws = scalar_at<S>(tile.scales(g), r);
-          for (int64_t e = 0; e < l.bpg; ++e, ++b) {
+        for (int64_t g = 0; g < l.groups; ++g) {
+          const float ws = ts.value(tile.scales(g), g, r);
+          for (int64_t e = 0; e < std::max<int64_t>(l.bpg, 1); ++e) {  // groups of 16: half a block each
+            const int64_t b = l.bpg == 0 ? g / 2 : g * l.bpg + e;
+            const int j0 = l.bpg == 0 ? 16 * static_cast<int>(g % 2) : 0, j1 = l.bpg == 0 ? j0 + 16 : QB;
             const uint8_t* w = tile.block(g, e) + r * l.block_bytes;
             int32_t dot = 0;
-            for (int j = 0; j < QB; ++j) {
+            for (int j = j0; j < j1; ++j) {
               const int32_t wj = int4 ? (w[j / 2] >> (4 * (j % 2))) & 15 : static_cast<int8_t>(w[j]);
               const int64_t at = b * QB + lane_position(j, x.lanes);
               dot += wj * (x.base * xh[at] + xl[at]);
@@ -194,7 +198,7 @@ __attribute__((optimize("fp-contract=off"))) void tiles_ref(const Int8X& x, cons
           }
         }
         for (int64_t g = 0; l.mins && g < l.groups; ++g)
-          acc = std::fma(scalar_at<S>(tile.mins(g), r), x.sums[i * x.groups + g], acc);
+          acc = std::fma(ts.value(tile.mins(g), g, r, true), x.sums[i * x.groups + g], acc);
         out[i * n + t * RT + r] = acc;
       }
   }
@@ -208,10 +212,14 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512i row_sums(__m512i a0, 
   return _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
 }
 
-// An int8 tile block's two vectors (rows 0-1 | rows 2-3, 8 lanes a row) -> 4 lanes a row (lane 4r + j).
-__attribute__((target("avx512f"))) inline __m512i rows_of_tile(__m512i e0, __m512i e1) {
-  return _mm512_add_epi32(_mm512_shuffle_i64x2(e0, e1, _MM_SHUFFLE(2, 0, 2, 0)),
-                          _mm512_shuffle_i64x2(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
+// An int8 tile block's two vectors (rows 0-1 | rows 2-3, 8 lanes a row) -> 4 lanes a row (lane 4r + j):
+// with HALVES 1 the block's sums; with 2 (groups of 16) its first 16 inputs' in [0], the last 16's in [1].
+template <int HALVES>
+__attribute__((target("avx512f"))) inline std::array<__m512i, HALVES> rows_of_tile(__m512i e0, __m512i e1) {
+  const __m512i first = _mm512_shuffle_i64x2(e0, e1, _MM_SHUFFLE(2, 0, 2, 0));
+  const __m512i second = _mm512_shuffle_i64x2(e0, e1, _MM_SHUFFLE(3, 1, 3, 1));
+  if constexpr (HALVES == 1) return {_mm512_add_epi32(first, second)};
+  else return {first, second};
 }
 
 // lane 4r + t <-> lane 4t + r (its own inverse): tile-major values to row_sums' order and back.
@@ -219,25 +227,21 @@ __attribute__((target("avx512f"))) inline __m512i transpose_index() {
   return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
 }
 
-// The 4 tiles' RT values (scales or mins) at byte offset `at` of each, in row_sums' lane order.
+// The 4 tiles' RT values (group g's scales, or with `mins` its mins) at byte offset `at` of each, in
+// row_sums' lane order.
 template <typename S>
-__attribute__((target("avx512f,f16c"))) inline __m512 panel_values(const uint8_t* const* p, int64_t at, __m512i idx) {
-  __m512 v;
-  if constexpr (std::is_same_v<S, uint16_t>) {
-    const __m256i h = _mm256_setr_epi64x(*reinterpret_cast<const int64_t*>(p[0] + at), *reinterpret_cast<const int64_t*>(p[1] + at),
-                                         *reinterpret_cast<const int64_t*>(p[2] + at), *reinterpret_cast<const int64_t*>(p[3] + at));
-    v = _mm512_cvtph_ps(h);
-  } else {
-    v = _mm512_castps128_ps512(_mm_loadu_ps(reinterpret_cast<const float*>(p[0] + at)));
-    v = _mm512_insertf32x4(v, _mm_loadu_ps(reinterpret_cast<const float*>(p[1] + at)), 1);
-    v = _mm512_insertf32x4(v, _mm_loadu_ps(reinterpret_cast<const float*>(p[2] + at)), 2);
-    v = _mm512_insertf32x4(v, _mm_loadu_ps(reinterpret_cast<const float*>(p[3] + at)), 3);
-  }
+__attribute__((target("avx2,avx512f,f16c"))) inline __m512 panel_values(const TileScales<S>* ts, const uint8_t* const* p,
+                                                                       int64_t at, int64_t g, bool mins, __m512i idx) {
+  __m512 v = _mm512_castps128_ps512(ts[0].values(p[0] + at, g, mins));
+  v = _mm512_insertf32x4(v, ts[1].values(p[1] + at, g, mins), 1);
+  v = _mm512_insertf32x4(v, ts[2].values(p[2] + at, g, mins), 2);
+  v = _mm512_insertf32x4(v, ts[3].values(p[3] + at, g, mins), 3);
   return _mm512_permutexvar_ps(idx, v);
 }
 
 // R rows of x (R <= MR) against one panel: the whole K, then the mins, stored in column order.
-template <typename S, bool INT4, int R>
+// HALVES 2: int8 in groups of 16, each block's halves scaled apart (first, then second).
+template <typename S, bool INT4, int R, int HALVES = 1>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni(const Int8X& x, int64_t i0,
                                                                             const uint8_t* const* p,
                                                                             const TileLayout& l, float* out,
@@ -245,15 +249,17 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni(cons
   const int64_t nb = x.k / QB;
   const __m512i idx = transpose_index();
   const __m512i low4 = _mm512_set1_epi8(15), bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  const TileScales<S> ts[4] = {{p[0], l}, {p[1], l}, {p[2], l}, {p[3], l}};
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-  int64_t off = 0;  // byte offset of the group (then block) inside every tile of the panel
-  for (int64_t g = 0, b = 0; g < l.groups; ++g) {
-    const __m512 ws = panel_values<S>(p, off, idx);
-    off += RT * l.scale_bytes;
-    for (int64_t e = 0; e < l.bpg; ++e, ++b, off += RT * l.block_bytes) {
+  int64_t off = l.groups_offset();  // byte offset of the group (then block) inside every tile of the panel
+  for (int64_t g = 0, b = 0; g < l.groups; g += HALVES) {
+    __m512 ws[HALVES];
+    for (int h = 0; h < HALVES; ++h) ws[h] = panel_values<S>(ts, p, off + h * RT * l.scale_bytes, g + h, false, idx);
+    off += HALVES * RT * l.scale_bytes;
+    for (int64_t e = 0; e < (HALVES == 2 ? 1 : l.bpg); ++e, ++b, off += RT * l.block_bytes) {
       __m512i w[8];  // int4: tile t's low nibbles in w[t], high in w[4 + t]; int8: tile t's rows 0-1, 2-3 in w[2t], w[2t + 1]
-      __m512i fix;   // int8: -(128 * 257) * sum(w row) in row_sums' order, for the x + 128 of both digits
+      __m512i fix[HALVES];  // int8: -(128 * 257) * sum(w row) in row_sums' order, for the x + 128 of both digits
       for (int t = 0; t < 4; ++t) {
         if constexpr (INT4) {
           const __m512i raw = _mm512_loadu_si512(p[t] + off);
@@ -264,17 +270,20 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni(cons
         }
       }
       if constexpr (!INT4) {
-        __m512i s[4];
-        for (int t = 0; t < 4; ++t) s[t] = rows_of_tile(_mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, w[2 * t]),
-                                                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, w[2 * t + 1]));
-        const __m512i sum128 = row_sums(s[0], s[1], s[2], s[3]);  // 128 * sum(w row)
-        fix = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_add_epi32(_mm512_slli_epi32(sum128, 8), sum128));
+        std::array<__m512i, HALVES> s[4];
+        for (int t = 0; t < 4; ++t)
+          s[t] = rows_of_tile<HALVES>(_mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, w[2 * t]),
+                                      _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, w[2 * t + 1]));
+        for (int h = 0; h < HALVES; ++h) {
+          const __m512i sum128 = row_sums(s[0][h], s[1][h], s[2][h], s[3][h]);  // 128 * sum(w row)
+          fix[h] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_add_epi32(_mm512_slli_epi32(sum128, 8), sum128));
+        }
       }
       for (int i = 0; i < R; ++i) {
         const int64_t at = (i0 + i) * x.k + b * QB;
         const int8_t* xh = x.hi.data() + at;
         const int8_t* xl = x.lo.data() + at;
-        __m512i a[4];  // per tile: 256 * dot(w, hi) + dot(w, lo): the hi digit's sums shifted, then lo's added on
+        std::array<__m512i, HALVES> a[4];  // per tile: 256 * dot(w, hi) + dot(w, lo): the hi digit's sums shifted, then lo's added on
         if constexpr (INT4) {
           const auto half = [](const int8_t* p) {
             return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -282,7 +291,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni(cons
           const __m512i h0 = half(xh), h1 = half(xh + 16), l0 = half(xl), l1 = half(xl + 16);
           for (int t = 0; t < 4; ++t) {
             const __m512i top = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[t], h0), w[4 + t], h1);
-            a[t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(top, 8), w[t], l0), w[4 + t], l1);
+            a[t][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(top, 8), w[t], l0), w[4 + t], l1);
           }
         } else {
           const auto unsigned_x = [&](const int8_t* p) {
@@ -295,20 +304,21 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni(cons
               const __m512i top = _mm512_dpbusd_epi32(_mm512_setzero_si512(), uh, w[2 * t + h]);
               e[h] = _mm512_dpbusd_epi32(_mm512_slli_epi32(top, 8), ul, w[2 * t + h]);
             }
-            a[t] = rows_of_tile(e[0], e[1]);
+            a[t] = rows_of_tile<HALVES>(e[0], e[1]);
           }
         }
-        __m512i sums = row_sums(a[0], a[1], a[2], a[3]);
-        if constexpr (!INT4) sums = _mm512_add_epi32(sums, fix);
-        const __m512 dots = _mm512_cvtepi32_ps(sums);
-        acc[i] = _mm512_fmadd_ps(dots, _mm512_mul_ps(ws, _mm512_set1_ps(x.scale[(i0 + i) * nb + b])), acc[i]);
+        const __m512 xs = _mm512_set1_ps(x.scale[(i0 + i) * nb + b]);
+        for (int h = 0; h < HALVES; ++h) {
+          __m512i sums = row_sums(a[0][h], a[1][h], a[2][h], a[3][h]);
+          if constexpr (!INT4) sums = _mm512_add_epi32(sums, fix[h]);
+          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(ws[h], xs), acc[i]);
+        }
       }
     }
   }
   if (l.mins) {
-    const int64_t mins_at = l.groups * l.group_bytes();
     for (int64_t g = 0; g < l.groups; ++g) {
-      const __m512 mn = panel_values<S>(p, mins_at + g * RT * l.scale_bytes, idx);
+      const __m512 mn = panel_values<S>(ts, p, l.mins_offset() + g * RT * l.scale_bytes, g, true, idx);
       for (int i = 0; i < R; ++i)
         acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.sums[(i0 + i) * x.groups + g]), acc[i]);
     }
@@ -317,9 +327,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni(cons
 }
 
 // ---- AVX2: panels of 2 tiles (8 weight rows) ----------------------------------------------------
-// One tile block's 4 rows against one digit's x block -> 4 int32 sums (rows 0..3).
-template <bool INT4>
-__attribute__((target("avx2"))) inline __m128i tile_dots_avx2(const __m256i* w, const int8_t* xb) {
+// One tile block's 4 rows against one digit's x block -> 4 int32 sums (rows 0..3); HALVES 2 (int8
+// in groups of 16): those of the block's first 16 inputs, then of its last 16.
+template <bool INT4, int HALVES = 1>
+__attribute__((target("avx2"))) inline std::array<__m128i, HALVES> tile_dots_avx2(const __m256i* w, const int8_t* xb) {
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (INT4) {  // w[0..1]: low nibbles of rows 0-1, 2-3; w[2..3]: high nibbles
     const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb)));
@@ -329,42 +340,46 @@ __attribute__((target("avx2"))) inline __m128i tile_dots_avx2(const __m256i* w, 
       s[h] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w[h], xlo), _mm256_maddubs_epi16(w[2 + h], xhi)), ones);
     const __m256i pairs = _mm256_hadd_epi32(s[0], s[1]);  // [r0 01, r0 23, r2 01, r2 23 | r1 .., r3 ..]
     const __m256i four = _mm256_hadd_epi32(pairs, pairs);  // [r0, r2, r0, r2 | r1, r3, r1, r3]
-    return _mm_unpacklo_epi32(_mm256_castsi256_si128(four), _mm256_extracti128_si256(four, 1));  // [r0, r1, r2, r3]
+    return {_mm_unpacklo_epi32(_mm256_castsi256_si128(four), _mm256_extracti128_si256(four, 1))};  // [r0, r1, r2, r3]
   } else {  // w[r]: row r's 32 bytes; |w| * (x with w's sign): |128 * 128 * 2| < 2^15 only with x > -128
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
     __m256i s[4];
     for (int r = 0; r < 4; ++r)
       s[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[r]), _mm256_sign_epi8(xv, w[r])), ones);
+    // [r0..r3 over inputs 0-15 | r0..r3 over inputs 16-31]
     const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));  // [r0, r1, r2, r3]
+    if constexpr (HALVES == 2) return {_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)};
+    else return {_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))};
   }
 }
 
 // 255 * dots(hi digit) + dots(lo digit) (AVX2's digits are base 255).
-template <bool INT4>
-__attribute__((target("avx2"))) inline __m128i tile_sums_avx2(const __m256i* w, const int8_t* xh, const int8_t* xl) {
-  const __m128i top = tile_dots_avx2<INT4>(w, xh);
-  return _mm_add_epi32(_mm_sub_epi32(_mm_slli_epi32(top, 8), top), tile_dots_avx2<INT4>(w, xl));
+template <bool INT4, int HALVES = 1>
+__attribute__((target("avx2"))) inline std::array<__m128i, HALVES> tile_sums_avx2(const __m256i* w, const int8_t* xh,
+                                                                                  const int8_t* xl) {
+  const auto top = tile_dots_avx2<INT4, HALVES>(w, xh), low = tile_dots_avx2<INT4, HALVES>(w, xl);
+  std::array<__m128i, HALVES> sums;
+  for (int h = 0; h < HALVES; ++h) sums[h] = _mm_add_epi32(_mm_sub_epi32(_mm_slli_epi32(top[h], 8), top[h]), low[h]);
+  return sums;
 }
 
-template <typename S>
-__attribute__((target("avx2,f16c"))) inline __m128 tile_values(const uint8_t* p) {
-  if constexpr (std::is_same_v<S, uint16_t>) return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  else return _mm_loadu_ps(reinterpret_cast<const float*>(p));
-}
-
-template <typename S, bool INT4, int R>
+template <typename S, bool INT4, int R, int HALVES = 1>
 __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Int8X& x, int64_t i0, const uint8_t* const* p,
                                                           const TileLayout& l, float* out, int64_t ldo) {
   const int64_t nb = x.k / QB;
   const __m256i low4 = _mm256_set1_epi8(15);
+  const TileScales<S> ts[2] = {{p[0], l}, {p[1], l}};
   __m256 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-  int64_t off = 0;
-  for (int64_t g = 0, b = 0; g < l.groups; ++g) {
-    const __m256 ws = _mm256_set_m128(tile_values<S>(p[1] + off), tile_values<S>(p[0] + off));
-    off += RT * l.scale_bytes;
-    for (int64_t e = 0; e < l.bpg; ++e, ++b, off += RT * l.block_bytes) {
+  int64_t off = l.groups_offset();
+  for (int64_t g = 0, b = 0; g < l.groups; g += HALVES) {
+    __m256 ws[HALVES];
+    for (int h = 0; h < HALVES; ++h) {
+      const int64_t at = off + h * RT * l.scale_bytes;
+      ws[h] = _mm256_set_m128(ts[1].values(p[1] + at, g + h), ts[0].values(p[0] + at, g + h));
+    }
+    off += HALVES * RT * l.scale_bytes;
+    for (int64_t e = 0; e < (HALVES == 2 ? 1 : l.bpg); ++e, ++b, off += RT * l.block_bytes) {
       __m256i w[2][4];
       for (int t = 0; t < 2; ++t) {
         if constexpr (INT4) {
@@ -381,17 +396,18 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Int8X& x, int64_t
         const int64_t at = (i0 + i) * x.k + b * QB;
         const int8_t* xh = x.hi.data() + at;
         const int8_t* xl = x.lo.data() + at;
-        const __m256 dots = _mm256_cvtepi32_ps(
-            _mm256_set_m128i(tile_sums_avx2<INT4>(w[1], xh, xl), tile_sums_avx2<INT4>(w[0], xh, xl)));
-        acc[i] = _mm256_fmadd_ps(dots, _mm256_mul_ps(ws, _mm256_set1_ps(x.scale[(i0 + i) * nb + b])), acc[i]);
+        const auto first = tile_sums_avx2<INT4, HALVES>(w[0], xh, xl), second = tile_sums_avx2<INT4, HALVES>(w[1], xh, xl);
+        const __m256 xs = _mm256_set1_ps(x.scale[(i0 + i) * nb + b]);
+        for (int h = 0; h < HALVES; ++h)
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_set_m128i(second[h], first[h])), _mm256_mul_ps(ws[h], xs),
+                                   acc[i]);
       }
     }
   }
   if (l.mins) {
-    const int64_t mins_at = l.groups * l.group_bytes();
     for (int64_t g = 0; g < l.groups; ++g) {
-      const int64_t at = mins_at + g * RT * l.scale_bytes;
-      const __m256 mn = _mm256_set_m128(tile_values<S>(p[1] + at), tile_values<S>(p[0] + at));
+      const int64_t at = l.mins_offset() + g * RT * l.scale_bytes;
+      const __m256 mn = _mm256_set_m128(ts[1].values(p[1] + at, g, true), ts[0].values(p[0] + at, g, true));
       for (int i = 0; i < R; ++i)
         acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.sums[(i0 + i) * x.groups + g]), acc[i]);
     }
@@ -410,6 +426,22 @@ inline Variant variant() {
 
 using PanelFn = void (*)(const Int8X&, int64_t, const uint8_t* const*, const TileLayout&, float*, int64_t);
 
+template <typename S, bool INT4, int HALVES>
+std::array<PanelFn, MR + 1> panel_fns_of(bool vnni) {
+  if (vnni)
+    return {nullptr, panel_vnni<S, INT4, 1, HALVES>, panel_vnni<S, INT4, 2, HALVES>, panel_vnni<S, INT4, 3, HALVES>,
+            panel_vnni<S, INT4, 4, HALVES>};
+  return {nullptr, panel_avx2<S, INT4, 1, HALVES>, panel_avx2<S, INT4, 2, HALVES>, panel_avx2<S, INT4, 3, HALVES>,
+          panel_avx2<S, INT4, 4, HALVES>};
+}
+
+// The panel kernels by rows of x; int8 in groups of 16 scales each block's halves apart.
+template <typename S, bool INT4>
+std::array<PanelFn, MR + 1> panel_fns(bool vnni, bool group16) {
+  if constexpr (INT4) return panel_fns_of<S, true, 1>(vnni);
+  else return group16 ? panel_fns_of<S, false, 2>(vnni) : panel_fns_of<S, false, 1>(vnni);
+}
+
 template <typename S, bool INT4>
 void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_t group, bool mins, int64_t n,
              float* out) {
@@ -424,11 +456,7 @@ void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_
   }
   const bool vnni = v == Variant::kVnni;
   const int64_t per_panel = vnni ? 4 : 2, panels = n / (per_panel * RT);  // whole panels; the rest: scalar
-  const std::array<PanelFn, MR + 1> fns =
-      vnni ? std::array<PanelFn, MR + 1>{nullptr, panel_vnni<S, INT4, 1>, panel_vnni<S, INT4, 2>,
-                                         panel_vnni<S, INT4, 3>, panel_vnni<S, INT4, 4>}
-           : std::array<PanelFn, MR + 1>{nullptr, panel_avx2<S, INT4, 1>, panel_avx2<S, INT4, 2>,
-                                         panel_avx2<S, INT4, 3>, panel_avx2<S, INT4, 4>};
+  const std::array<PanelFn, MR + 1> fns = panel_fns<S, INT4>(vnni, group == 16);
   at::parallel_for(0, panels + 1, 1, [&](int64_t begin, int64_t end) {
     for (int64_t pi = begin; pi < end; ++pi) {
       const int64_t t0 = pi * per_panel;
@@ -444,12 +472,18 @@ void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_
   });
 }
 
-inline void gemm(const float* x, int64_t m, int64_t k, const uint8_t* tiles, bool int4, bool half, int64_t group,
-                 bool mins, int64_t n, float* out) {
-  if (int4) half ? gemm_as<uint16_t, true>(x, m, k, tiles, group, mins, n, out)
-                 : gemm_as<float, true>(x, m, k, tiles, group, mins, n, out);
-  else half ? gemm_as<uint16_t, false>(x, m, k, tiles, group, mins, n, out)
-            : gemm_as<float, false>(x, m, k, tiles, group, mins, n, out);
+template <bool INT4>
+void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* tiles, int64_t scale_bytes, int64_t group, bool mins,
+             int64_t n, float* out) {
+  if (scale_bytes == 2) gemm_as<uint16_t, INT4>(x, m, k, tiles, group, mins, n, out);
+  else if (scale_bytes == 1) gemm_as<int8_t, INT4>(x, m, k, tiles, group, mins, n, out);
+  else gemm_as<float, INT4>(x, m, k, tiles, group, mins, n, out);
+}
+
+inline void gemm(const float* x, int64_t m, int64_t k, const uint8_t* tiles, bool int4, int64_t scale_bytes,
+                 int64_t group, bool mins, int64_t n, float* out) {
+  if (int4) gemm_of<true>(x, m, k, tiles, scale_bytes, group, mins, n, out);
+  else gemm_of<false>(x, m, k, tiles, scale_bytes, group, mins, n, out);
 }
 
 }  // namespace qgemm

@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -59,6 +60,7 @@ namespace {
 using llk::quant::QB;
 using llk::quant::QuantizedX;
 using llk::quant::RT;
+using llk::quant::STEP;
 using llk::quant::TileLayout;
 using llk::quant::interleaved_gemm;
 using llk::quant::packed_gemm;
@@ -360,6 +362,10 @@ namespace {
 //   then, with mins:  for each group g the RT rows' mins of g.
 // int8 in groups of 16 (GGUF's Q6_K): for each 32-input block the RT rows' scales of its first
 // group, of its second, then the RT rows' 32 bytes; the mins as above, per group of 16.
+// Scales and mins are float32, float16 (where exact) or stepped: an int8 each, and at the tile's
+// start the RT rows' float32 steps of each STEP inputs (then those of the mins), where the stream
+// that prefetches the tile's bytes reads them first. GGUF's K-quants
+// store d * sc so (d float16, sc 6 or 8 bits): Q4_K reads 4.75 bits a weight instead of 6.
 // Rows past n (in the last tile) are zero. Each row's arithmetic is that of the tiles above, in the
 // same order (the same products, accumulators, hsum256 and mins): the same bits.
 
@@ -371,13 +377,54 @@ constexpr int64_t TILE_PREFETCH = 2048;
 template <typename S>
 using InterleavedTileFn = void (*)(const uint8_t*, const TileLayout&, const XRow*, float*);
 
-// A group's RT scales (in both 128-bit lanes); times a block's x scale, lane r (and r + 4) holds
-// row r's scale * xd, the very product the row layout's tiles compute one row at a time.
+// A tile's scales and mins as float32, RT rows at a time: stored so, as float16 bits (converted
+// exactly), or stepped (S = int8_t: an int8 per group and row times the row's float32 step for
+// the group's STEP inputs, a product that is exact): every format gives the kernels the very
+// floats of the float32 scales, hence the same bits.
 template <typename S>
-__attribute__((target("avx2,fma,f16c"))) inline __m256 group_scales(const uint8_t* p) {
-  __m128 s4;
-  if constexpr (std::is_same_v<S, uint16_t>) s4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  else s4 = _mm_loadu_ps(reinterpret_cast<const float*>(p));
+struct TileScales {
+  const float* steps = nullptr;  // stepped: [steps][RT] scale steps, then [steps][RT] min steps
+  int64_t min_steps = 0;
+  int shift = 0;  // log2(groups per step)
+  TileScales(const uint8_t* tile, const TileLayout& l) {
+    if constexpr (std::is_same_v<S, int8_t>) {
+      steps = reinterpret_cast<const float*>(tile);
+      min_steps = l.steps() * RT;
+      shift = __builtin_ctzll(static_cast<unsigned long long>(l.groups_per_step()));
+    }
+  }
+  // The RT values stored at p: group g's scales (or, with `mins`, its mins).
+  __attribute__((target("avx2,f16c"), always_inline)) inline __m128 values(const uint8_t* p, int64_t g,
+                                                                           bool mins = false) const {
+    if constexpr (std::is_same_v<S, uint16_t>) {
+      return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    } else if constexpr (std::is_same_v<S, float>) {
+      return _mm_loadu_ps(reinterpret_cast<const float*>(p));
+    } else {
+      int32_t four;
+      std::memcpy(&four, p, sizeof(four));
+      const __m128 ints = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(four)));
+      return _mm_mul_ps(ints, _mm_loadu_ps(steps + (mins ? min_steps : 0) + (g >> shift) * RT));
+    }
+  }
+  // Row r's value of the same (the scalar code's).
+  inline float value(const uint8_t* p, int64_t g, int r, bool mins = false) const {
+    if constexpr (std::is_same_v<S, int8_t>) {
+      return static_cast<float>(static_cast<int8_t>(p[r])) * steps[(mins ? min_steps : 0) + (g >> shift) * RT + r];
+    } else {
+      S v;
+      std::memcpy(&v, p + r * sizeof(S), sizeof(S));
+      return to_float(v);
+    }
+  }
+};
+
+// Group g's RT scales at p (in both 128-bit lanes); times a block's x scale, lane r (and r + 4)
+// holds row r's scale * xd, the very product the row layout's tiles compute one row at a time.
+template <typename S>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 group_scales(const TileScales<S>& ts,
+                                                                                  const uint8_t* p, int64_t g) {
+  const __m128 s4 = ts.values(p, g);
   return _mm256_set_m128(s4, s4);
 }
 
@@ -468,19 +515,22 @@ __attribute__((target("avx2,fma"))) inline __m128 hsum_rows(const __m256* acc) {
   return _mm_add_ps(_mm_add_ps(s0, s2), _mm_add_ps(s1, s3));
 }
 
+// One x row's RT results y plus its mins (``mins``: the tile's, or null), in group order.
 template <typename S>
-__attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off"))) inline void finish_rows(
-    const S* mins, int64_t groups, const float* xs, const __m256* acc, float* out) {
-  __m128 y = hsum_rows(acc);
+__attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off"))) inline __m128 add_row_mins(
+    const TileScales<S>& ts, const uint8_t* mins, int64_t groups, const float* xs, __m128 y) {
   if (mins != nullptr) {
-    for (int64_t g = 0; g < groups; ++g) {
-      __m128 m4;
-      if constexpr (std::is_same_v<S, uint16_t>) m4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins + g * RT)));
-      else m4 = _mm_loadu_ps(reinterpret_cast<const float*>(mins + g * RT));
-      y = _mm_add_ps(y, _mm_mul_ps(m4, _mm_set1_ps(xs[g])));
-    }
+    for (int64_t g = 0; g < groups; ++g)
+      y = _mm_add_ps(y, _mm_mul_ps(ts.values(mins + g * RT * sizeof(S), g, true), _mm_set1_ps(xs[g])));
   }
-  _mm_storeu_ps(out, y);
+  return y;
+}
+
+template <typename S>
+__attribute__((target("avx2,fma,f16c"))) inline void finish_rows(const TileScales<S>& ts, const uint8_t* mins,
+                                                                  int64_t groups, const float* xs, const __m256* acc,
+                                                                  float* out) {
+  _mm_storeu_ps(out, add_row_mins(ts, mins, groups, xs, hsum_rows(acc)));
 }
 
 // A block's RT rows of bytes ask for the stream TILE_PREFETCH ahead: 1 line (int4), 2 (int8).
@@ -498,12 +548,14 @@ template <typename S, bool ONE_BLOCK, typename Block, int MX>
 __attribute__((target("avx2,fma,f16c"))) void tile_interleaved(const uint8_t* p, const TileLayout& l, const XRow* x,
                                                                float* out) {
   const int64_t bpg = ONE_BLOCK ? 1 : l.bpg;
+  const TileScales<S> ts(p, l);
+  p += l.groups_offset();
   __m256 acc[MX][RT];
   for (int i = 0; i < MX; ++i)
     for (int r = 0; r < RT; ++r) acc[i][r] = _mm256_setzero_ps();
   int64_t b = 0;
   for (int64_t g = 0; g < l.groups; ++g) {
-    const __m256 scales = group_scales<S>(p);
+    const __m256 scales = group_scales(ts, p, g);
     p += RT * sizeof(S);
     for (int64_t e = 0; e < bpg; ++e, ++b, p += RT * Block::BYTES) {
       prefetch_ahead<Block>(p);
@@ -522,7 +574,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_interleaved(const uint8_t* p,
     }
   }
   for (int i = 0; i < MX; ++i)
-    finish_rows<S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x[i].group_sums, acc[i], out + i * RT);
+    finish_rows<S>(ts, l.mins ? p : nullptr, l.groups, x[i].group_sums, acc[i], out + i * RT);
 }
 
 // int8 in groups of 16 against MX x rows (AVX2; the AVX-512 forms below give its bits): each block's two halves
@@ -531,11 +583,13 @@ __attribute__((target("avx2,fma,f16c"))) void tile_interleaved(const uint8_t* p,
 template <typename S, int MX>
 __attribute__((target("avx2,fma,f16c"))) void tile_interleaved_g16(const uint8_t* p, const TileLayout& l,
                                                                    const XRow* x, float* out) {
+  const TileScales<S> ts(p, l);
+  p += l.groups_offset();
   __m256 acc[MX][RT];
   for (int i = 0; i < MX; ++i)
     for (int r = 0; r < RT; ++r) acc[i][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < l.groups / 2; ++b) {
-    const __m256 first = group_scales<S>(p), second = group_scales<S>(p + RT * sizeof(S));
+    const __m256 first = group_scales(ts, p, 2 * b), second = group_scales(ts, p + RT * sizeof(S), 2 * b + 1);
     p += 2 * RT * sizeof(S);
     prefetch_ahead<Int8Block>(p);
     __m256i x0[MX], x1[MX];
@@ -557,7 +611,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_interleaved_g16(const uint8_t
     p += RT * QB;
   }
   for (int i = 0; i < MX; ++i)
-    finish_rows<S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x[i].group_sums, acc[i], out + i * RT);
+    finish_rows<S>(ts, l.mins ? p : nullptr, l.groups, x[i].group_sums, acc[i], out + i * RT);
 }
 
 }  // namespace
@@ -572,7 +626,7 @@ namespace {
 // a group's 4 mins repeated 4 times, times each row's group sum spread over its 4 lanes.
 template <typename S, int PAIRS>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"), optimize("fp-contract=off"))) inline void
-add_pass_mins(const S* mins, int64_t groups, const XRow& first, float* out) {
+add_pass_mins(const TileScales<S>& ts, const uint8_t* mins, int64_t groups, const XRow& first, float* out) {
   static_assert(PAIRS % 2 == 0, "4 x rows per vector");
   constexpr int V = PAIRS / 2;  // vectors of 4 x rows x RT weight rows
   const __m512i spread[2] = {_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
@@ -580,10 +634,7 @@ add_pass_mins(const S* mins, int64_t groups, const XRow& first, float* out) {
   __m512 y[V];
   for (int v = 0; v < V; ++v) y[v] = _mm512_loadu_ps(out + 16 * v);
   for (int64_t g = 0; g < groups; ++g) {
-    __m128 m4;
-    if constexpr (std::is_same_v<S, uint16_t>) m4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins + g * RT)));
-    else m4 = _mm_loadu_ps(reinterpret_cast<const float*>(mins + g * RT));
-    const __m512 m16 = _mm512_broadcast_f32x4(m4);
+    const __m512 m16 = _mm512_broadcast_f32x4(ts.values(mins + g * RT * sizeof(S), g, true));
     const float* xs = first.sums_by_group + g * first.stride;
     for (int v = 0; v < V; ++v) {
       // The pass's rows only: 4 sums for a pass of 4 (the next row's may be past the array's end).
@@ -599,8 +650,8 @@ add_pass_mins(const S* mins, int64_t groups, const XRow& first, float* out) {
 // group_scales in both 256-bit halves.
 template <typename S>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"), always_inline)) inline __m512 group_scales512(
-    const uint8_t* p) {
-  return _mm512_castsi512_ps(_mm512_broadcast_i64x4(_mm256_castps_si256(group_scales<S>(p))));
+    const TileScales<S>& ts, const uint8_t* p, int64_t g) {
+  return _mm512_broadcast_f32x4(ts.values(p, g));
 }
 
 // x rows a and c's block b in the two 256-bit halves (x0: its first 16 inputs, x1: the last 16);
@@ -620,7 +671,8 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"), alway
 // separately, in group order: what finish_rows does for one row, 16 (x row, weight row) pairs a vector.
 template <typename S, int PAIRS>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) inline void finish_pairs(
-    const __m512 (*acc)[RT], const uint8_t* mins, const TileLayout& l, const XRow* x, float* out) {
+    const __m512 (*acc)[RT], const TileScales<S>& ts, const uint8_t* mins, const TileLayout& l, const XRow* x,
+    float* out) {
   for (int i = 0; i < PAIRS; ++i) {
     __m256 lo[RT], hi[RT];
     for (int r = 0; r < RT; ++r) {
@@ -630,7 +682,13 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) inli
     _mm_storeu_ps(out + (2 * i) * RT, hsum_rows(lo));
     _mm_storeu_ps(out + (2 * i + 1) * RT, hsum_rows(hi));
   }
-  if (l.mins) add_pass_mins<S, PAIRS>(reinterpret_cast<const S*>(mins), l.groups, x[0], out);
+  if (!l.mins) return;
+  if constexpr (PAIRS % 2 == 0) {
+    add_pass_mins<S, PAIRS>(ts, mins, l.groups, x[0], out);
+  } else {  // a pass of 2 rows: row by row
+    for (int u = 0; u < 2 * PAIRS; ++u)
+      _mm_storeu_ps(out + u * RT, add_row_mins(ts, mins, l.groups, x[u].group_sums, _mm_loadu_ps(out + u * RT)));
+  }
 }
 
 // Pairs of x rows in zmm registers: each 256-bit half of every vector holds one row's ymm
@@ -641,6 +699,8 @@ template <typename S, bool ONE_BLOCK, typename Block, int PAIRS>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void tile_interleaved_pairs(
     const uint8_t* p, const TileLayout& l, const XRow* x, float* out) {
   const int64_t bpg = ONE_BLOCK ? 1 : l.bpg;
+  const TileScales<S> ts(p, l);
+  p += l.groups_offset();
   __m512 acc[PAIRS][RT];
   for (int i = 0; i < PAIRS; ++i)
     for (int r = 0; r < RT; ++r) acc[i][r] = _mm512_setzero_ps();
@@ -649,7 +709,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
   const __m512i lane_of[RT] = {_mm512_set1_epi32(0), _mm512_set1_epi32(1), _mm512_set1_epi32(2), _mm512_set1_epi32(3)};
   int64_t b = 0;
   for (int64_t g = 0; g < l.groups; ++g) {
-    const __m512 scales = group_scales512<S>(p);
+    const __m512 scales = group_scales512(ts, p, g);
     p += RT * sizeof(S);
     for (int64_t e = 0; e < bpg; ++e, ++b, p += RT * Block::BYTES) {
       prefetch_ahead<Block>(p);
@@ -664,7 +724,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
       }
     }
   }
-  finish_pairs<S, PAIRS>(acc, p, l, x, out);
+  finish_pairs<S, PAIRS>(acc, ts, p, l, x, out);
 }
 
 // One x row against a tile with AVX-512 (decode): weight rows r and r + 1 in the two halves of
@@ -674,12 +734,14 @@ template <typename S, bool ONE_BLOCK, typename Block>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void tile_interleaved_row512(
     const uint8_t* p, const TileLayout& l, const XRow* x, float* out) {
   const int64_t bpg = ONE_BLOCK ? 1 : l.bpg;
+  const TileScales<S> ts(p, l);
+  p += l.groups_offset();
   __m512 acc[RT / 2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   const __m512i pick[RT / 2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                                 _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)};
   int64_t b = 0;
   for (int64_t g = 0; g < l.groups; ++g) {
-    const __m512 scales = group_scales512<S>(p);
+    const __m512 scales = group_scales512(ts, p, g);
     p += RT * sizeof(S);
     for (int64_t e = 0; e < bpg; ++e, ++b, p += RT * Block::BYTES) {
       prefetch_ahead<Block>(p);
@@ -694,7 +756,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
   }
   const __m256 rows[RT] = {_mm512_castps512_ps256(acc[0]), _mm512_extractf32x8_ps(acc[0], 1),
                            _mm512_castps512_ps256(acc[1]), _mm512_extractf32x8_ps(acc[1], 1)};
-  finish_rows<S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x->group_sums, rows, out);
+  finish_rows<S>(ts, l.mins ? p : nullptr, l.groups, x->group_sums, rows, out);
 }
 
 // tile_interleaved_pairs for int8 in groups of 16: 2 * PAIRS x rows, each 256-bit half one row's
@@ -702,13 +764,15 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
 template <typename S, int PAIRS>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void tile_interleaved_g16_pairs(
     const uint8_t* p, const TileLayout& l, const XRow* x, float* out) {
+  const TileScales<S> ts(p, l);
+  p += l.groups_offset();
   __m512 acc[PAIRS][RT];
   for (int i = 0; i < PAIRS; ++i)
     for (int r = 0; r < RT; ++r) acc[i][r] = _mm512_setzero_ps();
   const __m512i lane_of[RT] = {_mm512_set1_epi32(0), _mm512_set1_epi32(1), _mm512_set1_epi32(2), _mm512_set1_epi32(3)};
   for (int64_t b = 0; b < l.groups / 2; ++b) {
-    const __m512 first = group_scales512<S>(p);
-    const __m512 second = group_scales512<S>(p + RT * sizeof(S));
+    const __m512 first = group_scales512(ts, p, 2 * b);
+    const __m512 second = group_scales512(ts, p + RT * sizeof(S), 2 * b + 1);
     p += 2 * RT * sizeof(S);
     prefetch_ahead<Int8Block>(p);
     __m512i x0[PAIRS], x1[PAIRS];
@@ -729,7 +793,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
     }
     p += RT * QB;
   }
-  finish_pairs<S, PAIRS>(acc, p, l, x, out);
+  finish_pairs<S, PAIRS>(acc, ts, p, l, x, out);
 }
 
 // tile_interleaved_row512 for int8 in groups of 16: weight rows r and r + 1 in the two halves, the
@@ -737,12 +801,14 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
 template <typename S>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void tile_interleaved_g16_row512(
     const uint8_t* p, const TileLayout& l, const XRow* x, float* out) {
+  const TileScales<S> ts(p, l);
+  p += l.groups_offset();
   __m512 acc[RT / 2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   const __m512i pick[RT / 2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                                 _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)};
   for (int64_t b = 0; b < l.groups / 2; ++b) {
-    const __m512 first = group_scales512<S>(p);
-    const __m512 second = group_scales512<S>(p + RT * sizeof(S));
+    const __m512 first = group_scales512(ts, p, 2 * b);
+    const __m512 second = group_scales512(ts, p + RT * sizeof(S), 2 * b + 1);
     p += 2 * RT * sizeof(S);
     prefetch_ahead<Int8Block>(p);
     const __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q + b * QB)));
@@ -758,7 +824,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
   }
   const __m256 rows[RT] = {_mm512_castps512_ps256(acc[0]), _mm512_extractf32x8_ps(acc[0], 1),
                            _mm512_castps512_ps256(acc[1]), _mm512_extractf32x8_ps(acc[1], 1)};
-  finish_rows<S>(l.mins ? reinterpret_cast<const S*>(p) : nullptr, l.groups, x->group_sums, rows, out);
+  finish_rows<S>(ts, l.mins ? p : nullptr, l.groups, x->group_sums, rows, out);
 }
 
 // Whether `set_isa` lets AVX-512 code run (a cap below avx512 keeps AVX2 or the scalar code, for
@@ -767,8 +833,8 @@ inline bool avx512_allowed() {
   return g_isa_cap.load(std::memory_order_relaxed) >= static_cast<int>(llk::Isa::kAvx512);
 }
 
-// x rows per pass over a tile: 8, then 4, in zmm pairs with AVX-512 (F, VL, BW, DQ), 2 with AVX2's 16
-// registers.
+// x rows per pass over a tile: 8, 4, then 2, in zmm pairs with AVX-512 (F, VL, BW, DQ), 2 with AVX2's
+// 16 registers.
 inline bool use_avx512() {
   static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
                              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
@@ -781,37 +847,40 @@ constexpr int64_t MAX_PASS_ROWS = 8;  // the most x rows a tile variant takes in
 
 template <typename S>
 struct TilePick {
-  // Passes by x rows, most first: a pass of passes[p].first rows is taken while that many are left.
-  std::array<std::pair<int64_t, InterleavedTileFn<S>>, 3> passes;
-  bool sums_by_group;  // the multi-row passes read the rows' group sums by group (add_pass_mins)
+  // Passes by x rows, most first, the last of 1: the first that fits the rows left is taken.
+  std::array<std::pair<int64_t, InterleavedTileFn<S>>, 4> passes;
+  int64_t by_group_from;  // passes of this many rows or more read the rows' group sums by group (add_pass_mins); 0: none
 };
 
 template <typename S, bool ONE_BLOCK, typename Block>
 struct InterleavedTiles {
   static TilePick<S> pick() {
     if (use_avx512())
-      return {{{{8, tile_interleaved_pairs<S, ONE_BLOCK, Block, 4>}, {4, tile_interleaved_pairs<S, ONE_BLOCK, Block, 2>},
+      return {{{{8, tile_interleaved_pairs<S, ONE_BLOCK, Block, 4>},
+                {4, tile_interleaved_pairs<S, ONE_BLOCK, Block, 2>},
+                {2, tile_interleaved_pairs<S, ONE_BLOCK, Block, 1>},
                 {1, tile_interleaved_row512<S, ONE_BLOCK, Block>}}},
-              true};
-    return {{{{2, tile_interleaved<S, ONE_BLOCK, Block, 2>}, {1, tile_interleaved<S, ONE_BLOCK, Block, 1>},
-              {1, tile_interleaved<S, ONE_BLOCK, Block, 1>}}},
-            false};
+              4};
+    const InterleavedTileFn<S> one = tile_interleaved<S, ONE_BLOCK, Block, 1>;
+    return {{{{2, tile_interleaved<S, ONE_BLOCK, Block, 2>}, {1, one}, {1, one}, {1, one}}}, 0};
   }
 };
 
 template <typename S>
 TilePick<S> pick_g16() {
-  if (use_avx512())
-    return {{{{4, tile_interleaved_g16_pairs<S, 2>}, {1, tile_interleaved_g16_row512<S>}, {1, tile_interleaved_g16_row512<S>}}},
-            true};
-  return {{{{2, tile_interleaved_g16<S, 2>}, {1, tile_interleaved_g16<S, 1>}, {1, tile_interleaved_g16<S, 1>}}}, false};
+  if (use_avx512()) {
+    const InterleavedTileFn<S> one = tile_interleaved_g16_row512<S>;
+    return {{{{4, tile_interleaved_g16_pairs<S, 2>}, {2, tile_interleaved_g16_pairs<S, 1>}, {1, one}, {1, one}}}, 4};
+  }
+  const InterleavedTileFn<S> one = tile_interleaved_g16<S, 1>;
+  return {{{{2, tile_interleaved_g16<S, 2>}, {1, one}, {1, one}, {1, one}}}, 0};
 }
 
 template <typename S>
 void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, int64_t group, bool mins, int64_t n,
                          float* out) {
   const TileLayout l = tile_layout(xq.k, group, int4, sizeof(S), mins);
-  const auto [passes, by_group_sums] =
+  const auto [passes, by_group_from] =
       l.bpg == 0 ? pick_g16<S>()
       : int4     ? (l.bpg == 1 ? InterleavedTiles<S, true, Int4Block>::pick() : InterleavedTiles<S, false, Int4Block>::pick())
                  : (l.bpg == 1 ? InterleavedTiles<S, true, Int8Block>::pick() : InterleavedTiles<S, false, Int8Block>::pick());
@@ -820,7 +889,7 @@ void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, 
   std::vector<float> xsums(m * l.groups), by_group;
   if (mins) {
     for (int64_t r = 0; r < m; ++r) group_sums(xq, r, group, xsums.data() + r * l.groups);
-    if (by_group_sums && m >= passes[1].first) {  // the passes read a group's sums of several rows together
+    if (by_group_from > 0 && m >= by_group_from) {  // the passes read a group's sums of several rows together
       by_group.resize(l.groups * m);
       for (int64_t r = 0; r < m; ++r)
         for (int64_t g = 0; g < l.groups; ++g) by_group[g * m + r] = xsums[r * l.groups + g];
@@ -832,10 +901,13 @@ void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, 
     for (int64_t t = begin; t < end; ++t) {
       const int64_t j0 = t * RT, rows = std::min(RT, n - j0);
       for (int64_t i = 0; i < m;) {
-        const auto& [pass, tile] = m - i >= passes[0].first ? passes[0] : m - i >= passes[1].first ? passes[1] : passes[2];
+        size_t p = 0;
+        while (passes[p].first > m - i) ++p;
+        const auto& [pass, tile] = passes[p];
         for (int64_t u = 0; u < pass; ++u)
           rows_x[u] = XRow{xq.q.data() + (i + u) * xq.k, xq.scale.data() + (i + u) * nb, xsums.data() + (i + u) * l.groups};
-        if (pass > 1 && !by_group.empty()) rows_x[0].sums_by_group = by_group.data() + i, rows_x[0].stride = m;
+        if (by_group_from > 0 && pass >= by_group_from && !by_group.empty())
+          rows_x[0].sums_by_group = by_group.data() + i, rows_x[0].stride = m;
         tile(tiles + t * tile_bytes, l, rows_x.data(), y.data());
         for (int64_t u = 0; u < pass; ++u)
           for (int64_t r = 0; r < rows; ++r) out[(i + u) * n + j0 + r] = y[u * RT + r];
@@ -845,37 +917,145 @@ void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, 
   });
 }
 
-// packed_gemm on interleave_tiles' layout; ``half``: float16 scales and mins (else float32).
+// packed_gemm on interleave_tiles' layout; scale_bytes: 4 float32 scales and mins, 2 float16, 1 stepped.
 }  // namespace
 
-void llk::quant::interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, bool int4, bool half, int64_t group,
-                                  bool mins, int64_t n, float* out) {
-  // group 16 stays on the int16 passes at every M (qgemm.h has no per-16 scales)
-  if (xq.x != nullptr && xq.m >= g_qgemm_min_rows.load(std::memory_order_relaxed) && group % QB == 0)
-    return qgemm::gemm(xq.x, xq.m, xq.k, tiles, int4, half, group, mins, n, out);
+void llk::quant::interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, bool int4, int64_t scale_bytes,
+                                  int64_t group, bool mins, int64_t n, float* out) {
+  TORCH_CHECK(scale_bytes == 4 || scale_bytes == 2 || scale_bytes == 1, "scale_bytes: 4, 2 or 1 (stepped)");
+  if (xq.x != nullptr && xq.m >= g_qgemm_min_rows.load(std::memory_order_relaxed))
+    return qgemm::gemm(xq.x, xq.m, xq.k, tiles, int4, scale_bytes, group, mins, n, out);
   if (xq.q.size() != static_cast<size_t>(xq.m * xq.k))  // made at qgemm's sizes, the threshold moved since
-    return interleaved_gemm(int16_rows(xq, int4), tiles, int4, half, group, mins, n, out);
-  if (half) interleaved_gemm_as<uint16_t>(xq, tiles, int4, group, mins, n, out);
+    return interleaved_gemm(int16_rows(xq, int4), tiles, int4, scale_bytes, group, mins, n, out);
+  if (scale_bytes == 2) interleaved_gemm_as<uint16_t>(xq, tiles, int4, group, mins, n, out);
+  else if (scale_bytes == 1) interleaved_gemm_as<int8_t>(xq, tiles, int4, group, mins, n, out);
   else interleaved_gemm_as<float>(xq, tiles, int4, group, mins, n, out);
 }
 
+namespace {
+
+// One step's values (``count`` scales or mins of a row) as step * ints, exactly. Each nonzero value
+// is an odd integer times a power of two (read off its bits); over the common lowest power, the
+// values are integers whose greatest common divisor G gives step = G * 2^low and ints = values /
+// step. A GGUF K-quant's d * sc (d float16, sc an integer of at most 8 bits) factors so with
+// |ints| <= |sc|.
+uint32_t binary_gcd(uint32_t a, uint32_t b) {
+  if (a == 0 || b == 0) return a | b;
+  const int shift = __builtin_ctz(a | b);
+  a >>= __builtin_ctz(a);
+  while (b != 0) {
+    b >>= __builtin_ctz(b);
+    if (a > b) std::swap(a, b);
+    b -= a;
+  }
+  return a << shift;
+}
+
+bool step_values(const float* v, int64_t count, float* step, int8_t* ints) {
+  constexpr int64_t MAX_COUNT = STEP / 16;
+  uint32_t odd[MAX_COUNT];
+  int power[MAX_COUNT];
+  int low = INT32_MAX;  // the lowest power of two of any nonzero value
+  for (int64_t i = 0; i < count; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, v + i, 4);
+    const uint32_t exponent = (bits >> 23) & 0xFF, fraction = bits & 0x7FFFFF;
+    if (exponent == 0xFF) return false;  // inf, nan
+    const uint32_t mantissa = exponent == 0 ? fraction : fraction | 0x800000;  // subnormal: no implicit bit
+    if (mantissa == 0) {
+      odd[i] = 0;
+      continue;
+    }
+    const int zeros = __builtin_ctz(mantissa);
+    odd[i] = mantissa >> zeros;
+    power[i] = (exponent == 0 ? -149 : static_cast<int>(exponent) - 150) + zeros;
+    low = std::min(low, power[i]);
+  }
+  if (low == INT32_MAX) {  // all zero
+    *step = 0.f;
+    std::memset(ints, 0, count);
+    return true;
+  }
+  uint32_t whole[MAX_COUNT], g = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    if (odd[i] == 0) {
+      whole[i] = 0;
+      continue;
+    }
+    if (power[i] - low > 7) return false;  // 2^8 times another value's odd part: no int8 holds both
+    whole[i] = odd[i] << (power[i] - low);  // < 2^31
+    if (g == 0 || whole[i] % g != 0) g = binary_gcd(g, whole[i]);  // mostly a divisor after the first two
+  }
+  int32_t q[MAX_COUNT];
+  int32_t most = 0, least = 0;  // the ints with a positive step; Q6_K's span -128..127 with d of either sign
+  for (int64_t i = 0; i < count; ++i) {
+    const auto magnitude = whole[i] / g;
+    if (magnitude > 128) return false;
+    q[i] = v[i] < 0 ? -static_cast<int32_t>(magnitude) : static_cast<int32_t>(magnitude);
+    most = std::max(most, q[i]);
+    least = std::min(least, q[i]);
+  }
+  if (most > 127 && least < -127) return false;
+  const int32_t sign = most > 127 ? -1 : 1;
+  const float s = std::ldexp(static_cast<float>(sign) * static_cast<float>(g), low);
+  for (int64_t i = 0; i < count; ++i) {
+    if (static_cast<float>(sign * q[i]) * s != v[i]) return false;
+    ints[i] = static_cast<int8_t>(sign * q[i]);
+  }
+  *step = s;
+  return true;
+}
+
+}  // namespace
+
 namespace llk::quant {
 
+c10::optional<std::tuple<at::Tensor, at::Tensor>> step_scales(const at::Tensor& scales, int64_t group) {
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.is_contiguous(),
+              "scales: contiguous float32 [n, k / group]");
+  TORCH_CHECK(group >= 16 && STEP % group == 0, "group must be 16 or more and divide ", STEP);
+  const int64_t n = scales.size(0), groups = scales.size(1), per_step = STEP / group;
+  if (groups % per_step != 0) return c10::nullopt;
+  auto ints = at::empty({n, groups}, at::kChar);
+  auto steps = at::empty({n, groups / per_step}, at::kFloat);
+  const float* v = scales.data_ptr<float>();
+  int8_t* q = ints.data_ptr<int8_t>();
+  float* st = steps.data_ptr<float>();
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, n * (groups / per_step), 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end && ok.load(std::memory_order_relaxed); ++i)
+      if (!step_values(v + i * per_step, per_step, st + i, q + i * per_step)) ok = false;
+  });
+  if (!ok) return c10::nullopt;
+  return std::make_tuple(ints, steps);
+}
+
 // A packed int4 (uint8 [n, k / 2]) or int8 (int8 [n, k]) weight with its scales (and mins) [n, k /
-// group], float32 or float16, in the interleaved layout (uint8, flat). Group: a multiple of 32, or
-// 16 for int8.
+// group] in the interleaved layout (uint8, flat): float32 or float16, or int8 with their float32
+// steps [n, k / STEP] (step_scales; both or neither for the mins). Group: a multiple of 32, or 16
+// for int8.
 at::Tensor interleave_tiles(const at::Tensor& qweight, const at::Tensor& scales,
-                               const c10::optional<at::Tensor>& mins, int64_t group) {
+                               const c10::optional<at::Tensor>& mins, int64_t group,
+                               const c10::optional<at::Tensor>& scale_steps, const c10::optional<at::Tensor>& min_steps) {
   const bool int4 = qweight.scalar_type() == at::kByte;
   TORCH_CHECK((int4 || qweight.scalar_type() == at::kChar) && qweight.dim() == 2 && qweight.is_contiguous(),
               "qweight: contiguous uint8 (int4) or int8 [n, packed k]");
   const int64_t n = qweight.size(0), row_bytes = qweight.size(1), k = int4 ? 2 * row_bytes : row_bytes;
   TORCH_CHECK(((group % QB == 0) || (group == 16 && !int4)) && k % group == 0 && k % QB == 0,
               "interleaved tiles need a group that is a multiple of 32 (or int8's 16) dividing K");
-  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
-                  scales.numel() == n * (k / group), "scales: contiguous float32 or float16 [n, k / group]");
+  const bool stepped = scales.scalar_type() == at::kChar;
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf || stepped) &&
+                  scales.is_contiguous() && scales.numel() == n * (k / group),
+              "scales: contiguous float32, float16 or int8 (stepped) [n, k / group]");
   TORCH_CHECK(!mins.has_value() || (mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() &&
                                     mins->numel() == scales.numel()), "mins: like the scales");
+  const auto steps_fit = [&](const c10::optional<at::Tensor>& t) {
+    return t.has_value() && t->scalar_type() == at::kFloat && t->is_contiguous() && k % STEP == 0 &&
+           STEP % group == 0 && t->numel() == n * (k / STEP);
+  };
+  TORCH_CHECK(stepped ? steps_fit(scale_steps) && (!mins.has_value() || steps_fit(min_steps))
+                      : !scale_steps.has_value() && !min_steps.has_value(),
+              "int8 scales (and mins) come with their float32 steps [n, k / ", STEP, "], others without");
   const int64_t sb = scales.element_size();
   const TileLayout l = tile_layout(k, group, int4, sb, mins.has_value());
   const int64_t tiles = (n + RT - 1) / RT, tile_bytes = l.tile_bytes(), bb = l.block_bytes;
@@ -889,16 +1069,21 @@ at::Tensor interleave_tiles(const at::Tensor& qweight, const at::Tensor& scales,
     const int64_t r = j % RT;
     for (int64_t g = 0; g < l.groups; ++g) {
       if (l.bpg == 0) {  // group 16: a block's two groups' scales, then its bytes
-        uint8_t* block_start = tile + (g / 2) * 2 * l.group_bytes();
+        uint8_t* block_start = tile + l.groups_offset() + (g / 2) * 2 * l.group_bytes();
         std::memcpy(block_start + ((g % 2) * RT + r) * sb, s + (j * l.groups + g) * sb, sb);
         if (g % 2 == 0) std::memcpy(block_start + 2 * RT * sb + r * bb, q + j * row_bytes + (g / 2) * bb, bb);
       } else {
-        uint8_t* group_start = tile + g * l.group_bytes();
+        uint8_t* group_start = tile + l.groups_offset() + g * l.group_bytes();
         std::memcpy(group_start + r * sb, s + (j * l.groups + g) * sb, sb);
         for (int64_t e = 0; e < l.bpg; ++e)
           std::memcpy(group_start + RT * sb + (e * RT + r) * bb, q + j * row_bytes + (g * l.bpg + e) * bb, bb);
       }
-      if (mn != nullptr) std::memcpy(tile + l.groups * l.group_bytes() + (g * RT + r) * sb, mn + (j * l.groups + g) * sb, sb);
+      if (mn != nullptr) std::memcpy(tile + l.mins_offset() + (g * RT + r) * sb, mn + (j * l.groups + g) * sb, sb);
+    }
+    for (int64_t t = 0; t < l.steps(); ++t) {
+      float* steps = reinterpret_cast<float*>(tile);
+      steps[t * RT + r] = scale_steps->data_ptr<float>()[j * l.steps() + t];
+      if (mn != nullptr) steps[(l.steps() + t) * RT + r] = min_steps->data_ptr<float>()[j * l.steps() + t];
     }
   }
   return out;
@@ -906,18 +1091,18 @@ at::Tensor interleave_tiles(const at::Tensor& qweight, const at::Tensor& scales,
 
 // x [M, K] @ W^T -> [M, n] for W in interleave_tiles' layout (the integer path of int4/int8_linear).
 at::Tensor interleaved_linear(const at::Tensor& x_in, const at::Tensor& tiles, bool int4, int64_t n,
-                                 int64_t group, bool half, bool mins) {
+                                 int64_t group, int64_t scale_bytes, bool mins) {
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
   const int64_t k = x_in.size(1);
   TORCH_CHECK(((group % QB == 0) || (group == 16 && !int4)) && k % group == 0 && k % QB == 0,
               "group must be a multiple of 32 (or int8's 16) dividing K");
-  const TileLayout l = tile_layout(k, group, int4, half ? 2 : 4, mins);
+  const TileLayout l = tile_layout(k, group, int4, scale_bytes, mins);
   TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
                   tiles.numel() == (n + RT - 1) / RT * l.tile_bytes(), "tiles do not match n, K and the group");
   const auto x = x_in.to(at::kFloat).contiguous();
   const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*nibble_order=*/int4);
   auto out = at::empty({x.size(0), n}, x.options());
-  interleaved_gemm(xq, tiles.data_ptr<uint8_t>(), int4, half, group, mins, n, out.data_ptr<float>());
+  interleaved_gemm(xq, tiles.data_ptr<uint8_t>(), int4, scale_bytes, group, mins, n, out.data_ptr<float>());
   return out.to(x_in.scalar_type());
 }
 }  // namespace llk::quant

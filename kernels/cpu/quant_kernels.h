@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace llk::quant {
@@ -25,14 +26,23 @@ struct QuantizedX {
 };
 
 // One tile of RT weight rows in interleave_tiles' layout (quant_kernels.cpp describes it). bpg 0:
-// int8 in groups of 16 (GGUF's Q6_K), two groups to a 32-input block.
+// int8 in groups of 16 (GGUF's Q6_K), two groups to a 32-input block. scale_bytes: 4 float32
+// scales and mins, 2 float16, 1 stepped (an int8 per group times a float32 step per STEP inputs
+// and row, GGUF's K-quant super-block: step_scales factors them exactly).
+constexpr int64_t STEP = 256;
 struct TileLayout {
   int64_t groups, bpg, block_bytes, scale_bytes;
   bool mins;
   int64_t group_bytes() const {
     return RT * scale_bytes + (bpg == 0 ? RT * block_bytes / 2 : bpg * RT * block_bytes);
   }
-  int64_t tile_bytes() const { return groups * group_bytes() + (mins ? groups * RT * scale_bytes : 0); }
+  bool stepped() const { return scale_bytes == 1; }
+  int64_t groups_per_step() const { return STEP / (bpg == 0 ? 16 : bpg * QB); }
+  int64_t steps() const { return stepped() ? groups / groups_per_step() : 0; }
+  // stepped: a tile starts with the RT rows' float32 scale steps of each step, then their min steps
+  int64_t groups_offset() const { return steps() * RT * 4 * (mins ? 2 : 1); }
+  int64_t mins_offset() const { return groups_offset() + groups * group_bytes(); }
+  int64_t tile_bytes() const { return mins_offset() + (mins ? groups * RT * scale_bytes : 0); }
 };
 
 // ---- pointer-level kernels (x86-64 with AVX2+FMA+F16C) ----
@@ -41,8 +51,8 @@ TileLayout tile_layout(int64_t k, int64_t group, bool int4, int64_t scale_bytes,
 void packed_gemm(const QuantizedX& xq, const uint8_t* w, bool int4, const at::Tensor& scales, const at::Tensor& mins,
                  int64_t group, int64_t n, float* out);
 // At xq.m >= qgemm_min_rows() rows (and xq.x set), x rounded to int8 instead (qgemm.h).
-void interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, bool int4, bool half, int64_t group, bool mins,
-                      int64_t n, float* out);
+void interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, bool int4, int64_t scale_bytes, int64_t group,
+                      bool mins, int64_t n, float* out);
 // Whether a packed int8 weight takes the per-token path: per output channel (group == K), symmetric.
 inline bool int8_per_channel(int64_t group, int64_t k, bool has_mins) { return group == k && !has_mins; }
 void int8_per_channel_linear(const float* x, int64_t m, int64_t k, const int8_t* w, const at::Tensor& scales,
@@ -56,10 +66,14 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
                        const at::Tensor& mins, int64_t group, bool int_path);
 at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& mins, int64_t group, bool int_path);
+// Scales [n, k / group] float32 as an int8 per group times a float32 step per STEP inputs and row,
+// exactly (steps * ints == scales bit for bit), or None where some step's values do not factor so.
+c10::optional<std::tuple<at::Tensor, at::Tensor>> step_scales(const at::Tensor& scales, int64_t group);
 at::Tensor interleave_tiles(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
-                            int64_t group);
+                            int64_t group, const c10::optional<at::Tensor>& scale_steps,
+                            const c10::optional<at::Tensor>& min_steps);
 at::Tensor interleaved_linear(const at::Tensor& x_in, const at::Tensor& tiles, bool int4, int64_t n, int64_t group,
-                              bool half, bool mins);
+                              int64_t scale_bytes, bool mins);
 at::Tensor fp8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales, bool direct);
 
 }  // namespace llk::quant

@@ -332,7 +332,15 @@ def _native_projection(layer: LinearBase) -> Any | None:
     if isinstance(kernel, InterleavedKernel):
         k = in_features + layer.input_padding
         return ProjectionSpec(
-            TILES, kernel.int4, kernel.n, k, kernel.group, in_features, kernel.half, kernel.has_mins, kernel.tiles
+            TILES,
+            kernel.int4,
+            kernel.n,
+            k,
+            kernel.group,
+            in_features,
+            kernel.scale_bytes,
+            kernel.has_mins,
+            kernel.tiles,
         )
     if bound_exact_activations(layer):
         return None
@@ -342,9 +350,9 @@ def _native_projection(layer: LinearBase) -> Any | None:
     (n, k), group, mins = packed.shape, packed.group_size, packed.mins
     int4 = isinstance(packed, PackedInt4)
     layout = PER_CHANNEL if not int4 and group == k and mins is None else ROWS
-    half = packed.scales.dtype == torch.float16
+    scale_bytes = packed.scales.element_size()
     return ProjectionSpec(
-        layout, int4, n, k, group, in_features, half, mins is not None, packed.qweight, packed.scales, mins
+        layout, int4, n, k, group, in_features, scale_bytes, mins is not None, packed.qweight, packed.scales, mins
     )
 
 

@@ -336,7 +336,8 @@ def _bind_linear(module: object, layer: LinearBase) -> object:
     from llmctl.layers.quantization.matmul import bound_cpu_kernel
     from llmctl.layers.quantization.params import kernel_packed
 
-    tiles = getattr(bound_cpu_kernel(layer, release_rows=True), "tiles", None)  # the module path's copy, shared
+    kernel = bound_cpu_kernel(layer, release_rows=True)
+    tiles = getattr(kernel, "tiles", None)  # the module path's copy, shared
     packed = kernel_packed(layer)  # after binding: a released qweight passes as its meta shape only
     return module.make_linear(
         layer.packed_format,
@@ -347,4 +348,5 @@ def _bind_linear(module: object, layer: LinearBase) -> object:
         group=layer.packed_group_size,
         bias=bias,
         tiles=tiles,
+        tile_scale_bytes=getattr(kernel, "scale_bytes", 0),
     )

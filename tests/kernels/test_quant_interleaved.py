@@ -79,23 +79,6 @@ def test_interleaved_gives_the_row_layout_bits(kind, half, m, n, k):
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
 
 
-@pytest.mark.parametrize("kind", ["int8g16", "int8g16-mins"])
-def test_group_16_keeps_the_int16_passes_at_many_rows(kind):
-    """At the int8-digit GEMM's sizes (from 8 rows, the default threshold) a group-16 weight stays
-    on the int16 passes, as its row layout does: the same bits at every M."""
-    set_rows = load_quant_native().set_qgemm_min_rows
-    previous = set_rows(8)
-    try:
-        packed, _ = _packed(kind, 30, 384, seed=3, half=True)
-        kernel = bind_native(packed)
-        assert isinstance(kernel, InterleavedKernel) and kernel.group == 16
-        for m in (1, 8, 64):
-            x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m))
-            assert torch.equal(kernel(x), quant_linear_native(x, packed, INT_PATH)), m
-    finally:
-        set_rows(previous)
-
-
 @pytest.mark.parametrize("kind", ["int4g32", "int8g16-mins"])
 def test_the_avx2_passes_give_the_same_bits(kind):
     """``set_isa_cap("avx2")``, applied to the loaded kernels at once: the AVX2 passes of 2 x rows where
@@ -146,7 +129,7 @@ def test_mismatched_tiles_are_refused():
     module = load_quant_native()
     tiles = module.interleave_tiles(packed.qweight, packed.scales, packed.mins, 32)
     with pytest.raises(RuntimeError, match="tiles do not match"):
-        module.interleaved_linear(torch.randn(1, 64), tiles, True, 12, 32, False, True)
+        module.interleaved_linear(torch.randn(1, 64), tiles, True, 12, 32, 4, True)
     with pytest.raises(RuntimeError, match="mins: like the scales"):
         module.interleave_tiles(packed.qweight, packed.scales, packed.mins.half(), 32)
 

@@ -26,7 +26,7 @@ if native_unavailable_reason() is not None:
     pytest.skip(f"quantized CPU kernels: {native_unavailable_reason()}", allow_module_level=True)
 
 MIN_ROWS = 8  # the kernel's default (quant_kernels.cpp)
-KINDS = ["int4g32", "int4g64", "int4g128", "int8g32", "int8-mins"]
+KINDS = ["int4g32", "int4g64", "int4g128", "int8g32", "int8-mins", "int8g16", "int8g16-mins"]
 
 
 def _packed(kind: str, n: int, k: int, seed: int, half: bool):
@@ -36,9 +36,10 @@ def _packed(kind: str, n: int, k: int, seed: int, half: bool):
     if kind.startswith("int4"):
         packed = quantize_int4(w, int(kind[5:]))
     else:
-        sym = quantize_int8(w, 32)
-        mins = torch.randn(n, k // 32, generator=gen) * 0.1 if kind == "int8-mins" else None
-        packed = PackedInt8(sym.qweight, sym.scales, mins, 32)
+        group = 16 if kind.startswith("int8g16") else 32  # 16: GGUF's Q6_K, each block's halves scaled apart
+        sym = quantize_int8(w, group)
+        mins = torch.randn(n, k // group, generator=gen) * 0.1 if kind.endswith("-mins") else None
+        packed = PackedInt8(sym.qweight, sym.scales, mins, group)
     if not half:
         return packed, packed
     cls = PackedInt4 if kind.startswith("int4") else PackedInt8
@@ -97,7 +98,7 @@ def test_every_isa_variant_gives_the_same_bits_and_the_reference(kind, half, m, 
     assert ((best - exact).abs() <= _int8_rounding_bound(x, twin) + 1e-5 * scale).all()
 
 
-@pytest.mark.parametrize("kind", ["int4g32", "int8g32", "int8-mins"])
+@pytest.mark.parametrize("kind", ["int4g32", "int8g32", "int8-mins", "int8g16"])
 def test_rows_do_not_depend_on_the_batch(kind, min_rows):
     """Each row's bits are the same among 8, 13 or 100 rows, and alone when the path runs from 1 row."""
     packed, _ = _packed(kind, 80, 256, seed=3, half=True)

@@ -184,3 +184,32 @@ def test_an_untied_packed_lm_head_holds_its_rows_once(tmp_path, monkeypatch, tie
     assert tokens["1"] == tokens["0"]
     if not tie:  # the tiles replace the rows (and the scales' float16 copies the row kernels read)
         assert held["1"] <= held["0"]
+
+
+def test_k_quant_scales_are_stepped_in_the_tiles_with_the_same_tokens(tmp_path, monkeypatch):
+    """The tiny file's Q4_K, Q5_K and Q6_K tensors keep their ``d * sc`` scales as an int8 per group
+    times a float32 step per 256 inputs in the bound tiles (fewer bytes held and read); the engine
+    gives the tokens it gives with float32 scales, batched and through the native decode loop."""
+    from llmctl.layers.quantization.matmul import bound_cpu_kernel
+    from llmctl_kernels.quant_native import native_unavailable_reason
+
+    if native_unavailable_reason() is not None:
+        pytest.skip(f"quantized CPU kernels: {native_unavailable_reason()}")
+    path = write_tiny_gguf(tmp_path / "m.gguf", tmp_path / "hf")
+    prompts = [[1, 5, 9, 200], [1, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    tokens, held = {}, {}
+    for stepped in ("1", "0"):
+        monkeypatch.setenv("LLMCTL_QUANT_STEPPED_SCALES", stepped)
+        engine = LLMEngine(model=str(path), skip_tokenizer=True, dtype="float32", kv_cache_memory=8 << 20)
+        model = engine.runner.model
+        formats = {
+            getattr(bound_cpu_kernel(m), "scale_bytes", None)
+            for m in model.modules()
+            if "_bound_cpu_kernel" in m.__dict__
+        }
+        assert (1 in formats) == (stepped == "1"), formats
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        tokens[stepped] = [o.outputs[0].token_ids for o in outs]
+        held[stepped] = weight_bytes(model)
+    assert tokens["1"] == tokens["0"]
+    assert held["1"] < held["0"]
