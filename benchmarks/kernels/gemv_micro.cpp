@@ -6,13 +6,9 @@
 
 #include <chrono>
 
-#pragma push_macro("PYBIND11_MODULE")
-#undef PYBIND11_MODULE
-#define PYBIND11_MODULE(name, variable) [[maybe_unused]] static void unused_bindings(pybind11::module_& variable)
-namespace quantk {
-#include "../kernels/cpu/quant_kernels.cpp"
-}
-#pragma pop_macro("PYBIND11_MODULE")
+#include "../../kernels/cpu/quant_kernels.cpp"
+
+namespace quantk = llk::quant;
 
 namespace {
 
@@ -27,14 +23,14 @@ double gemv_ns(const std::string& layout, bool int4, const torch::Tensor& x, std
                int64_t reps) {
   const int64_t k = x.size(1), m = x.size(0), copies = static_cast<int64_t>(qweights.size());
   auto out = torch::empty({m, n}, x.options());
-  const bool half = scales[0].scalar_type() == at::kHalf;
+  const int64_t scale_bytes = scales[0].element_size();  // float16 or float32 tiles
   double best = 1e30;
   for (int64_t i = 0; i < reps; ++i) {
     const int64_t c = i % copies;
     const double t0 = now_ns();
     const quantk::QuantizedX xq = quantk::quantize_x(x.data_ptr<float>(), m, k, int4);
     if (layout == "tiles")
-      quantk::interleaved_gemm(xq, qweights[c].data_ptr<uint8_t>(), int4, half, group, !mins.empty(), n,
+      quantk::interleaved_gemm(xq, qweights[c].data_ptr<uint8_t>(), int4, scale_bytes, group, !mins.empty(), n,
                                out.data_ptr<float>());
     else
       quantk::packed_gemm(xq, static_cast<const uint8_t*>(qweights[c].data_ptr()), int4, scales[c],

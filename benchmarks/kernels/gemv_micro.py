@@ -18,7 +18,7 @@ import torch
 from torch.utils import cpp_extension
 
 # gemv_micro.cpp is AVX2 code built on its own (not part of llmctl's extension): these flags compile it
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+CFLAGS = ["-O3", "-g0", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]  # quant_kernels.cpp sets its targets
 LDFLAGS = ["-fopenmp"]
 
 SHAPES = {  # name: (N, K, int4)

@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <mutex>
 #include <numeric>
 #include <vector>
 
@@ -113,11 +112,12 @@ class Experts {
     std::stable_sort(active.begin(), active.end(),
                      [&](int64_t a, int64_t b) { return start[a + 1] - start[a] > start[b + 1] - start[b]; });
 
-    // each pair's expert output times its weight, (token, slot) order: a buffer kept between calls,
-    // as a prefill chunk's (64 MB at 2,048 tokens of 8 slots) would be mapped and faulted in afresh
-    std::lock_guard<std::mutex> hold(scratch_lock_);
-    if (scratch_.numel() < pairs * hidden_) scratch_ = at::empty({pairs * hidden_}, x.options());
-    auto scaled = scratch_.narrow(0, 0, pairs * hidden_).view({tokens, top_k, hidden_});
+    // each pair's expert output times its weight, (token, slot) order: one buffer per calling thread
+    // (the engine's), kept between calls and layers, as a prefill chunk's (64 MB at 2,048 tokens of
+    // 8 slots) would be mapped and faulted in afresh every layer
+    thread_local at::Tensor scratch = at::empty({0}, at::kFloat);
+    if (scratch.numel() < pairs * hidden_) scratch = at::empty({pairs * hidden_}, at::kFloat);
+    auto scaled = scratch.narrow(0, 0, pairs * hidden_).view({tokens, top_k, hidden_});
     const auto w = weights.to(at::kFloat).contiguous();
     TORCH_CHECK(w.numel() == pairs, "weights: [T, k]");
     const float* xp = x.data_ptr<float>();
@@ -186,8 +186,6 @@ class Experts {
 
   int64_t hidden_, inner_;
   std::vector<Expert> experts_;
-  mutable std::mutex scratch_lock_;
-  mutable at::Tensor scratch_ = at::empty({0}, at::kFloat);
 };
 
 const Experts* experts_of(pybind11::handle object) {

@@ -29,7 +29,8 @@
 // same bits, and no output depends on M, the row block, the thread or the panel.
 // AMX-INT8 and AVX-VNNI (VEX) variants are not built: AMX CPUs have AVX512-VNNI, which runs here.
 //
-// Included by quant_kernels.cpp inside its namespace, after the tile layout and avx512_allowed().
+// Included by quant_kernels.cpp inside its namespace, after the tile layout, TileScales and
+// avx512_allowed().
 
 namespace qgemm {
 

@@ -20,10 +20,12 @@
 // (batched == unbatched); their slab path, with exact float activations, is there on request.
 //
 // Scales and mins are float32, or float16 where every value is exactly a float16 (GGUF files store
-// them so; kernels/quant_native.py makes the copy): decode streams every weight byte once a step and
-// is bound by memory bandwidth on small CPUs, and float16 scales and mins cut Q4_1's bytes per weight
-// from 0.75 to 0.625 (Q8_0's from 1.125 to 1.0625). Each converts to the same float32, so the results
-// are bitwise those of the float32 scales.
+// them so; kernels/quant_native.py makes the copy), or in the tile-interleaved layout stepped: an
+// int8 per group times a float32 step per 256 inputs (GGUF's K-quants, d * sc). Decode streams
+// every weight byte once a step and is bound by memory bandwidth on small CPUs: float16 scales and
+// mins cut Q4_1's bytes per weight from 0.75 to 0.625 (Q8_0's from 1.125 to 1.0625), stepped ones
+// Q4_K's from 0.75 to 0.59. Each gives the same float32 values, so the results are bitwise those
+// of the float32 scales.
 //
 // ISA (isa.h): AVX2+FMA+F16C is the baseline of this file (the `#pragma GCC target` below; the
 // loader checks the CPU for it before any call). Functions for AVX-512 carry their own target
@@ -203,7 +205,8 @@ struct XRow {
   const float* scale;
   const float* group_sums;
   // The same sums by group (sums_by_group[g * stride + u] for the u-th row of a pass): set on the
-  // first row of a pass of several rows (tile_interleaved_pairs reads 8 rows' sums of a group at once).
+  // first row of a pass of TilePick::by_group_from rows or more (add_pass_mins reads 4 or 8 rows'
+  // sums of a group at once).
   const float* sums_by_group = nullptr;
   int64_t stride = 0;
 };
@@ -617,6 +620,9 @@ __attribute__((target("avx2,fma,f16c"))) void tile_interleaved_g16(const uint8_t
 }  // namespace
 
 TileLayout llk::quant::tile_layout(int64_t k, int64_t group, bool int4, int64_t scale_bytes, bool mins) {
+  TORCH_CHECK(scale_bytes == 4 || scale_bytes == 2 || (scale_bytes == 1 && STEP % group == 0 && k % STEP == 0),
+              "tile scales: 4 (float32), 2 (float16) or 1 byte (stepped: a group dividing ", STEP,
+              " and K a multiple of it)");
   return {k / group, group / QB, int4 ? QB / 2 : QB, scale_bytes, mins};  // group 16: bpg 0
 }
 
@@ -922,7 +928,6 @@ void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, 
 
 void llk::quant::interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, bool int4, int64_t scale_bytes,
                                   int64_t group, bool mins, int64_t n, float* out) {
-  TORCH_CHECK(scale_bytes == 4 || scale_bytes == 2 || scale_bytes == 1, "scale_bytes: 4, 2 or 1 (stepped)");
   if (xq.x != nullptr && xq.m >= g_qgemm_min_rows.load(std::memory_order_relaxed))
     return qgemm::gemm(xq.x, xq.m, xq.k, tiles, int4, scale_bytes, group, mins, n, out);
   if (xq.q.size() != static_cast<size_t>(xq.m * xq.k))  // made at qgemm's sizes, the threshold moved since
