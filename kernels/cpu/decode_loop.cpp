@@ -158,9 +158,7 @@ Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<a
   if (l.mins.defined())
     TORCH_CHECK(l.mins.is_contiguous() && l.mins.scalar_type() == l.scales.scalar_type(), "mins of the scales' dtype");
   if (tiles.has_value()) {
-    TORCH_CHECK(tile_scale_bytes == 4 || tile_scale_bytes == 2 || tile_scale_bytes == 1,
-                "packed linear: tile_scale_bytes 4, 2 or 1 (stepped)");
-    const quantk::TileLayout layout =
+    const quantk::TileLayout layout =  // checks tile_scale_bytes
         quantk::tile_layout(l.k_packed, group, l.kind == Linear::kInt4, tile_scale_bytes, l.mins.defined());
     TORCH_CHECK((group % quantk::QB == 0 || group == 16) && tiles->scalar_type() == at::kByte && tiles->is_contiguous() &&
                     tiles->numel() == (l.n + quantk::RT - 1) / quantk::RT * layout.tile_bytes(),
