@@ -11,7 +11,8 @@
 // passes of quant_kernels.cpp recompute each weight block for every row with a float step per
 // block, row and 8 lanes; here the weight is unpacked once per block of MR rows, each instruction
 // does 64 (VNNI) or 32 (AVX2) multiply-adds, and the float step is one per block, row and 16 (8)
-// weight rows: a 64-row step computes from the packed bytes faster than from a float32 copy.
+// weight rows: with VNNI a 64-row step computes from the packed bytes faster than from a float32
+// copy (with AVX2 alone, int4 is about 0.7x of the copy's fp32 GEMM; docs/benchmarks.md).
 //
 // Layout of the products: each 32-bit lane holds 4 consecutive bytes of one weight row (the tile's
 // natural order), so x goes to the lanes pre-arranged: int8 weights take x in input order; an int4
@@ -21,8 +22,10 @@
 // - AVX512-VNNI: vpdpbusd (u8 x s8 -> s32). int4 nibbles are the unsigned operand; int8 weights
 //   are signed, so both digits go in as digit + 128 (unsigned), and -(128 * 257) * sum(w row)
 //   is added once per block and panel for all the rows of x.
-// - AVX2: vpmaddubsw (u8 x s8 -> s16, two products: |15 * 127 * 2| and |128 * 127 * 2| fit without
-//   saturating) then vpmaddwd by ones; int8 weights by the sign trick (|w| times x with w's sign).
+// - AVX2: int4 by vpmaddubsw (u8 x s8 -> s16, two products; |15 * 127 * 2| fits without
+//   saturating), each digit's sums then weighed by 255 or 1 in one vpmaddwd; int8 weights by
+//   vpmaddwd on q whole (int16, Int8X::q) against the weight widened to int16 (one instruction per
+//   16 products, where the digits cost three per 32 each).
 // - scalar (`set_isa("generic")`): the same integers in plain loops, the same float steps (std::fma).
 // Overflow: |q| <= 32512, so an int4 block's sum is < 2^24 (exact as a float), an int8 block's
 // < 2^28 (one float rounding, the same in every variant). Every variant gives every output the
@@ -48,6 +51,10 @@ struct Int8X {
   bool lanes = false;        // the digits' blocks in nibble_lanes order
   int32_t base = 255;
   std::vector<int8_t> hi, lo;  // [m, k]: input order (int8 weights, the scalar variant) or nibble_lanes order
+  std::vector<int16_t> q;      // [m, k]: q whole, in input order, instead of the digits (AVX2, int8 weights)
+  // [m, k / QB, 4, 32] (AVX2, int4 weights): each block's 16-byte halves of hi, then of lo, each
+  // twice over, so the panel's vpmaddubsw reads them from memory instead of holding broadcasts.
+  std::vector<int8_t> doubled;
   std::vector<float> scale;  // [m, k / QB]
   std::vector<float> sums;   // [m, groups]: exact float sums of x over each weight group (for the mins)
 };
@@ -72,10 +79,19 @@ __attribute__((target("avx2"))) inline __m256i digits_avx2(const __m256i* d, boo
   return _mm256_permute4x64_epi64(split, _MM_SHUFFLE(3, 1, 2, 0));  // all evens, then all odds
 }
 
+// Int8X::doubled's 128 bytes of one block from its digits.
+__attribute__((target("avx2"))) inline void double_halves(const int8_t* hi, const int8_t* lo, int8_t* out) {
+  const int8_t* from[4] = {hi, hi + 16, lo, lo + 16};
+  for (int j = 0; j < 4; ++j)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * j),
+                        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from[j]))));
+}
+
 // The vector form of quantize's block: the same max, the same q (cvtps rounds half to even, as
 // nearbyint in the default rounding mode), the same digits (floor by an exact float division).
 __attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float* xb, int32_t base, bool lanes,
-                                                                     float* scale, int8_t* hi, int8_t* lo) {
+                                                                     float* scale, int8_t* hi, int8_t* lo,
+                                                                     int16_t* whole) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 v[4], amax8 = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
@@ -88,6 +104,13 @@ __attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float*
   const __m256 inv = _mm256_set1_ps(amax > 0.f ? LEVELS / amax : 0.f);
   *scale = amax / LEVELS;
   __m256i h[4], l[4];
+  if (whole != nullptr) {  // |q| <= 32512: packs keeps it; the permute undoes its 128-bit interleave
+    for (int i = 0; i < 4; ++i) h[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    for (int i = 0; i < 2; ++i)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(whole + 16 * i),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi32(h[2 * i], h[2 * i + 1]), 0xD8));
+    return;
+  }
   for (int i = 0; i < 4; ++i) {
     const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
     if (base == 256) {
@@ -103,11 +126,16 @@ __attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float*
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), digits_avx2(l, lanes));
 }
 
-// ``vector``: the AVX2 block (the SIMD variants), else the plain loop (the scalar variant): the same bytes.
+// ``vector``: the AVX2 block (the SIMD variants), else the plain loop (the scalar variant): the same
+// bytes. ``whole``: q itself in Int8X::q instead of the digits; ``doubled``: Int8X::doubled beside
+// them (the vector block only).
 inline Int8X quantize(const float* x, int64_t m, int64_t k, int64_t group, bool mins, bool lanes, int32_t base,
-                      bool vector) {
+                      bool vector, bool whole = false, bool doubled = false) {
   const int64_t nb = k / QB;
-  Int8X r{m, k, k / group, lanes, base, std::vector<int8_t>(m * k), std::vector<int8_t>(m * k), std::vector<float>(m * nb), {}};
+  Int8X r{m, k, k / group, lanes, base, {}, {}, {}, {}, std::vector<float>(m * nb), {}};
+  if (whole) r.q.resize(m * k);
+  else r.hi.resize(m * k), r.lo.resize(m * k);
+  if (doubled) r.doubled.resize(4 * m * k);
   if (mins) r.sums.resize(m * r.groups);
   at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
     int8_t hi[QB], lo[QB];
@@ -117,7 +145,9 @@ inline Int8X quantize(const float* x, int64_t m, int64_t k, int64_t group, bool 
         const float* xb = xr + b * QB;
         const int64_t at = i * k + b * QB;
         if (vector) {
-          quantize_block_avx2(xb, base, lanes, &r.scale[i * nb + b], r.hi.data() + at, r.lo.data() + at);
+          if (whole) quantize_block_avx2(xb, base, lanes, &r.scale[i * nb + b], nullptr, nullptr, r.q.data() + at);
+          else quantize_block_avx2(xb, base, lanes, &r.scale[i * nb + b], r.hi.data() + at, r.lo.data() + at, nullptr);
+          if (doubled) double_halves(r.hi.data() + at, r.lo.data() + at, r.doubled.data() + 4 * at);
           continue;
         }
         float amax = 0.f;
@@ -180,8 +210,10 @@ __attribute__((optimize("fp-contract=off"))) void tiles_ref(const Int8X& x, cons
     const TileScales<S> ts(tile.p, l);
     for (int r = 0; r < RT && t * RT + r < n; ++r)
       for (int64_t i = 0; i < x.m; ++i) {
-        const int8_t* xh = x.hi.data() + i * x.k;
-        const int8_t* xl = x.lo.data() + i * x.k;
+        const auto q = [&](int64_t at) -> int32_t {  // the digits, or q whole
+          if (!x.q.empty()) return x.q[i * x.k + at];
+          return x.base * x.hi[i * x.k + at] + x.lo[i * x.k + at];
+        };
         float acc = 0.f;
         for (int64_t g = 0; g < l.groups; ++g) {
           const float ws = ts.value(tile.scales(g), g, r);
@@ -193,7 +225,7 @@ __attribute__((optimize("fp-contract=off"))) void tiles_ref(const Int8X& x, cons
             for (int j = j0; j < j1; ++j) {
               const int32_t wj = int4 ? (w[j / 2] >> (4 * (j % 2))) & 15 : static_cast<int8_t>(w[j]);
               const int64_t at = b * QB + lane_position(j, x.lanes);
-              dot += wj * (x.base * xh[at] + xl[at]);
+              dot += wj * q(at);
             }
             acc = std::fma(static_cast<float>(dot), ws * x.scale[i * nb + b], acc);
           }
@@ -328,40 +360,56 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni(cons
 }
 
 // ---- AVX2: panels of 2 tiles (8 weight rows) ----------------------------------------------------
-// One tile block's 4 rows against one digit's x block -> 4 int32 sums (rows 0..3); HALVES 2 (int8
-// in groups of 16): those of the block's first 16 inputs, then of its last 16.
-template <bool INT4, int HALVES = 1>
-__attribute__((target("avx2"))) inline std::array<__m128i, HALVES> tile_dots_avx2(const __m256i* w, const int8_t* xb) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (INT4) {  // w[0..1]: low nibbles of rows 0-1, 2-3; w[2..3]: high nibbles
-    const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb)));
-    const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 16)));
-    __m256i s[2];
-    for (int h = 0; h < 2; ++h)  // |15 * 128 * 4| fits in int16
-      s[h] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w[h], xlo), _mm256_maddubs_epi16(w[2 + h], xhi)), ones);
-    const __m256i pairs = _mm256_hadd_epi32(s[0], s[1]);  // [r0 01, r0 23, r2 01, r2 23 | r1 .., r3 ..]
-    const __m256i four = _mm256_hadd_epi32(pairs, pairs);  // [r0, r2, r0, r2 | r1, r3, r1, r3]
-    return {_mm_unpacklo_epi32(_mm256_castsi256_si128(four), _mm256_extracti128_si256(four, 1))};  // [r0, r1, r2, r3]
-  } else {  // w[r]: row r's 32 bytes; |w| * (x with w's sign): |128 * 128 * 2| < 2^15 only with x > -128
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
-    __m256i s[4];
-    for (int r = 0; r < 4; ++r)
-      s[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[r]), _mm256_sign_epi8(xv, w[r])), ones);
-    // [r0..r3 over inputs 0-15 | r0..r3 over inputs 16-31]
-    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-    if constexpr (HALVES == 2) return {_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)};
-    else return {_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))};
-  }
+// 8 rows' 8 lanes each -> [rows 0..7], each row's lanes summed.
+__attribute__((target("avx2"))) inline __m256i row_totals_avx2(const __m256i* s) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-// 255 * dots(hi digit) + dots(lo digit) (AVX2's digits are base 255).
-template <bool INT4, int HALVES = 1>
-__attribute__((target("avx2"))) inline std::array<__m128i, HALVES> tile_sums_avx2(const __m256i* w, const int8_t* xh,
-                                                                                  const int8_t* xl) {
-  const auto top = tile_dots_avx2<INT4, HALVES>(w, xh), low = tile_dots_avx2<INT4, HALVES>(w, xl);
-  std::array<__m128i, HALVES> sums;
-  for (int h = 0; h < HALVES; ++h) sums[h] = _mm_add_epi32(_mm_sub_epi32(_mm_slli_epi32(top[h], 8), top[h]), low[h]);
-  return sums;
+// int8 weights: vpmaddwd on q whole (int16) against the weight widened to int16 once per block for
+// all the rows of x: one multiply-add per 16 products, where two digits need a sign, a vpmaddubsw
+// and a vpmaddwd each per 32. w: the panel's 8 rows' 32 values -> the 8 rows' sums in order;
+// HALVES 2 (int8 in groups of 16): those of the block's first 16 inputs, then of its last 16.
+// |128 * 32512 * 32| < 2^31.
+template <int HALVES>
+__attribute__((target("avx2"))) inline std::array<__m256i, HALVES> int8_panel_sums_avx2(const int16_t (*w)[QB],
+                                                                                        const int16_t* q) {
+  __m256i half[2], s[2][8];
+  for (int h = 0; h < 2; ++h) {
+    half[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16 * h));
+    for (int r = 0; r < 8; ++r)
+      s[h][r] = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(w[r] + 16 * h)), half[h]);
+  }
+  if constexpr (HALVES == 2) return {row_totals_avx2(s[0]), row_totals_avx2(s[1])};
+  for (int r = 0; r < 8; ++r) s[0][r] = _mm256_add_epi32(s[0][r], s[1][r]);
+  return {row_totals_avx2(s[0])};
+}
+
+// int4: w[t][0..1], tile t's low nibbles of rows 0-1, 2-3; w[t][2..3] its high nibbles; xd: a block of
+// Int8X::doubled. Each digit's products are summed in int16 first (|15 * 127 * 4| fits)
+// -> [r0, r2, r4, r6 | r1, r3, r5, r7] (row_lanes' order).
+__attribute__((target("avx2"))) inline __m256i int4_panel_sums_avx2(const __m256i (*w)[4], const int8_t* xd) {
+  const __m256i ones = _mm256_set1_epi16(1), base = _mm256_set1_epi16(255);
+  const __m256i* x = reinterpret_cast<const __m256i*>(xd);  // hi's halves, then lo's
+  __m256i s[2][2];
+  for (int t = 0; t < 2; ++t)
+    for (int h = 0; h < 2; ++h) {
+      __m256i digit[2];
+      for (int d = 0; d < 2; ++d)
+        digit[d] = _mm256_add_epi16(_mm256_maddubs_epi16(w[t][h], _mm256_loadu_si256(x + 2 * d)),
+                                    _mm256_maddubs_epi16(w[t][2 + h], _mm256_loadu_si256(x + 2 * d + 1)));
+      s[t][h] = _mm256_add_epi32(_mm256_madd_epi16(digit[0], base), _mm256_madd_epi16(digit[1], ones));
+    }
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(s[0][0], s[0][1]), _mm256_hadd_epi32(s[1][0], s[1][1]));
+}
+
+// Natural row order (r0..r7) -> int4_panel_sums_avx2's (lane L holds row 0, 2, 4, 6, 1, 3, 5, 7) and back.
+__attribute__((target("avx2"))) inline __m256 row_lanes(__m256 v) {
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+}
+__attribute__((target("avx2"))) inline __m256 natural_rows(__m256 v) {
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
 template <typename S, bool INT4, int R, int HALVES = 1>
@@ -378,10 +426,12 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Int8X& x, int64_t
     for (int h = 0; h < HALVES; ++h) {
       const int64_t at = off + h * RT * l.scale_bytes;
       ws[h] = _mm256_set_m128(ts[1].values(p[1] + at, g + h), ts[0].values(p[0] + at, g + h));
+      if constexpr (INT4) ws[h] = row_lanes(ws[h]);
     }
     off += HALVES * RT * l.scale_bytes;
     for (int64_t e = 0; e < (HALVES == 2 ? 1 : l.bpg); ++e, ++b, off += RT * l.block_bytes) {
       __m256i w[2][4];
+      alignas(32) int16_t wide[2 * RT][QB];
       for (int t = 0; t < 2; ++t) {
         if constexpr (INT4) {
           for (int h = 0; h < 2; ++h) {
@@ -390,30 +440,37 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Int8X& x, int64_t
             w[t][2 + h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
           }
         } else {
-          for (int r = 0; r < 4; ++r) w[t][r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[t] + off + 32 * r));
+          for (int r = 0; r < RT; ++r)
+            for (int h = 0; h < 2; ++h)
+              _mm256_store_si256(reinterpret_cast<__m256i*>(wide[t * RT + r] + 16 * h),
+                                 _mm256_cvtepi8_epi16(_mm_loadu_si128(
+                                     reinterpret_cast<const __m128i*>(p[t] + off + 32 * r + 16 * h))));
         }
       }
       for (int i = 0; i < R; ++i) {
         const int64_t at = (i0 + i) * x.k + b * QB;
-        const int8_t* xh = x.hi.data() + at;
-        const int8_t* xl = x.lo.data() + at;
-        const auto first = tile_sums_avx2<INT4, HALVES>(w[0], xh, xl), second = tile_sums_avx2<INT4, HALVES>(w[1], xh, xl);
         const __m256 xs = _mm256_set1_ps(x.scale[(i0 + i) * nb + b]);
-        for (int h = 0; h < HALVES; ++h)
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_set_m128i(second[h], first[h])), _mm256_mul_ps(ws[h], xs),
-                                   acc[i]);
+        if constexpr (INT4) {
+          const __m256i sums = int4_panel_sums_avx2(w, x.doubled.data() + 4 * at);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws[0], xs), acc[i]);
+        } else {
+          const auto sums = int8_panel_sums_avx2<HALVES>(wide, x.q.data() + at);
+          for (int h = 0; h < HALVES; ++h)
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[h]), _mm256_mul_ps(ws[h], xs), acc[i]);
+        }
       }
     }
   }
   if (l.mins) {
     for (int64_t g = 0; g < l.groups; ++g) {
       const int64_t at = l.mins_offset() + g * RT * l.scale_bytes;
-      const __m256 mn = _mm256_set_m128(ts[1].values(p[1] + at, g, true), ts[0].values(p[0] + at, g, true));
+      __m256 mn = _mm256_set_m128(ts[1].values(p[1] + at, g, true), ts[0].values(p[0] + at, g, true));
+      if constexpr (INT4) mn = row_lanes(mn);
       for (int i = 0; i < R; ++i)
         acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.sums[(i0 + i) * x.groups + g]), acc[i]);
     }
   }
-  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (i0 + i) * ldo, acc[i]);
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (i0 + i) * ldo, INT4 ? natural_rows(acc[i]) : acc[i]);
 }
 
 enum class Variant { kScalar, kAvx2, kVnni };
@@ -449,7 +506,7 @@ void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_
   const Variant v = variant();
   const TileLayout l = tile_layout(k, group, INT4, sizeof(S), mins);
   const Int8X x = quantize(xf, m, k, group, mins, INT4 && v != Variant::kScalar, v == Variant::kVnni ? 256 : 255,
-                           v != Variant::kScalar);
+                           v != Variant::kScalar, !INT4 && v == Variant::kAvx2, INT4 && v == Variant::kAvx2);
   const int64_t tiles_n = (n + RT - 1) / RT, tile_bytes = l.tile_bytes();
   if (v == Variant::kScalar) {
     at::parallel_for(0, tiles_n, 4, [&](int64_t t0, int64_t t1) { tiles_ref<S>(x, tiles, l, INT4, t0, t1, n, out); });
