@@ -5,18 +5,14 @@ request joins the batch at the next step boundary. Each request's outputs are pu
 ``asyncio.Queue`` on the caller's event loop as soon as the step that produced them ends: one
 wake-up of that loop per step for all its requests, and none while an earlier delivery is still
 waiting to run there (the outputs join it, in order). A woken event loop takes a core from the
-compute team, so it is woken no more often than it can listen, and the next step waits (a bounded
-time) until the loop has done what the delivery woke it for: its work (SSE encoding, socket
-writes) then runs beside the engine thread's own, not beside the model's threads, where on a small
-machine it would stall the whole team. A caller that wants only the finished output (a response
-that is not streamed) is woken once, when its request finishes.
+compute team, so it is woken no more often than it can listen. A caller that wants only the
+finished output (a response that is not streamed) is woken once, when its request finishes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import traceback
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -69,29 +65,16 @@ class FairLock:
         self.release()
 
 
-# The engine waits for the event loops it woke at most this share of its step's time (at least
-# SETTLE_MIN_S): a loop kept busy by something else delays the next step by no more than that.
-SETTLE_SHARE = 0.25
-SETTLE_MIN_S = 0.001
-# Loop iterations after a delivery at which the loop counts as settled: the consumers woken run in
-# the first; the second covers one more hop (a consumer behind another task).
-SETTLE_HOPS = 2
-
-
 class Mailbox:
     """Outputs on their way to one event loop's queues. ``post`` (any thread) schedules one
     delivery on the loop unless one is already scheduled and has not run yet; ``deliver`` (on the
-    loop) empties the box into the queues in the order things were posted. ``settled`` is set
-    once the loop has run what the last delivery woke (SETTLE_HOPS iterations later: the
-    consumers have sent what they got and wait again), or the loop is gone."""
+    loop) empties the box into the queues in the order things were posted."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._items: list[tuple[asyncio.Queue, object]] = []
         self._lock = threading.Lock()
         self._scheduled = False
-        self.settled = threading.Event()
-        self.settled.set()
 
     def post(self, items: list[tuple[asyncio.Queue, object]]) -> None:
         with self._lock:
@@ -99,28 +82,18 @@ class Mailbox:
             if self._scheduled:
                 return
             self._scheduled = True
-            self.settled.clear()
         try:
             self.loop.call_soon_threadsafe(self.deliver)
         except RuntimeError:  # the loop is closed: nobody is left to read these outputs
             with self._lock:
                 self._items.clear()
                 self._scheduled = False
-                self.settled.set()
 
     def deliver(self) -> None:
         with self._lock:
             items, self._items, self._scheduled = self._items, [], False
         for queue, item in items:
             queue.put_nowait(item)
-        self.loop.call_soon(self._settle, 0)
-
-    def _settle(self, hops: int) -> None:
-        """Runs after the callbacks the delivery woke, then once more per hop."""
-        if hops + 1 < SETTLE_HOPS:
-            self.loop.call_soon(self._settle, hops + 1)
-        elif not self._scheduled:  # a later delivery settles on its own
-            self.settled.set()
 
 
 @dataclass(frozen=True)
@@ -194,22 +167,31 @@ class AsyncEngine:
         return None if self.error is None else f"engine loop failed: {self.error!r}"
 
     def _loop(self) -> None:
-        # Each step's outputs are handed over at its end, and the next step waits until the event
-        # loops have done what that woke them for (bounded: SETTLE_SHARE of the step). Handed over
-        # as the next forward started instead, the loops' work ran beside the model's threads and
-        # slowed the forward by more than the work itself (one stream on 2 cores).
+        # A step's outputs are handed over as the next step starts its forward pass: the event
+        # loops then encode and send them while the forward runs without the GIL, instead of
+        # holding the GIL as the engine thread schedules the next step. A step that runs no
+        # forward, or an idle engine, hands them over at its end.
+        pending: list[RequestOutput] = []
+
+        def hand_over() -> None:
+            if pending:
+                self._publish([(out.request_id, out) for out in pending])
+                pending.clear()
+
         try:
             while not self._stopping:
                 with self.lock:
                     busy = self.engine.has_unfinished()
-                    started = time.perf_counter()
-                    outputs = self.engine.step() if busy else []
-                    took = time.perf_counter() - started
-                if outputs:
-                    self._wait_settled(self._publish([(out.request_id, out) for out in outputs]), took)
+                    outputs = self.engine.step(before_forward=hand_over) if busy else []
+                    more = busy and self.engine.has_unfinished()
+                hand_over()  # a step that ran no forward still owes the previous step's outputs
+                pending.extend(outputs)
+                if not more:  # no step follows to hand these over
+                    hand_over()
                 if not busy:
                     self._work.wait(timeout=0.5)
                     self._work.clear()
+            hand_over()
         except BaseException as exc:  # noqa: BLE001 - surface to every waiting client, never hang them
             # The traceback first, then the error: a server reports the failure (and exits) once
             # it sees the error, so the traceback always comes before that message, never after.
@@ -218,16 +200,8 @@ class AsyncEngine:
                 self.error = exc
             self._publish([(request_id, EngineDeadError(self.dead_error)) for request_id in list(self._streams)])
 
-    @staticmethod
-    def _wait_settled(mailboxes: list[Mailbox], step_s: float) -> None:
-        """Wait for the event loops just woken to run out of work, at most SETTLE_SHARE of the step."""
-        deadline = time.perf_counter() + max(SETTLE_MIN_S, SETTLE_SHARE * step_s)
-        for mailbox in mailboxes:
-            if not mailbox.settled.wait(max(0.0, deadline - time.perf_counter())):
-                return
-
-    def _publish(self, items: list[tuple[str, RequestOutput | BaseException]]) -> list[Mailbox]:
-        """Hand a step's outputs to their streams: one post per event loop; returns the mailboxes posted to."""
+    def _publish(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand a step's outputs to their streams: one post per event loop."""
         posts: dict[Mailbox, list[tuple[asyncio.Queue, object]]] = {}
         for request_id, item in items:
             stream = self._streams.get(request_id)
@@ -236,7 +210,6 @@ class AsyncEngine:
             posts.setdefault(stream.mailbox, []).append((stream.queue, item))
         for mailbox, batch in posts.items():
             mailbox.post(batch)
-        return list(posts)
 
     def _mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
         mailbox = self._mailboxes.get(loop)

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -547,15 +547,21 @@ class LLMEngine:
         return bool(self.output_processor.requests) or (self.pipeline is not None and self.pipeline.busy)
 
     # ---- the step ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One engine step: schedule, run the model, sample, book."""
+    def step(self, before_forward: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One engine step: schedule, run the model, sample, book. ``before_forward`` (the async
+        engine's hand-over of the previous step's outputs) runs once the batch is scheduled,
+        just before the model runs."""
         if self.pipeline is not None:  # launch the next batch, book the oldest one in flight
+            if before_forward is not None:
+                before_forward()
             done = self.pipeline.advance()
             return [] if done is None else self._book(*done)
         started = time.time()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        if before_forward is not None:
+            before_forward()
         if sched.verifies:  # speculative decoding: the draft model proposes now (n-gram did while scheduling)
             self.speculator.propose(sched)
         return self._book(sched, self.runner.execute(sched), started)
