@@ -944,18 +944,6 @@ namespace {
 // values are integers whose greatest common divisor G gives step = G * 2^low and ints = values /
 // step. A GGUF K-quant's d * sc (d float16, sc an integer of at most 8 bits) factors so with
 // |ints| <= |sc|.
-uint32_t binary_gcd(uint32_t a, uint32_t b) {
-  if (a == 0 || b == 0) return a | b;
-  const int shift = __builtin_ctz(a | b);
-  a >>= __builtin_ctz(a);
-  while (b != 0) {
-    b >>= __builtin_ctz(b);
-    if (a > b) std::swap(a, b);
-    b -= a;
-  }
-  return a << shift;
-}
-
 bool step_values(const float* v, int64_t count, float* step, int8_t* ints) {
   constexpr int64_t MAX_COUNT = STEP / 16;
   uint32_t odd[MAX_COUNT];
@@ -989,7 +977,7 @@ bool step_values(const float* v, int64_t count, float* step, int8_t* ints) {
     }
     if (power[i] - low > 7) return false;  // 2^8 times another value's odd part: no int8 holds both
     whole[i] = odd[i] << (power[i] - low);  // < 2^31
-    if (g == 0 || whole[i] % g != 0) g = binary_gcd(g, whole[i]);  // mostly a divisor after the first two
+    if (g == 0 || whole[i] % g != 0) g = std::gcd(g, whole[i]);  // mostly a divisor after the first two
   }
   int32_t q[MAX_COUNT];
   int32_t most = 0, least = 0;  // the ints with a positive step; Q6_K's span -128..127 with d of either sign
