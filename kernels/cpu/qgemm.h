@@ -22,10 +22,9 @@
 // - AVX512-VNNI: vpdpbusd (u8 x s8 -> s32). int4 nibbles are the unsigned operand; int8 weights
 //   are signed, so both digits go in as digit + 128 (unsigned), and -(128 * 257) * sum(w row)
 //   is added once per block and panel for all the rows of x.
-// - AVX2: int4 by vpmaddubsw (u8 x s8 -> s16, two products; |15 * 127 * 2| fits without
-//   saturating), each digit's sums then weighed by 255 or 1 in one vpmaddwd; int8 weights by
-//   vpmaddwd on q whole (int16, Int8X::q) against the weight widened to int16 (one instruction per
-//   16 products, where the digits cost three per 32 each).
+// - AVX2: x as q whole (int16, Int8X::q) and the weight widened to int16 once per panel for all
+//   the rows of x, transposed so each weight row's dot product builds up in its own int32 lane:
+//   one vpmaddwd per 16 products and no reductions (panel_avx2).
 // - scalar (`set_isa("generic")`): the same integers in plain loops, the same float steps (std::fma).
 // Overflow: |q| <= 32512, so an int4 block's sum is < 2^24 (exact as a float), an int8 block's
 // < 2^28 (one float rounding, the same in every variant). Every variant gives every output the
@@ -40,7 +39,8 @@ namespace qgemm {
 // Activation steps each side of zero: 127 * 255 + 127, the most two such digits hold (int16's
 // precision: one int8 digit alone cost SmolLM2-135M Q4_1 +1.3 % perplexity on fables.txt).
 constexpr float LEVELS = 32512.f;
-constexpr int MR = 4;  // x rows per pass over a panel's block
+constexpr int MR = 4;       // x rows per pass over a panel's block (VNNI)
+constexpr int MR_AVX2 = 8;  // x rows per pass over a widened panel's block (AVX2)
 
 // x [m, k] rounded per 32-input block to q (|q| <= LEVELS) held as two int8 digits,
 // q = base * hi + lo: base 256 (lo in -128..127) for VNNI, where the combination is one shift;
@@ -51,10 +51,11 @@ struct Int8X {
   bool lanes = false;        // the digits' blocks in nibble_lanes order
   int32_t base = 255;
   std::vector<int8_t> hi, lo;  // [m, k]: input order (int8 weights, the scalar variant) or nibble_lanes order
-  std::vector<int16_t> q;      // [m, k]: q whole, in input order, instead of the digits (AVX2, int8 weights)
-  // [m, k / QB, 4, 32] (AVX2, int4 weights): each block's 16-byte halves of hi, then of lo, each
-  // twice over, so the panel's vpmaddubsw reads them from memory instead of holding broadcasts.
-  std::vector<int8_t> doubled;
+  // [m, k]: q whole instead of the digits (AVX2), in pair order: within each span of `pairs` inputs
+  // (4: int8 weights, 8: int4), the first half's inputs each followed by its partner in the second
+  // half (0, 2, 1, 3 or 0, 4, 1, 5, 2, 6, 3, 7), the pairs the widened weight holds (widen_block_avx2).
+  std::vector<int16_t> q;
+  int pairs = 0;
   std::vector<float> scale;  // [m, k / QB]
   std::vector<float> sums;   // [m, groups]: exact float sums of x over each weight group (for the mins)
 };
@@ -79,19 +80,11 @@ __attribute__((target("avx2"))) inline __m256i digits_avx2(const __m256i* d, boo
   return _mm256_permute4x64_epi64(split, _MM_SHUFFLE(3, 1, 2, 0));  // all evens, then all odds
 }
 
-// Int8X::doubled's 128 bytes of one block from its digits.
-__attribute__((target("avx2"))) inline void double_halves(const int8_t* hi, const int8_t* lo, int8_t* out) {
-  const int8_t* from[4] = {hi, hi + 16, lo, lo + 16};
-  for (int j = 0; j < 4; ++j)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * j),
-                        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from[j]))));
-}
-
 // The vector form of quantize's block: the same max, the same q (cvtps rounds half to even, as
 // nearbyint in the default rounding mode), the same digits (floor by an exact float division).
 __attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float* xb, int32_t base, bool lanes,
                                                                      float* scale, int8_t* hi, int8_t* lo,
-                                                                     int16_t* whole) {
+                                                                     int16_t* whole, int pairs) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 v[4], amax8 = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
@@ -105,7 +98,9 @@ __attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float*
   *scale = amax / LEVELS;
   __m256i h[4], l[4];
   if (whole != nullptr) {  // |q| <= 32512: packs keeps it; the permute undoes its 128-bit interleave
-    for (int i = 0; i < 4; ++i) h[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    const __m256i order = pairs == 8 ? _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7) : _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7);
+    for (int i = 0; i < 4; ++i)
+      h[i] = _mm256_permutevar8x32_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), order);
     for (int i = 0; i < 2; ++i)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(whole + 16 * i),
                           _mm256_permute4x64_epi64(_mm256_packs_epi32(h[2 * i], h[2 * i + 1]), 0xD8));
@@ -127,15 +122,14 @@ __attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float*
 }
 
 // ``vector``: the AVX2 block (the SIMD variants), else the plain loop (the scalar variant): the same
-// bytes. ``whole``: q itself in Int8X::q instead of the digits; ``doubled``: Int8X::doubled beside
-// them (the vector block only).
+// bytes. ``pairs`` (4 or 8, the vector block only): q itself in Int8X::q, in that pair order, instead
+// of the digits.
 inline Int8X quantize(const float* x, int64_t m, int64_t k, int64_t group, bool mins, bool lanes, int32_t base,
-                      bool vector, bool whole = false, bool doubled = false) {
+                      bool vector, int pairs = 0) {
   const int64_t nb = k / QB;
-  Int8X r{m, k, k / group, lanes, base, {}, {}, {}, {}, std::vector<float>(m * nb), {}};
-  if (whole) r.q.resize(m * k);
+  Int8X r{m, k, k / group, lanes, base, {}, {}, {}, pairs, std::vector<float>(m * nb), {}};
+  if (pairs != 0) r.q.resize(m * k);
   else r.hi.resize(m * k), r.lo.resize(m * k);
-  if (doubled) r.doubled.resize(4 * m * k);
   if (mins) r.sums.resize(m * r.groups);
   at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
     int8_t hi[QB], lo[QB];
@@ -145,9 +139,10 @@ inline Int8X quantize(const float* x, int64_t m, int64_t k, int64_t group, bool 
         const float* xb = xr + b * QB;
         const int64_t at = i * k + b * QB;
         if (vector) {
-          if (whole) quantize_block_avx2(xb, base, lanes, &r.scale[i * nb + b], nullptr, nullptr, r.q.data() + at);
-          else quantize_block_avx2(xb, base, lanes, &r.scale[i * nb + b], r.hi.data() + at, r.lo.data() + at, nullptr);
-          if (doubled) double_halves(r.hi.data() + at, r.lo.data() + at, r.doubled.data() + 4 * at);
+          if (pairs != 0)
+            quantize_block_avx2(xb, base, lanes, &r.scale[i * nb + b], nullptr, nullptr, r.q.data() + at, pairs);
+          else
+            quantize_block_avx2(xb, base, lanes, &r.scale[i * nb + b], r.hi.data() + at, r.lo.data() + at, nullptr, 0);
           continue;
         }
         float amax = 0.f;
@@ -195,9 +190,12 @@ struct TileView {
   const uint8_t* mins(int64_t g) const { return p + l.mins_offset() + g * RT * l.scale_bytes; }
 };
 
-// Where input j of a block sits in x.q's block (nibble_lanes is the inverse).
-inline int lane_position(int j, bool lanes) {
-  return !lanes ? j : (j % 2) * 16 + 4 * (j / 8) + (j % 8) / 2;
+// Where input j of a block sits in x's block: nibble_lanes' order, pair order, or input order.
+inline int lane_position(int j, const Int8X& x) {
+  if (x.lanes) return (j % 2) * 16 + 4 * (j / 8) + (j % 8) / 2;
+  if (x.pairs == 0) return j;
+  const int half = x.pairs / 2, at = j % x.pairs;
+  return j - at + (at < half ? 2 * at : 2 * (at - half) + 1);
 }
 
 // ---- scalar reference: tiles [t0, t1) for every row of x, in input order -------------------------
@@ -224,7 +222,7 @@ __attribute__((optimize("fp-contract=off"))) void tiles_ref(const Int8X& x, cons
             int32_t dot = 0;
             for (int j = j0; j < j1; ++j) {
               const int32_t wj = int4 ? (w[j / 2] >> (4 * (j % 2))) & 15 : static_cast<int8_t>(w[j]);
-              const int64_t at = b * QB + lane_position(j, x.lanes);
+              const int64_t at = b * QB + lane_position(j, x);
               dot += wj * q(at);
             }
             acc = std::fma(static_cast<float>(dot), ws * x.scale[i * nb + b], acc);
@@ -359,52 +357,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni(cons
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + (i0 + i) * ldo, _mm512_permutexvar_ps(idx, acc[i]));
 }
 
-// ---- AVX2: panels of 2 tiles (8 weight rows) ----------------------------------------------------
-// 8 rows' 8 lanes each -> [rows 0..7], each row's lanes summed.
-__attribute__((target("avx2"))) inline __m256i row_totals_avx2(const __m256i* s) {
-  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
-}
+// ---- AVX2: panels of 2 tiles (8 weight rows), rows in lanes ------------------------------------
+// The panel's weight is widened once, for all the rows of x, to int16 pairs transposed so that one
+// vector holds the 8 weight rows' values of one pair of inputs (the pair x.q holds side by side):
+// per row of x and pair, one broadcast of x's pair, one vpmaddwd and one vpaddd leave each weight
+// row's dot product in its own int32 lane, with no reductions. Lanes hold the rows in the order
+// 0, 2, 4, 6, 1, 3, 5, 7 (row_lanes), undone at the store.
 
-// int8 weights: vpmaddwd on q whole (int16) against the weight widened to int16 once per block for
-// all the rows of x: one multiply-add per 16 products, where two digits need a sign, a vpmaddubsw
-// and a vpmaddwd each per 32. w: the panel's 8 rows' 32 values -> the 8 rows' sums in order;
-// HALVES 2 (int8 in groups of 16): those of the block's first 16 inputs, then of its last 16.
-// |128 * 32512 * 32| < 2^31.
-template <int HALVES>
-__attribute__((target("avx2"))) inline std::array<__m256i, HALVES> int8_panel_sums_avx2(const int16_t (*w)[QB],
-                                                                                        const int16_t* q) {
-  __m256i half[2], s[2][8];
-  for (int h = 0; h < 2; ++h) {
-    half[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16 * h));
-    for (int r = 0; r < 8; ++r)
-      s[h][r] = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(w[r] + 16 * h)), half[h]);
-  }
-  if constexpr (HALVES == 2) return {row_totals_avx2(s[0]), row_totals_avx2(s[1])};
-  for (int r = 0; r < 8; ++r) s[0][r] = _mm256_add_epi32(s[0][r], s[1][r]);
-  return {row_totals_avx2(s[0])};
-}
-
-// int4: w[t][0..1], tile t's low nibbles of rows 0-1, 2-3; w[t][2..3] its high nibbles; xd: a block of
-// Int8X::doubled. Each digit's products are summed in int16 first (|15 * 127 * 4| fits)
-// -> [r0, r2, r4, r6 | r1, r3, r5, r7] (row_lanes' order).
-__attribute__((target("avx2"))) inline __m256i int4_panel_sums_avx2(const __m256i (*w)[4], const int8_t* xd) {
-  const __m256i ones = _mm256_set1_epi16(1), base = _mm256_set1_epi16(255);
-  const __m256i* x = reinterpret_cast<const __m256i*>(xd);  // hi's halves, then lo's
-  __m256i s[2][2];
-  for (int t = 0; t < 2; ++t)
-    for (int h = 0; h < 2; ++h) {
-      __m256i digit[2];
-      for (int d = 0; d < 2; ++d)
-        digit[d] = _mm256_add_epi16(_mm256_maddubs_epi16(w[t][h], _mm256_loadu_si256(x + 2 * d)),
-                                    _mm256_maddubs_epi16(w[t][2 + h], _mm256_loadu_si256(x + 2 * d + 1)));
-      s[t][h] = _mm256_add_epi32(_mm256_madd_epi16(digit[0], base), _mm256_madd_epi16(digit[1], ones));
-    }
-  return _mm256_hadd_epi32(_mm256_hadd_epi32(s[0][0], s[0][1]), _mm256_hadd_epi32(s[1][0], s[1][1]));
-}
-
-// Natural row order (r0..r7) -> int4_panel_sums_avx2's (lane L holds row 0, 2, 4, 6, 1, 3, 5, 7) and back.
+// Natural row order (r0..r7) -> the lanes' (lane L holds row 0, 2, 4, 6, 1, 3, 5, 7) and back.
 __attribute__((target("avx2"))) inline __m256 row_lanes(__m256 v) {
   return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
 }
@@ -412,11 +372,91 @@ __attribute__((target("avx2"))) inline __m256 natural_rows(__m256 v) {
   return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+// Four vectors of two rows' 4 dwords each (rows 0|1, 2|3, 4|5, 6|7 in the 128-bit halves) -> v[j]:
+// dword j of the 8 rows, in row_lanes' order.
+__attribute__((target("avx2"))) inline void dwords_by_row(__m256i a, __m256i b, __m256i c, __m256i d, __m256i* v) {
+  const __m256i ab_lo = _mm256_unpacklo_epi32(a, b), ab_hi = _mm256_unpackhi_epi32(a, b);
+  const __m256i cd_lo = _mm256_unpacklo_epi32(c, d), cd_hi = _mm256_unpackhi_epi32(c, d);
+  v[0] = _mm256_unpacklo_epi64(ab_lo, cd_lo);
+  v[1] = _mm256_unpackhi_epi64(ab_lo, cd_lo);
+  v[2] = _mm256_unpacklo_epi64(ab_hi, cd_hi);
+  v[3] = _mm256_unpackhi_epi64(ab_hi, cd_hi);
+}
+
+// 16 bytes of a row and the same 16 of the next (`stride` bytes on), in the two 128-bit halves.
+__attribute__((target("avx2"))) inline __m256i two_rows(const uint8_t* row0, int64_t stride) {
+  return _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(row0 + stride),
+                             reinterpret_cast<const __m128i*>(row0));
+}
+
+// One block of the panel's two tiles (t0, t1: its bytes in each) -> 16 vectors, vector p: the 8 rows'
+// int16 pair p. int4 (16 bytes a row): dword j of a row is inputs 8j .. 8j+7, one per nibble, so the
+// 16-bit words' nibble c pair inputs (8j + c, 8j + 4 + c): pair 4j + c. int8 (32 bytes a row): dword
+// j of a half is inputs 4j .. 4j+3, the words' low bytes pair (4j, 4j + 2), their high bytes
+// (4j + 1, 4j + 3): pairs 2j and 2j + 1.
+template <bool INT4>
+__attribute__((target("avx2"))) inline void widen_block_avx2(const uint8_t* t0, const uint8_t* t1, __m256i* w) {
+  __m256i v[4];
+  if constexpr (INT4) {
+    dwords_by_row(two_rows(t0, 16), two_rows(t0 + 32, 16), two_rows(t1, 16), two_rows(t1 + 32, 16), v);
+    const __m256i nibble = _mm256_set1_epi16(15);
+    for (int j = 0; j < 4; ++j) {
+      w[4 * j] = _mm256_and_si256(v[j], nibble);
+      w[4 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v[j], 4), nibble);
+      w[4 * j + 2] = _mm256_and_si256(_mm256_srli_epi16(v[j], 8), nibble);
+      w[4 * j + 3] = _mm256_srli_epi16(v[j], 12);
+    }
+    return;
+  }
+  for (int half = 0; half < 2; ++half) {
+    const int64_t at = 16 * half;
+    dwords_by_row(two_rows(t0 + at, 32), two_rows(t0 + 64 + at, 32), two_rows(t1 + at, 32), two_rows(t1 + 64 + at, 32),
+                  v);
+    for (int j = 0; j < 4; ++j) {
+      w[8 * half + 2 * j] = _mm256_srai_epi16(_mm256_slli_epi16(v[j], 8), 8);
+      w[8 * half + 2 * j + 1] = _mm256_srai_epi16(v[j], 8);
+    }
+  }
+}
+
+// The panel's whole K widened: 16 vectors a block, in block order.
+template <bool INT4>
+__attribute__((target("avx2"))) void widen_panel_avx2(const uint8_t* const* p, const TileLayout& l, int64_t blocks,
+                                                      int16_t* wide) {
+  const TileView a{p[0], l}, b{p[1], l};
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t g = l.bpg == 0 ? 2 * blk : blk / l.bpg, e = l.bpg == 0 ? 0 : blk % l.bpg;
+    __m256i w[16];
+    widen_block_avx2<INT4>(a.block(g, e), b.block(g, e), w);
+    for (int pair = 0; pair < 16; ++pair)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + 16 * (16 * blk + pair)), w[pair]);
+  }
+}
+
+// One row of x's int32 sums over pairs [P0, P1) of a block: per pair, a broadcast, vpmaddwd, vpaddd.
+// |128 * 32512 * 32| < 2^31.
+template <int R, int P0, int P1>
+__attribute__((target("avx2"))) inline void pair_sums_avx2(const int16_t* w, const int16_t* const* q, __m256i* s) {
+  for (int i = 0; i < R; ++i) s[i] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+  for (int pair = P0; pair < P1; ++pair) {
+    const __m256i wp = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * pair));
+    for (int i = 0; i < R; ++i) {
+      int32_t xp;
+      std::memcpy(&xp, q[i] + 2 * pair, 4);
+      s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(wp, _mm256_set1_epi32(xp)));
+      __asm__("" : "+x"(s[i]));  // keeps the sum a running one: GCC's add tree would spill the products
+    }
+  }
+}
+
+// R rows of x (R <= MR_AVX2) against one widened panel: the whole K, then the mins, stored in row order.
+// HALVES 2: int8 in groups of 16, each block's halves scaled apart (first, then second).
 template <typename S, bool INT4, int R, int HALVES = 1>
 __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Int8X& x, int64_t i0, const uint8_t* const* p,
-                                                          const TileLayout& l, float* out, int64_t ldo) {
+                                                          const TileLayout& l, const int16_t* wide, float* out,
+                                                          int64_t ldo) {
   const int64_t nb = x.k / QB;
-  const __m256i low4 = _mm256_set1_epi8(15);
   const TileScales<S> ts[2] = {{p[0], l}, {p[1], l}};
   __m256 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
@@ -425,52 +465,37 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Int8X& x, int64_t
     __m256 ws[HALVES];
     for (int h = 0; h < HALVES; ++h) {
       const int64_t at = off + h * RT * l.scale_bytes;
-      ws[h] = _mm256_set_m128(ts[1].values(p[1] + at, g + h), ts[0].values(p[0] + at, g + h));
-      if constexpr (INT4) ws[h] = row_lanes(ws[h]);
+      ws[h] = row_lanes(_mm256_set_m128(ts[1].values(p[1] + at, g + h), ts[0].values(p[0] + at, g + h)));
     }
     off += HALVES * RT * l.scale_bytes;
     for (int64_t e = 0; e < (HALVES == 2 ? 1 : l.bpg); ++e, ++b, off += RT * l.block_bytes) {
-      __m256i w[2][4];
-      alignas(32) int16_t wide[2 * RT][QB];
-      for (int t = 0; t < 2; ++t) {
-        if constexpr (INT4) {
-          for (int h = 0; h < 2; ++h) {
-            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[t] + off + 32 * h));
-            w[t][h] = _mm256_and_si256(raw, low4);
-            w[t][2 + h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-          }
-        } else {
-          for (int r = 0; r < RT; ++r)
-            for (int h = 0; h < 2; ++h)
-              _mm256_store_si256(reinterpret_cast<__m256i*>(wide[t * RT + r] + 16 * h),
-                                 _mm256_cvtepi8_epi16(_mm_loadu_si128(
-                                     reinterpret_cast<const __m128i*>(p[t] + off + 32 * r + 16 * h))));
-        }
-      }
+      const int16_t* q[R];
+      __m256 xs[R];
       for (int i = 0; i < R; ++i) {
-        const int64_t at = (i0 + i) * x.k + b * QB;
-        const __m256 xs = _mm256_set1_ps(x.scale[(i0 + i) * nb + b]);
-        if constexpr (INT4) {
-          const __m256i sums = int4_panel_sums_avx2(w, x.doubled.data() + 4 * at);
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws[0], xs), acc[i]);
-        } else {
-          const auto sums = int8_panel_sums_avx2<HALVES>(wide, x.q.data() + at);
-          for (int h = 0; h < HALVES; ++h)
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[h]), _mm256_mul_ps(ws[h], xs), acc[i]);
-        }
+        q[i] = x.q.data() + (i0 + i) * x.k + b * QB;
+        xs[i] = _mm256_set1_ps(x.scale[(i0 + i) * nb + b]);
+      }
+      __m256i s[R];
+      if constexpr (HALVES == 1) {
+        pair_sums_avx2<R, 0, 16>(wide + 256 * b, q, s);
+        for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(ws[0], xs[i]), acc[i]);
+      } else {
+        pair_sums_avx2<R, 0, 8>(wide + 256 * b, q, s);
+        for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(ws[0], xs[i]), acc[i]);
+        pair_sums_avx2<R, 8, 16>(wide + 256 * b, q, s);
+        for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(ws[1], xs[i]), acc[i]);
       }
     }
   }
   if (l.mins) {
     for (int64_t g = 0; g < l.groups; ++g) {
       const int64_t at = l.mins_offset() + g * RT * l.scale_bytes;
-      __m256 mn = _mm256_set_m128(ts[1].values(p[1] + at, g, true), ts[0].values(p[0] + at, g, true));
-      if constexpr (INT4) mn = row_lanes(mn);
+      const __m256 mn = row_lanes(_mm256_set_m128(ts[1].values(p[1] + at, g, true), ts[0].values(p[0] + at, g, true)));
       for (int i = 0; i < R; ++i)
         acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.sums[(i0 + i) * x.groups + g]), acc[i]);
     }
   }
-  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (i0 + i) * ldo, INT4 ? natural_rows(acc[i]) : acc[i]);
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (i0 + i) * ldo, natural_rows(acc[i]));
 }
 
 enum class Variant { kScalar, kAvx2, kVnni };
@@ -483,21 +508,36 @@ inline Variant variant() {
 }
 
 using PanelFn = void (*)(const Int8X&, int64_t, const uint8_t* const*, const TileLayout&, float*, int64_t);
+using WidePanelFn = void (*)(const Int8X&, int64_t, const uint8_t* const*, const TileLayout&, const int16_t*, float*,
+                             int64_t);
 
+// The panel kernels by rows of x (index R); int8 in groups of 16 scales each block's halves apart.
 template <typename S, bool INT4, int HALVES>
-std::array<PanelFn, MR + 1> panel_fns_of(bool vnni) {
-  if (vnni)
-    return {nullptr, panel_vnni<S, INT4, 1, HALVES>, panel_vnni<S, INT4, 2, HALVES>, panel_vnni<S, INT4, 3, HALVES>,
-            panel_vnni<S, INT4, 4, HALVES>};
-  return {nullptr, panel_avx2<S, INT4, 1, HALVES>, panel_avx2<S, INT4, 2, HALVES>, panel_avx2<S, INT4, 3, HALVES>,
-          panel_avx2<S, INT4, 4, HALVES>};
+std::array<PanelFn, MR + 1> vnni_fns_of() {
+  return {nullptr, panel_vnni<S, INT4, 1, HALVES>, panel_vnni<S, INT4, 2, HALVES>, panel_vnni<S, INT4, 3, HALVES>,
+          panel_vnni<S, INT4, 4, HALVES>};
 }
-
-// The panel kernels by rows of x; int8 in groups of 16 scales each block's halves apart.
+template <typename S, bool INT4, int HALVES>
+std::array<WidePanelFn, MR_AVX2 + 1> avx2_fns_of() {
+  return {nullptr,
+          panel_avx2<S, INT4, 1, HALVES>,
+          panel_avx2<S, INT4, 2, HALVES>,
+          panel_avx2<S, INT4, 3, HALVES>,
+          panel_avx2<S, INT4, 4, HALVES>,
+          panel_avx2<S, INT4, 5, HALVES>,
+          panel_avx2<S, INT4, 6, HALVES>,
+          panel_avx2<S, INT4, 7, HALVES>,
+          panel_avx2<S, INT4, 8, HALVES>};
+}
 template <typename S, bool INT4>
-std::array<PanelFn, MR + 1> panel_fns(bool vnni, bool group16) {
-  if constexpr (INT4) return panel_fns_of<S, true, 1>(vnni);
-  else return group16 ? panel_fns_of<S, false, 2>(vnni) : panel_fns_of<S, false, 1>(vnni);
+std::array<PanelFn, MR + 1> vnni_fns(bool group16) {
+  if constexpr (INT4) return vnni_fns_of<S, true, 1>();
+  else return group16 ? vnni_fns_of<S, false, 2>() : vnni_fns_of<S, false, 1>();
+}
+template <typename S, bool INT4>
+std::array<WidePanelFn, MR_AVX2 + 1> avx2_fns(bool group16) {
+  if constexpr (INT4) return avx2_fns_of<S, true, 1>();
+  else return group16 ? avx2_fns_of<S, false, 2>() : avx2_fns_of<S, false, 1>();
 }
 
 template <typename S, bool INT4>
@@ -505,17 +545,20 @@ void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_
              float* out) {
   const Variant v = variant();
   const TileLayout l = tile_layout(k, group, INT4, sizeof(S), mins);
-  const Int8X x = quantize(xf, m, k, group, mins, INT4 && v != Variant::kScalar, v == Variant::kVnni ? 256 : 255,
-                           v != Variant::kScalar, !INT4 && v == Variant::kAvx2, INT4 && v == Variant::kAvx2);
-  const int64_t tiles_n = (n + RT - 1) / RT, tile_bytes = l.tile_bytes();
+  const Int8X x = quantize(xf, m, k, group, mins, INT4 && v == Variant::kVnni, v == Variant::kVnni ? 256 : 255,
+                           v != Variant::kScalar, v == Variant::kAvx2 ? (INT4 ? 8 : 4) : 0);
+  const int64_t tiles_n = (n + RT - 1) / RT, tile_bytes = l.tile_bytes(), nb = k / QB;
   if (v == Variant::kScalar) {
     at::parallel_for(0, tiles_n, 4, [&](int64_t t0, int64_t t1) { tiles_ref<S>(x, tiles, l, INT4, t0, t1, n, out); });
     return;
   }
   const bool vnni = v == Variant::kVnni;
   const int64_t per_panel = vnni ? 4 : 2, panels = n / (per_panel * RT);  // whole panels; the rest: scalar
-  const std::array<PanelFn, MR + 1> fns = panel_fns<S, INT4>(vnni, group == 16);
+  const std::array<PanelFn, MR + 1> vnni_panel = vnni ? vnni_fns<S, INT4>(group == 16) : std::array<PanelFn, MR + 1>{};
+  const std::array<WidePanelFn, MR_AVX2 + 1> avx2_panel =
+      vnni ? std::array<WidePanelFn, MR_AVX2 + 1>{} : avx2_fns<S, INT4>(group == 16);
   at::parallel_for(0, panels + 1, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int16_t> wide(vnni ? 0 : 16 * 16 * nb);  // AVX2: the panel's widened weight
     for (int64_t pi = begin; pi < end; ++pi) {
       const int64_t t0 = pi * per_panel;
       if (pi == panels) {  // the last tiles that make no whole panel
@@ -524,8 +567,13 @@ void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_
       }
       const uint8_t* p[4];
       for (int t = 0; t < per_panel; ++t) p[t] = tiles + (t0 + t) * tile_bytes;
-      for (int64_t i0 = 0; i0 < m; i0 += MR)
-        fns[std::min<int64_t>(MR, m - i0)](x, i0, p, l, out + t0 * RT, n);
+      if (vnni) {
+        for (int64_t i0 = 0; i0 < m; i0 += MR) vnni_panel[std::min<int64_t>(MR, m - i0)](x, i0, p, l, out + t0 * RT, n);
+        continue;
+      }
+      widen_panel_avx2<INT4>(p, l, nb, wide.data());
+      for (int64_t i0 = 0; i0 < m; i0 += MR_AVX2)
+        avx2_panel[std::min<int64_t>(MR_AVX2, m - i0)](x, i0, p, l, wide.data(), out + t0 * RT, n);
     }
   });
 }

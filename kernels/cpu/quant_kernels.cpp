@@ -71,9 +71,11 @@ using llk::quant::tile_layout;
 
 // The highest variant `set_isa` allows (the CPU's own support is checked where a variant is picked).
 std::atomic<int> g_isa_cap{static_cast<int>(llk::Isa::kAvx512Bf16)};
-// Rows of x from which interleaved_gemm takes qgemm.h's int8-digit GEMM (below: the int16 passes,
-// bound by the weight stream at those sizes); set_qgemm_min_rows moves it (tests, A/B runs).
-std::atomic<int64_t> g_qgemm_min_rows{8};
+// Rows of x from which interleaved_gemm takes qgemm.h's int8-activation GEMM (below: the int16
+// passes, bound by the weight stream at those sizes): 0 for qgemm_min_rows' measured default per
+// variant and weight kind; set_qgemm_min_rows fixes it for both kinds (tests, A/B runs).
+std::atomic<int64_t> g_qgemm_min_rows{0};
+int64_t qgemm_min_rows(bool int4);  // after qgemm.h
 
 constexpr int64_t MT = 4;   // rows of x that share one pass over a weight row (fp8)
 constexpr float X_LEVELS = 32767.f;  // activations: int16, scale = max|x| / 32767 per 32-input block
@@ -128,7 +130,7 @@ __attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float*
 
 QuantizedX llk::quant::quantize_x(const float* x, int64_t m, int64_t k, bool nibble_order) {
   // At qgemm's sizes the int16 rows are made only if a row-layout GEMM asks for them (packed_gemm).
-  if (m >= g_qgemm_min_rows.load(std::memory_order_relaxed)) return QuantizedX{m, k, {}, {}, {}, x};
+  if (m >= qgemm_min_rows(/*int4=*/nibble_order)) return QuantizedX{m, k, {}, {}, {}, x};
   QuantizedX r{m, k, std::vector<int16_t>(m * k), std::vector<float>(m * k / QB), std::vector<float>(m * k / 16), x};
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -849,6 +851,16 @@ inline bool use_avx512() {
 
 #include "qgemm.h"  // many rows: int8 activations, integer dot products (VNNI / AVX2 / scalar)
 
+// Measured with benchmarks/kernels/qgemm_micro.py --threads 1 --m M: with VNNI the int8-activation
+// GEMM leads from 8 rows for both kinds; with AVX2 alone, int4 weights from 3 rows, int8 weights
+// from 12 (below that, on a large weight such as the LM head, the int16 passes are ahead).
+int64_t qgemm_min_rows(bool int4) {
+  const int64_t fixed = g_qgemm_min_rows.load(std::memory_order_relaxed);
+  if (fixed > 0) return fixed;
+  if (qgemm::variant() != qgemm::Variant::kAvx2) return 8;
+  return int4 ? 3 : 12;
+}
+
 constexpr int64_t MAX_PASS_ROWS = 8;  // the most x rows a tile variant takes in one pass
 
 template <typename S>
@@ -928,7 +940,7 @@ void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, 
 
 void llk::quant::interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, bool int4, int64_t scale_bytes,
                                   int64_t group, bool mins, int64_t n, float* out) {
-  if (xq.x != nullptr && xq.m >= g_qgemm_min_rows.load(std::memory_order_relaxed))
+  if (xq.x != nullptr && xq.m >= qgemm_min_rows(int4))
     return qgemm::gemm(xq.x, xq.m, xq.k, tiles, int4, scale_bytes, group, mins, n, out);
   if (xq.q.size() != static_cast<size_t>(xq.m * xq.k))  // made at qgemm's sizes, the threshold moved since
     return interleaved_gemm(int16_rows(xq, int4), tiles, int4, scale_bytes, group, mins, n, out);
@@ -1172,7 +1184,7 @@ std::string set_isa(const std::string& name) {
 }
 
 int64_t set_qgemm_min_rows(int64_t rows) {
-  TORCH_CHECK(rows >= 1, "qgemm_min_rows must be at least 1");
+  TORCH_CHECK(rows >= 0, "qgemm_min_rows must be 0 (the default per kind) or at least 1");
   return g_qgemm_min_rows.exchange(rows);
 }
 

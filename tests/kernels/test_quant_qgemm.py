@@ -1,5 +1,5 @@
 """The int8-activation GEMM of packed int4/int8 weights at many rows (kernels/cpu/qgemm.h), which
-``interleaved_gemm`` takes from ``set_qgemm_min_rows`` rows of x on (8 unless a test moves it):
+``interleaved_gemm`` takes from ``set_qgemm_min_rows`` rows of x on (a default per CPU and weight kind):
 every ISA variant (VNNI, AVX2, the scalar reference) gives the same bits; no row depends on the
 others in its batch; against its torch statement it differs by float32 summation only, and
 against the float32 dequantized matmul by at most the int8 rounding of the activations."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llmctl.layers.quantization.quantize import quantize_int4, quantize_int8
-from llmctl_kernels.cpu_features import set_isa_cap, supported_isa_levels
+from llmctl_kernels.cpu_features import cpu_flags, set_isa_cap, supported_isa_levels
 from llmctl_kernels.packed_formats import PackedInt4, PackedInt8, dequantize
 from llmctl_kernels.quant_linear import (
     ACTIVATION_BLOCK,
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.no_device
 if native_unavailable_reason() is not None:
     pytest.skip(f"quantized CPU kernels: {native_unavailable_reason()}", allow_module_level=True)
 
-MIN_ROWS = 8  # the kernel's default (quant_kernels.cpp)
+MIN_ROWS = 8  # the threshold these tests fix (the default, 0, picks one per CPU and weight kind)
 KINDS = ["int4g32", "int4g64", "int4g128", "int8g32", "int8-mins", "int8g16", "int8g16-mins"]
 
 
@@ -53,7 +53,7 @@ def min_rows():
     """Moves the row count from which the int8 path runs; restored after the test."""
     module = load_quant_native()
     previous = module.set_qgemm_min_rows(MIN_ROWS)
-    assert previous == MIN_ROWS, "a test left the threshold moved"
+    assert previous == 0, "a test left the threshold moved"
     yield module.set_qgemm_min_rows
     module.set_qgemm_min_rows(previous)
 
@@ -125,7 +125,35 @@ def test_the_path_changes_at_the_threshold_only(min_rows):
     min_rows(1 << 30)
     assert torch.equal(kernel(x)[: MIN_ROWS - 1], few)
     with pytest.raises(RuntimeError, match="at least 1"):
-        min_rows(0)
+        min_rows(-1)
+
+
+def _default_threshold(level: str, int4: bool) -> int:
+    """quant_kernels.cpp's qgemm_min_rows: 8 with AVX512-VNNI and in the scalar variant; with AVX2
+    alone 3 rows for int4 weights, 12 for int8."""
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags() and level.startswith("avx512")
+    return 8 if vnni or level == "generic" else (3 if int4 else 12)
+
+
+@pytest.mark.parametrize("kind", ["int4g32", "int8g32"])
+def test_the_default_threshold_is_the_measured_one_for_each_variant(kind, min_rows):
+    """With the threshold left to the kernels, each variant switches to the int8 GEMM at exactly the
+    row count chosen for it and the weight kind (the int8 GEMM's rows do not depend on M, so a row
+    among 16 shows which path ran)."""
+    packed, _ = _packed(kind, 48, 256, seed=7, half=True)
+    kernel = bind_native(packed)
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(8))
+    for level in supported_isa_levels():
+        set_isa_cap(level)
+        try:
+            min_rows(1)
+            int8_rows = kernel(x)
+            min_rows(0)
+            switch = next(m for m in range(1, 17) if torch.equal(kernel(x[:m]), int8_rows[:m]))
+        finally:
+            set_isa_cap(None)
+            min_rows(MIN_ROWS)
+        assert switch == _default_threshold(level, kind.startswith("int4")), level
 
 
 def test_extreme_codes_and_zero_blocks(min_rows):
