@@ -2,7 +2,8 @@
 # The test command: install (scripts/setup.sh --dev), lint (ruff), the whole suite, then the tests marked `native`
 # (native CPU kernels, the decode loop, the dtype choice, exactness against transformers) twice more
 # with every kernel library's dispatch capped: as an AVX2-only CPU and as one without AVX2
-# (scripts/emulate_isa.sh). A path this machine's CPU would never take is still run and checked.
+# (scripts/emulate_isa.sh; not the level this machine is). A path this machine's CPU would never take
+# is still run and checked.
 #   scripts/test.sh              everything (what CI runs)
 #   scripts/test.sh --fast       the inner loop: no slow, subprocess or parallel tests, no capped runs
 #   scripts/test.sh PYTEST_ARGS  pytest with those arguments (a file, -k NAME, -m native ...), no capped runs
@@ -22,8 +23,17 @@ fi
 echo "== ruff: lint and format check"
 .venv/bin/ruff check --quiet .
 .venv/bin/ruff format --check --quiet .
+# Workers: one a core, at most 4 (each test process holds a model or a server; tests that start
+# servers, ranks or CLIs wait on them much of the time, so even 2 cores run 2 workers well).
+workers=$(( $(nproc) < 4 ? $(nproc) : 4 ))
+PYTEST+=(-n "$workers")
 "${PYTEST[@]}"
+own=$(.venv/bin/python -c "from llmctl_kernels.cpu_features import isa_level; print(isa_level())")
 for level in avx2 generic; do
+  if [ "$level" = "$own" ]; then
+    echo "== the native tests as a $level CPU: this machine is one, the suite above took those paths"
+    continue
+  fi
   echo "== the native tests again, as a CPU whose best instruction set is $level (scripts/emulate_isa.sh)"
   scripts/emulate_isa.sh "$level" "${PYTEST[@]}" -m native -p no:cacheprovider
 done

@@ -1,4 +1,4 @@
-"""Packed Q4_1 / Q8_0 GEMM at many rows: the int8-digit GEMM (kernels/cpu/qgemm.h) against the
+"""Packed Q4_1 / Q8_0 GEMM at many rows: the many-row GEMM (kernels/cpu/qgemm.h) against the
 int16 passes that the same bound kernel runs below its threshold (``set_qgemm_min_rows``), torch's
 fp32 matmul of the dequantized weight, and bf16 (where the CPU has bf16 units it is what a
 dequantized run computes), on SmolLM2-135M's shapes, in ms (min over reps, interleaved A B C D).
@@ -63,7 +63,7 @@ def main() -> None:
     timed = least_cpu_time if args.threads == 1 else best_of
     module = load_quant_native()
     print(f"CPU: {cpu_line()}; threads {args.threads}; M = {args.m}; min of {args.reps} reps, interleaved (ms)")
-    print(f"{'shape':>8} {'N':>6} {'K':>5} {'int8 digits':>11} {'int16':>7} {'fp32 mm':>8} {'bf16 mm':>8}")
+    print(f"{'shape':>8} {'N':>6} {'K':>5} {'many-row':>11} {'int16':>7} {'fp32 mm':>8} {'bf16 mm':>8}")
     for name, n, k, fmt in SHAPES:
         packed = _gguf_like(n, k, fmt)
         kernel = bind_native(packed)
@@ -84,14 +84,14 @@ def main() -> None:
 
         for _ in range(2):
             for label, fn in (
-                ("digits", lambda: run(1)),
+                ("many-row", lambda: run(1)),
                 ("int16", lambda: run(1 << 30)),
                 ("fp32", lambda: timed(lambda: x @ w32.t(), reps)),
                 ("bf16", lambda: timed(lambda: x16 @ w16.t(), reps)),
             ):
                 times[label] = min(times.get(label, float("inf")), fn() * 1e3)
         print(
-            f"{name:>8} {n:>6} {k:>5} {times['digits']:>11.3f} {times['int16']:>7.3f} {times['fp32']:>8.3f} "
+            f"{name:>8} {n:>6} {k:>5} {times['many-row']:>11.3f} {times['int16']:>7.3f} {times['fp32']:>8.3f} "
             f"{times['bf16']:>8.3f}   {fmt}"
         )
 

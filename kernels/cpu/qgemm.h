@@ -51,9 +51,11 @@ struct Int8X {
   bool lanes = false;        // the digits' blocks in nibble_lanes order
   int32_t base = 255;
   std::vector<int8_t> hi, lo;  // [m, k]: input order (int8 weights, the scalar variant) or nibble_lanes order
-  // [m, k]: q whole instead of the digits (AVX2), in pair order: within each span of `pairs` inputs
-  // (4: int8 weights, 8: int4), the first half's inputs each followed by its partner in the second
-  // half (0, 2, 1, 3 or 0, 4, 1, 5, 2, 6, 3, 7), the pairs the widened weight holds (widen_block_avx2).
+  // [k / QB, m, QB]: q whole instead of the digits (AVX2), block-major (a block's rows of x side by
+  // side: rows K apart share L1 sets when K is a multiple of 2,048), in pair order: within each span
+  // of `pairs` inputs (4: int8 weights, 8: int4), the first half's inputs each followed by its
+  // partner in the second half (0, 2, 1, 3 or 0, 4, 1, 5, 2, 6, 3, 7), the pairs the widened weight
+  // holds (widen_block_avx2).
   std::vector<int16_t> q;
   int pairs = 0;
   std::vector<float> scale;  // [m, k / QB]
@@ -140,7 +142,8 @@ inline Int8X quantize(const float* x, int64_t m, int64_t k, int64_t group, bool 
         const int64_t at = i * k + b * QB;
         if (vector) {
           if (pairs != 0)
-            quantize_block_avx2(xb, base, lanes, &r.scale[i * nb + b], nullptr, nullptr, r.q.data() + at, pairs);
+            quantize_block_avx2(xb, base, lanes, &r.scale[i * nb + b], nullptr, nullptr, r.q.data() + (b * m + i) * QB,
+                                pairs);
           else
             quantize_block_avx2(xb, base, lanes, &r.scale[i * nb + b], r.hi.data() + at, r.lo.data() + at, nullptr, 0);
           continue;
@@ -209,7 +212,7 @@ __attribute__((optimize("fp-contract=off"))) void tiles_ref(const Int8X& x, cons
     for (int r = 0; r < RT && t * RT + r < n; ++r)
       for (int64_t i = 0; i < x.m; ++i) {
         const auto q = [&](int64_t at) -> int32_t {  // the digits, or q whole
-          if (!x.q.empty()) return x.q[i * x.k + at];
+          if (!x.q.empty()) return x.q[(at / QB * x.m + i) * QB + at % QB];
           return x.base * x.hi[i * x.k + at] + x.lo[i * x.k + at];
         };
         float acc = 0.f;
@@ -419,19 +422,25 @@ __attribute__((target("avx2"))) inline void widen_block_avx2(const uint8_t* t0, 
   }
 }
 
-// The panel's whole K widened: 16 vectors a block, in block order.
+// Blocks [b0, b1) of the panel widened: 16 vectors a block, in block order.
 template <bool INT4>
-__attribute__((target("avx2"))) void widen_panel_avx2(const uint8_t* const* p, const TileLayout& l, int64_t blocks,
-                                                      int16_t* wide) {
+__attribute__((target("avx2"))) void widen_panel_avx2(const uint8_t* const* p, const TileLayout& l, int64_t b0,
+                                                      int64_t b1, int16_t* wide) {
   const TileView a{p[0], l}, b{p[1], l};
-  for (int64_t blk = 0; blk < blocks; ++blk) {
+  for (int64_t blk = b0; blk < b1; ++blk) {
     const int64_t g = l.bpg == 0 ? 2 * blk : blk / l.bpg, e = l.bpg == 0 ? 0 : blk % l.bpg;
+    for (const uint8_t* at : {a.block(g, e), b.block(g, e)})  // the stream TILE_PREFETCH ahead, as the int16 passes
+      for (int line = 0; line < (INT4 ? 1 : 2); ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(at + TILE_PREFETCH + 64 * line), _MM_HINT_T0);
     __m256i w[16];
     widen_block_avx2<INT4>(a.block(g, e), b.block(g, e), w);
     for (int pair = 0; pair < 16; ++pair)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + 16 * (16 * blk + pair)), w[pair]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + 16 * (16 * (blk - b0) + pair)), w[pair]);
   }
 }
+
+// The first block of group g (groups of 16: two groups a block).
+inline int64_t first_block(const TileLayout& l, int64_t g) { return l.bpg == 0 ? g / 2 : g * l.bpg; }
 
 // One row of x's int32 sums over pairs [P0, P1) of a block: per pair, a broadcast, vpmaddwd, vpaddd.
 // |128 * 32512 * 32| < 2^31.
@@ -450,42 +459,48 @@ __attribute__((target("avx2"))) inline void pair_sums_avx2(const int16_t* w, con
   }
 }
 
-// R rows of x (R <= MR_AVX2) against one widened panel: the whole K, then the mins, stored in row order.
-// HALVES 2: int8 in groups of 16, each block's halves scaled apart (first, then second).
+// R rows of x (R <= MR_AVX2) against groups [g0, g1) of one panel, widened in `wide`: the running
+// sums carry over in `partial` ([R][8], lane order) from one span of groups to the next, so a long
+// K is widened a span at a time (the widened span stays in L1 for all the rows of x); the last
+// span adds the mins and stores the rows. HALVES 2: int8 in groups of 16, each block's halves
+// scaled apart (first, then second).
 template <typename S, bool INT4, int R, int HALVES = 1>
 __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Int8X& x, int64_t i0, const uint8_t* const* p,
-                                                          const TileLayout& l, const int16_t* wide, float* out,
-                                                          int64_t ldo) {
+                                                          const TileLayout& l, const int16_t* wide, int64_t g0,
+                                                          int64_t g1, float* partial, float* out, int64_t ldo) {
   const int64_t nb = x.k / QB;
+  const TileView tiles[2] = {{p[0], l}, {p[1], l}};
   const TileScales<S> ts[2] = {{p[0], l}, {p[1], l}};
   __m256 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-  int64_t off = l.groups_offset();
-  for (int64_t g = 0, b = 0; g < l.groups; g += HALVES) {
+  for (int i = 0; i < R; ++i) acc[i] = g0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(partial + 8 * i);
+  for (int64_t g = g0, b = first_block(l, g0); g < g1; g += HALVES) {
     __m256 ws[HALVES];
-    for (int h = 0; h < HALVES; ++h) {
-      const int64_t at = off + h * RT * l.scale_bytes;
-      ws[h] = row_lanes(_mm256_set_m128(ts[1].values(p[1] + at, g + h), ts[0].values(p[0] + at, g + h)));
-    }
-    off += HALVES * RT * l.scale_bytes;
-    for (int64_t e = 0; e < (HALVES == 2 ? 1 : l.bpg); ++e, ++b, off += RT * l.block_bytes) {
+    for (int h = 0; h < HALVES; ++h)
+      ws[h] = row_lanes(_mm256_set_m128(ts[1].values(tiles[1].scales(g + h), g + h),
+                                        ts[0].values(tiles[0].scales(g + h), g + h)));
+    for (int64_t e = 0; e < (HALVES == 2 ? 1 : l.bpg); ++e, ++b) {
+      const int16_t* w = wide + 256 * (b - first_block(l, g0));
       const int16_t* q[R];
       __m256 xs[R];
       for (int i = 0; i < R; ++i) {
-        q[i] = x.q.data() + (i0 + i) * x.k + b * QB;
+        q[i] = x.q.data() + (b * x.m + i0 + i) * QB;
         xs[i] = _mm256_set1_ps(x.scale[(i0 + i) * nb + b]);
       }
       __m256i s[R];
       if constexpr (HALVES == 1) {
-        pair_sums_avx2<R, 0, 16>(wide + 256 * b, q, s);
+        pair_sums_avx2<R, 0, 16>(w, q, s);
         for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(ws[0], xs[i]), acc[i]);
       } else {
-        pair_sums_avx2<R, 0, 8>(wide + 256 * b, q, s);
+        pair_sums_avx2<R, 0, 8>(w, q, s);
         for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(ws[0], xs[i]), acc[i]);
-        pair_sums_avx2<R, 8, 16>(wide + 256 * b, q, s);
+        pair_sums_avx2<R, 8, 16>(w, q, s);
         for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(ws[1], xs[i]), acc[i]);
       }
     }
+  }
+  if (g1 < l.groups) {
+    for (int i = 0; i < R; ++i) _mm256_storeu_ps(partial + 8 * i, acc[i]);
+    return;
   }
   if (l.mins) {
     for (int64_t g = 0; g < l.groups; ++g) {
@@ -508,8 +523,8 @@ inline Variant variant() {
 }
 
 using PanelFn = void (*)(const Int8X&, int64_t, const uint8_t* const*, const TileLayout&, float*, int64_t);
-using WidePanelFn = void (*)(const Int8X&, int64_t, const uint8_t* const*, const TileLayout&, const int16_t*, float*,
-                             int64_t);
+using WidePanelFn = void (*)(const Int8X&, int64_t, const uint8_t* const*, const TileLayout&, const int16_t*, int64_t,
+                             int64_t, float*, float*, int64_t);
 
 // The panel kernels by rows of x (index R); int8 in groups of 16 scales each block's halves apart.
 template <typename S, bool INT4, int HALVES>
@@ -547,7 +562,7 @@ void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_
   const TileLayout l = tile_layout(k, group, INT4, sizeof(S), mins);
   const Int8X x = quantize(xf, m, k, group, mins, INT4 && v == Variant::kVnni, v == Variant::kVnni ? 256 : 255,
                            v != Variant::kScalar, v == Variant::kAvx2 ? (INT4 ? 8 : 4) : 0);
-  const int64_t tiles_n = (n + RT - 1) / RT, tile_bytes = l.tile_bytes(), nb = k / QB;
+  const int64_t tiles_n = (n + RT - 1) / RT, tile_bytes = l.tile_bytes();
   if (v == Variant::kScalar) {
     at::parallel_for(0, tiles_n, 4, [&](int64_t t0, int64_t t1) { tiles_ref<S>(x, tiles, l, INT4, t0, t1, n, out); });
     return;
@@ -557,8 +572,12 @@ void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_
   const std::array<PanelFn, MR + 1> vnni_panel = vnni ? vnni_fns<S, INT4>(group == 16) : std::array<PanelFn, MR + 1>{};
   const std::array<WidePanelFn, MR_AVX2 + 1> avx2_panel =
       vnni ? std::array<WidePanelFn, MR_AVX2 + 1>{} : avx2_fns<S, INT4>(group == 16);
+  // AVX2: a panel is widened SPAN blocks at a time (16 KiB), whole groups
+  constexpr int64_t SPAN = 32;
+  const int64_t span_groups = l.bpg == 0 ? 2 * SPAN : std::max<int64_t>(1, SPAN / l.bpg);
   at::parallel_for(0, panels + 1, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int16_t> wide(vnni ? 0 : 16 * 16 * nb);  // AVX2: the panel's widened weight
+    std::vector<int16_t> wide(vnni ? 0 : 256 * first_block(l, span_groups));
+    std::vector<float> partial(vnni ? 0 : 8 * m);
     for (int64_t pi = begin; pi < end; ++pi) {
       const int64_t t0 = pi * per_panel;
       if (pi == panels) {  // the last tiles that make no whole panel
@@ -571,9 +590,13 @@ void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_
         for (int64_t i0 = 0; i0 < m; i0 += MR) vnni_panel[std::min<int64_t>(MR, m - i0)](x, i0, p, l, out + t0 * RT, n);
         continue;
       }
-      widen_panel_avx2<INT4>(p, l, nb, wide.data());
-      for (int64_t i0 = 0; i0 < m; i0 += MR_AVX2)
-        avx2_panel[std::min<int64_t>(MR_AVX2, m - i0)](x, i0, p, l, wide.data(), out + t0 * RT, n);
+      for (int64_t g0 = 0; g0 < l.groups; g0 += span_groups) {
+        const int64_t g1 = std::min(l.groups, g0 + span_groups);
+        widen_panel_avx2<INT4>(p, l, first_block(l, g0), first_block(l, g1), wide.data());
+        for (int64_t i0 = 0; i0 < m; i0 += MR_AVX2)
+          avx2_panel[std::min<int64_t>(MR_AVX2, m - i0)](x, i0, p, l, wide.data(), g0, g1, partial.data() + 8 * i0,
+                                                         out + t0 * RT, n);
+      }
     }
   });
 }

@@ -851,14 +851,13 @@ inline bool use_avx512() {
 
 #include "qgemm.h"  // many rows: int8 activations, integer dot products (VNNI / AVX2 / scalar)
 
-// Measured with benchmarks/kernels/qgemm_micro.py --threads 1 --m M: with VNNI the int8-activation
-// GEMM leads from 8 rows for both kinds; with AVX2 alone, int4 weights from 3 rows, int8 weights
-// from 12 (below that, on a large weight such as the LM head, the int16 passes are ahead).
+// Measured with benchmarks/kernels/qgemm_micro.py --threads 1 --m M: the int8-activation GEMM leads
+// from 8 rows of x, and with AVX2 alone int4 weights from 3 (below, the int16 passes: bound by the
+// weight stream, they read a block once for all the rows).
 int64_t qgemm_min_rows(bool int4) {
   const int64_t fixed = g_qgemm_min_rows.load(std::memory_order_relaxed);
   if (fixed > 0) return fixed;
-  if (qgemm::variant() != qgemm::Variant::kAvx2) return 8;
-  return int4 ? 3 : 12;
+  return int4 && qgemm::variant() == qgemm::Variant::kAvx2 ? 3 : 8;
 }
 
 constexpr int64_t MAX_PASS_ROWS = 8;  // the most x rows a tile variant takes in one pass

@@ -129,10 +129,10 @@ def test_the_path_changes_at_the_threshold_only(min_rows):
 
 
 def _default_threshold(level: str, int4: bool) -> int:
-    """quant_kernels.cpp's qgemm_min_rows: 8 with AVX512-VNNI and in the scalar variant; with AVX2
-    alone 3 rows for int4 weights, 12 for int8."""
+    """quant_kernels.cpp's qgemm_min_rows: 8, but 3 for int4 weights in the AVX2 variant (a CPU, or
+    a cap, without AVX512-VNNI)."""
     vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags() and level.startswith("avx512")
-    return 8 if vnni or level == "generic" else (3 if int4 else 12)
+    return 3 if int4 and level != "generic" and not vnni else 8
 
 
 @pytest.mark.parametrize("kind", ["int4g32", "int8g32"])
