@@ -140,9 +140,10 @@ BATCHED_STREAMS = 8
 
 
 def _batched_default_prefers_floats(options: BenchOptions, spec: str, config: EngineConfig) -> bool:
-    """The default model is a packed GGUF; its integer kernels recompute from packed bytes for every
-    row, so at many rows a step (prefill, 64 streams) dequantized float weights and BLAS win on a
-    CPU (SmolLM2-135M, 64 x 128 -> 128 on a 2-core Zen 3: 190.5 vs 76.8 output tok/s)."""
+    """The default model is a packed GGUF; at many rows a step (prefill, 64 streams) its float copy
+    is still the faster one on most CPUs (SmolLM2-135M, 64 x 128 -> 128, output tok/s: on a 2-core
+    Zen 3 packed 201-209 against fp32 207-223; on a Zen 4 packed 302-316 against bf16 538;
+    docs/benchmarks.md, "Concurrency")."""
     many = options.concurrency == 0 or options.concurrency >= BATCHED_STREAMS
     return (
         many
