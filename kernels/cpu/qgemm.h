@@ -1,20 +1,20 @@
-// Many rows of x (prefill, a batched decode step) against a packed int4/int8 weight in
-// interleave_tiles' layout, with int8 integer dot products as llama.cpp computes them: the
-// activations are rounded once per row and per block of 32 inputs to q = round(x * LEVELS / max|x|)
-// (round half to even) held as two int8 digits, q = 255 * hi + lo; every block is then one exact
-// integer dot product (255 * dot(w, hi) + dot(w, lo)), scaled in float:
+// Many rows of x (prefill, a batched decode step, an MoE expert's tokens) against a packed
+// int4/int8 weight in interleave_tiles' layout, with integer dot products as llama.cpp computes
+// them: the activations are rounded once per row and per block of 32 inputs to
+// q = round(x * LEVELS / max|x|) (round half to even); every block is then one exact integer dot
+// product, scaled in float:
 //     acc = fma(float(dot(w_block, q_block)), w_scale[group] * x_scale[block], acc)   (block order;
 //                                                     int8 in groups of 16: each half block, in turn)
 //     out = fma(min[group], sum(x over group), out)                                   (group order)
-// (the sum of x exact in float). Two digits: int16's precision at int8's instructions (one digit,
-// llama.cpp's Q8 activations, cost SmolLM2-135M Q4_1 +1.3 % perplexity). Why this path: the int16
-// passes of quant_kernels.cpp recompute each weight block for every row with a float step per
-// block, row and 8 lanes; here the weight is unpacked once per block of MR rows, each instruction
-// does 64 (VNNI) or 32 (AVX2) multiply-adds, and the float step is one per block, row and 16 (8)
-// weight rows: with VNNI a 64-row step computes from the packed bytes faster than from a float32
-// copy (with AVX2 alone, int4 is about 0.7x of the copy's fp32 GEMM; docs/benchmarks.md).
+// (the sum of x exact in float). q has int16's precision (one int8 digit, llama.cpp's Q8
+// activations, cost SmolLM2-135M Q4_1 +1.3 % perplexity): VNNI takes it as two int8 digits,
+// q = 256 * hi + lo, AVX2 whole. Why this path: the int16 passes of quant_kernels.cpp recompute
+// each weight block for every row with a float step per block, row and 8 lanes; here the weight
+// is unpacked once for many rows of x and the float step is one per block, row and 16 (8) weight
+// rows: a 64-row step computes from the packed bytes about as fast as from a float32 copy (AVX2)
+// or faster (VNNI; docs/benchmarks.md).
 //
-// Layout of the products: each 32-bit lane holds 4 consecutive bytes of one weight row (the tile's
+// Layout of the products (VNNI): each 32-bit lane holds 4 consecutive bytes of one weight row (the tile's
 // natural order), so x goes to the lanes pre-arranged: int8 weights take x in input order; an int4
 // lane's low nibbles are inputs 8j, 8j+2, 8j+4, 8j+6 and its high ones 8j+1 ... 8j+7, so each
 // x block is stored as [those 16 for the low nibbles | 16 for the high] (nibble_lanes). Each
@@ -42,10 +42,10 @@ constexpr float LEVELS = 32512.f;
 constexpr int MR = 4;       // x rows per pass over a panel's block (VNNI)
 constexpr int MR_AVX2 = 8;  // x rows per pass over a widened panel's block (AVX2)
 
-// x [m, k] rounded per 32-input block to q (|q| <= LEVELS) held as two int8 digits,
-// q = base * hi + lo: base 256 (lo in -128..127) for VNNI, where the combination is one shift;
-// base 255 (both in -127..127) for AVX2 and the scalar code: the sign trick cannot negate -128.
-// q is the same either way, and so is every integer dot product.
+// x [m, k] rounded per 32-input block to q (|q| <= LEVELS), held whole (AVX2) or as two int8
+// digits, q = base * hi + lo: base 256 (lo in -128..127) for VNNI, where the combination is one
+// shift; base 255 (both in -127..127) for the scalar code. q is the same either way, and so is
+// every integer dot product.
 struct Int8X {
   int64_t m = 0, k = 0, groups = 0;
   bool lanes = false;        // the digits' blocks in nibble_lanes order
@@ -83,8 +83,8 @@ __attribute__((target("avx2"))) inline __m256i digits_avx2(const __m256i* d, boo
 }
 
 // The vector form of quantize's block: the same max, the same q (cvtps rounds half to even, as
-// nearbyint in the default rounding mode), the same digits (floor by an exact float division).
-__attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float* xb, int32_t base, bool lanes,
+// nearbyint in the default rounding mode), q whole in pair order or its base-256 digits.
+__attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float* xb, bool lanes,
                                                                      float* scale, int8_t* hi, int8_t* lo,
                                                                      int16_t* whole, int pairs) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -108,24 +108,18 @@ __attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float*
                           _mm256_permute4x64_epi64(_mm256_packs_epi32(h[2 * i], h[2 * i + 1]), 0xD8));
     return;
   }
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < 4; ++i) {  // base 256 (VNNI): hi = floor((q + 128) / 256)
     const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
-    if (base == 256) {
-      h[i] = _mm256_srai_epi32(_mm256_add_epi32(q, _mm256_set1_epi32(128)), 8);
-      l[i] = _mm256_sub_epi32(q, _mm256_slli_epi32(h[i], 8));
-    } else {
-      const __m256 shifted = _mm256_cvtepi32_ps(_mm256_add_epi32(q, _mm256_set1_epi32(127)));
-      h[i] = _mm256_cvtps_epi32(_mm256_floor_ps(_mm256_div_ps(shifted, _mm256_set1_ps(255.f))));
-      l[i] = _mm256_sub_epi32(q, _mm256_sub_epi32(_mm256_slli_epi32(h[i], 8), h[i]));
-    }
+    h[i] = _mm256_srai_epi32(_mm256_add_epi32(q, _mm256_set1_epi32(128)), 8);
+    l[i] = _mm256_sub_epi32(q, _mm256_slli_epi32(h[i], 8));
   }
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), digits_avx2(h, lanes));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), digits_avx2(l, lanes));
 }
 
-// ``vector``: the AVX2 block (the SIMD variants), else the plain loop (the scalar variant): the same
-// bytes. ``pairs`` (4 or 8, the vector block only): q itself in Int8X::q, in that pair order, instead
-// of the digits.
+// ``vector``: the AVX2 block (the SIMD variants; digits only in base 256, VNNI's), else the plain
+// loop (the scalar variant). ``pairs`` (4 or 8, the vector block only): q itself in Int8X::q, in
+// that pair order, instead of the digits.
 inline Int8X quantize(const float* x, int64_t m, int64_t k, int64_t group, bool mins, bool lanes, int32_t base,
                       bool vector, int pairs = 0) {
   const int64_t nb = k / QB;
@@ -142,10 +136,9 @@ inline Int8X quantize(const float* x, int64_t m, int64_t k, int64_t group, bool 
         const int64_t at = i * k + b * QB;
         if (vector) {
           if (pairs != 0)
-            quantize_block_avx2(xb, base, lanes, &r.scale[i * nb + b], nullptr, nullptr, r.q.data() + (b * m + i) * QB,
-                                pairs);
+            quantize_block_avx2(xb, lanes, &r.scale[i * nb + b], nullptr, nullptr, r.q.data() + (b * m + i) * QB, pairs);
           else
-            quantize_block_avx2(xb, base, lanes, &r.scale[i * nb + b], r.hi.data() + at, r.lo.data() + at, nullptr, 0);
+            quantize_block_avx2(xb, lanes, &r.scale[i * nb + b], r.hi.data() + at, r.lo.data() + at, nullptr, 0);
           continue;
         }
         float amax = 0.f;
@@ -442,7 +435,8 @@ __attribute__((target("avx2"))) void widen_panel_avx2(const uint8_t* const* p, c
 // The first block of group g (groups of 16: two groups a block).
 inline int64_t first_block(const TileLayout& l, int64_t g) { return l.bpg == 0 ? g / 2 : g * l.bpg; }
 
-// One row of x's int32 sums over pairs [P0, P1) of a block: per pair, a broadcast, vpmaddwd, vpaddd.
+// R rows of x's int32 sums over pairs [P0, P1) of a block: per pair and row, a broadcast of x's
+// pair, vpmaddwd, vpaddd.
 // |128 * 32512 * 32| < 2^31.
 template <int R, int P0, int P1>
 __attribute__((target("avx2"))) inline void pair_sums_avx2(const int16_t* w, const int16_t* const* q, __m256i* s) {
