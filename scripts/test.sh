@@ -23,11 +23,12 @@ fi
 echo "== ruff: lint and format check"
 .venv/bin/ruff check --quiet .
 .venv/bin/ruff format --check --quiet .
-# Workers: one a core, at most 4 (each test process holds a model or a server; tests that start
-# servers, ranks or CLIs wait on them much of the time, so even 2 cores run 2 workers well).
+# The suite on workers, one a core and at most 4 (each test process holds a model or a server; tests
+# that start servers, ranks or CLIs wait on them much of the time, so even 2 cores run 2 workers
+# well). The capped runs below stay in one process: their tests compute, and a worker's start
+# (torch, transformers) cost more than it saved.
 workers=$(( $(nproc) < 4 ? $(nproc) : 4 ))
-PYTEST+=(-n "$workers")
-"${PYTEST[@]}"
+"${PYTEST[@]}" -n "$workers"
 own=$(.venv/bin/python -c "from llmctl_kernels.cpu_features import isa_level; print(isa_level())")
 for level in avx2 generic; do
   if [ "$level" = "$own" ]; then
