@@ -111,9 +111,9 @@ class InterleavedKernel:
     """The integer path of an int4/int8 weight from its tile-interleaved copy (``interleave_tiles``
     in quant_kernels.cpp: each tile of 4 rows is one run of bytes, blocks with their scales and
     mins, read as one sequential stream instead of 12). Made once when bound; below
-    ``set_qgemm_min_rows`` rows of x (8; 3 for int4 weights on a CPU without AVX512-VNNI) the same bits as the row
-    layout, from there on the int8-activation GEMM of kernels/cpu/qgemm.h, which reads the same
-    tiles (prefill, batched decode, the MoE experts' rows).
+    ``set_qgemm_min_rows`` rows of x (8; 3 for int4 weights on a CPU without AVX512-VNNI) the
+    same bits as the row layout, from there on the many-row GEMM of kernels/cpu/qgemm.h, which
+    reads the same tiles (prefill, batched decode, the MoE experts' rows).
     ``tiles`` and its description are what the native decode loop binds too (one copy).
 
     Scales and mins that factor as an int8 per group times a float32 step per 256 inputs (GGUF's

@@ -57,7 +57,7 @@ void bind_quant(pybind11::module_& m) {
   m.def("set_isa", &set_isa, "Cap the kernel variants: avx2 (no AVX-512 code) or generic (scalar int8 too)");
   m.def("isa", &isa, "the instruction set the kernels use");
   m.def("set_qgemm_min_rows", &set_qgemm_min_rows,
-        "x rows from which the interleaved layout takes the int8-activation GEMM (qgemm.h); 0: the default per "
+        "x rows from which the interleaved layout takes the many-row GEMM (qgemm.h); 0: the default per "
         "CPU and weight kind; returns the old value");
   m.def("int4_linear", &int4_linear, "x @ dequant(int4)^T from the packed nibbles");
   m.def("int8_linear", &int8_linear, "x @ dequant(int8)^T from the packed bytes");

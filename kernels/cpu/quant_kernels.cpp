@@ -71,7 +71,7 @@ using llk::quant::tile_layout;
 
 // The highest variant `set_isa` allows (the CPU's own support is checked where a variant is picked).
 std::atomic<int> g_isa_cap{static_cast<int>(llk::Isa::kAvx512Bf16)};
-// Rows of x from which interleaved_gemm takes qgemm.h's int8-activation GEMM (below: the int16
+// Rows of x from which interleaved_gemm takes qgemm.h's many-row GEMM (below: the int16
 // passes, bound by the weight stream at those sizes): 0 for qgemm_min_rows' measured default per
 // variant and weight kind; set_qgemm_min_rows fixes it for both kinds (tests, A/B runs).
 std::atomic<int64_t> g_qgemm_min_rows{0};
@@ -849,9 +849,9 @@ inline bool use_avx512() {
   return avx512 && avx512_allowed();
 }
 
-#include "qgemm.h"  // many rows: int8 activations, integer dot products (VNNI / AVX2 / scalar)
+#include "qgemm.h"  // many rows: x rounded per block, integer dot products (VNNI / AVX2 / scalar)
 
-// Measured with benchmarks/kernels/qgemm_micro.py --threads 1 --m M: the int8-activation GEMM leads
+// Measured with benchmarks/kernels/qgemm_micro.py --threads 1 --m M: the many-row GEMM leads
 // from 8 rows of x, and with AVX2 alone int4 weights from 3 (below, the int16 passes: bound by the
 // weight stream, they read a block once for all the rows).
 int64_t qgemm_min_rows(bool int4) {

@@ -50,7 +50,7 @@ QuantizedX quantize_x(const float* x, int64_t m, int64_t k, bool nibble_order);
 TileLayout tile_layout(int64_t k, int64_t group, bool int4, int64_t scale_bytes, bool mins);
 void packed_gemm(const QuantizedX& xq, const uint8_t* w, bool int4, const at::Tensor& scales, const at::Tensor& mins,
                  int64_t group, int64_t n, float* out);
-// From qgemm_min_rows rows of x (and xq.x set), x rounded to int8 instead (qgemm.h).
+// From qgemm_min_rows rows of x (and xq.x set), qgemm.h's many-row GEMM instead.
 void interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, bool int4, int64_t scale_bytes, int64_t group,
                       bool mins, int64_t n, float* out);
 // Whether a packed int8 weight takes the per-token path: per output channel (group == K), symmetric.
@@ -61,7 +61,7 @@ void int8_per_channel_linear(const float* x, int64_t m, int64_t k, const int8_t*
 // ---- tensor-level kernels (the Python module `llmctl_kernels._C.quant`) ----
 std::string set_isa(const std::string& name);  // caps the variants: avx2 (no AVX-512), generic (scalar int8)
 std::string isa();
-// The int8-activation GEMM from this many rows on (0: the measured default per CPU and weight kind);
+// qgemm.h's many-row GEMM from this many rows on (0: the measured default per CPU and weight kind);
 // returns the old value.
 int64_t set_qgemm_min_rows(int64_t rows);
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,

@@ -157,7 +157,7 @@ def test_the_default_threshold_is_the_measured_one_for_each_variant(kind, min_ro
 
 
 def test_extreme_codes_and_zero_blocks(min_rows):
-    """int8 weights of -128 and 127 (the unsigned x + 128 trick, the AVX2 sign trick), int4 codes of
+    """int8 weights of -128 and 127 (VNNI's unsigned x + 128 trick, AVX2's sign extension), int4 codes of
     0 and 15, and all-zero activation blocks (scale 0) stay exact in every variant."""
     k, m = 64, 8
     q = torch.full((16, k), -128, dtype=torch.int8)
