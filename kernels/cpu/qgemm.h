@@ -41,6 +41,13 @@ namespace qgemm {
 constexpr float LEVELS = 32512.f;
 constexpr int MR = 4;       // x rows per pass over a panel's block (VNNI)
 constexpr int MR_AVX2 = 8;  // x rows per pass over a widened panel's block (AVX2)
+constexpr int64_t X_BLOCK_BYTES = 128 << 10;  // x (int16) a block of rows holds (AVX2)
+
+// Rows a block of Int8X::q holds: m, or m + 8 where m is a multiple of 16. A row's block is one
+// 64-byte line, so with blocks m lines apart and m a multiple of 64 a pass of 8 rows over a span
+// of blocks reads from only 8 of L1's 64 sets; a stride of 8 (mod 16) lines spreads 8 blocks' rows
+// over all of them (2-4 % at 256 rows on a Zen 3).
+inline int64_t padded_rows(int64_t m) { return m % 16 == 0 ? m + 8 : m; }
 
 // x [m, k] rounded per 32-input block to q (|q| <= LEVELS), held whole (AVX2) or as two int8
 // digits, q = base * hi + lo: base 256 (lo in -128..127) for VNNI, where the combination is one
@@ -58,8 +65,10 @@ struct Int8X {
   // holds (widen_block_avx2).
   std::vector<int16_t> q;
   int pairs = 0;
+  int64_t block_rows = 0;  // q's rows a block (m, or m + 8: see padded_rows)
   std::vector<float> scale;  // [m, k / QB]
   std::vector<float> sums;   // [m, groups]: exact float sums of x over each weight group (for the mins)
+  std::vector<float> block_scale;  // with q: scale again, [k / QB, block_rows] (a block's rows side by side)
 };
 
 // One 32-input block of int8 x in an int4 lane's order (see the top of this file).
@@ -123,8 +132,8 @@ __attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float*
 inline Int8X quantize(const float* x, int64_t m, int64_t k, int64_t group, bool mins, bool lanes, int32_t base,
                       bool vector, int pairs = 0) {
   const int64_t nb = k / QB;
-  Int8X r{m, k, k / group, lanes, base, {}, {}, {}, pairs, std::vector<float>(m * nb), {}};
-  if (pairs != 0) r.q.resize(m * k);
+  Int8X r{m, k, k / group, lanes, base, {}, {}, {}, pairs, padded_rows(m), std::vector<float>(m * nb), {}};
+  if (pairs != 0) r.q.resize(r.block_rows * k), r.block_scale.resize(r.block_rows * nb);
   else r.hi.resize(m * k), r.lo.resize(m * k);
   if (mins) r.sums.resize(m * r.groups);
   at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
@@ -135,10 +144,12 @@ inline Int8X quantize(const float* x, int64_t m, int64_t k, int64_t group, bool 
         const float* xb = xr + b * QB;
         const int64_t at = i * k + b * QB;
         if (vector) {
-          if (pairs != 0)
-            quantize_block_avx2(xb, lanes, &r.scale[i * nb + b], nullptr, nullptr, r.q.data() + (b * m + i) * QB, pairs);
-          else
+          if (pairs != 0) {
+            quantize_block_avx2(xb, lanes, &r.scale[i * nb + b], nullptr, nullptr, r.q.data() + (b * r.block_rows + i) * QB, pairs);
+            r.block_scale[b * r.block_rows + i] = r.scale[i * nb + b];
+          } else {
             quantize_block_avx2(xb, lanes, &r.scale[i * nb + b], r.hi.data() + at, r.lo.data() + at, nullptr, 0);
+          }
           continue;
         }
         float amax = 0.f;
@@ -205,7 +216,7 @@ __attribute__((optimize("fp-contract=off"))) void tiles_ref(const Int8X& x, cons
     for (int r = 0; r < RT && t * RT + r < n; ++r)
       for (int64_t i = 0; i < x.m; ++i) {
         const auto q = [&](int64_t at) -> int32_t {  // the digits, or q whole
-          if (!x.q.empty()) return x.q[(at / QB * x.m + i) * QB + at % QB];
+          if (!x.q.empty()) return x.q[(at / QB * x.block_rows + i) * QB + at % QB];
           return x.base * x.hi[i * x.k + at] + x.lo[i * x.k + at];
         };
         float acc = 0.f;
@@ -415,12 +426,20 @@ __attribute__((target("avx2"))) inline void widen_block_avx2(const uint8_t* t0, 
   }
 }
 
-// Blocks [b0, b1) of the panel widened: 16 vectors a block, in block order.
-template <bool INT4>
-__attribute__((target("avx2"))) void widen_panel_avx2(const uint8_t* const* p, const TileLayout& l, int64_t b0,
-                                                      int64_t b1, int16_t* wide) {
+// The first block of group g (groups of 16: two groups a block).
+inline int64_t first_block(const TileLayout& l, int64_t g) { return l.bpg == 0 ? g / 2 : g * l.bpg; }
+
+// Groups [g0, g1) of the panel: its blocks widened, 16 vectors a block in block order, and its 8
+// rows' scales of each group as floats in row_lanes' order (once a span, not once per rows of x).
+template <typename S, bool INT4>
+__attribute__((target("avx2,f16c"))) void widen_panel_avx2(const uint8_t* const* p, const TileLayout& l, int64_t g0,
+                                                           int64_t g1, int16_t* wide, float* scales) {
   const TileView a{p[0], l}, b{p[1], l};
-  for (int64_t blk = b0; blk < b1; ++blk) {
+  const TileScales<S> ts[2] = {{p[0], l}, {p[1], l}};
+  for (int64_t g = g0; g < g1; ++g)
+    _mm256_storeu_ps(scales + 8 * (g - g0),
+                     row_lanes(_mm256_set_m128(ts[1].values(b.scales(g), g), ts[0].values(a.scales(g), g))));
+  for (int64_t blk = first_block(l, g0); blk < first_block(l, g1); ++blk) {
     const int64_t g = l.bpg == 0 ? 2 * blk : blk / l.bpg, e = l.bpg == 0 ? 0 : blk % l.bpg;
     for (const uint8_t* at : {a.block(g, e), b.block(g, e)})  // the stream TILE_PREFETCH ahead, as the int16 passes
       for (int line = 0; line < (INT4 ? 1 : 2); ++line)
@@ -428,25 +447,22 @@ __attribute__((target("avx2"))) void widen_panel_avx2(const uint8_t* const* p, c
     __m256i w[16];
     widen_block_avx2<INT4>(a.block(g, e), b.block(g, e), w);
     for (int pair = 0; pair < 16; ++pair)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + 16 * (16 * (blk - b0) + pair)), w[pair]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + 16 * (16 * (blk - first_block(l, g0)) + pair)), w[pair]);
   }
 }
-
-// The first block of group g (groups of 16: two groups a block).
-inline int64_t first_block(const TileLayout& l, int64_t g) { return l.bpg == 0 ? g / 2 : g * l.bpg; }
 
 // R rows of x's int32 sums over pairs [P0, P1) of a block: per pair and row, a broadcast of x's
 // pair, vpmaddwd, vpaddd.
 // |128 * 32512 * 32| < 2^31.
 template <int R, int P0, int P1>
-__attribute__((target("avx2"))) inline void pair_sums_avx2(const int16_t* w, const int16_t* const* q, __m256i* s) {
+__attribute__((target("avx2"))) inline void pair_sums_avx2(const int16_t* w, const int16_t* q, __m256i* s) {
   for (int i = 0; i < R; ++i) s[i] = _mm256_setzero_si256();
 #pragma GCC unroll 16
   for (int pair = P0; pair < P1; ++pair) {
     const __m256i wp = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * pair));
     for (int i = 0; i < R; ++i) {
       int32_t xp;
-      std::memcpy(&xp, q[i] + 2 * pair, 4);
+      std::memcpy(&xp, q + i * QB + 2 * pair, 4);  // row i of the block
       s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(wp, _mm256_set1_epi32(xp)));
       __asm__("" : "+x"(s[i]));  // keeps the sum a running one: GCC's add tree would spill the products
     }
@@ -460,26 +476,21 @@ __attribute__((target("avx2"))) inline void pair_sums_avx2(const int16_t* w, con
 // scaled apart (first, then second).
 template <typename S, bool INT4, int R, int HALVES = 1>
 __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Int8X& x, int64_t i0, const uint8_t* const* p,
-                                                          const TileLayout& l, const int16_t* wide, int64_t g0,
-                                                          int64_t g1, float* partial, float* out, int64_t ldo) {
-  const int64_t nb = x.k / QB;
-  const TileView tiles[2] = {{p[0], l}, {p[1], l}};
-  const TileScales<S> ts[2] = {{p[0], l}, {p[1], l}};
+                                                          const TileLayout& l, const int16_t* wide,
+                                                          const float* scales, int64_t g0, int64_t g1, float* partial,
+                                                          float* out, int64_t ldo) {
+  const TileScales<S> ts[2] = {{p[0], l}, {p[1], l}};  // for the mins
   __m256 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = g0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(partial + 8 * i);
   for (int64_t g = g0, b = first_block(l, g0); g < g1; g += HALVES) {
     __m256 ws[HALVES];
-    for (int h = 0; h < HALVES; ++h)
-      ws[h] = row_lanes(_mm256_set_m128(ts[1].values(tiles[1].scales(g + h), g + h),
-                                        ts[0].values(tiles[0].scales(g + h), g + h)));
+    for (int h = 0; h < HALVES; ++h) ws[h] = _mm256_loadu_ps(scales + 8 * (g + h - g0));
     for (int64_t e = 0; e < (HALVES == 2 ? 1 : l.bpg); ++e, ++b) {
       const int16_t* w = wide + 256 * (b - first_block(l, g0));
-      const int16_t* q[R];
+      const int16_t* q = x.q.data() + (b * x.block_rows + i0) * QB;  // the R rows side by side
+      const float* block_scale = x.block_scale.data() + b * x.block_rows + i0;
       __m256 xs[R];
-      for (int i = 0; i < R; ++i) {
-        q[i] = x.q.data() + (b * x.m + i0 + i) * QB;
-        xs[i] = _mm256_set1_ps(x.scale[(i0 + i) * nb + b]);
-      }
+      for (int i = 0; i < R; ++i) xs[i] = _mm256_set1_ps(block_scale[i]);
       __m256i s[R];
       if constexpr (HALVES == 1) {
         pair_sums_avx2<R, 0, 16>(w, q, s);
@@ -517,8 +528,8 @@ inline Variant variant() {
 }
 
 using PanelFn = void (*)(const Int8X&, int64_t, const uint8_t* const*, const TileLayout&, float*, int64_t);
-using WidePanelFn = void (*)(const Int8X&, int64_t, const uint8_t* const*, const TileLayout&, const int16_t*, int64_t,
-                             int64_t, float*, float*, int64_t);
+using WidePanelFn = void (*)(const Int8X&, int64_t, const uint8_t* const*, const TileLayout&, const int16_t*,
+                             const float*, int64_t, int64_t, float*, float*, int64_t);
 
 // The panel kernels by rows of x (index R); int8 in groups of 16 scales each block's halves apart.
 template <typename S, bool INT4, int HALVES>
@@ -569,27 +580,35 @@ void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_
   // AVX2: a panel is widened SPAN blocks at a time (16 KiB), whole groups
   constexpr int64_t SPAN = 32;
   const int64_t span_groups = l.bpg == 0 ? 2 * SPAN : std::max<int64_t>(1, SPAN / l.bpg);
+  // AVX2: rows of x in blocks of about X_BLOCK_BYTES (a multiple of MR_AVX2 rows), each run past
+  // all of a thread's panels, so that the block stays in L2 while the panels stream by
+  const int64_t row_block = vnni ? m : std::max<int64_t>(MR_AVX2, X_BLOCK_BYTES / (2 * k) / MR_AVX2 * MR_AVX2);
   at::parallel_for(0, panels + 1, 1, [&](int64_t begin, int64_t end) {
     std::vector<int16_t> wide(vnni ? 0 : 256 * first_block(l, span_groups));
+    std::vector<float> scales(vnni ? 0 : 8 * span_groups);
     std::vector<float> partial(vnni ? 0 : 8 * m);
-    for (int64_t pi = begin; pi < end; ++pi) {
-      const int64_t t0 = pi * per_panel;
-      if (pi == panels) {  // the last tiles that make no whole panel
-        if (t0 < tiles_n) tiles_ref<S>(x, tiles, l, INT4, t0, tiles_n, n, out);
-        continue;
-      }
-      const uint8_t* p[4];
-      for (int t = 0; t < per_panel; ++t) p[t] = tiles + (t0 + t) * tile_bytes;
-      if (vnni) {
-        for (int64_t i0 = 0; i0 < m; i0 += MR) vnni_panel[std::min<int64_t>(MR, m - i0)](x, i0, p, l, out + t0 * RT, n);
-        continue;
-      }
-      for (int64_t g0 = 0; g0 < l.groups; g0 += span_groups) {
-        const int64_t g1 = std::min(l.groups, g0 + span_groups);
-        widen_panel_avx2<INT4>(p, l, first_block(l, g0), first_block(l, g1), wide.data());
-        for (int64_t i0 = 0; i0 < m; i0 += MR_AVX2)
-          avx2_panel[std::min<int64_t>(MR_AVX2, m - i0)](x, i0, p, l, wide.data(), g0, g1, partial.data() + 8 * i0,
-                                                         out + t0 * RT, n);
+    if (end > panels) {  // the last tiles that make no whole panel
+      if (panels * per_panel < tiles_n) tiles_ref<S>(x, tiles, l, INT4, panels * per_panel, tiles_n, n, out);
+      end = panels;
+    }
+    for (int64_t r0 = 0; r0 < m; r0 += row_block) {
+      const int64_t r1 = std::min(m, r0 + row_block);
+      for (int64_t pi = begin; pi < end; ++pi) {
+        const int64_t t0 = pi * per_panel;
+        const uint8_t* p[4];
+        for (int t = 0; t < per_panel; ++t) p[t] = tiles + (t0 + t) * tile_bytes;
+        if (vnni) {
+          for (int64_t i0 = 0; i0 < m; i0 += MR) vnni_panel[std::min<int64_t>(MR, m - i0)](x, i0, p, l, out + t0 * RT, n);
+          continue;
+        }
+        for (int64_t g0 = 0; g0 < l.groups; g0 += span_groups) {
+          const int64_t g1 = std::min(l.groups, g0 + span_groups);
+          widen_panel_avx2<S, INT4>(p, l, g0, g1, wide.data(), scales.data());
+          for (int64_t i0 = r0; i0 < r1; i0 += MR_AVX2)
+            avx2_panel[std::min<int64_t>(MR_AVX2, r1 - i0)](x, i0, p, l, wide.data(), scales.data(), g0, g1,
+                                                            partial.data() + 8 * i0,
+                                                            out + t0 * RT, n);
+        }
       }
     }
   });
