@@ -141,8 +141,8 @@ BATCHED_STREAMS = 8
 
 def _batched_default_prefers_floats(options: BenchOptions, spec: str, config: EngineConfig) -> bool:
     """The default model is a packed GGUF; at many rows a step (prefill, 64 streams) its float copy
-    is still the faster one on most CPUs (SmolLM2-135M, 64 x 128 -> 128, output tok/s: on a 2-core
-    Zen 3 packed 201-209 against fp32 207-223; on a Zen 4 packed 302-316 against bf16 538;
+    is as fast or faster on the CPUs measured (SmolLM2-135M, 64 x 128 -> 128, output tok/s: on a
+    2-core Zen 3 packed 230-264 against fp32 244-259; on a Zen 4 packed 302-316 against bf16 538;
     docs/benchmarks.md, "Concurrency")."""
     many = options.concurrency == 0 or options.concurrency >= BATCHED_STREAMS
     return (
