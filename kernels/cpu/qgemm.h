@@ -58,7 +58,7 @@ struct Int8X {
   bool lanes = false;        // the digits' blocks in nibble_lanes order
   int32_t base = 255;
   std::vector<int8_t> hi, lo;  // [m, k]: input order (int8 weights, the scalar variant) or nibble_lanes order
-  // [k / QB, m, QB]: q whole instead of the digits (AVX2), block-major (a block's rows of x side by
+  // [k / QB, block_rows, QB]: q whole instead of the digits (AVX2), block-major (a block's rows of x side by
   // side: rows K apart share L1 sets when K is a multiple of 2,048), in pair order: within each span
   // of `pairs` inputs (4: int8 weights, 8: int4), the first half's inputs each followed by its
   // partner in the second half (0, 2, 1, 3 or 0, 4, 1, 5, 2, 6, 3, 7), the pairs the widened weight
