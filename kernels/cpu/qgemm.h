@@ -65,10 +65,9 @@ struct Int8X {
   // holds (widen_block_avx2).
   std::vector<int16_t> q;
   int pairs = 0;
-  int64_t block_rows = 0;  // q's rows a block (m, or m + 8: see padded_rows)
-  std::vector<float> scale;  // [m, k / QB]
+  int64_t block_rows = 0;     // rows a block of q and scale holds (m, or m + 8: see padded_rows)
+  std::vector<float> scale;  // [k / QB, block_rows]: a block's rows side by side
   std::vector<float> sums;   // [m, groups]: exact float sums of x over each weight group (for the mins)
-  std::vector<float> block_scale;  // with q: scale again, [k / QB, block_rows] (a block's rows side by side)
 };
 
 // One 32-input block of int8 x in an int4 lane's order (see the top of this file).
@@ -132,8 +131,9 @@ __attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float*
 inline Int8X quantize(const float* x, int64_t m, int64_t k, int64_t group, bool mins, bool lanes, int32_t base,
                       bool vector, int pairs = 0) {
   const int64_t nb = k / QB;
-  Int8X r{m, k, k / group, lanes, base, {}, {}, {}, pairs, padded_rows(m), std::vector<float>(m * nb), {}};
-  if (pairs != 0) r.q.resize(r.block_rows * k), r.block_scale.resize(r.block_rows * nb);
+  Int8X r{m, k, k / group, lanes, base, {}, {}, {}, pairs, padded_rows(m), {}, {}};
+  r.scale.resize(r.block_rows * nb);
+  if (pairs != 0) r.q.resize(r.block_rows * k);
   else r.hi.resize(m * k), r.lo.resize(m * k);
   if (mins) r.sums.resize(m * r.groups);
   at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
@@ -144,18 +144,17 @@ inline Int8X quantize(const float* x, int64_t m, int64_t k, int64_t group, bool 
         const float* xb = xr + b * QB;
         const int64_t at = i * k + b * QB;
         if (vector) {
-          if (pairs != 0) {
-            quantize_block_avx2(xb, lanes, &r.scale[i * nb + b], nullptr, nullptr, r.q.data() + (b * r.block_rows + i) * QB, pairs);
-            r.block_scale[b * r.block_rows + i] = r.scale[i * nb + b];
-          } else {
-            quantize_block_avx2(xb, lanes, &r.scale[i * nb + b], r.hi.data() + at, r.lo.data() + at, nullptr, 0);
-          }
+          float* scale = &r.scale[b * r.block_rows + i];
+          if (pairs != 0)
+            quantize_block_avx2(xb, lanes, scale, nullptr, nullptr, r.q.data() + (b * r.block_rows + i) * QB, pairs);
+          else
+            quantize_block_avx2(xb, lanes, scale, r.hi.data() + at, r.lo.data() + at, nullptr, 0);
           continue;
         }
         float amax = 0.f;
         for (int j = 0; j < QB; ++j) amax = std::max(amax, std::fabs(xb[j]));
         const float inv = amax > 0.f ? LEVELS / amax : 0.f;
-        r.scale[i * nb + b] = amax / LEVELS;
+        r.scale[b * r.block_rows + i] = amax / LEVELS;
         for (int j = 0; j < QB; ++j) {
           const int32_t q = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
           // floor((q + 127) / 255), or floor((q + 128) / 256): |hi| <= 127 for |q| <= 32512
@@ -209,7 +208,6 @@ inline int lane_position(int j, const Int8X& x) {
 template <typename S>
 __attribute__((optimize("fp-contract=off"))) void tiles_ref(const Int8X& x, const uint8_t* tiles, const TileLayout& l,
                                                              bool int4, int64_t t0, int64_t t1, int64_t n, float* out) {
-  const int64_t nb = x.k / QB;
   for (int64_t t = t0; t < t1; ++t) {
     const TileView tile{tiles + t * l.tile_bytes(), l};
     const TileScales<S> ts(tile.p, l);
@@ -232,7 +230,7 @@ __attribute__((optimize("fp-contract=off"))) void tiles_ref(const Int8X& x, cons
               const int64_t at = b * QB + lane_position(j, x);
               dot += wj * q(at);
             }
-            acc = std::fma(static_cast<float>(dot), ws * x.scale[i * nb + b], acc);
+            acc = std::fma(static_cast<float>(dot), ws * x.scale[b * x.block_rows + i], acc);
           }
         }
         for (int64_t g = 0; l.mins && g < l.groups; ++g)
@@ -284,7 +282,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni(cons
                                                                             const uint8_t* const* p,
                                                                             const TileLayout& l, float* out,
                                                                             int64_t ldo) {
-  const int64_t nb = x.k / QB;
   const __m512i idx = transpose_index();
   const __m512i low4 = _mm512_set1_epi8(15), bias = _mm512_set1_epi8(static_cast<char>(0x80));
   const TileScales<S> ts[4] = {{p[0], l}, {p[1], l}, {p[2], l}, {p[3], l}};
@@ -345,7 +342,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni(cons
             a[t] = rows_of_tile<HALVES>(e[0], e[1]);
           }
         }
-        const __m512 xs = _mm512_set1_ps(x.scale[(i0 + i) * nb + b]);
+        const __m512 xs = _mm512_set1_ps(x.scale[b * x.block_rows + i0 + i]);
         for (int h = 0; h < HALVES; ++h) {
           __m512i sums = row_sums(a[0][h], a[1][h], a[2][h], a[3][h]);
           if constexpr (!INT4) sums = _mm512_add_epi32(sums, fix[h]);
@@ -488,7 +485,7 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Int8X& x, int64_t
     for (int64_t e = 0; e < (HALVES == 2 ? 1 : l.bpg); ++e, ++b) {
       const int16_t* w = wide + 256 * (b - first_block(l, g0));
       const int16_t* q = x.q.data() + (b * x.block_rows + i0) * QB;  // the R rows side by side
-      const float* block_scale = x.block_scale.data() + b * x.block_rows + i0;
+      const float* block_scale = x.scale.data() + b * x.block_rows + i0;
       __m256 xs[R];
       for (int i = 0; i < R; ++i) xs[i] = _mm256_set1_ps(block_scale[i]);
       __m256i s[R];
