@@ -181,19 +181,29 @@ inline Int8X quantize(const float* x, int64_t m, int64_t k, int64_t group, bool 
 }
 
 // A tile's pointers: group g's RT scales, block e of group g, the RT mins of group g. Groups of 16
-// (bpg 0) pair up in a block: its two groups' scales, then its bytes.
+// (bpg 0) pair up in a block: its two groups' scales, then its bytes. The layout's offsets are
+// taken once here: each costs integer divisions, which per block cost as much as widening it.
 struct TileView {
   const uint8_t* p;
-  const TileLayout& l;
+  int64_t bpg, group_bytes, scale_row_bytes, block_row_bytes;
+  const uint8_t *groups, *min_values;
+  TileView(const uint8_t* tile, const TileLayout& l)
+      : p(tile),
+        bpg(l.bpg),
+        group_bytes(l.group_bytes()),
+        scale_row_bytes(RT * l.scale_bytes),
+        block_row_bytes(RT * l.block_bytes),
+        groups(tile + l.groups_offset()),
+        min_values(tile + l.mins_offset()) {}
   const uint8_t* scales(int64_t g) const {
-    if (l.bpg == 0) return p + l.groups_offset() + (g / 2) * 2 * l.group_bytes() + (g % 2) * RT * l.scale_bytes;
-    return p + l.groups_offset() + g * l.group_bytes();
+    if (bpg == 0) return groups + (g / 2) * 2 * group_bytes + (g % 2) * scale_row_bytes;
+    return groups + g * group_bytes;
   }
   const uint8_t* block(int64_t g, int64_t e) const {
-    if (l.bpg == 0) return scales(g - g % 2) + 2 * RT * l.scale_bytes;
-    return scales(g) + RT * l.scale_bytes + e * RT * l.block_bytes;
+    if (bpg == 0) return scales(g - g % 2) + 2 * scale_row_bytes;
+    return scales(g) + scale_row_bytes + e * block_row_bytes;
   }
-  const uint8_t* mins(int64_t g) const { return p + l.mins_offset() + g * RT * l.scale_bytes; }
+  const uint8_t* mins(int64_t g) const { return min_values + g * scale_row_bytes; }
 };
 
 // Where input j of a block sits in x's block: nibble_lanes' order, pair order, or input order.
@@ -436,16 +446,20 @@ __attribute__((target("avx2,f16c"))) void widen_panel_avx2(const uint8_t* const*
   for (int64_t g = g0; g < g1; ++g)
     _mm256_storeu_ps(scales + 8 * (g - g0),
                      row_lanes(_mm256_set_m128(ts[1].values(b.scales(g), g), ts[0].values(a.scales(g), g))));
-  for (int64_t blk = first_block(l, g0); blk < first_block(l, g1); ++blk) {
-    const int64_t g = l.bpg == 0 ? 2 * blk : blk / l.bpg, e = l.bpg == 0 ? 0 : blk % l.bpg;
-    for (const uint8_t* at : {a.block(g, e), b.block(g, e)})  // the stream TILE_PREFETCH ahead, as the int16 passes
-      for (int line = 0; line < (INT4 ? 1 : 2); ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(at + TILE_PREFETCH + 64 * line), _MM_HINT_T0);
-    __m256i w[16];
-    widen_block_avx2<INT4>(a.block(g, e), b.block(g, e), w);
-    for (int pair = 0; pair < 16; ++pair)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + 16 * (16 * (blk - first_block(l, g0)) + pair)), w[pair]);
-  }
+  // group by group, its blocks block_row_bytes apart (groups of 16: two to a block)
+  const int64_t group_step = l.bpg == 0 ? 2 : 1, blocks_per_step = l.bpg == 0 ? 1 : l.bpg;
+  for (int64_t g = g0, blk = 0; g < g1; g += group_step)
+    for (int64_t e = 0; e < blocks_per_step; ++e, ++blk) {
+      const uint8_t* ta = a.block(g, e);
+      const uint8_t* tb = b.block(g, e);
+      for (const uint8_t* at : {ta, tb})  // the stream TILE_PREFETCH ahead, as the int16 passes
+        for (int line = 0; line < (INT4 ? 1 : 2); ++line)
+          _mm_prefetch(reinterpret_cast<const char*>(at + TILE_PREFETCH + 64 * line), _MM_HINT_T0);
+      __m256i w[16];
+      widen_block_avx2<INT4>(ta, tb, w);
+      for (int pair = 0; pair < 16; ++pair)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + 16 * (16 * blk + pair)), w[pair]);
+    }
 }
 
 // R rows of x's int32 sums over pairs [P0, P1) of a block: per pair and row, a broadcast of x's
@@ -476,7 +490,6 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Int8X& x, int64_t
                                                           const TileLayout& l, const int16_t* wide,
                                                           const float* scales, int64_t g0, int64_t g1, float* partial,
                                                           float* out, int64_t ldo) {
-  const TileScales<S> ts[2] = {{p[0], l}, {p[1], l}};  // for the mins
   __m256 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = g0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(partial + 8 * i);
   for (int64_t g = g0, b = first_block(l, g0); g < g1; g += HALVES) {
@@ -505,9 +518,10 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Int8X& x, int64_t
     return;
   }
   if (l.mins) {
+    const TileScales<S> ts[2] = {{p[0], l}, {p[1], l}};
+    const TileView a{p[0], l}, b{p[1], l};
     for (int64_t g = 0; g < l.groups; ++g) {
-      const int64_t at = l.mins_offset() + g * RT * l.scale_bytes;
-      const __m256 mn = row_lanes(_mm256_set_m128(ts[1].values(p[1] + at, g, true), ts[0].values(p[0] + at, g, true)));
+      const __m256 mn = row_lanes(_mm256_set_m128(ts[1].values(b.mins(g), g, true), ts[0].values(a.mins(g), g, true)));
       for (int i = 0; i < R; ++i)
         acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.sums[(i0 + i) * x.groups + g]), acc[i]);
     }
