@@ -491,7 +491,8 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2(const Int8X& x, int64_t
                                                           const float* scales, int64_t g0, int64_t g1, float* partial,
                                                           float* out, int64_t ldo) {
   __m256 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = g0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(partial + 8 * i);
+  alignas(32) static const float zeros[8] = {};  // loaded, not stored: a spilled zero array costs a rep stos a call
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_loadu_ps(g0 == 0 ? zeros : partial + 8 * i);
   for (int64_t g = g0, b = first_block(l, g0); g < g1; g += HALVES) {
     __m256 ws[HALVES];
     for (int h = 0; h < HALVES; ++h) ws[h] = _mm256_loadu_ps(scales + 8 * (g + h - g0));
@@ -571,6 +572,12 @@ std::array<WidePanelFn, MR_AVX2 + 1> avx2_fns(bool group16) {
   else return group16 ? avx2_fns_of<S, false, 2>() : avx2_fns_of<S, false, 1>();
 }
 
+// At least n elements (grown, never shrunk: a thread's scratch between calls).
+template <typename T>
+inline void grow(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
 template <typename S, bool INT4>
 void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_t group, bool mins, int64_t n,
              float* out) {
@@ -595,9 +602,18 @@ void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_
   // all of a thread's panels, so that the block stays in L2 while the panels stream by
   const int64_t row_block = vnni ? m : std::max<int64_t>(MR_AVX2, X_BLOCK_BYTES / (2 * k) / MR_AVX2 * MR_AVX2);
   at::parallel_for(0, panels + 1, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int16_t> wide(vnni ? 0 : 256 * first_block(l, span_groups));
-    std::vector<float> scales(vnni ? 0 : 8 * span_groups);
-    std::vector<float> partial(vnni ? 0 : 8 * m);
+    // each thread's widened span, its scales and the running sums, kept between calls (an MoE
+    // step makes thousands of small calls; fresh vectors were zeroed and freed each time)
+    thread_local std::vector<int16_t> wide_buffer;
+    thread_local std::vector<float> scales_buffer, partial_buffer;
+    if (!vnni) {
+      grow(wide_buffer, 256 * first_block(l, span_groups));
+      grow(scales_buffer, 8 * span_groups);
+      grow(partial_buffer, 8 * m);
+    }
+    int16_t* const wide = wide_buffer.data();
+    float* const scales = scales_buffer.data();
+    float* const partial = partial_buffer.data();
     if (end > panels) {  // the last tiles that make no whole panel
       if (panels * per_panel < tiles_n) tiles_ref<S>(x, tiles, l, INT4, panels * per_panel, tiles_n, n, out);
       end = panels;
@@ -614,10 +630,9 @@ void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_
         }
         for (int64_t g0 = 0; g0 < l.groups; g0 += span_groups) {
           const int64_t g1 = std::min(l.groups, g0 + span_groups);
-          widen_panel_avx2<S, INT4>(p, l, g0, g1, wide.data(), scales.data());
+          widen_panel_avx2<S, INT4>(p, l, g0, g1, wide, scales);
           for (int64_t i0 = r0; i0 < r1; i0 += MR_AVX2)
-            avx2_panel[std::min<int64_t>(MR_AVX2, r1 - i0)](x, i0, p, l, wide.data(), scales.data(), g0, g1,
-                                                            partial.data() + 8 * i0,
+            avx2_panel[std::min<int64_t>(MR_AVX2, r1 - i0)](x, i0, p, l, wide, scales, g0, g1, partial + 8 * i0,
                                                             out + t0 * RT, n);
         }
       }
