@@ -625,7 +625,10 @@ TileLayout llk::quant::tile_layout(int64_t k, int64_t group, bool int4, int64_t 
   TORCH_CHECK(scale_bytes == 4 || scale_bytes == 2 || (scale_bytes == 1 && STEP % group == 0 && k % STEP == 0),
               "tile scales: 4 (float32), 2 (float16) or 1 byte (stepped: a group dividing ", STEP,
               " and K a multiple of it)");
-  return {k / group, group / QB, int4 ? QB / 2 : QB, scale_bytes, mins};  // group 16: bpg 0
+  TileLayout l{k / group, group / QB, int4 ? QB / 2 : QB, scale_bytes, mins};  // group 16: bpg 0
+  l.step_groups = STEP / (l.bpg == 0 ? 16 : l.bpg * QB);
+  l.step_count = l.stepped() ? l.groups / l.step_groups : 0;
+  return l;
 }
 
 namespace {

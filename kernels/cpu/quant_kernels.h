@@ -33,12 +33,14 @@ constexpr int64_t STEP = 256;
 struct TileLayout {
   int64_t groups, bpg, block_bytes, scale_bytes;
   bool mins;
+  // set once by tile_layout: the kernels ask per tile, and dividing there costs as much as a block
+  int64_t step_groups = 0, step_count = 0;
   int64_t group_bytes() const {
     return RT * scale_bytes + (bpg == 0 ? RT * block_bytes / 2 : bpg * RT * block_bytes);
   }
   bool stepped() const { return scale_bytes == 1; }
-  int64_t groups_per_step() const { return STEP / (bpg == 0 ? 16 : bpg * QB); }
-  int64_t steps() const { return stepped() ? groups / groups_per_step() : 0; }
+  int64_t groups_per_step() const { return step_groups; }
+  int64_t steps() const { return step_count; }
   // stepped: a tile starts with the RT rows' float32 scale steps of each step, then their min steps
   int64_t groups_offset() const { return steps() * RT * 4 * (mins ? 2 : 1); }
   int64_t mins_offset() const { return groups_offset() + groups * group_bytes(); }
