@@ -140,15 +140,17 @@ BATCHED_STREAMS = 8
 
 
 def _batched_default_prefers_floats(options: BenchOptions, spec: str, config: EngineConfig) -> bool:
-    """The default model is a packed GGUF; at many rows a step (prefill, 64 streams) its float copy
-    is as fast or faster on the CPUs measured (SmolLM2-135M, 64 x 128 -> 128, output tok/s: on a
-    2-core Zen 3 packed 230-264 against fp32 244-259; on a Zen 4 packed 302-316 against bf16 538;
-    docs/benchmarks.md, "Concurrency")."""
+    """The default model is a packed GGUF; at many rows a step (prefill, 64 streams) its bf16 copy
+    is faster where the CPU computes bf16 natively, and elsewhere the packed weights are as fast as
+    a float32 copy or faster, from a sixth of the memory (SmolLM2-135M, 64 x 128 -> 128, output
+    tok/s: on a Zen 4 packed 302-316 against bf16 538 and fp32 283; on an AVX2-only Zen 3 packed
+    247-259 against fp32 234-246; docs/benchmarks.md, "Concurrency")."""
     many = options.concurrency == 0 or options.concurrency >= BATCHED_STREAMS
     return (
         many
         and config.quantization == "auto"
         and config.resolve_device().type == "cpu"
+        and bool(native_bf16_units())
         and resolve_gguf_spec(spec) is not None
     )
 
@@ -296,16 +298,15 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
 
     config = config_for_model(options.engine_config, spec)
     if options.model is None and _batched_default_prefers_floats(options, spec, config):
+        # 4-bit weights lose nothing measurable in bf16 (SmolLM2-135M Q4_1: perplexity +0.06 % and
+        # -0.001 % on two texts), and bf16 matmuls run ~1.7x the packed GEMM where the CPU has bf16 units
         config.quantization = "none"
-        float_kind = "float"
-        if config.dtype == "auto" and (units := native_bf16_units()):
-            # 4-bit weights lose nothing measurable in bf16 (SmolLM2-135M Q4_1: perplexity +0.06 % and
-            # -0.001 % on two texts), and bf16 matmuls run ~1.45x fp32 where the CPU has bf16 units
-            config.dtype, float_kind = "bfloat16", f"bfloat16 (this CPU computes it natively: {', '.join(units)})"
+        if config.dtype == "auto":
+            config.dtype = "bfloat16"
         facts["notes"].append(
-            f"{spec}: packed weights dequantized to {float_kind} (--quantization none): with "
-            f"{options.concurrency or 'all'} streams a step the float matmuls are faster on "
-            "a CPU; --quantization auto keeps them packed (the faster choice for one stream)"
+            f"{spec}: packed weights dequantized to {config.dtype} (--quantization none): with "
+            f"{options.concurrency or 'all'} streams a step the bf16 matmuls of this CPU "
+            f"({', '.join(native_bf16_units())}) are faster; --quantization auto keeps them packed"
         )
     if (
         not options.as_text()
