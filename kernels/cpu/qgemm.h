@@ -182,7 +182,7 @@ inline Int8X quantize(const float* x, int64_t m, int64_t k, int64_t group, bool 
 
 // A tile's pointers: group g's RT scales, block e of group g, the RT mins of group g. Groups of 16
 // (bpg 0) pair up in a block: its two groups' scales, then its bytes. The layout's offsets are
-// taken once here: each costs integer divisions, which per block cost as much as widening it.
+// taken once here, not per block: the widening asks for every block of every panel.
 struct TileView {
   const uint8_t* p;
   int64_t bpg, group_bytes, scale_row_bytes, block_row_bytes;
