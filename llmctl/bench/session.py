@@ -149,6 +149,7 @@ def _batched_default_prefers_floats(options: BenchOptions, spec: str, config: En
     return (
         many
         and config.quantization == "auto"
+        and config.dtype in ("auto", "bfloat16")  # another dtype asked for: packed beats its float copy
         and config.resolve_device().type == "cpu"
         and bool(native_bf16_units())
         and resolve_gguf_spec(spec) is not None
@@ -300,11 +301,9 @@ async def _run_target(options: BenchOptions, err: Console) -> tuple[RunResult, l
     if options.model is None and _batched_default_prefers_floats(options, spec, config):
         # 4-bit weights lose nothing measurable in bf16 (SmolLM2-135M Q4_1: perplexity +0.06 % and
         # -0.001 % on two texts), and bf16 matmuls run ~1.7x the packed GEMM where the CPU has bf16 units
-        config.quantization = "none"
-        if config.dtype == "auto":
-            config.dtype = "bfloat16"
+        config.quantization, config.dtype = "none", "bfloat16"
         facts["notes"].append(
-            f"{spec}: packed weights dequantized to {config.dtype} (--quantization none): with "
+            f"{spec}: packed weights dequantized to bfloat16 (--quantization none): with "
             f"{options.concurrency or 'all'} streams a step the bf16 matmuls of this CPU "
             f"({', '.join(native_bf16_units())}) are faster; --quantization auto keeps them packed"
         )
