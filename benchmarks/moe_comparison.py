@@ -1,11 +1,14 @@
 """A mixture-of-experts model served side by side: llmctl, llama.cpp's ``llama-server`` and
-transformers on one random-weight MoE of Qwen3-MoE's shape, about 1.3B parameters in all and
-0.23B active per token (64 experts of which 8 run, 24 layers, hidden size 1024, expert width 256,
-a 16,384-token vocabulary).
+transformers on one random-weight MoE. ``--family qwen3moe`` (the default): Qwen3-MoE's shape,
+about 1.3B parameters in all and 0.23B active per token (64 experts of which 8 run, 24 layers,
+hidden size 1024, expert width 256, a 16,384-token vocabulary), served as Q4_K_M. ``--family
+gpt-oss``: gpt-oss's proportions scaled down, about 1.0B in all and 0.17B active (32 experts of
+which 4 run, 16 layers, hidden size and expert width 768, attention sinks, alternating sliding
+layers), served as llama.cpp's ``MXFP4_MOE`` (experts MXFP4, the rest Q8_0), as gpt-oss ships.
 
 The checkpoint is built with transformers, written to GGUF by llama.cpp's own
-``convert_hf_to_gguf.py`` (F16) and quantized by ``llama-quantize`` (Q4_K_M by default, the type
-people download). Both servers serve that one file and are driven by ``llmctl bench --url`` with
+``convert_hf_to_gguf.py`` (F16) and quantized by ``llama-quantize`` (the family's type, or
+``--type``). Both servers serve that one file and are driven by ``llmctl bench --url`` with
 the same workload: 128 -> 128 tokens, one stream (8 prompts) and 64 concurrent (128 prompts).
 transformers decodes from the fp32 checkpoint in process (one stream, and a batch of 64).
 
@@ -14,8 +17,8 @@ table, the expert tensors counted at ``top_k / experts`` of their size) beside w
 server reports (its weight bytes, less the experts no token of a pass chose, from
 ``/v1/engine/stats``' ``experts.read_share_per_step``, less the embedding table), per token.
 
-    python -m benchmarks.moe_comparison --llama-server BIN [--quantize BIN] [--type Q4_K_M]
-        [--work DIR] [--cases c1,c64] [--no-transformers]
+    python -m benchmarks.moe_comparison --llama-server BIN [--family qwen3moe|gpt-oss] [--quantize BIN]
+        [--type Q4_K_M] [--work DIR] [--cases c1,c64] [--no-transformers]
 
 ``--quantize`` defaults to ``llama-quantize`` beside the ``llama-server`` binary.
 """
@@ -29,6 +32,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +43,7 @@ from benchmarks.served_comparison import CASES, Case, bench, free_port, llama_se
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 
-SHAPE = dict(
+QWEN3_MOE_SHAPE = dict(
     vocab_size=16384,
     hidden_size=1024,
     num_hidden_layers=24,
@@ -59,41 +63,78 @@ SHAPE = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+GPT_OSS_SHAPE = dict(
+    vocab_size=16384,
+    hidden_size=768,
+    num_hidden_layers=16,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    head_dim=64,
+    intermediate_size=768,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    sliding_window=128,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
-def build_checkpoint(model_dir: Path) -> Path:
-    """The random-weight Qwen3-MoE checkpoint (fp32 safetensors) and its tokenizer, made once."""
+@dataclass(frozen=True)
+class Family:
+    config_class: str  # transformers' config class
+    shape: dict
+    checkpoint: str  # folder name under --work
+    stem: str  # GGUF file names: <stem>-<type>.gguf
+    qtype: str  # llama-quantize type served by default
+
+    @property
+    def active_share(self) -> float:
+        experts = self.shape.get("num_experts") or self.shape["num_local_experts"]
+        return self.shape["num_experts_per_tok"] / experts
+
+
+FAMILIES = {
+    "qwen3moe": Family("Qwen3MoeConfig", QWEN3_MOE_SHAPE, "qwen3-moe-1.3b-a0.23b", "moe-1.3b-a0.23b", "Q4_K_M"),
+    "gpt-oss": Family("GptOssConfig", GPT_OSS_SHAPE, "gpt-oss-1.0b-a0.17b", "gpt-oss-1.0b-a0.17b", "MXFP4_MOE"),
+}
+
+
+def build_checkpoint(family: Family, model_dir: Path) -> Path:
+    """The family's random-weight checkpoint (fp32 safetensors) and its tokenizer, made once."""
     if (model_dir / "config.json").is_file():
         return model_dir
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, str(TESTS))
     from llama_cpp_converter import write_llama_tokenizer
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(**SHAPE)
+    config = getattr(transformers, family.config_class)(**family.shape)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(model_dir)
-    write_llama_tokenizer(model_dir, SHAPE["vocab_size"])
+    write_llama_tokenizer(model_dir, family.shape["vocab_size"])
     return model_dir
 
 
-def build_gguf(model_dir: Path, work: Path, quantize: Path, qtype: str) -> Path:
+def build_gguf(family: Family, model_dir: Path, work: Path, quantize: Path, qtype: str) -> Path:
     """llama.cpp's converter (F16), then ``llama-quantize`` to ``qtype``; made once."""
     sys.path.insert(0, str(TESTS))
     from llama_cpp_converter import convert
 
-    out = work / f"moe-1.3b-a0.23b-{qtype}.gguf"
+    out = work / f"{family.stem}-{qtype}.gguf"
     if out.is_file():
         return out
-    f16 = work / "moe-1.3b-a0.23b-F16.gguf"
+    f16 = work / f"{family.stem}-F16.gguf"
     if not f16.is_file():
         convert(model_dir, f16, "f16", pre_tokenizer="default")
     subprocess.run([str(quantize), str(f16), str(out), qtype], check=True, stdout=subprocess.DEVNULL)
     return out
 
 
-def file_bytes(path: Path) -> dict[str, float]:
+def file_bytes(path: Path, active_share: float) -> dict[str, float]:
     """From the GGUF's tensor table: the bytes of the embedding table, of the expert tensors, of
     everything else, and the active-parameter floor per token (all but the embedding table, the
     experts at ``top_k / experts``)."""
@@ -108,8 +149,7 @@ def file_bytes(path: Path) -> dict[str, float]:
             experts += size
         else:
             other += size
-    share = SHAPE["num_experts_per_tok"] / SHAPE["num_experts"]
-    return {"embedding": embedding, "experts": experts, "other": other, "floor": other + share * experts}
+    return {"embedding": embedding, "experts": experts, "other": other, "floor": other + active_share * experts}
 
 
 def fetch_json(url: str) -> dict:
@@ -162,7 +202,7 @@ def _row(engine: str, case: Case, result: dict) -> dict:
     }
 
 
-def transformers_rows(model_dir: Path, prompt_len: int = 128) -> list[dict]:
+def transformers_rows(model_dir: Path, vocab_size: int, prompt_len: int = 128) -> list[dict]:
     """transformers' fp32 greedy decode in process: one stream (64 new tokens) and a batch of 64
     equal-length prompts (16 new tokens); decode tok/s with the prefill's time taken off."""
     from transformers import AutoModelForCausalLM
@@ -172,7 +212,7 @@ def transformers_rows(model_dir: Path, prompt_len: int = 128) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch, new_tokens in ((1, 64), (64, 16)):
-        ids = torch.randint(3, SHAPE["vocab_size"], (batch, prompt_len), generator=gen)
+        ids = torch.randint(3, vocab_size, (batch, prompt_len), generator=gen)
 
         def run(n: int, ids: torch.Tensor = ids) -> float:
             start = time.perf_counter()
@@ -203,7 +243,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-server", required=True, help="llama-server (../shared/peer/build_llama_cpp.sh)")
     parser.add_argument("--quantize", default=None, help="llama-quantize (default: beside llama-server)")
-    parser.add_argument("--type", default="Q4_K_M", help="llama-quantize type of the served file")
+    parser.add_argument("--family", default="qwen3moe", choices=list(FAMILIES))
+    parser.add_argument("--type", default=None, help="llama-quantize type of the served file (default: the family's)")
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "llmctl-bench" / "moe")
     parser.add_argument("--cases", default="c1,c64", help=f"any of {', '.join(CASES)}")
     parser.add_argument("--no-transformers", action="store_true")
@@ -212,9 +253,10 @@ def main() -> None:
     quantize = Path(args.quantize or Path(args.llama_server).with_name("llama-quantize"))
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    model_dir = build_checkpoint(args.work / "qwen3-moe-1.3b-a0.23b")
-    gguf = build_gguf(model_dir, args.work, quantize, args.type)
-    files = file_bytes(gguf)
+    family = FAMILIES[args.family]
+    model_dir = build_checkpoint(family, args.work / family.checkpoint)
+    gguf = build_gguf(family, model_dir, args.work, quantize, args.type or family.qtype)
+    files = file_bytes(gguf, family.active_share)
     record = cpu_record() | {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "file": gguf.name}
     print(f"# {record['cpu']} · {record['cpus']} CPUs · {record['isa']} · {gguf.name}")
     size_mb = gguf.stat().st_size / 1e6
@@ -231,8 +273,11 @@ def main() -> None:
                 flush=True,
             )
     if not args.no_transformers:
-        rows += transformers_rows(model_dir)
-    write_result(record | {"floor_mb_per_token": round(files["floor"] / 1e6, 2), "rows": rows}, args.out / "moe.json")
+        rows += transformers_rows(model_dir, family.shape["vocab_size"])
+    write_result(
+        record | {"floor_mb_per_token": round(files["floor"] / 1e6, 2), "rows": rows},
+        args.out / f"moe-{args.family}.json",
+    )
 
 
 if __name__ == "__main__":

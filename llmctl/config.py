@@ -134,7 +134,8 @@ class EngineConfig:
         metadata=cli(
             "--quantization",
             "auto | none | int8 | int4 | fp8. auto: a GGUF file keeps its quantized weights "
-            "packed, a float checkpoint stays float; none: GGUF weights are dequantized; int8/int4/fp8: "
+            "packed, an MXFP4 checkpoint its experts, a float checkpoint stays float; none: GGUF and "
+            "MXFP4 weights are dequantized; int8/int4/fp8: "
             "quantize a float checkpoint's linear layers while loading (the embedding stays float; with "
             "int8/int4 the LM head computes logits from an int8 copy on a CPU).",
         ),

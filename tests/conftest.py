@@ -97,6 +97,20 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(marker)
 
 
+@pytest.fixture
+def gemm_from_one_row():
+    """Every row count through the native int4/int8 many-row GEMM, whose outputs do not depend on
+    the number of rows (kernels/cpu/qgemm.h); below its threshold the int16 passes round
+    differently. Nothing changes without the native kernels."""
+    from llmctl_kernels.quant_native import load_quant_native, native_unavailable_reason
+
+    module = load_quant_native() if native_unavailable_reason() is None else None
+    previous = None if module is None else module.set_qgemm_min_rows(1)
+    yield
+    if previous is not None:
+        module.set_qgemm_min_rows(previous)
+
+
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
     """The real pretrained stories260k model, read in place from ../shared (never copied)."""

@@ -8,16 +8,20 @@ Gemma 2's and 3's ``query_pre_attn_scalar`` and layer types, Gemma 1's and 2's r
 mixture-of-experts families every layer sparse (the converter maps no dense MLP of Qwen MoE), OLMoE
 without ``clip_qkv``, with the RMSNorm epsilon its converter writes (1e-5) and no grouped KV heads,
 gpt-oss with llama.cpp's fixed SwiGLU alpha and limit and YaRN's default (truncated) correction range.
+A gpt-oss whose experts are MXFP4, as OpenAI's checkpoints store them, and its converted file.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from llama_cpp_converter import convert, write_llama_tokenizer, write_sentencepiece_tokenizer
 from model_factory import make_config, make_hf_model
+
+from llmctl.models.mxfp4 import FP4_VALUES
 
 VOCAB = make_config("llama").vocab_size
 _GPT_OSS_ROPE = {
@@ -144,4 +148,72 @@ def gguf_file(case: str, outtype: str, root: Path) -> Path:
     out = root / f"{case}-{outtype}.gguf"
     if not out.is_file():
         convert(checkpoint(case, root), out, outtype, pre_tokenizer=CASES[case][3])
+    return out
+
+
+def _random_mxfp4(shape: tuple[int, ...], gen: torch.Generator):
+    """Random MXFP4 ``(blocks [E, N, K/32, 16], scales [E, N, K/32])`` for a transformers-layout
+    expert tensor ``[E, K, N]``, and the ``[E, K, N]`` values they stand for (exact in fp32)."""
+    experts, k, n = shape
+    codes = torch.randint(0, 16, (experts, n, k // 32, 32), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(121, 125, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float64)
+    values = lut[codes.long()] * torch.exp2(scales.double() - 127)[..., None]
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), scales, values.flatten(-2).transpose(1, 2).float()
+
+
+def mxfp4_checkpoints(root: Path) -> tuple[Path, Path]:
+    """A gpt-oss checkpoint whose experts MXFP4 holds exactly (``dense``) and the same as OpenAI's
+    checkpoints store it (``*_blocks`` / ``*_scales``, ``quantization_config`` mxfp4)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    source = checkpoint("gpt-oss", root)
+    dense, quantized = root / "gpt-oss-dense", root / "gpt-oss-mxfp4"
+    if (quantized / "model.safetensors").is_file():
+        return dense, quantized
+    overrides = dict(CASES["gpt-oss"][1], intermediate_size=64)  # MXFP4 groups of 32 features
+    model_dir = root / "gpt-oss-mxfp4-source"
+    if not model_dir.is_dir():
+        make_hf_model("gpt_oss", model_dir, seed=9, **overrides)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(11)
+    packed = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for proj in ("gate_up_proj", "down_proj"):
+                param = getattr(layer.mlp.experts, proj)
+                blocks, scales, values = _random_mxfp4(tuple(param.shape), gen)
+                param.copy_(values)
+                packed[f"model.layers.{i}.mlp.experts.{proj}"] = (blocks, scales)
+    model.save_pretrained(dense)
+    quantized.mkdir(exist_ok=True)
+    for extra in source.glob("tokenizer*"):
+        (dense / extra.name).write_bytes(extra.read_bytes())
+        (quantized / extra.name).write_bytes(extra.read_bytes())
+    config = json.loads((dense / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (quantized / "config.json").write_text(json.dumps(config))
+    tensors = load_file(dense / "model.safetensors")
+    for name, (blocks, scales) in packed.items():
+        del tensors[name]
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
+    return dense, quantized
+
+
+def mxfp4_gguf_file(root: Path) -> Path:
+    """The converter's file of ``mxfp4_checkpoints``' MXFP4 checkpoint (experts stay MXFP4, the rest
+    F32; made once)."""
+    out = root / "gpt-oss-mxfp4.gguf"
+    if not out.is_file():
+        convert(mxfp4_checkpoints(root)[1], out, "f32", pre_tokenizer=CASES["gpt-oss"][3])
+    return out
+
+
+def mxfp4_dense_gguf_file(root: Path) -> Path:
+    """The converter's F32 file of ``mxfp4_checkpoints``' dense twin: the same values (made once)."""
+    out = root / "gpt-oss-mxfp4-dense-f32.gguf"
+    if not out.is_file():
+        convert(mxfp4_checkpoints(root)[0], out, "f32", pre_tokenizer=CASES["gpt-oss"][3])
     return out

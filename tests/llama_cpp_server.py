@@ -225,14 +225,21 @@ def _gap(step: Step, other: int) -> float | None:
 
 
 def compare_with_llama_cpp(
-    binary: Path, model: Path, prompts: list[list[int]] = PROMPTS, n_predict: int = 16, n_probs: int = 5
+    binary: Path,
+    model: Path,
+    prompts: list[list[int]] = PROMPTS,
+    n_predict: int = 16,
+    n_probs: int = 5,
+    ours_model: Path | None = None,
 ) -> Comparison:
+    """llama-server on ``model`` against llmctl on the same file, or on ``ours_model`` (the same
+    values in another file)."""
     theirs, ours, worst, tie_gap = [], [], 0.0, None
     vocab = token_bytes(model)
     with llama_server(binary, model) as url:
         for prompt in prompts:
             steps = greedy_top_logprobs(url, prompt, n_predict, n_probs, vocab)
-            mine = llmctl_greedy_top_logprobs(model, prompt, n_predict, n_probs)[: len(steps)]
+            mine = llmctl_greedy_top_logprobs(ours_model or model, prompt, n_predict, n_probs)[: len(steps)]
             theirs.append([s.token for s in steps])
             ours.append([s.token for s in mine])
             part = next((i for i, (a, b) in enumerate(zip(steps, mine)) if a.token != b.token), None)

@@ -135,7 +135,8 @@ void decode_tasks(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
     }
     if (a.softcap > 0.f)
       for (int64_t r = 0; r < rows; ++r) llk::softcap_scores(scores.data() + r * padded, len, a.softcap);
-    for (int64_t r = 0; r < rows; ++r) inv_sum[r] = softmax_row(scores.data() + r * padded, len);
+    for (int64_t r = 0; r < rows; ++r)
+      inv_sum[r] = softmax_row(scores.data() + r * padded, len, llk::sink_of(a.sinks, first_head * group + r));
 
     std::fill(acc.begin(), acc.end(), 0.f);
     const float* chunk_rows[kValueChunk];
@@ -194,6 +195,7 @@ struct PrefillArgs {
   const float* v_scale = nullptr;
   int64_t window = 0;  // sliding window (attention_window.h); 0: the whole context
   float softcap = 0.f;  // attention-logit soft cap; 0: none
+  const float* sinks = nullptr;  // [num_q_heads] sink logits (attention_window.h); null: none
 };
 
 // row[0..D) *= s (a dequantized code row).
@@ -214,8 +216,9 @@ struct Lanes8 {
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  // s[0..n) becomes exp(s - max), s[n..n_pad) 0; returns 1 / the sum. n_pad: a multiple of 8.
-  static float softmax_prefix(float* s, int64_t n, int64_t n_pad) {
+  // s[0..n) becomes exp(s - max), s[n..n_pad) 0; returns 1 / the sum (with the sink's share).
+  // n_pad: a multiple of 8.
+  static float softmax_prefix(float* s, int64_t n, int64_t n_pad, float sink) {
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), limit = _mm256_set1_ps(static_cast<float>(n));
     const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     auto valid = [&](int64_t t) { return _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(t)), limit, _CMP_LT_OQ); };
@@ -229,7 +232,7 @@ struct Lanes8 {
       _mm256_storeu_ps(s + t, e);
       vsum = _mm256_add_ps(vsum, e);
     }
-    return 1.f / hsum8(vsum);
+    return 1.f / llk::plus_sink(hsum8(vsum), _mm256_cvtss_f32(vm), sink);
   }
 };
 #ifdef LLK_ISA_HAS_AVX512
@@ -258,7 +261,7 @@ struct Lanes16 {
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  static float softmax_prefix(float* s, int64_t n, int64_t n_pad) {  // as Lanes8's
+  static float softmax_prefix(float* s, int64_t n, int64_t n_pad, float sink) {  // as Lanes8's
     const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     auto valid = [&](int64_t t) -> __mmask16 { return t + 16 <= n ? 0xffff : t >= n ? 0 : (1u << (n - t)) - 1; };
     __m512 vmax = minus_inf;
@@ -270,7 +273,7 @@ struct Lanes16 {
       _mm512_storeu_ps(s + t, e);
       vsum = _mm512_add_ps(vsum, e);
     }
-    return 1.f / _mm512_reduce_add_ps(vsum);
+    return 1.f / llk::plus_sink(_mm512_reduce_add_ps(vsum), _mm512_cvtss_f32(vm), sink);
   }
 };
 using PrefillLanes = Lanes16;
@@ -328,6 +331,7 @@ void prefill_task(const PrefillArgs<T, C>& a, int64_t seq, int64_t h, PrefillScr
   float* inv_sum = s.inv_sum.data();
   for (int64_t g = 0; g < group; ++g) {
     const int64_t head = h * group + g;
+    const float sink = llk::sink_of(a.sinks, head);
     for (int64_t j0 = 0; j0 < q_len; j0 += RS) {
       const int64_t rows = std::min(RS, q_len - j0);
       const int64_t n_max = len - q_len + j0 + rows;  // tokens the block's last row sees
@@ -362,11 +366,11 @@ void prefill_task(const PrefillArgs<T, C>& a, int64_t seq, int64_t h, PrefillScr
         if (r >= rows) {
           std::fill(s, s + n_pad, 0.f);
         } else if (a.window <= 0) {
-          inv_sum[r] = L::softmax_prefix(s, len - q_len + j0 + r + 1, n_pad);
+          inv_sum[r] = L::softmax_prefix(s, len - q_len + j0 + r + 1, n_pad, sink);
         } else {  // keys before the window: -inf into the softmax (a weight below 1e-37), then exactly 0
           const int64_t pos = len - q_len + j0 + r, lo = llk::window_first(pos, a.window);
           std::fill(s + t_begin, s + lo, -std::numeric_limits<float>::infinity());
-          inv_sum[r] = L::softmax_prefix(s + t_begin, pos + 1 - t_begin, n_pad - t_begin);
+          inv_sum[r] = L::softmax_prefix(s + t_begin, pos + 1 - t_begin, n_pad - t_begin, sink);
           std::fill(s + t_begin, s + lo, 0.f);
         }
       }

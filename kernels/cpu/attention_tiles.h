@@ -67,7 +67,7 @@ inline float hsum8(__m256 v) {
 }
 
 // s[0..len) becomes exp(s - max); returns 1 / its sum. s has room up to len rounded up to 8.
-inline float softmax_row(float* s, int64_t len) {
+inline float softmax_row(float* s, int64_t len, float sink = -std::numeric_limits<float>::infinity()) {
   const int64_t whole = len / 8 * 8;
   __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t = 0; t < whole; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
@@ -85,7 +85,7 @@ inline float softmax_row(float* s, int64_t len) {
     s[t] = fast_exp(s[t] - m);
     sum += s[t];
   }
-  return 1.f / sum;
+  return 1.f / llk::plus_sink(sum, m, sink);
 }
 
 // v[j] = sum of the 8 lanes of a[j].

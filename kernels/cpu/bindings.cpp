@@ -24,10 +24,11 @@ void bind_cpu(pybind11::module_& m) {
   m.def("compiled_isas", &compiled_isas, "The kernel variants compiled into this module");
   m.def("reshape_and_cache", &reshape_and_cache, "Write K/V into the paged cache through the slot mapping (CPU)");
   namespace py = pybind11;
-  // window > 0: a sliding window, softcap > 0: attention-logit soft-capping (attention_window.h)
+  // window > 0: a sliding window, softcap > 0: attention-logit soft-capping, sinks: float32 [Hq] sink
+  // logits or None (attention_window.h)
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", py::arg("query"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("decode_codes_supported", &decode_codes_supported, "Whether paged_decode_attention_codes takes this head_dim");
   m.def("paged_decode_attention_codes", &paged_decode_attention_codes,
         "Paged decode attention over an 8-bit KV pool (int8, fp8_e4m3, fp8_e5m2; CPU)", py::arg("query"),
@@ -44,7 +45,7 @@ void bind_cpu(pybind11::module_& m) {
   m.def("paged_prefill_attention", &paged_prefill_attention, "Causal paged prefill attention, fp32 or bf16 (CPU)",
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0,
-        py::arg("softcap") = 0.0);
+        py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm with optional fused residual add (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
   m.def("rotate", &rotate, "Rotary embedding, rotate-half layout (CPU)");

@@ -183,7 +183,8 @@ void decode_task(const DecodeArgs<at::BFloat16>& a, int64_t seq, int64_t h0, int
   if (a.softcap > 0.f)
     for (int64_t r = 0; r < heads * group; ++r) llk::softcap_scores(scores + r * padded, len, a.softcap);
   for (int64_t r = 0; r < heads * group; ++r)  // 16 lanes, the tail masked (zeros up to padded)
-    inv_sum[r] = avx512::f32attn::Lanes16::softmax_prefix(scores + r * padded, len, padded);
+    inv_sum[r] = avx512::f32attn::Lanes16::softmax_prefix(scores + r * padded, len, padded,
+                                                          llk::sink_of(a.sinks, h0 * group + r));
   for (int64_t hh = 0; hh < heads; ++hh)  // pass 2: the sums of V weighted by each query head's p
     for (int64_t g0 = 0; g0 < group; g0 += 4) {
       const int64_t rows = std::min<int64_t>(4, group - g0), r0 = hh * group + g0;
@@ -283,9 +284,19 @@ std::vector<std::string> compiled_isas() {
 #endif
 }
 
+// Attention sinks: float32 [num_q_heads], one logit per query head (attention_window.h).
+static at::Tensor checked_sinks(const c10::optional<at::Tensor>& sinks, int64_t num_q_heads) {
+  if (!sinks.has_value()) return at::Tensor();
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == num_q_heads,
+              "sinks: float32 [num_q_heads] expected");
+  return sinks->contiguous();
+}
+
+static const float* sinks_data(const at::Tensor& sinks) { return sinks.defined() ? sinks.data_ptr<float>() : nullptr; }
+
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                      at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window,
-                                     double softcap) {
+                                     double softcap, c10::optional<at::Tensor> sinks) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [S, Hq, D], cache [NB, BS, Hkv, D]");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables");
@@ -298,6 +309,7 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_dim && num_q_heads % num_kv_heads == 0, "head shapes disagree");
   if (num_seqs == 0) return out;
+  const at::Tensor sink_logits = checked_sinks(sinks, num_q_heads);
   LLK_DISPATCH(q.scalar_type(), "paged_decode_attention", [&] {
     using T = scalar_t;
     // Whole sequences per task when they alone keep every thread busy, else one KV head per task.
@@ -307,6 +319,7 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
                        block_size, bt.size(1), heads_per_task, static_cast<float>(scale)};
     args.window = window;
     args.softcap = static_cast<float>(softcap);
+    args.sinks = sinks_data(sink_logits);
     if (decode_with_avx512_bf16(args, num_seqs)) return;
     const int64_t tasks = num_seqs * (num_kv_heads / heads_per_task);
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
@@ -449,7 +462,8 @@ template <typename T, typename C = T>
 void prefill_on_threads(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                         const at::Tensor& bt, const at::Tensor& starts, const at::Tensor& lens,
                         at::Tensor& out, double scale, int64_t window, double softcap,
-                        const float* k_scale = nullptr, const float* v_scale = nullptr) {
+                        const float* k_scale = nullptr, const float* v_scale = nullptr,
+                        const float* sinks = nullptr) {
   const int64_t num_seqs = lens.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = key_cache.size(2);
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (-cost, task), cost ~ q_len x seq_len
@@ -462,7 +476,7 @@ void prefill_on_threads(const at::Tensor& q, const at::Tensor& key_cache, const 
   auto run = [&](auto args, auto kernel64, auto kernel128) {
     args = {q.data_ptr<T>(), static_cast<const C*>(key_cache.data_ptr()), static_cast<const C*>(value_cache.data_ptr()),
             bt.data_ptr<int32_t>(), s, l, out.data_ptr<T>(), num_q_heads, num_kv_heads, key_cache.size(1), bt.size(1),
-            static_cast<float>(scale), k_scale, v_scale, window, static_cast<float>(softcap)};
+            static_cast<float>(scale), k_scale, v_scale, window, static_cast<float>(softcap), sinks};
     prefill_tasks_on_threads(args, head_dim == 64 ? kernel64 : kernel128, tasks, num_kv_heads);
   };
   if (g_isa >= Isa::kAvx512)
@@ -476,7 +490,8 @@ void prefill_on_threads(const at::Tensor& q, const at::Tensor& key_cache, const 
 
 at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                       at::Tensor block_tables, at::Tensor query_start_loc, at::Tensor seq_lens,
-                                      double scale, int64_t window, double softcap) {
+                                      double scale, int64_t window, double softcap,
+                                      c10::optional<at::Tensor> sinks) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, Hq, D], cache [NB, BS, Hkv, D]");
   TORCH_CHECK(prefill_attention_supported(query, key_cache), "native prefill attention: fp32 or bf16, head_dim "
               "64 or 128, and an AVX2 CPU expected");
@@ -493,10 +508,14 @@ at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::T
               "one table row and one chunk per sequence");
   TORCH_CHECK(starts.data_ptr<int32_t>()[starts.size(0) - 1] == q.size(0),
               "query_start_loc must end at the number of query tokens");
+  const at::Tensor sink_logits = checked_sinks(sinks, q.size(1));
 #ifdef LLK_X86_VARIANTS
   if (q.scalar_type() == at::kFloat)
-    prefill_on_threads<float>(q, key_cache, value_cache, bt, starts, lens, out, scale, window, softcap);
-  else prefill_on_threads<at::BFloat16>(q, key_cache, value_cache, bt, starts, lens, out, scale, window, softcap);
+    prefill_on_threads<float>(q, key_cache, value_cache, bt, starts, lens, out, scale, window, softcap, nullptr,
+                              nullptr, sinks_data(sink_logits));
+  else
+    prefill_on_threads<at::BFloat16>(q, key_cache, value_cache, bt, starts, lens, out, scale, window, softcap,
+                                     nullptr, nullptr, sinks_data(sink_logits));
 #endif
   return out;
 }

@@ -44,6 +44,7 @@ struct DecodeArgs {
   const float* v_scale = nullptr;
   int64_t window = 0;  // sliding window (attention_window.h); 0: the whole context
   float softcap = 0.f;  // attention-logit soft cap; 0: none
+  const float* sinks = nullptr;  // [num_q_heads] sink logits (attention_window.h); null: none
 };
 
 // ---- tensor-level kernels (the Python module `llmctl_kernels._C.cpu`) ----
@@ -52,10 +53,11 @@ std::vector<std::string> compiled_isas();
 llk::Isa selected_isa();  // set_isa's level (the multi-LoRA kernel follows it too)
 void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
                        at::Tensor slot_mapping);
-// window > 0: a sliding window, softcap > 0: attention-logit soft-capping (attention_window.h).
+// window > 0: a sliding window, softcap > 0: attention-logit soft-capping, sinks: [Hq] float32
+// logits joining each softmax's denominator (attention_window.h).
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window = 0,
-                                  double softcap = 0.0);
+                                  double softcap = 0.0, c10::optional<at::Tensor> sinks = c10::nullopt);
 bool decode_codes_supported(int64_t head_dim);
 at::Tensor paged_decode_attention_codes(at::Tensor query, const std::string& kind, at::Tensor k_codes,
                                         at::Tensor v_codes, at::Tensor k_scale, at::Tensor v_scale,
@@ -66,7 +68,8 @@ void store_kv_codes(at::Tensor key, at::Tensor value, const std::string& kind, a
 bool prefill_attention_supported(at::Tensor query, at::Tensor key_cache);
 at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                    at::Tensor block_tables, at::Tensor query_start_loc, at::Tensor seq_lens,
-                                   double scale, int64_t window = 0, double softcap = 0.0);
+                                   double scale, int64_t window = 0, double softcap = 0.0,
+                                   c10::optional<at::Tensor> sinks = c10::nullopt);
 at::Tensor paged_prefill_attention_codes(at::Tensor query, const std::string& kind, at::Tensor k_codes,
                                          at::Tensor v_codes, at::Tensor k_scale, at::Tensor v_scale,
                                          at::Tensor block_tables, at::Tensor query_start_loc, at::Tensor seq_lens,

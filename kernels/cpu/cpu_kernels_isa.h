@@ -39,8 +39,10 @@ inline float through(float x) {
 #include "fast_exp.h"
 
 // Each of ``rows`` score rows of length ``len`` becomes exp(s - max) in place; inv_sum[r] gets
-// 1 / (its sum), to scale the accumulated V once at the end.
-inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* inv_sum) {
+// 1 / (its sum, with the sink's share of query head first_head + r), to scale the accumulated V
+// once at the end.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* inv_sum, const float* sinks,
+                         int64_t first_head) {
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * len;
     float m = -std::numeric_limits<float>::infinity();
@@ -51,7 +53,7 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len, float* inv_su
       s[t] = fast_exp(s[t] - m);
       sum += s[t];
     }
-    inv_sum[r] = 1.f / sum;
+    inv_sum[r] = 1.f / llk::plus_sink(sum, m, llk::sink_of(sinks, first_head + r));
   }
 }
 
@@ -108,7 +110,7 @@ void decode_tasks(const DecodeArgs<T>& a, int64_t begin, int64_t end) {
       }
     }
     if (a.softcap > 0.f) llk::softcap_scores(scores.data(), rows * len, a.softcap);
-    softmax_rows(scores.data(), rows, len, inv_sum.data());
+    softmax_rows(scores.data(), rows, len, inv_sum.data(), a.sinks, first_head * group);
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t t = 0; t < len; ++t) {  // pass 2: weighted sum of V
       const float* v = row_as_float(row_of(a.v_cache, t), kv.data(), kv_len);

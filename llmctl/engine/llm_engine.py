@@ -371,13 +371,12 @@ class LLMEngine:
                 f"{config.model}: no such model directory (use a local folder with config.json and "
                 f"*.safetensors, a pulled hub id, or the embedded default {EMBEDDED_MODEL_NAME!r})"
             )
-        quantization = "none" if config.quantization == "auto" else config.quantization  # a float checkpoint
         model = load_model(
             model_dir,
             dtype=config.dtype,
             device=device,
             ops=ops,
-            quantization=quantization,
+            quantization=config.quantization,
             quantization_group_size=config.quantization_group_size,
             calibration=config.calibration,
             tokenizer_dir=config.tokenizer and Path(config.tokenizer),

@@ -28,8 +28,9 @@ class Attention(nn.Module):
     ``sinks`` (``[num_heads]``, this rank's heads): a learned logit per query head that joins the
     softmax denominator, taking probability mass without contributing a value, as transformers'
     gpt-oss attention (``GptOssAttention.sinks``). ``None``: none, and the calls are exactly as
-    without the argument. A layer with sinks runs the torch references on every backend (exact,
-    slower): neither the native CPU kernels nor the Triton kernels take them yet.
+    without the argument. On a CPU the native kernels take them (float caches; kernels/cpu/
+    attention_window.h); the Triton kernels and the 8-bit KV caches run the torch references
+    (exact, slower).
 
     Every backend takes the window and the cap (llmctl/layers/ops.py, triton_ops.py,
     engine/kv_cache.py); with both ``None`` the calls are the plain causal kernels. A sliding

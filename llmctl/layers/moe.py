@@ -300,12 +300,22 @@ class PackedExpert(nn.Module):
         self.up = None if merged is not None else _packed_linear(up, hidden, device)
         self.down = _packed_linear(down, inner, device)
 
-    def forward(self, x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        act: Callable[[torch.Tensor], torch.Tensor],
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Biases (gpt-oss's) are added after each product, as transformers adds them."""
         if self.gate_up is not None:
             gate_up = _packed_call(self.gate_up, x)
         else:
             gate_up = torch.cat([_packed_call(self.gate, x), _packed_call(self.up, x)], dim=-1)
-        return _packed_call(self.down, act(gate_up))
+        if gate_up_bias is not None:
+            gate_up = gate_up + gate_up_bias
+        down = _packed_call(self.down, act(gate_up))
+        return down if down_bias is None else down + down_bias
 
 
 def _packed_call(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
@@ -389,10 +399,9 @@ class StackedExperts(nn.Module):
         quant_method: OnTheFlyQuantMethod | None = None,
     ) -> None:
         super().__init__()
-        if quant_method is not None and (tp.size != 1 or bias):
+        if quant_method is not None and tp.size != 1:
             raise ValueError(
-                "quantized experts run packed, with tensor parallel size 1 and no expert biases "
-                f"(this is tensor parallel size {tp.size}{', with biases' if bias else ''}); "
+                f"quantized experts run packed, with tensor parallel size 1 (this is {tp.size}); "
                 "use --quantization none"
             )
         self.tp, self.act = tp, act
@@ -513,16 +522,15 @@ class StackedExperts(nn.Module):
 
     def install_packed(self, weights: PackedExpertWeights) -> None:
         """Every expert's packed weights in place of the stacked float ones (freed): a
-        ``PackedExpert`` per expert. Tensor parallel size 1 and no biases: packed rows are not
-        sharded across ranks (``--quantization none`` shards the dequantized experts). A weight
-        may carry up to 127 zero input columns past its projection's inputs (``_packed_linear``)."""
+        ``PackedExpert`` per expert. Tensor parallel size 1: packed rows are not sharded across
+        ranks (``--quantization none`` shards the dequantized experts). Expert biases stay float
+        parameters, loaded by name as before. A weight may carry up to 127 zero input columns past
+        its projection's inputs (``_packed_linear``)."""
         if self.tp.size != 1:
             raise ValueError(
                 f"packed experts run with tensor parallel size 1 only (this is {self.tp.size}); "
                 "use --quantization none to dequantize them and shard them across ranks"
             )
-        if self.w13_bias is not None:
-            raise ValueError("packed experts take no biases")
         counts = {len(weights.gate), len(weights.up), len(weights.down)}
         if counts != {self.num_experts}:
             raise ValueError(f"expected {self.num_experts} experts' gate, up and down weights, got {sorted(counts)}")
@@ -573,7 +581,8 @@ class StackedExperts(nn.Module):
         """The packed experts' native per-layer call (kernels/moe_native.py), decided once, on
         the first CPU forward (after the engine has bound every layer's kernel): False where
         ``LLMCTL_MOE_NATIVE=0``, the native kernels are missing, the activation is not the native
-        SiLU-and-mul, or any projection runs a kernel the call does not (``_native_projection``).
+        SiLU-and-mul, the experts have biases, or any projection runs a kernel the call does not
+        (``_native_projection``).
         Later calls return that decision (the native decode loop asks at its binding)."""
         if self.native is not None:
             return self.native
@@ -582,7 +591,7 @@ class StackedExperts(nn.Module):
             return self.native
         from llmctl_kernels.moe_native import NativeExperts, load_moe_native
 
-        if load_moe_native() is None or not _native_silu(self.act):
+        if load_moe_native() is None or not _native_silu(self.act) or self.w13_bias is not None:
             return self.native
         experts = []
         for expert in self.packed:
@@ -597,7 +606,8 @@ class StackedExperts(nn.Module):
     def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """One expert's gated MLP over its rows ``[n, H] -> [n, H]``."""
         if self.packed is not None:  # the expert's packed layers (their bound kernels on a CPU)
-            return self.packed[expert](rows, self.act)
+            biases = (None, None) if self.w13_bias is None else (self.w13_bias[expert], self.w2_bias[expert])
+            return self.packed[expert](rows, self.act, *biases)
         gate_up = linear(rows, self.w13[expert], None, 2 * self.intermediate_size)
         if self.w13_bias is not None:  # after the matmul, as transformers adds it
             gate_up = gate_up + self.w13_bias[expert]

@@ -162,10 +162,6 @@ class TorchOps:
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if sinks is not None:  # the native kernels take no sinks: the torch reference (exact, slower)
-            return self.prefill_attention_reference(
-                query, key, value, key_cache, value_cache, meta, scale, window, softcap, sinks
-            )
         if (
             self.native and query.device.type == "cpu" and self._native.prefill_attention_supported(query, key_cache)
         ):  # fp32/bf16, AVX2: one call
@@ -179,8 +175,11 @@ class TorchOps:
                 scale,
                 window or 0,
                 softcap or 0.0,
+                None if sinks is None else sinks.float(),
             )
-        return self.prefill_attention_reference(query, key, value, key_cache, value_cache, meta, scale, window, softcap)
+        return self.prefill_attention_reference(
+            query, key, value, key_cache, value_cache, meta, scale, window, softcap, sinks
+        )
 
     @staticmethod
     def prefill_attention_reference(
@@ -230,7 +229,7 @@ class TorchOps:
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self.native and query.device.type == "cpu" and sinks is None:  # no sinks in the native kernel
+        if self.native and query.device.type == "cpu":
             return self._native.paged_decode_attention(
                 query,
                 key_cache,
@@ -240,6 +239,7 @@ class TorchOps:
                 scale,
                 window or 0,
                 softcap or 0.0,
+                None if sinks is None else sinks.float(),
             )
         return paged_decode_attention_torch(
             query, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window, softcap, sinks

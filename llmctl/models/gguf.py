@@ -18,14 +18,13 @@ every norm weight plus 1 (llama.cpp's norm has no ``1 + w``); the 1 is taken off
 
 Mixture-of-experts files (``expert_count`` > 0; Mixtral is ``llama`` with experts) store each
 layer's experts as stacked gate, up and down tensors ``[experts, out, in]``. With
-``quantization="auto"``, a layer whose three stacks all repack (``gguf_quants.QUANTIZED_TYPES``) in a
-family whose experts are plain gate/up/down stacks (hook ``gguf_expert_tensors``: Mixtral,
-Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2) keeps them packed: each expert's slice is whole
-blocks and repacks exactly as a matrix does (``gguf_quants.repack_experts``), and the layer's
-``StackedExperts.install_packed`` takes them (tensor parallel size 1).
-Otherwise (a float stack among them, ``--quantization none``, gpt-oss's experts with their biases and MXFP4
-blocks), once a layer's are read the family's ``gguf_experts`` function turns them, dequantized,
-into its checkpoint's stacked float tensors. Any MXFP4 tensor is dequantized at load.
+``quantization="auto"``, a layer whose three stacks all repack (``gguf_quants.QUANTIZED_TYPES``,
+MXFP4 included) keeps them packed: each expert's slice is whole blocks and repacks exactly as a
+matrix does (``gguf_quants.repack_experts``), and the layer's ``StackedExperts.install_packed``
+takes them (tensor parallel size 1); gpt-oss's expert biases go through its ``gguf_experts`` hook
+alone. Otherwise (a float stack among them, ``--quantization none``), once a layer's are read the
+family's ``gguf_experts`` function turns them, dequantized, into its checkpoint's stacked float
+tensors.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from llmctl.models import gguf_quants
 from llmctl.models.config import ModelConfig
 from llmctl.models.gguf_reader import read_gguf
 from llmctl.models.gguf_tokenizer import GGUFTokenizerError, build_gguf_tokenizer
-from llmctl.models.loader import build_model, load_weights
+from llmctl.models.loader import build_model, install_packed_experts, load_weights
 from llmctl.models.registry import CausalLM, ModelFamily, family_for, family_for_gguf, gguf_architectures
 from llmctl.tokenizer import Tokenizer
 from llmctl_kernels.packed_formats import PackedWeight, dequantize
@@ -57,8 +56,9 @@ from llmctl_kernels.packed_formats import PackedWeight, dequantize
 # a family's ``gguf_experts`` hook turns them into its checkpoint's tensors.
 _EXPERTS = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
 _EXPERT_WEIGHTS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
-# Families whose experts are plain gate/up/down stacks, which a quantized file keeps packed
-_PACKED_EXPERT_HOOKS = ("gguf_expert_tensors",)
+# Families whose experts are gate/up/down stacks (gpt-oss's with float biases beside them), which a
+# quantized file keeps packed
+_PACKED_EXPERT_HOOKS = ("gguf_expert_tensors", "gpt_oss_gguf_experts")
 # llmctl's module names (its models keep transformers' checkpoint names). What each is called in a
 # file of a given architecture is llama.cpp's own table (``gguf.TensorNameMap``, the converter's).
 _HF_GLOBAL = ("model.embed_tokens", "model.norm", "lm_head")
@@ -336,7 +336,7 @@ def read_tensor(tensor: Any, row_order: np.ndarray | None = None) -> PackedWeigh
     if tensor.tensor_type in gguf_quants.DENSE_TYPES:
         return gguf_quants.dense(raw, tensor.tensor_type, shape)
     if len(shape) != 2 or tensor.tensor_type not in gguf_quants.QUANTIZED_TYPES:
-        return gguf_quants.dequantized(raw, tensor.tensor_type, shape)  # stacked experts, MXFP4
+        return gguf_quants.dequantized(raw, tensor.tensor_type, shape)  # stacked experts
     return gguf_quants.repack(raw, tensor.tensor_type, shape)
 
 
@@ -406,8 +406,8 @@ class _ExpertTensors:
         self, name: str, value: torch.Tensor | list[PackedWeight]
     ) -> Iterator[tuple[str, torch.Tensor | PackedExpertWeights]]:
         """``value``: the stack as float32, or one packed weight per expert (``_read_experts``).
-        A layer whose gate, up and down all came packed is yielded packed; any other is dequantized
-        and goes through the hook."""
+        A layer whose gate, up and down all came packed is yielded packed (its biases, if any,
+        through the hook); any other is dequantized and goes through the hook."""
         prefix, _, part = name.partition(".experts.")  # part: gate_proj.weight, down_proj.bias, ...
         if self.hook is None:
             raise ModelLoadError(f"{self.path}: tensor {name!r}: this family has no experts")
@@ -415,9 +415,10 @@ class _ExpertTensors:
         parts[part] = value
         if len(parts) == self.expected[prefix]:
             del self.pending[prefix]
-            if set(parts) == set(_EXPERT_WEIGHTS) and all(isinstance(v, list) for v in parts.values()):
-                yield f"{prefix}.experts", PackedExpertWeights(*(parts[p] for p in _EXPERT_WEIGHTS))
-                return
+            if all(isinstance(parts.get(p), list) for p in _EXPERT_WEIGHTS):
+                yield f"{prefix}.experts", PackedExpertWeights(*(parts.pop(p) for p in _EXPERT_WEIGHTS))
+                if not parts:
+                    return
             parts = {p: v if isinstance(v, torch.Tensor) else _stack_dequantized(v) for p, v in parts.items()}
             try:
                 yield from self.hook(prefix, parts)
@@ -435,13 +436,10 @@ def _install_packed_experts(
 ) -> Iterator[tuple[str, PackedWeight | torch.Tensor]]:
     """Installs each layer's packed experts into its ``StackedExperts``; passes the rest on."""
     for name, value in tensors:
-        if not isinstance(value, PackedExpertWeights):
+        if isinstance(value, PackedExpertWeights):
+            install_packed_experts(model, name, value, path)
+        else:
             yield name, value
-            continue
-        try:
-            model.get_submodule(name).install_packed(value)
-        except (ValueError, AttributeError) as exc:
-            raise ModelLoadError(f"{path}: the experts of {name!r} do not fit the model: {exc}") from exc
 
 
 def gguf_tokenizer(path: Path, meta: dict[str, Any] | None = None) -> Tokenizer:

@@ -15,11 +15,15 @@ Q5_1      ``d * q + m``                           PackedInt8 G=32 with mins
 Q5_K      ``d sc * q - dmin m``, 5-bit q          PackedInt8 G=32 with mins
 Q6_K      ``d sc * (q - 32)``, 16 x 16 in 256     PackedInt8 G=16, q - 32, scale ``d sc``
 Q8_0      ``d * q``                               PackedInt8 G=32
+MXFP4     ``2^(e-127) e2m1(q)``, 32 per block    PackedInt8 G=32, ``2 e2m1(q)``, ``2^(e-128)``
 ========  ======================================  ==========================================
 
-Scales and mins are products of an fp16 value and an integer of at most 8 bits, hence exact in
-float32, and ``scale * q + min`` then rounds exactly like the reference ``gguf.quants.dequantize``
-(the tests compare bit for bit). The bit unpacking follows ``gguf.quants`` block by block.
+MXFP4's e2m1 values doubled are small integers (llama.cpp's ``kvalues_mxfp4``) and its e8m0 scale
+halved is a power of two, so it too is an int8 grid exactly: one byte a weight where the file has
+half of one, a quarter of float32's size. The other scales and mins are products of an fp16 value
+and an integer of at most 8 bits, hence exact in float32, and ``scale * q + min`` then rounds
+exactly like the reference ``gguf.quants.dequantize`` (the tests compare bit for bit). The bit
+unpacking follows ``gguf.quants`` block by block.
 """
 
 from __future__ import annotations
@@ -32,10 +36,8 @@ from llmctl_kernels.packed_formats import PackedInt4, PackedInt8, PackedWeight, 
 
 T = GGMLQuantizationType
 DENSE_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
-QUANTIZED_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0)
-# Read by dequantizing at load (``dequantized``): no packed kernel takes them yet
-DEQUANTIZED_TYPES = (T.MXFP4,)
-SUPPORTED_TYPES = tuple(DENSE_TYPES) + QUANTIZED_TYPES + DEQUANTIZED_TYPES
+QUANTIZED_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0, T.MXFP4)
+SUPPORTED_TYPES = tuple(DENSE_TYPES) + QUANTIZED_TYPES
 _NIBBLE_SHIFTS = np.array([0, 4], dtype=np.uint8)
 
 
@@ -100,6 +102,11 @@ def _decode(blocks: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray
         high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
         q = (low | (high.reshape(low.shape) << np.uint8(4))).astype(np.int8) - np.int8(32)
         return q, d * scales, None, 16
+    if qtype == T.MXFP4:
+        from gguf.quants import MXFP4
+
+        codes = _split_nibbles(blocks[:, 1:], 16)  # llama.cpp's order: low nibbles, then high
+        return np.array(MXFP4.kvalues, dtype=np.int8)[codes], MXFP4.e8m0_to_fp32_half(blocks[:, :1]), None, 32
     raise ValueError(f"no repacking for GGML type {qtype.name}")
 
 
@@ -140,7 +147,7 @@ def dense(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) 
 def dequantized(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
     """A quantized tensor as float32, by ``gguf.quants.dequantize`` (the format authors' reference):
     stacked experts ``[experts, out, in]`` where they are not kept packed (``--quantization none``,
-    gpt-oss), and MXFP4 (its e2m1 values times a power of two are exact in float32)."""
+    a float stack beside them), and tensors of more than two dimensions."""
     from gguf.quants import dequantize as gguf_dequantize
 
     return torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, qtype), dtype=np.float32)).reshape(shape)

@@ -12,12 +12,12 @@
   stacked tensors transformers stores transposed with gate and up in interleaved columns
   (llmctl/layers/moe.py loads them into its usual layout).
 
-MXFP4 checkpoints (``quantization_config.quant_method: mxfp4``, the released ones) are dequantized
-to the run dtype while loading (llmctl/models/mxfp4.py): no packed MXFP4 kernel yet, so the
-experts take their full-precision size in memory. Defaults of fields a config.json leaves out are
-``GptOssConfig``'s. A GGUF file's experts (gate, up and down stacked apart, with their biases;
-MXFP4 or another GGML type, dequantized at load) become transformers' layout in
-``gpt_oss_gguf_experts``."""
+MXFP4 checkpoints (``quantization_config.quant_method: mxfp4``, the released ones) keep their
+experts packed as int8 groups holding exactly the same values (llmctl/models/mxfp4.py), or with
+``--quantization none`` dequantize them to the run dtype while loading. Defaults of fields a
+config.json leaves out are ``GptOssConfig``'s. A GGUF file's experts (gate, up and down stacked
+apart, with their biases; MXFP4 or another GGML type) stay packed the same way, or, dequantized,
+become transformers' layout in ``gpt_oss_gguf_experts``, which also hands on the biases."""
 
 from __future__ import annotations
 
@@ -29,15 +29,16 @@ import torch
 from torch import nn
 
 from llmctl.distributed import PipelineStage, TensorParallel
-from llmctl.errors import UnsupportedModelError
 from llmctl.layers.attention import Attention
 from llmctl.layers.linear import LinearMethod, RowParallelLinear, copy_checked
 from llmctl.layers.moe import Router, RouterSpec, StackedExperts, clamped_swiglu
 from llmctl.layers.norm import RMSNorm
 from llmctl.layers.ops import TorchOps
+from llmctl.layers.quantization.methods import OnTheFlyQuantMethod
 from llmctl.layers.rotary import RotaryEmbedding
 from llmctl.models.config import ModelConfig
 from llmctl.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from llmctl.models.moe_families import refuse_calibrated_experts, refuse_packed_experts_under_tp
 
 # GptOssConfig's defaults for the fields below
 _DEFAULTS = {
@@ -85,7 +86,9 @@ class GptOssMLP(nn.Module):
     """transformers' ``GptOssMLP``: ``router`` and ``experts`` (module docstring), every token
     through its top-k experts; one all-reduce of the routed sum under tensor parallelism."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel, ops: TorchOps) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel, ops: TorchOps, method: LinearMethod | None
+    ) -> None:
         super().__init__()
         raw = cfg.raw
         num_experts = int(raw.get("num_local_experts", raw.get("num_experts", _DEFAULTS["num_local_experts"])))
@@ -113,6 +116,7 @@ class GptOssMLP(nn.Module):
             concatenated=False,
             transposed=True,
             fused=ops.fused_experts,
+            quant_method=method if isinstance(method, OnTheFlyQuantMethod) else None,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +140,7 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, ops=ops)
         self.self_attn = GptOssAttention(cfg, dtype, tp, ops, method, rotary_emb)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, ops=ops)
-        self.mlp = GptOssMLP(cfg, dtype, tp, ops)
+        self.mlp = GptOssMLP(cfg, dtype, tp, ops, method)
 
 
 class GptOssModel(LlamaModel):
@@ -151,16 +155,16 @@ class GptOssForCausalLM(LlamaForCausalLM):
         cfg: ModelConfig,
         *,
         linear_method: LinearMethod | None = None,
+        tp: TensorParallel = TensorParallel(),
         stage: PipelineStage | None = None,
         **kwargs,
     ) -> None:
-        if linear_method is not None:
-            raise UnsupportedModelError(
-                f"{cfg.architecture}: --quantization is not supported for gpt-oss yet "
-                "(its expert biases and clamped SwiGLU experts are not quantized on the fly); "
-                "run it with --quantization none"
-            )
-        super().__init__(gpt_oss_config(cfg), linear_method=None, stage=stage, **kwargs)
+        refuse_packed_experts_under_tp(cfg, linear_method, tp)
+        super().__init__(gpt_oss_config(cfg), linear_method=linear_method, tp=tp, stage=stage, **kwargs)
+
+    def process_weights_after_loading(self) -> None:
+        refuse_calibrated_experts(self)
+        super().process_weights_after_loading()
 
 
 def gpt_oss_config(cfg: ModelConfig) -> ModelConfig:
@@ -184,13 +188,16 @@ def gpt_oss_config(cfg: ModelConfig) -> ModelConfig:
 def gpt_oss_gguf_experts(prefix: str, parts: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """One layer's GGUF experts (gate and up ``[E, I, H]`` with ``[E, I]`` biases, down ``[E, H, I]``
     with ``[E, H]``) in transformers' ``GptOssExperts`` layout: ``gate_up_proj`` ``[E, H, 2 I]`` with
-    gate and up in alternate columns, ``down_proj`` ``[E, I, H]``, and their biases."""
+    gate and up in alternate columns, ``down_proj`` ``[E, I, H]``, and their biases. The biases
+    alone where the weights were kept packed (llmctl/models/gguf.py)."""
     names = ("gate_proj", "up_proj", "down_proj")
-    if set(parts) != {f"{n}.{kind}" for n in names for kind in ("weight", "bias")}:
+    biases = {f"{n}.bias" for n in names}
+    if set(parts) not in (biases, biases | {f"{n}.weight" for n in names}):
         raise ValueError(f"expected gate, up and down expert weights and biases, got {sorted(parts)}")
-    gate_up = torch.stack([parts["gate_proj.weight"], parts["up_proj.weight"]], dim=2).flatten(1, 2)
-    yield f"{prefix}.experts.gate_up_proj", gate_up.transpose(1, 2)
+    if "gate_proj.weight" in parts:
+        gate_up = torch.stack([parts["gate_proj.weight"], parts["up_proj.weight"]], dim=2).flatten(1, 2)
+        yield f"{prefix}.experts.gate_up_proj", gate_up.transpose(1, 2)
+        yield f"{prefix}.experts.down_proj", parts["down_proj.weight"].transpose(1, 2)
     gate_up_bias = torch.stack([parts["gate_proj.bias"], parts["up_proj.bias"]], dim=-1).flatten(1)
     yield f"{prefix}.experts.gate_up_proj_bias", gate_up_bias
-    yield f"{prefix}.experts.down_proj", parts["down_proj.weight"].transpose(1, 2)
     yield f"{prefix}.experts.down_proj_bias", parts["down_proj.bias"]

@@ -7,7 +7,7 @@ shape disagrees with config.json, a weight the checkpoint lacks.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -17,7 +17,7 @@ from torch import nn
 from llmctl.distributed import PipelineStage, TensorParallel
 from llmctl.errors import ModelLoadError
 from llmctl.layers.linear import LinearMethod, copy_checked
-from llmctl.layers.moe import ExpertShard, expert_checkpoint_target
+from llmctl.layers.moe import ExpertShard, PackedExpertWeights, expert_checkpoint_target
 from llmctl.layers.ops import TorchOps
 from llmctl.layers.quantization import linear_method_for
 from llmctl.models import mxfp4
@@ -46,12 +46,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
+def iterate_tensors(
+    files: list[Path], keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """Every tensor of the files, or those whose name ``keep`` accepts (the others are not read)."""
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield path, name, f.get_tensor(name)
+                    if keep is None or keep(name):
+                        yield path, name, f.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise ModelLoadError(
                 f"{path}: cannot read safetensors file ({exc}); it may be corrupt or truncated"
@@ -187,6 +191,14 @@ def build_model(
     return model.eval()
 
 
+def install_packed_experts(model: CausalLM, name: str, weights: PackedExpertWeights, source: Path) -> None:
+    """One layer's packed experts into its ``StackedExperts`` (``name``: ``<layer>.mlp.experts``)."""
+    try:
+        model.get_submodule(name).install_packed(weights)
+    except (ValueError, AttributeError) as exc:
+        raise ModelLoadError(f"{source}: the experts of {name!r} do not fit the model: {exc}") from exc
+
+
 def load_model(
     model_dir: Path,
     *,
@@ -200,14 +212,19 @@ def load_model(
     calibration: str | None = None,
     tokenizer_dir: Path | None = None,
 ) -> CausalLM:
-    """``quantization`` (int8 | int4 | fp8) quantizes every linear layer once its float weights are
-    loaded; the embedding stays in ``dtype``, the LM head too except with int8 and int4, where its
-    logits come from a per-channel int8 copy (``ParallelLMHead.logits_quantization``).
-    ``calibration`` (a text file or ``builtin``) rounds them by GPTQ on that text, tokenized by the
-    tokenizer in ``tokenizer_dir`` (default: the model's)."""
+    """``quantization`` auto keeps an MXFP4 checkpoint's experts packed (llmctl/models/mxfp4.py;
+    tensor parallel size 1, else they are dequantized and sharded) and is none for any other;
+    int8 | int4 | fp8 quantizes every linear layer once its float weights are loaded; the embedding
+    stays in ``dtype``, the LM head too except with int8 and int4, where its logits come from a
+    per-channel int8 copy (``ParallelLMHead.logits_quantization``). ``calibration`` (a text file
+    or ``builtin``) rounds them by GPTQ on that text, tokenized by the tokenizer in
+    ``tokenizer_dir`` (default: the model's)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: no such model directory")
+    # auto: an MXFP4 checkpoint's experts stay packed where they can run packed (one rank)
+    keep_packed = quantization == "auto" and tp.size == 1
+    quantization = "none" if quantization == "auto" else quantization
     calibration_ids = None
     if calibration is not None:  # the text and the tokenizer checked before any weight is read
         from llmctl.models.calibration import calibration_tokens, check_calibration
@@ -231,8 +248,17 @@ def load_model(
         stage=stage,
     )
     tensors = None
-    if mxfp4.is_mxfp4(cfg.raw):  # MXFP4 blocks and scales dequantized to the run dtype as they are read
-        tensors = mxfp4.dequantized_tensors(iterate_tensors(safetensors_files(model_dir)), run_dtype)
+    if mxfp4.is_mxfp4(cfg.raw):
+        files = safetensors_files(model_dir)
+        if keep_packed:  # this stage's experts first, packed; the other tensors after them
+            experts = iterate_tensors(
+                files, lambda name: mxfp4.is_expert_tensor(name) and model.owns_checkpoint_tensor(name)
+            )
+            for path, name, weights in mxfp4.packed_expert_layers(experts):
+                install_packed_experts(model, name, weights, path)
+        rest = iterate_tensors(files, (lambda name: not mxfp4.is_expert_tensor(name)) if keep_packed else None)
+        # any other MXFP4 blocks and scales dequantized to the run dtype as they are read
+        tensors = mxfp4.dequantized_tensors(rest, run_dtype)
     with torch.no_grad():
         load_weights(model, model_dir, tensors)
     if calibration_ids is not None:

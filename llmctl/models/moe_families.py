@@ -101,6 +101,16 @@ def moe_layout(cfg: ModelConfig) -> MoeLayout:
     )
 
 
+def refuse_packed_experts_under_tp(cfg: ModelConfig, linear_method: LinearMethod | None, tp: TensorParallel) -> None:
+    """``--quantization`` packs the experts, which run at tensor parallel size 1 only: refused
+    before any weight is read."""
+    if linear_method is not None and tp.size != 1:
+        raise UnsupportedModelError(
+            f"{cfg.architecture}: --quantization quantizes the experts into packed experts, which run "
+            f"with tensor parallel size 1 only (this is {tp.size}); use --quantization none"
+        )
+
+
 def refuse_calibrated_experts(model: nn.Module) -> None:
     """Called before the experts are quantized: refuses a load whose linear layers were quantized
     already, i.e. by GPTQ (``--calibration``), which rounds linear layers only; experts rounded on
@@ -233,11 +243,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         tp: TensorParallel = TensorParallel(),
         **kwargs,
     ) -> None:
-        if linear_method is not None and tp.size != 1:
-            raise UnsupportedModelError(
-                f"{cfg.architecture}: --quantization quantizes the experts into packed experts, which run "
-                f"with tensor parallel size 1 only (this is {tp.size}); use --quantization none"
-            )
+        refuse_packed_experts_under_tp(cfg, linear_method, tp)
         if cfg.family == "qwen2_moe":  # Qwen2MoeConfig names the q/k/v bias qkv_bias
             cfg = dataclasses.replace(cfg, attention_bias=bool(cfg.raw.get("qkv_bias", True)))
         if cfg.family == "olmoe" and "rms_norm_eps" not in cfg.raw:

@@ -2,8 +2,8 @@
 here: head h's softmax runs over its visible scores and one more logit, sinks[h], whose share of
 the probability mass contributes no value (transformers' gpt-oss eager attention). Fresh prefill,
 prefill continuing a cached context, decodes and mixed steps, with and without a sliding window
-and a logit soft cap; the torch references, the native CPU ops (which hand sink layers to the
-references), the Triton ops (likewise) and the 8-bit quantized KV caches."""
+and a logit soft cap; the torch references, the native CPU kernels (fp32 and bf16 caches), the
+Triton ops (which hand sink layers to the references) and the 8-bit quantized KV caches."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from test_sliding_window_attention import (
 
 from llmctl.engine.kv_cache import KVFormat, QuantizedKVCache
 from llmctl.errors import UnsupportedModelError
+from llmctl.layers import ops as ops_module
 from llmctl.layers.attention import Attention
 from llmctl.layers.ops import TorchOps
 from llmctl_kernels.decode_attention import masked_attention
@@ -75,9 +76,33 @@ def run_layer(ops, window, softcap, step, sinks=SINKS):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("native", [False, True])
 def test_torch_ops(case, window, softcap, native):
-    """TorchOps with and without the native CPU kernels (which hand sink layers to the references)."""
+    """TorchOps with and without the native CPU kernels."""
     got, want = run_layer(TorchOps(native_cpu=native), window, softcap, make_step(*CASES[case]))
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the torch reference ran")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(None, None), (4, None), (16, 3.0)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_native_kernels_take_the_sinks(case, window, softcap, dtype, monkeypatch):
+    """The native CPU kernels themselves (the references made to fail): decode on every ISA variant,
+    prefill where the native prefill kernel runs (AVX2 or better); fp32 and bf16 caches."""
+    ops = TorchOps(native_cpu=True)
+    if not ops.native:
+        pytest.skip("native CPU kernels not built")
+    step = make_step(*CASES[case])
+    step = tuple(t.to(dtype) for t in step[:5]) + step[5:]
+    monkeypatch.setattr(ops_module, "paged_decode_attention_torch", _refuse)
+    if ops._native.prefill_attention_supported(step[0], step[3]):
+        monkeypatch.setattr(TorchOps, "prefill_attention_reference", staticmethod(_refuse))
+    sinks = SINKS.to(dtype)
+    got, want = run_layer(ops, window, softcap, step, sinks)
+    tolerance = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.double(), want, **tolerance)
 
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (4, None), (16, 3.0)])

@@ -33,7 +33,6 @@ from llmctl.models import gguf_quants
 from llmctl.models.gguf_reader import read_gguf
 from llmctl.sampling_params import SamplingParams
 from llmctl_kernels.activation import silu_and_mul_torch
-from llmctl_kernels.quant_native import load_quant_native, native_unavailable_reason
 
 T = GGMLQuantizationType
 E, H, I = 6, 64, 96  # noqa: E741
@@ -49,23 +48,6 @@ FAMILIES = {
     "mixtral": ("mixtral", {"intermediate_size": 64}),
 }
 _EXPERT_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
-
-
-def _native_rows(rows: int) -> int | None:
-    """Sets the rows of x from which the native int4/int8 kernels take the int8-digit GEMM;
-    returns the previous value (None without the native kernels)."""
-    module = load_quant_native() if native_unavailable_reason() is None else None
-    return None if module is None else module.set_qgemm_min_rows(rows)
-
-
-@pytest.fixture
-def gemm_from_one_row():
-    """Every row count through the int8-digit GEMM, whose outputs do not depend on the number of
-    rows (kernels/cpu/qgemm.h); below its threshold the int16 passes round differently."""
-    previous = _native_rows(1)
-    yield
-    if previous is not None:
-        _native_rows(previous)
 
 
 def _raw_stack(rows: int, cols: int, qtype: GGMLQuantizationType, gen: torch.Generator) -> np.ndarray:

@@ -1,13 +1,12 @@
 """Mixture-of-experts GGUF files written by llama.cpp's own converter (tests/gguf_cases.py): Mixtral
 (``llama`` with experts), Qwen2-MoE (shared expert and its gate), Qwen3-MoE, OLMoE and gpt-oss
-(expert biases; MXFP4 experts from an MXFP4 checkpoint). F32 runs token for token and logprob for
-logprob as transformers on the checkpoint; Q8_0 as transformers on the checkpoint's weights rounded
-the way the file stores them (gguf's own Q8_0 / F16 round trip, so the oracle shares no layout code
-with llmctl's loader)."""
+(expert biases; MXFP4 experts from an MXFP4 checkpoint, dequantized or kept packed). F32 runs
+token for token and logprob for logprob as transformers on the checkpoint; Q8_0 as transformers on
+the checkpoint's weights rounded the way the file stores them (gguf's own Q8_0 / F16 round trip,
+so the oracle shares no layout code with llmctl's loader)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -15,14 +14,12 @@ import pytest
 import torch
 from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, get_tensor_name_map
 from gguf.quants import dequantize, quantize
-from gguf_cases import CASES, MOE, checkpoint, gguf_file
-from llama_cpp_converter import convert
+from gguf_cases import MOE, checkpoint, gguf_file, mxfp4_checkpoints, mxfp4_gguf_file
 from model_factory import hf_greedy
-from safetensors.torch import load_file, save_file
 
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.errors import ModelLoadError, UnsupportedModelError
-from llmctl.models import mxfp4
+from llmctl.layers.moe import StackedExperts
 from llmctl.models.gguf import gguf_config_dict, read_metadata
 from llmctl.models.gguf_reader import read_gguf
 from llmctl.models.registry import family_for_gguf
@@ -122,61 +119,20 @@ def test_q8_0_file_matches_transformers_on_its_rounded_weights(case, root, tmp_p
     assert _greedy(path, quant_exact_activations=True) == want
 
 
-def _random_mxfp4(shape: tuple[int, ...], gen: torch.Generator):
-    """Random MXFP4 ``(blocks [E, N, K/32, 16], scales [E, N, K/32])`` for a transformers-layout
-    expert tensor ``[E, K, N]``, and the ``[E, K, N]`` values they stand for (exact in fp32)."""
-    experts, k, n = shape
-    codes = torch.randint(0, 16, (experts, n, k // 32, 32), generator=gen, dtype=torch.uint8)
-    scales = torch.randint(121, 125, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
-    lut = torch.tensor(mxfp4.FP4_VALUES, dtype=torch.float64)
-    values = lut[codes.long()] * torch.exp2(scales.double() - 127)[..., None]
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), scales, values.flatten(-2).transpose(1, 2).float()
-
-
-def _mxfp4_pair(root: Path) -> tuple[Path, Path]:
-    """A gpt-oss checkpoint whose experts MXFP4 holds exactly (``dense``) and the same as OpenAI's
-    checkpoints store it (``*_blocks`` / ``*_scales``, ``quantization_config`` mxfp4)."""
-    from model_factory import make_hf_model
-    from transformers import AutoModelForCausalLM
-
-    source = checkpoint("gpt-oss", root)
-    overrides = dict(CASES["gpt-oss"][1], intermediate_size=64)  # MXFP4 groups of 32 features
-    model_dir = root / "gpt-oss-mxfp4-source"
-    if not model_dir.is_dir():
-        make_hf_model("gpt_oss", model_dir, seed=9, **overrides)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(11)
-    packed = {}
-    with torch.no_grad():
-        for i, layer in enumerate(model.model.layers):
-            for proj in ("gate_up_proj", "down_proj"):
-                param = getattr(layer.mlp.experts, proj)
-                blocks, scales, values = _random_mxfp4(tuple(param.shape), gen)
-                param.copy_(values)
-                packed[f"model.layers.{i}.mlp.experts.{proj}"] = (blocks, scales)
-    dense, quantized = root / "gpt-oss-dense", root / "gpt-oss-mxfp4"
-    model.save_pretrained(dense)
-    quantized.mkdir(exist_ok=True)
-    for extra in source.glob("tokenizer*"):
-        (dense / extra.name).write_bytes(extra.read_bytes())
-        (quantized / extra.name).write_bytes(extra.read_bytes())
-    config = json.loads((dense / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    (quantized / "config.json").write_text(json.dumps(config))
-    tensors = load_file(dense / "model.safetensors")
-    for name, (blocks, scales) in packed.items():
-        del tensors[name]
-        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
-    save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
-    return dense, quantized
-
-
 def test_mxfp4_experts_match_transformers(root):
-    dense, quantized = _mxfp4_pair(root)
-    path = convert(quantized, root / "gpt-oss-mxfp4.gguf", "f32", pre_tokenizer="gpt2")
+    dense, _ = mxfp4_checkpoints(root)
+    path = mxfp4_gguf_file(root)
     types = {t.name: t.tensor_type.name for t in read_gguf(path).tensors}
     assert types["blk.0.ffn_gate_exps.weight"] == types["blk.0.ffn_down_exps.weight"] == "MXFP4"
-    assert _greedy(path) == hf_greedy(dense, PROMPTS, 20)
+    want = hf_greedy(dense, PROMPTS, 20)
+    assert _greedy(path, quantization="none") == want
+    # kept packed (the default): int8 groups of 32 holding the same values, beside float biases
+    engine = _engine(path)
+    layers = [m for m in engine.model.modules() if isinstance(m, StackedExperts)]
+    assert layers and all(m.packed is not None and m.w13_bias is not None for m in layers)
+    assert all(m.packed[0].gate_up.packed_format == m.packed[0].down.packed_format == "int8" for m in layers)
+    assert _greedy(path) == want
+    assert _greedy(path, quant_exact_activations=True) == want
 
 
 def test_mixtral_is_llama_with_experts(root):

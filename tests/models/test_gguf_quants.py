@@ -23,6 +23,7 @@ EXPECTED = {
     T.Q5_K: (PackedInt8, 32),
     T.Q6_K: (PackedInt8, 16),
     T.Q8_0: (PackedInt8, 32),
+    T.MXFP4: (PackedInt8, 32),
 }
 # where each block keeps its fp16 scale(s): random bytes there could be inf/NaN
 _SCALE_BYTES = {
@@ -42,6 +43,9 @@ def random_blocks(qtype: GGMLQuantizationType, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(ROWS * COLS // block, size), dtype=np.uint8)
+    if qtype == T.MXFP4:  # every e8m0 exponent but 255 (2^127 times 6 overflows float32)
+        raw[:, 0] = rng.integers(0, 255, size=raw.shape[0], dtype=np.uint8)
+        return raw.reshape(ROWS, -1)
     span = _SCALE_BYTES[qtype]
     raw[:, span] = (
         rng.normal(0, 0.02, size=(raw.shape[0], (span.stop - span.start) // 2)).astype(np.float16).view(np.uint8)

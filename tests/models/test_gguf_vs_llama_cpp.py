@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gguf_cases import CASES, MOE, gguf_file
+from gguf_cases import CASES, MOE, gguf_file, mxfp4_dense_gguf_file, mxfp4_gguf_file
 from llama_cpp_server import compare_with_llama_cpp, configured_binary, oracle_prompts
 
 pytestmark = pytest.mark.llama_cpp
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.llama_cpp
 # the activations to 8 bits as well.
 F32_TOLERANCE = {case: 5e-3 if case.startswith("gemma") else 5e-5 for case in CASES}
 Q8_0_TOLERANCE = {case: 0.3 if case in MOE else 0.15 for case in CASES}
+MXFP4_TOLERANCE = 1.5  # gpt-oss with MXFP4 experts: llama.cpp's 8-bit activations on larger weights
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +51,19 @@ def test_logprobs_match_llama_cpp(case, outtype, root, binary):
         assert result.tie_gap is None or result.tie_gap <= tolerance, (result.tie_gap, result.ours, result.theirs)
     # MoE Q8_0: the 8-bit activations can also tip a router's near tie to another expert, which moves
     # that step by more than the tolerance; the steps before the tokens part are compared (max_delta)
+
+
+def test_mxfp4_experts_match_llama_cpp(root, binary):
+    """gpt-oss with MXFP4 experts (the converter keeps them MXFP4), which llmctl keeps packed as int8
+    groups. Against llama.cpp reading the same values from an F32 file: F32's tolerance and the same
+    tokens (llmctl's packed kernels round the activations to int16's precision). Against llama.cpp
+    on the MXFP4 file itself, whose MXFP4 matmuls round the activations to 8 bits: on this
+    checkpoint (expert weights up to 0.75) that moves llama.cpp's log-probabilities by up to 0.6
+    from its own F32 reading, so the bound there is MXFP4_TOLERANCE, up to where the tokens part."""
+    ours = mxfp4_gguf_file(root)
+    same_values = compare_with_llama_cpp(
+        binary, mxfp4_dense_gguf_file(root), oracle_prompts("gpt-oss"), ours_model=ours
+    )
+    assert same_values.max_delta <= 2e-3 and same_values.ours == same_values.theirs, same_values
+    result = compare_with_llama_cpp(binary, ours, oracle_prompts("gpt-oss"))
+    assert result.max_delta <= MXFP4_TOLERANCE, result.max_delta

@@ -1,7 +1,8 @@
 """gpt-oss against transformers (fp32, CPU) beyond tests/models/test_models_exact.py: MXFP4
 checkpoints (written here, the exact inverse of transformers' dequantization) loaded bit for bit,
-prompts longer than the sliding window with prefix-cache hits, the router and expert activation
-against transformers' modules, and the decode loop's refusal."""
+dequantized or with their experts kept packed; prompts longer than the sliding window with
+prefix-cache hits, the router and expert activation against transformers' modules, and the decode
+loop's refusal."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from model_factory import hf_greedy, make_hf_model, random_prompts
 from safetensors.torch import load_file, save_file
 
 from llmctl.engine.llm_engine import LLMEngine
-from llmctl.layers.moe import RouterSpec, clamped_swiglu, route
+from llmctl.layers.moe import RouterSpec, StackedExperts, clamped_swiglu, route
 from llmctl.layers.ops import TorchOps
+from llmctl.layers.quantization import PackedInt8, dequantize, weight_bytes
+from llmctl.layers.quantization.params import kernel_packed
 from llmctl.models import mxfp4
 from llmctl.models.loader import load_model
 from llmctl.sampling_params import SamplingParams
@@ -110,24 +113,74 @@ def test_dequantize_is_transformers(mxfp4_dirs):
         assert torch.equal(theirs.float(), weights[name]), name  # bf16 holds them exactly too
 
 
+LOAD = dict(dtype="float32", device=torch.device("cpu"), ops=TorchOps())
+
+
 def test_mxfp4_checkpoint_loads_the_dequantized_weights(mxfp4_dirs):
     dense, quantized, _ = mxfp4_dirs
-    kw = dict(dtype="float32", device=torch.device("cpu"), ops=TorchOps())
-    from_dense, from_mxfp4 = load_model(dense, **kw).state_dict(), load_model(quantized, **kw).state_dict()
+    from_dense, from_mxfp4 = load_model(dense, **LOAD).state_dict(), load_model(quantized, **LOAD).state_dict()
     assert from_dense.keys() == from_mxfp4.keys()
     for name, tensor in from_dense.items():
         assert torch.equal(tensor, from_mxfp4[name]), name
 
 
+def test_mxfp4_experts_stay_packed_with_the_same_values(mxfp4_dirs):
+    """``--quantization auto`` (the default) keeps the experts packed: int8 in groups of 32 (the
+    doubled e2m1 values, the scale halved) standing for exactly the checkpoint's values, at about a
+    quarter of their float32 bytes; the expert biases and every other weight as the dequantized load."""
+    dense, quantized, _ = mxfp4_dirs
+    model = load_model(quantized, quantization="auto", **LOAD)
+    weights = load_file(dense / "model.safetensors")
+    layers = [m for m in model.modules() if isinstance(m, StackedExperts)]
+    assert layers and all(m.packed is not None and m.w13 is None and m.w2 is None for m in layers)
+    for i, layer in enumerate(layers):
+        gate_up, down = (weights[f"model.layers.{i}.mlp.experts.{p}"] for p in ("gate_up_proj", "down_proj"))
+        for e, expert in enumerate(layer.packed):
+            merged, down_packed = kernel_packed(expert.gate_up), kernel_packed(expert.down)
+            assert isinstance(merged, PackedInt8) and merged.group_size == 32 and merged.mins is None
+            # transformers' gate_up_proj [H, 2I]: gate and up in alternate columns
+            assert torch.equal(dequantize(merged), torch.cat([gate_up[e][:, 0::2].T, gate_up[e][:, 1::2].T]))
+            assert torch.equal(dequantize(down_packed), down[e].T)
+        float_bytes = (gate_up.numel() + down.numel()) * 4
+        assert layer.expert_bytes() * layer.num_experts < 0.3 * float_bytes
+        bias = weights[f"model.layers.{i}.mlp.experts.gate_up_proj_bias"]  # alternating too
+        assert torch.equal(layer.w13_bias, torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1))
+    dequantized = load_model(quantized, quantization="none", **LOAD)
+    assert weight_bytes(model) < weight_bytes(dequantized)
+    rest = {n: t for n, t in dequantized.state_dict().items() if ".experts.w13" not in n and ".experts.w2" not in n}
+    ours = model.state_dict()
+    for name, tensor in rest.items():
+        assert torch.equal(ours[name], tensor), name
+
+
+def test_mxfp4_experts_are_dequantized_and_sharded_under_tensor_parallelism(mxfp4_dirs):
+    """Packed experts run on one rank: with tensor parallelism ``auto`` dequantizes them, and each
+    rank holds its half of every expert's features."""
+    from llmctl.distributed import TensorParallel
+
+    _, quantized, _ = mxfp4_dirs
+    whole = load_model(quantized, quantization="none", **LOAD)
+    for rank in (0, 1):
+        model = load_model(quantized, quantization="auto", tp=TensorParallel(rank, 2), **LOAD)
+        layers = [m for m in model.modules() if isinstance(m, StackedExperts)]
+        assert layers and all(m.packed is None and m.intermediate_size == 32 for m in layers)
+        reference = next(m for m in whole.modules() if isinstance(m, StackedExperts))
+        assert torch.equal(layers[0].w13_bias, reference.w13_bias.view(-1, 2, 2, 32)[:, :, rank].flatten(1))
+
+
 def test_mxfp4_checkpoint_matches_transformers(mxfp4_dirs):
     """Greedy tokens and chosen-token log-probabilities of the MXFP4 checkpoint equal transformers'
-    on its dequantized weights."""
+    on its dequantized weights: dequantized, packed on the exact activations, and packed as it runs
+    by default (activations rounded to int16's precision per block of 32)."""
     from transformers import AutoModelForCausalLM
 
     dense, quantized, _ = mxfp4_dirs
     prompts = [[5], list(range(3, 36)), random_prompts(1, VOCAB, 50, 51, seed=3)[0]]
     expected = hf_greedy(dense, prompts, 16)
+    assert generate_each(make_engine(quantized, quantization="none"), prompts, 16) == expected
+    assert generate_each(make_engine(quantized, quant_exact_activations=True), prompts, 16) == expected
     engine = make_engine(quantized)
+    assert all(m.packed is not None for m in engine.model.modules() if isinstance(m, StackedExperts))
     assert generate_each(engine, prompts, 16) == expected
     prompt = prompts[1]
     (out,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))
@@ -154,6 +207,32 @@ def test_transformers_dequantizing_the_mxfp4_checkpoint_agrees(mxfp4_dirs):
     weights = load_file(dense / "model.safetensors")
     for name, tensor in weights.items():
         assert torch.equal(theirs[name].float(), tensor), name
+
+
+def test_sixteen_staggered_requests_on_packed_experts_decode_as_each_alone(mxfp4_dirs, gemm_from_one_row):
+    """Requests joining one per step (so each runs beside others at every stage) get the tokens
+    and log-probabilities they get alone, and every KV block comes back."""
+    _, quantized, _ = mxfp4_dirs
+    engine = make_engine(quantized, kv_cache_memory=16 << 20)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+    prompts = random_prompts(16, VOCAB, 3, 40, seed=8)
+
+    def staggered(batch):
+        ids, results, pending = [], {}, list(batch)
+        while pending or engine.has_unfinished():
+            if pending:
+                ids.append(engine.add_request(pending.pop(0), params))
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].logprobs)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        return [results[i] for i in ids]
+
+    together = staggered(prompts)
+    alone = [staggered([p])[0] for p in prompts]
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    for (_, batched), (_, single) in zip(together, alone):
+        torch.testing.assert_close(torch.tensor(batched), torch.tensor(single), rtol=0, atol=1e-4)
 
 
 def test_mxfp4_half_a_pair_is_an_error(tmp_path):
