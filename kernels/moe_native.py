@@ -50,18 +50,47 @@ class ProjectionSpec:
     mins: torch.Tensor | None = None
 
 
+# the activation between gate_up and down (moe_experts.cpp's Activation)
+SILU_AND_MUL, CLAMPED_SWIGLU = 0, 1
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """SiLU-and-mul, or gpt-oss's clamped SwiGLU with its ``alpha`` and ``limit``."""
+
+    kind: int = SILU_AND_MUL
+    alpha: float = 0.0
+    limit: float = 0.0
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """One expert: ``gate_up`` one merged projection (gate rows, then up) or two (gate, up);
+    ``down``; optional float32 biases added after each product (``[2 * inner]``, ``[hidden]``)."""
+
+    gate_up: list[ProjectionSpec]
+    down: ProjectionSpec
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+
 class NativeExperts:
-    """A layer's experts bound once: ``experts[e]`` is ``(gate_up, down)``, ``gate_up`` a list of
-    one merged projection (gate rows, then up) or two (gate, up). Calling it:
+    """A layer's experts bound once. Calling it:
     ``(x [T, H] fp32, weights [T, k] fp32, ids [T, k]) -> [T, H]``."""
 
     def __init__(
-        self, hidden: int, inner: int, experts: list[tuple[list[ProjectionSpec], ProjectionSpec]], module=None
+        self,
+        hidden: int,
+        inner: int,
+        experts: list[ExpertSpec],
+        activation: ActivationSpec = ActivationSpec(),
+        module=None,
     ) -> None:
         module = module if module is not None else EXTENSION.require()
-        self._experts = module.Experts(hidden, inner)
-        for gate_up, down in experts:
-            self._experts.add_expert([_bind(module, p) for p in gate_up], _bind(module, down))
+        self._experts = module.Experts(hidden, inner, activation.kind, activation.alpha, activation.limit)
+        for e in experts:
+            gate_up = [_bind(module, p) for p in e.gate_up]
+            self._experts.add_expert(gate_up, _bind(module, e.down), e.gate_up_bias, e.down_bias)
         self._forward = self._experts.forward
 
     @property

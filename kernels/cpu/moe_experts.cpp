@@ -1,9 +1,11 @@
 // One mixture-of-experts layer's packed experts in one native call: every active expert's
-// gate_up -> SiLU-and-mul -> down chain as one work item of a single parallel region, instead of
+// gate_up (+ bias) -> activation -> down (+ bias) chain as one work item of a single parallel
+// region, instead of
 // ~3 short parallel regions per active expert from Python (llmctl/layers/moe.py's loop, which
 // stays the reference). Each projection runs the pointer-level kernel its bound Python kernel
-// runs (quant_kernels.h), over the same rows, so every product has the same bits; the weighted
-// sum over the top-k slots is the same ATen ops as the Python path's.
+// runs (quant_kernels.h), over the same rows, so every product has the same bits; the biases, the
+// activation (SiLU-and-mul, or gpt-oss's clamped SwiGLU) and the weighted sum over the top-k slots
+// are the same operations as the Python path's.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <pybind11/pybind11.h>
@@ -73,17 +75,31 @@ Projection make_projection(int64_t layout, bool int4, int64_t n, int64_t k, int6
                     scales.value_or(at::Tensor()), mins.value_or(at::Tensor())};
 }
 
+// The activation between gate_up and down: llmctl/layers/moe.py's act.
+enum class Activation : int64_t { kSiluAndMul = 0, kClampedSwiglu = 1 };
+
 class Experts {
  public:
-  Experts(int64_t hidden, int64_t inner) : hidden_(hidden), inner_(inner) {}
+  // activation 1: gpt-oss's clamped SwiGLU with `alpha` and `limit` (moe.clamped_swiglu).
+  Experts(int64_t hidden, int64_t inner, int64_t activation = 0, double alpha = 0.0, double limit = 0.0)
+      : hidden_(hidden), inner_(inner), activation_(static_cast<Activation>(activation)), alpha_(alpha), limit_(limit) {
+    TORCH_CHECK(activation == 0 || activation == 1, "activation: 0 SiLU-and-mul, 1 clamped SwiGLU");
+  }
 
-  // gate_up: one projection (gate rows, then up) or two (gate, up); down.
-  void add_expert(std::vector<Projection> gate_up, Projection down) {
+  // gate_up: one projection (gate rows, then up) or two (gate, up); down; optional float32 biases
+  // [2 * inner] (gate, then up) and [hidden], added after each product.
+  void add_expert(std::vector<Projection> gate_up, Projection down, c10::optional<at::Tensor> gate_up_bias,
+                  c10::optional<at::Tensor> down_bias) {
     TORCH_CHECK(gate_up.size() == 1 || gate_up.size() == 2, "gate_up: one merged projection or gate and up");
     const int64_t width = gate_up.size() == 1 ? 2 * inner_ : inner_;
     for (const auto& p : gate_up) TORCH_CHECK(p.n == width && p.in_features == hidden_, "gate/up shape");
     TORCH_CHECK(down.n == hidden_ && down.in_features == inner_, "down shape");
-    experts_.push_back({std::move(gate_up), std::move(down)});
+    auto bias = [](const c10::optional<at::Tensor>& b, int64_t n) {
+      if (!b.has_value()) return at::Tensor();
+      TORCH_CHECK(b->scalar_type() == at::kFloat && b->numel() == n, "expert biases: float32 [", n, "]");
+      return b->contiguous();
+    };
+    experts_.push_back({std::move(gate_up), std::move(down), bias(gate_up_bias, 2 * inner_), bias(down_bias, hidden_)});
   }
 
   int64_t num_experts() const { return static_cast<int64_t>(experts_.size()); }
@@ -152,7 +168,18 @@ class Experts {
   struct Expert {
     std::vector<Projection> gate_up;
     Projection down;
+    at::Tensor gate_up_bias, down_bias;  // undefined: none
   };
+
+  // gate_up [m, 2 * inner] -> [m, inner], with the very ops the Python path's act runs.
+  at::Tensor activate(const at::Tensor& gate_up) const {
+    if (activation_ == Activation::kSiluAndMul) return llk::cpu::silu_and_mul(gate_up);
+    const auto halves = gate_up.chunk(2, -1);  // moe.clamped_swiglu, op for op
+    const auto gate = halves[0].clamp_max(limit_);
+    const auto up = halves[1].clamp(-limit_, limit_);
+    const auto glu = gate * at::sigmoid(gate * alpha_);
+    return ((up + 1) * glu).contiguous();
+  }
 
   // One expert's gated MLP over its rows (pair indices ``pairs``, rows x[p / top_k]), each output
   // row times its weight w[p] written to dst[p].
@@ -173,18 +200,30 @@ class Experts {
           std::memcpy(gu + i * 2 * inner_ + h * inner_, part.data() + i * inner_, inner_ * 4);
       }
     }
-    const auto act = llk::cpu::silu_and_mul(gate_up);  // the native activation the Python path's act calls
+    if (ex.gate_up_bias.defined()) {  // gate_up + bias, as the Python path adds it
+      const float* b = ex.gate_up_bias.data_ptr<float>();
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < 2 * inner_; ++j) gu[i * 2 * inner_ + j] += b[j];
+    }
+    const auto act = activate(gate_up);
     std::vector<float> out(m * hidden_);
     ex.down.run(act.data_ptr<float>(), m, out.data());
+    const float* down_bias = ex.down_bias.defined() ? ex.down_bias.data_ptr<float>() : nullptr;
     for (int64_t i = 0; i < m; ++i) {
       float* row = dst + pairs[i] * hidden_;
       const float* y = out.data() + i * hidden_;
       const float weight = w[pairs[i]];
-      for (int64_t j = 0; j < hidden_; ++j) row[j] = y[j] * weight;
+      if (down_bias != nullptr) {  // (down + bias) * weight: two roundings, as the Python path's
+        for (int64_t j = 0; j < hidden_; ++j) row[j] = (y[j] + down_bias[j]) * weight;
+      } else {
+        for (int64_t j = 0; j < hidden_; ++j) row[j] = y[j] * weight;
+      }
     }
   }
 
   int64_t hidden_, inner_;
+  Activation activation_;
+  double alpha_, limit_;
   std::vector<Expert> experts_;
 };
 
@@ -206,8 +245,10 @@ void bind(pybind11::module_& m) {
         py::arg("n"), py::arg("k"), py::arg("group"), py::arg("in_features"), py::arg("scale_bytes"), py::arg("has_mins"), py::arg("weight"),
         py::arg("scales") = py::none(), py::arg("mins") = py::none());
   py::class_<Experts>(m, "Experts", "One layer's packed experts, run in one call")
-      .def(py::init<int64_t, int64_t>(), py::arg("hidden"), py::arg("inner"))
-      .def("add_expert", &Experts::add_expert)
+      .def(py::init<int64_t, int64_t, int64_t, double, double>(), py::arg("hidden"), py::arg("inner"),
+           py::arg("activation") = 0, py::arg("alpha") = 0.0, py::arg("limit") = 0.0)
+      .def("add_expert", &Experts::add_expert, py::arg("gate_up"), py::arg("down"),
+           py::arg("gate_up_bias") = py::none(), py::arg("down_bias") = py::none())
       .def("num_experts", &Experts::num_experts)
       .def("forward", &Experts::forward, py::call_guard<py::gil_scoped_release>());
 }

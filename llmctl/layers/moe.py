@@ -64,6 +64,7 @@ short window, which ``expert_stats`` reads for the engine's statistics.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections import deque
 from collections.abc import Callable
@@ -366,13 +367,19 @@ def _native_projection(layer: LinearBase) -> Any | None:
     )
 
 
-def _native_silu(act: Callable[[torch.Tensor], torch.Tensor]) -> bool:
-    """Whether ``act`` is the ops' SiLU-and-mul on the native CPU kernel, which the native MoE call
-    runs itself (gpt-oss's clamped SwiGLU, or a torch activation, keep the Python loop)."""
+def _native_activation(act: Callable[[torch.Tensor], torch.Tensor]) -> Any | None:
+    """``act`` as the native MoE call runs it (``ActivationSpec``): the ops' SiLU-and-mul on the
+    native CPU kernel, or gpt-oss's clamped SwiGLU (the same ATen ops); None for anything else (a
+    torch SiLU-and-mul, another activation), which keeps the Python loop."""
     from llmctl.layers.ops import TorchOps
+    from llmctl_kernels.moe_native import CLAMPED_SWIGLU, ActivationSpec
 
+    if isinstance(act, functools.partial) and act.func is clamped_swiglu and not act.args:
+        return ActivationSpec(CLAMPED_SWIGLU, float(act.keywords["alpha"]), float(act.keywords["limit"]))
     ops = getattr(act, "__self__", None)
-    return getattr(act, "__func__", None) is TorchOps.silu_and_mul and isinstance(ops, TorchOps) and ops.native
+    if getattr(act, "__func__", None) is TorchOps.silu_and_mul and isinstance(ops, TorchOps) and ops.native:
+        return ActivationSpec()
+    return None
 
 
 class StackedExperts(nn.Module):
@@ -580,27 +587,30 @@ class StackedExperts(nn.Module):
     def bind_native(self) -> Any:
         """The packed experts' native per-layer call (kernels/moe_native.py), decided once, on
         the first CPU forward (after the engine has bound every layer's kernel): False where
-        ``LLMCTL_MOE_NATIVE=0``, the native kernels are missing, the activation is not the native
-        SiLU-and-mul, the experts have biases, or any projection runs a kernel the call does not
-        (``_native_projection``).
+        ``LLMCTL_MOE_NATIVE=0``, the native kernels are missing, the activation is neither the
+        native SiLU-and-mul nor the clamped SwiGLU (``_native_activation``), the biases are not
+        float32, or any projection runs a kernel the call does not (``_native_projection``).
         Later calls return that decision (the native decode loop asks at its binding)."""
         if self.native is not None:
             return self.native
         self.native = False
         if self.packed is None or not envs.LLMCTL_MOE_NATIVE or quant_cpu_kernels() is None:
             return self.native
-        from llmctl_kernels.moe_native import NativeExperts, load_moe_native
+        from llmctl_kernels.moe_native import ExpertSpec, NativeExperts, load_moe_native
 
-        if load_moe_native() is None or not _native_silu(self.act) or self.w13_bias is not None:
+        activation = _native_activation(self.act) if load_moe_native() is not None else None
+        biased = self.w13_bias is not None
+        if activation is None or (biased and (self.w13_bias.dtype, self.w2_bias.dtype) != (torch.float32,) * 2):
             return self.native
         experts = []
-        for expert in self.packed:
+        for e, expert in enumerate(self.packed):
             parts = [expert.gate_up] if expert.gate_up is not None else [expert.gate, expert.up]
             specs = [_native_projection(layer) for layer in (*parts, expert.down)]
             if any(spec is None for spec in specs):
                 return self.native
-            experts.append((specs[:-1], specs[-1]))
-        self.native = NativeExperts(self.hidden_size, self.intermediate_size, experts)
+            biases = (self.w13_bias[e], self.w2_bias[e]) if biased else (None, None)
+            experts.append(ExpertSpec(specs[:-1], specs[-1], *biases))
+        self.native = NativeExperts(self.hidden_size, self.intermediate_size, experts, activation)
         return self.native
 
     def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:

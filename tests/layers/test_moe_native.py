@@ -2,12 +2,13 @@
 ``StackedExperts.bind_native``) against the Python loop over the experts, which stays the
 reference: bit for bit on random packed experts of every layout the bound kernels read (tiles,
 rows, per-channel int8; gate and up merged or not; zero-padded inputs), at every row count around
-the int8-digit GEMM's threshold, top-k 1 / 2 / 8, under each ISA variant; and a whole model's
-greedy tokens and logits, alone and batched.
+the int8-digit GEMM's threshold, top-k 1 / 2 / 8, under each ISA variant; gpt-oss's experts (biases,
+clamped SwiGLU) likewise; and whole models' greedy tokens and logits, alone and batched.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from model_factory import make_hf_model, random_prompts
 from test_moe_packed import TYPES, _quantized_file
 
 from llmctl.engine.llm_engine import LLMEngine
-from llmctl.layers.moe import PackedExpertWeights, StackedExperts
+from llmctl.layers.moe import PackedExpertWeights, StackedExperts, clamped_swiglu
 from llmctl.layers.ops import TorchOps
 from llmctl.layers.quantization import quantize_int4, quantize_int8
 from llmctl.sampling_params import SamplingParams
@@ -55,11 +56,18 @@ FORMATS = {
 }
 
 
-def _experts(fmt: str, native_act: bool = True) -> StackedExperts:
+def _experts(fmt: str, native_act: bool = True, gpt_oss: bool = False) -> StackedExperts:
+    """``gpt_oss``: with biases and the clamped SwiGLU (a limit the activations cross)."""
     inner, gate_q, up_q, down_q = FORMATS[fmt]
     gen = torch.Generator().manual_seed(0)
     act = TorchOps(native_cpu=native_act).silu_and_mul  # native_act False: the torch activation
-    experts = StackedExperts(E, H, inner, dtype=torch.float32, act=act)
+    if gpt_oss:
+        act = functools.partial(clamped_swiglu, alpha=1.3, limit=0.5)
+    experts = StackedExperts(E, H, inner, dtype=torch.float32, act=act, bias=gpt_oss)
+    if gpt_oss:
+        with torch.no_grad():
+            experts.w13_bias.copy_(torch.randn(E, 2 * inner, generator=gen) * 0.3)
+            experts.w2_bias.copy_(torch.randn(E, H, generator=gen) * 0.3)
 
     def padded(w: torch.Tensor) -> torch.Tensor:
         return F.pad(w, (0, -w.shape[1] % 32))
@@ -123,6 +131,20 @@ def test_native_call_equals_the_python_loop_bit_for_bit(fmt, interleave, isa, mo
             assert experts.recent_counts[-1].tolist() == torch.bincount(ids.reshape(-1), minlength=E).tolist()
 
 
+@pytest.mark.parametrize("fmt", ["int8-g32", "int4-g32", "mixed-padded"])
+def test_gpt_oss_experts_native_call_equals_the_python_loop_bit_for_bit(fmt, isa):
+    experts = _experts(fmt, gpt_oss=True)
+    gen = torch.Generator().manual_seed(2)
+    for tokens in ROW_COUNTS:
+        x = torch.randn(tokens, H, generator=gen)
+        weights, ids = _routing(tokens, 2, gen, skewed=tokens > 8)
+        fused, loop = _both(experts, x, weights, ids)
+        assert experts.native, "the native call did not bind"
+        assert torch.equal(fused.view(torch.int32), loop.view(torch.int32)), tokens
+    without_biases = _both(_experts(fmt), x, weights, ids)[0]
+    assert not torch.equal(fused, without_biases)  # the biases and the clamp bite
+
+
 def test_what_it_cannot_take_keeps_the_python_loop(monkeypatch):
     assert _experts("int8-g32", native_act=False).bind_native() is False
     monkeypatch.setenv("LLMCTL_MOE_NATIVE", "0")
@@ -171,3 +193,13 @@ def test_a_quantized_gguf_moe_decodes_the_same_with_the_native_call(case, types,
     root.mkdir(exist_ok=True)
     prompts = [[5], list(range(10, 30)), list(range(40, 110))]
     _native_equals_loop(_quantized_file(case, types, root), prompts, monkeypatch)
+
+
+def test_a_gpt_oss_mxfp4_file_decodes_the_same_with_the_native_call(tmp_path_factory, monkeypatch):
+    """gpt-oss with MXFP4 experts (kept packed as int8 groups), biases and clamped SwiGLU."""
+    from gguf_cases import mxfp4_gguf_file
+
+    root = tmp_path_factory.getbasetemp() / "moe_native_gpt_oss"
+    root.mkdir(exist_ok=True)
+    prompts = [[5], list(range(10, 30)), list(range(40, 110))]
+    _native_equals_loop(mxfp4_gguf_file(root), prompts, monkeypatch)
