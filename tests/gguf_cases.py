@@ -162,6 +162,20 @@ def _random_mxfp4(shape: tuple[int, ...], gen: torch.Generator):
     return codes[..., 0::2] | (codes[..., 1::2] << 4), scales, values.flatten(-2).transpose(1, 2).float()
 
 
+def mxfp4_experts(model: torch.nn.Module, gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every expert projection of a transformers gpt-oss ``model`` set to random values that MXFP4
+    holds exactly; each one's ``(blocks, scales)`` by checkpoint name."""
+    packed = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for proj in ("gate_up_proj", "down_proj"):
+                param = getattr(layer.mlp.experts, proj)
+                blocks, scales, values = _random_mxfp4(tuple(param.shape), gen)
+                param.copy_(values)
+                packed[f"model.layers.{i}.mlp.experts.{proj}"] = (blocks, scales)
+    return packed
+
+
 def mxfp4_checkpoints(root: Path) -> tuple[Path, Path]:
     """A gpt-oss checkpoint whose experts MXFP4 holds exactly (``dense``) and the same as OpenAI's
     checkpoints store it (``*_blocks`` / ``*_scales``, ``quantization_config`` mxfp4)."""
@@ -177,15 +191,7 @@ def mxfp4_checkpoints(root: Path) -> tuple[Path, Path]:
     if not model_dir.is_dir():
         make_hf_model("gpt_oss", model_dir, seed=9, **overrides)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(11)
-    packed = {}
-    with torch.no_grad():
-        for i, layer in enumerate(model.model.layers):
-            for proj in ("gate_up_proj", "down_proj"):
-                param = getattr(layer.mlp.experts, proj)
-                blocks, scales, values = _random_mxfp4(tuple(param.shape), gen)
-                param.copy_(values)
-                packed[f"model.layers.{i}.mlp.experts.{proj}"] = (blocks, scales)
+    packed = mxfp4_experts(model, torch.Generator().manual_seed(11))
     model.save_pretrained(dense)
     quantized.mkdir(exist_ok=True)
     for extra in source.glob("tokenizer*"):

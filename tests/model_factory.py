@@ -1,4 +1,5 @@
-"""Tiny random-weight Hugging Face models (saved with ``transformers``) and the HF greedy oracle."""
+"""Tiny random-weight Hugging Face models (saved with ``transformers``), the HF greedy oracle, and
+requests joining an engine one per step."""
 
 from __future__ import annotations
 
@@ -328,3 +329,17 @@ def random_prompts(n: int, vocab: int, min_len: int, max_len: int, seed: int = 0
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (n,), generator=gen).tolist()
     return [torch.randint(3, vocab, (length,), generator=gen).tolist() for length in lengths]
+
+
+def staggered(engine, prompts: list[list[int]], params) -> list[tuple[list[int], list[float]]]:
+    """Requests joining one per step, so that each runs beside others at every stage: each one's
+    tokens and their logprobs."""
+    ids, results, pending = [], {}, list(prompts)
+    while pending or engine.has_unfinished():
+        if pending:
+            ids.append(engine.add_request(pending.pop(0), params))
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].logprobs)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return [results[i] for i in ids]

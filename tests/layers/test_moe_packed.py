@@ -21,7 +21,7 @@ from gguf.quants import quantize
 from gguf_cases import VOCAB
 from gguf_factory import encode_tensor
 from llama_cpp_converter import convert, write_llama_tokenizer
-from model_factory import make_hf_model
+from model_factory import make_hf_model, staggered
 
 from llmctl.distributed import TensorParallel
 from llmctl.engine.llm_engine import LLMEngine
@@ -223,20 +223,6 @@ def _prompts(n: int = 16) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (int(length),), generator=gen).tolist() for length in torch.arange(n) * 3 + 2]
 
 
-def _staggered(engine: LLMEngine, prompts, params) -> list[tuple[list[int], list[float]]]:
-    """Requests joining one per step, so that each runs beside others at every stage: each one's
-    tokens and their logprobs."""
-    ids, results, pending = [], {}, list(prompts)
-    while pending or engine.has_unfinished():
-        if pending:
-            ids.append(engine.add_request(pending.pop(0), params))
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].logprobs)
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return [results[i] for i in ids]
-
-
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 GREEDY_LOGPROBS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
 
@@ -279,8 +265,8 @@ def test_packed_experts_on_exact_activations_decode_as_the_dequantized_file(case
 def test_sixteen_staggered_requests_decode_as_each_alone(case, root, gemm_from_one_row):
     engine = _engine(_quantized_file(case, TYPES["q4_0-gate-q8_0-up"], root))
     prompts = _prompts()
-    together = _staggered(engine, prompts, GREEDY_LOGPROBS)
-    alone = [_staggered(engine, [p], GREEDY_LOGPROBS)[0] for p in prompts]
+    together = staggered(engine, prompts, GREEDY_LOGPROBS)
+    alone = [staggered(engine, [p], GREEDY_LOGPROBS)[0] for p in prompts]
     assert [tokens for tokens, _ in together] == [tokens for tokens, _ in alone]
     for (_, batched), (_, single) in zip(together, alone):  # the float-expert file: ~1e-5 apart too
         torch.testing.assert_close(torch.tensor(batched), torch.tensor(single), rtol=0, atol=1e-3)

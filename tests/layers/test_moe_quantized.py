@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from model_factory import hf_greedy, make_config, make_hf_model, random_prompts
-from test_moe_packed import _staggered
+from model_factory import hf_greedy, make_config, make_hf_model, random_prompts, staggered
 
 from llmctl.distributed import TensorParallel
 from llmctl.engine.llm_engine import LLMEngine
@@ -124,8 +123,8 @@ def test_greedy_tokens_on_exact_activations_equal_transformers_on_the_round_trip
 def test_sixteen_staggered_requests_decode_as_each_alone(family, kind, moe_dirs, gemm_from_one_row):
     engine = _engine(moe_dirs[family], quantization=kind)
     prompts = random_prompts(16, VOCAB, 2, 47, seed=5)
-    together = [tokens for tokens, _ in _staggered(engine, prompts, GREEDY)]
-    assert together == [_staggered(engine, [p], GREEDY)[0][0] for p in prompts]
+    together = [tokens for tokens, _ in staggered(engine, prompts, GREEDY)]
+    assert together == [staggered(engine, [p], GREEDY)[0][0] for p in prompts]
 
 
 def _cfg(family: str) -> ModelConfig:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_factory import hf_greedy, make_hf_model, random_prompts
+from gguf_cases import mxfp4_experts
+from model_factory import hf_greedy, make_hf_model, random_prompts, staggered
 from safetensors.torch import load_file, save_file
 
 from llmctl.engine.llm_engine import LLMEngine
@@ -42,20 +43,6 @@ def generate_each(engine, prompts, n):
 # ---- MXFP4 -----------------------------------------------------------------------------------
 
 
-def random_mxfp4(shape: tuple[int, ...], gen: torch.Generator, exponents=(121, 124)):
-    """Random e2m1 codes and e8m0 scales for a transformers-layout tensor ``[E, K, N]`` (as
-    ``GptOssExperts`` holds it): ``(blocks [E, N, K/32, 16], scales [E, N, K/32], values [E, K, N])``,
-    where ``values`` is what the two dequantize to (powers of two times e2m1 values: exact)."""
-    experts, k, n = shape
-    groups = k // 32
-    codes = torch.randint(0, 16, (experts, n, groups, 32), generator=gen, dtype=torch.uint8)
-    scales = torch.randint(exponents[0], exponents[1] + 1, (experts, n, groups), generator=gen, dtype=torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # low nibble first
-    lut = torch.tensor(mxfp4.FP4_VALUES, dtype=torch.float64)
-    values = lut[codes.long()] * torch.exp2(scales.double() - 127)[..., None]  # [E, N, G, 32]
-    return blocks, scales, values.flatten(-2).transpose(1, 2).float().contiguous()
-
-
 @pytest.fixture(scope="module")
 def mxfp4_dirs(tmp_path_factory):
     """The same tiny gpt-oss twice: ``dense`` saved by transformers with expert weights that MXFP4
@@ -67,15 +54,7 @@ def mxfp4_dirs(tmp_path_factory):
     # 64 hidden and 64 expert features: both multiples of the 32-value MXFP4 groups
     source = make_hf_model("gpt_oss", root / "source", seed=5, intermediate_size=64)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(7)
-    packed = {}
-    with torch.no_grad():
-        for i, layer in enumerate(model.model.layers):
-            for proj in ("gate_up_proj", "down_proj"):
-                param = getattr(layer.mlp.experts, proj)
-                blocks, scales, values = random_mxfp4(tuple(param.shape), gen)
-                param.copy_(values)
-                packed[f"model.layers.{i}.mlp.experts.{proj}"] = (blocks, scales)
+    packed = mxfp4_experts(model, torch.Generator().manual_seed(7))
     dense = root / "dense"
     model.save_pretrained(dense)
     quantized = root / "mxfp4"
@@ -217,19 +196,8 @@ def test_sixteen_staggered_requests_on_packed_experts_decode_as_each_alone(mxfp4
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
     prompts = random_prompts(16, VOCAB, 3, 40, seed=8)
 
-    def staggered(batch):
-        ids, results, pending = [], {}, list(batch)
-        while pending or engine.has_unfinished():
-            if pending:
-                ids.append(engine.add_request(pending.pop(0), params))
-            for out in engine.step():
-                if out.finished:
-                    results[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].logprobs)
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-        return [results[i] for i in ids]
-
-    together = staggered(prompts)
-    alone = [staggered([p])[0] for p in prompts]
+    together = staggered(engine, prompts, params)
+    alone = [staggered(engine, [p], params)[0] for p in prompts]
     assert [t for t, _ in together] == [t for t, _ in alone]
     for (_, batched), (_, single) in zip(together, alone):
         torch.testing.assert_close(torch.tensor(batched), torch.tensor(single), rtol=0, atol=1e-4)
