@@ -28,6 +28,8 @@ unpacking follows ``gguf.quants`` block by block.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -105,9 +107,20 @@ def _decode(blocks: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray
     if qtype == T.MXFP4:
         from gguf.quants import MXFP4
 
-        codes = _split_nibbles(blocks[:, 1:], 16)  # llama.cpp's order: low nibbles, then high
-        return np.array(MXFP4.kvalues, dtype=np.int8)[codes], MXFP4.e8m0_to_fp32_half(blocks[:, :1]), None, 32
+        pairs = _mxfp4_byte_values()[blocks[:, 1:]].view(np.int8).reshape(-1, 16, 2)
+        q = pairs.transpose(0, 2, 1).reshape(-1, 32)  # llama.cpp's order: the 16 low nibbles, then the high
+        return q, MXFP4.e8m0_to_fp32_half(blocks[:, :1]), None, 32
     raise ValueError(f"no repacking for GGML type {qtype.name}")
+
+
+@functools.cache
+def _mxfp4_byte_values() -> np.ndarray:
+    """Byte -> the int8 values of its low and its high nibble (MXFP4's doubled e2m1 values) as one
+    int16: one table lookup a byte, several times faster than unpacking the nibbles first."""
+    from gguf.quants import MXFP4
+
+    values, byte = np.array(MXFP4.kvalues, dtype=np.int8), np.arange(256)
+    return np.stack([values[byte & 15], values[byte >> 4]], axis=1).copy().view(np.int16).reshape(256)
 
 
 def repack(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> PackedWeight:
