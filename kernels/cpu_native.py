@@ -45,13 +45,8 @@ def paged_decode_attention_native(
 ) -> torch.Tensor:
     """Same signature and result as ``paged_decode_attention_torch`` (up to rounding)."""
     return _module_or_raise().paged_decode_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, scale, window or 0, softcap or 0.0, _sinks(sinks)
+        query, key_cache, value_cache, block_tables, seq_lens, scale, window or 0, softcap or 0.0, sinks
     )
-
-
-def _sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
-    """The native kernels read sink logits as float32 (one per query head)."""
-    return None if sinks is None else sinks.float()
 
 
 def decode_codes_native_supported(head_dim: int) -> bool:
@@ -167,7 +162,7 @@ def paged_prefill_attention_native(
         scale,
         window or 0,
         softcap or 0.0,
-        _sinks(sinks),
+        sinks,
     )
 
 

@@ -24,8 +24,8 @@ void bind_cpu(pybind11::module_& m) {
   m.def("compiled_isas", &compiled_isas, "The kernel variants compiled into this module");
   m.def("reshape_and_cache", &reshape_and_cache, "Write K/V into the paged cache through the slot mapping (CPU)");
   namespace py = pybind11;
-  // window > 0: a sliding window, softcap > 0: attention-logit soft-capping, sinks: float32 [Hq] sink
-  // logits or None (attention_window.h)
+  // window > 0: a sliding window, softcap > 0: attention-logit soft-capping, sinks: [Hq] sink logits
+  // or None (attention_window.h)
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)", py::arg("query"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());

@@ -284,12 +284,12 @@ std::vector<std::string> compiled_isas() {
 #endif
 }
 
-// Attention sinks: float32 [num_q_heads], one logit per query head (attention_window.h).
+// Attention sinks: [num_q_heads], one logit per query head (attention_window.h), read as float32
+// (a bf16 model's are widened here; a float32 tensor is used as it is).
 static at::Tensor checked_sinks(const c10::optional<at::Tensor>& sinks, int64_t num_q_heads) {
   if (!sinks.has_value()) return at::Tensor();
-  TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == num_q_heads,
-              "sinks: float32 [num_q_heads] expected");
-  return sinks->contiguous();
+  TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == num_q_heads, "sinks: [num_q_heads] expected");
+  return sinks->to(at::kFloat).contiguous();
 }
 
 static const float* sinks_data(const at::Tensor& sinks) { return sinks.defined() ? sinks.data_ptr<float>() : nullptr; }

@@ -53,8 +53,8 @@ std::vector<std::string> compiled_isas();
 llk::Isa selected_isa();  // set_isa's level (the multi-LoRA kernel follows it too)
 void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
                        at::Tensor slot_mapping);
-// window > 0: a sliding window, softcap > 0: attention-logit soft-capping, sinks: [Hq] float32
-// logits joining each softmax's denominator (attention_window.h).
+// window > 0: a sliding window, softcap > 0: attention-logit soft-capping, sinks: [Hq] logits
+// joining each softmax's denominator (attention_window.h), read as float32.
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale, int64_t window = 0,
                                   double softcap = 0.0, c10::optional<at::Tensor> sinks = c10::nullopt);

@@ -175,7 +175,7 @@ class TorchOps:
                 scale,
                 window or 0,
                 softcap or 0.0,
-                None if sinks is None else sinks.float(),
+                sinks,
             )
         return self.prefill_attention_reference(
             query, key, value, key_cache, value_cache, meta, scale, window, softcap, sinks
@@ -239,7 +239,7 @@ class TorchOps:
                 scale,
                 window or 0,
                 softcap or 0.0,
-                None if sinks is None else sinks.float(),
+                sinks,
             )
         return paged_decode_attention_torch(
             query, key_cache, value_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window, softcap, sinks
