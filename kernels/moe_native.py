@@ -38,7 +38,7 @@ class ProjectionSpec:
     tiles' scale format (``InterleavedKernel.scale_bytes``; the row layouts read their scales' dtype)."""
 
     layout: int
-    int4: bool
+    kind: int  # what the weight's blocks hold: quant_native's INT8_TILES, INT4_TILES or E2M1_TILES (tiles only)
     n: int
     k: int
     group: int
@@ -104,5 +104,5 @@ class NativeExperts:
 
 def _bind(module, p: ProjectionSpec):
     return module.make_projection(
-        p.layout, p.int4, p.n, p.k, p.group, p.in_features, p.scale_bytes, p.has_mins, p.weight, p.scales, p.mins
+        p.layout, p.kind, p.n, p.k, p.group, p.in_features, p.scale_bytes, p.has_mins, p.weight, p.scales, p.mins
     )

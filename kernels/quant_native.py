@@ -21,6 +21,9 @@ from llmctl_kernels.packed_formats import PackedFp8, PackedInt4, PackedInt8
 FP8_DIRECT_MAX_ROWS = 32
 # Inputs per step of the stepped scale format (quant_kernels.h's STEP: GGUF's K-quant super-block)
 STEP_INPUTS = 256
+# What the blocks of interleaved tiles hold (quant_kernels.h): int8 values, int4 nibbles, or int8
+# values that are all MXFP4's (doubled) kept as 4-bit codes
+INT8_TILES, INT4_TILES, E2M1_TILES = 0, 1, 2
 
 
 def cpu_unsupported_reason() -> str | None:
@@ -120,23 +123,29 @@ class InterleavedKernel:
     K-quants: ``d * sc`` per super-block) are stored so (``scale_bytes`` 1, "stepped"): Q4_K then
     reads 4.75 bits a weight instead of 6 (float32 scales), Q6_K 8.6 instead of 10, with the same
     bits out (the kernels multiply back the very float32 values). Otherwise float16 where the
-    caller gave exact float16 copies (``scale_bytes`` 2), else float32 (4)."""
+    caller gave exact float16 copies (``scale_bytes`` 2), else float32 (4).
+
+    An int8 weight in groups of 32 whose every value is one of MXFP4's sixteen (doubled: MXFP4
+    experts repacked as int8, llmctl/models/mxfp4.py) keeps them as 4-bit codes (``kind``
+    ``E2M1_TILES``): half the bytes, the same products and bits."""
 
     def __init__(self, module, packed, *, stepped: bool = True) -> None:
-        self.int4 = isinstance(packed, PackedInt4)
+        int4 = isinstance(packed, PackedInt4)
         self.n, self.group = packed.shape[0], packed.group_size
         self.has_mins = packed.mins is not None
+        e2m1 = not int4 and self.group % 32 == 0 and module.e2m1_codes(packed.qweight)
+        self.kind = INT4_TILES if int4 else E2M1_TILES if e2m1 else INT8_TILES
         steps = _stepped_scales(module, packed) if stepped else None
         if steps is not None:
             self.scale_bytes = 1
-            self.tiles = module.interleave_tiles(packed.qweight, *steps[:2], self.group, *steps[2:])
+            self.tiles = module.interleave_tiles(packed.qweight, *steps[:2], self.group, *steps[2:], e2m1=e2m1)
         else:
             self.scale_bytes = packed.scales.element_size()
-            self.tiles = module.interleave_tiles(packed.qweight, packed.scales, packed.mins, self.group)
+            self.tiles = module.interleave_tiles(packed.qweight, packed.scales, packed.mins, self.group, e2m1=e2m1)
         self._linear = module.interleaved_linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.tiles, self.int4, self.n, self.group, self.scale_bytes, self.has_mins)
+        return self._linear(x, self.tiles, self.kind, self.n, self.group, self.scale_bytes, self.has_mins)
 
 
 def _stepped_scales(module, packed) -> tuple | None:

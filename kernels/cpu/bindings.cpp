@@ -67,7 +67,8 @@ void bind_quant(pybind11::module_& m) {
         "float32 scales [n, k / group] as (int8 per group, float32 step per 256 inputs), exactly, or None");
   m.def("interleave_tiles", &interleave_tiles, "a packed int4/int8 weight in the tile-interleaved layout",
         py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("group"), py::arg("scale_steps") = py::none(),
-        py::arg("min_steps") = py::none());
+        py::arg("min_steps") = py::none(), py::arg("e2m1") = false);
+  m.def("e2m1_codes", &e2m1_codes, "whether every value of an int8 weight is one of MXFP4's (doubled)");
   m.def("interleaved_linear", &interleaved_linear, "x @ dequant(W)^T from interleave_tiles' layout");
   m.def("fp8_linear", &fp8_linear, "x @ dequant(fp8 e4m3)^T from the packed bytes");
 }

@@ -70,6 +70,7 @@ struct Linear {
   at::Tensor weight, qweight, scales, mins, bias;
   at::Tensor tiles;  // packed int4/int8: the same weight in quant_kernels.cpp's tile-interleaved layout, if bound
   int64_t tile_scale_bytes = 0;  // the tiles' scales: 4 float32, 2 float16, 1 stepped
+  int64_t tile_kind = 0;  // what their blocks hold: quant_kernels.h's kInt8Weights, kInt4Weights or kE2m1Weights
   int64_t n = 0, k = 0, k_packed = 0, group = 0;
   bool bias_in_gemm = false;  // a column-parallel dense layer passes its bias to F.linear
   std::vector<Linear> parts;  // kSplit: the parts, in output order
@@ -97,7 +98,7 @@ Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<a
                    c10::optional<at::Tensor> qweight, c10::optional<at::Tensor> scales,
                    c10::optional<at::Tensor> mins, int64_t group, c10::optional<at::Tensor> bias,
                    bool bias_in_gemm, int64_t out_features, c10::optional<at::Tensor> tiles,
-                   int64_t tile_scale_bytes) {
+                   int64_t tile_scale_bytes, int64_t tile_kind) {
   Linear l;
   l.k = in_features;
   l.group = group;
@@ -158,8 +159,10 @@ Linear make_linear(const std::string& kind, int64_t in_features, c10::optional<a
   if (l.mins.defined())
     TORCH_CHECK(l.mins.is_contiguous() && l.mins.scalar_type() == l.scales.scalar_type(), "mins of the scales' dtype");
   if (tiles.has_value()) {
-    const quantk::TileLayout layout =  // checks tile_scale_bytes
-        quantk::tile_layout(l.k_packed, group, l.kind == Linear::kInt4, tile_scale_bytes, l.mins.defined());
+    l.tile_kind = l.kind == Linear::kInt4 ? quantk::kInt4Weights : tile_kind;
+    TORCH_CHECK(l.tile_kind != quantk::kInt4Weights || l.kind == Linear::kInt4, "int4 tiles of an int4 weight");
+    const quantk::TileLayout layout =  // checks tile_scale_bytes and the kind
+        quantk::tile_layout(l.k_packed, group, l.tile_kind, tile_scale_bytes, l.mins.defined());
     TORCH_CHECK((group % quantk::QB == 0 || group == 16) && tiles->scalar_type() == at::kByte && tiles->is_contiguous() &&
                     tiles->numel() == (l.n + quantk::RT - 1) / quantk::RT * layout.tile_bytes(),
                 "packed linear: interleaved tiles that do not match the weight");
@@ -212,7 +215,7 @@ at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
   }
   const quantk::QuantizedX xq = quantk::quantize_x(xp.data_ptr<float>(), m, l.k_packed, /*nibble_order=*/int4);
   if (l.tiles.defined())  // the layout the module path's bound kernel reads (kernels/quant_native.py): same bits
-    quantk::interleaved_gemm(xq, l.tiles.data_ptr<uint8_t>(), int4, l.tile_scale_bytes, l.group,
+    quantk::interleaved_gemm(xq, l.tiles.data_ptr<uint8_t>(), l.tile_kind, l.tile_scale_bytes, l.group,
                              l.mins.defined(), l.n, out.data_ptr<float>());
   else
     quantk::packed_gemm(xq, static_cast<const uint8_t*>(l.qweight.data_ptr()), int4, l.scales, l.mins, l.group, l.n,
@@ -220,13 +223,15 @@ at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
   return l.bias.defined() ? out.add_(l.bias) : out;
 }
 
-// A mixture-of-experts MLP: the router's softmax top-k (renormalized or not) picks each row's
-// experts, whose packed weights run in moe_experts.cpp's one call, the object the Python layer
-// calls (llmctl/layers/moe.py, StackedExperts.bind_native).
+// A mixture-of-experts MLP: the router's softmax top-k (renormalized or not), or the softmax of
+// its top-k logits (gpt-oss), picks each row's experts, whose packed weights run in
+// moe_experts.cpp's one call, the object the Python layer calls (llmctl/layers/moe.py,
+// StackedExperts.bind_native).
 struct MoeMlp {
   Linear router;
   int64_t top_k = 0;
   bool renormalize = false;
+  bool softmax_of_top_k = false;  // route()'s "topk_softmax" scoring; else "softmax"
   const llk::moe::Experts* experts = nullptr;
   pybind11::object owner;  // the Python object holding `experts`
   // A shared expert every row runs (Qwen2-MoE): a dense gated MLP, its output times
@@ -239,6 +244,11 @@ struct Layer {
   Linear qkv, o, gate_up, down;             // gate_up, down: a dense MLP's
   at::Tensor q_norm, k_norm;  // per-head RMSNorm weights [head_dim] before rotary (Qwen3); undefined: none
   std::shared_ptr<MoeMlp> moe;  // set: a mixture-of-experts MLP instead of gate_up / down
+  // Its attention as the pool holds it (DecodeLoop::set_attention): the KV-cache group whose slot
+  // mapping and block tables it reads, its layer slot of the pool, a sliding window (0: the whole
+  // context) and float32 sink logits [Hq] (undefined: none).
+  int64_t group = 0, pool_slot = 0, window = 0;
+  at::Tensor sinks;
 };
 
 enum Projection { kQkvProj, kOProj, kGateUpProj, kDownProj, kNumProjections };
@@ -355,12 +365,17 @@ class DecodeLoop {
 
   // A mixture-of-experts layer: attention as add_layer's, then the router (a float linear over the
   // experts), softmax top-k and the packed experts of `experts` (a `_C.moe.Experts`). fp32 only.
+  // scoring: route()'s "softmax" (softmax, then top-k) or "topk_softmax" (top-k logits, their softmax).
   void add_moe_layer(at::Tensor input_norm, at::Tensor post_norm, Linear qkv, Linear o, Linear router, int64_t top_k,
                      bool renormalize, pybind11::object experts, c10::optional<at::Tensor> q_norm,
                      c10::optional<at::Tensor> k_norm, c10::optional<Linear> shared_gate_up,
-                     c10::optional<Linear> shared_down, c10::optional<Linear> shared_gate) {
+                     c10::optional<Linear> shared_down, c10::optional<Linear> shared_gate,
+                     const std::string& scoring) {
     TORCH_CHECK(!bf16_, "mixture-of-experts layers in the loop: fp32 activations only");
+    TORCH_CHECK(scoring == "softmax" || scoring == "topk_softmax", "router scoring: softmax or topk_softmax");
+    TORCH_CHECK(scoring == "softmax" || !renormalize, "topk_softmax weights are not renormalized");
     auto moe = std::make_shared<MoeMlp>();
+    moe->softmax_of_top_k = scoring == "topk_softmax";
     moe->experts = llk::moe::experts_of(experts);
     moe->owner = std::move(experts);
     const int64_t hidden = final_norm_.size(0), num_experts = llk::moe::num_experts(*moe->experts);
@@ -383,6 +398,28 @@ class DecodeLoop {
                                   std::move(q_norm), std::move(k_norm));
     layer.moe = std::move(moe);
     layers_.push_back(std::move(layer));
+  }
+
+  // Layer ``layer``'s attention when it is not the plain one (llmctl/engine/model_runner.py's KV-cache
+  // groups): it stores and reads through group ``group``'s slot mapping and block tables (forward's
+  // group_slots / group_tables for groups > 0) in layer slot ``pool_slot`` of the pool, over the last
+  // ``window`` tokens (0: all), with ``sinks`` [Hq] joining each softmax's denominator. The float
+  // fp32 pool only: the 8-bit and KIVI pools' loop kernels take neither windows nor sinks.
+  void set_attention(int64_t layer, int64_t group, int64_t pool_slot, int64_t window, c10::optional<at::Tensor> sinks) {
+    TORCH_CHECK(0 <= layer && layer < num_layers(), "no such layer");
+    TORCH_CHECK(0 <= group && 0 <= pool_slot && pool_slot < k_pool_.size(0) && window >= 0,
+                "a KV-cache group, a slot of the pool and a window of at least 0 tokens");
+    const bool plain = group == 0 && pool_slot == layer && window == 0 && !sinks.has_value();
+    TORCH_CHECK(plain || (storage_ == KvStorage::kFloat && !bf16_),
+                "windows, sinks and KV-cache groups in the loop: float32 activations and KV pool only");
+    Layer& l = layers_[layer];
+    l.group = group;
+    l.pool_slot = pool_slot;
+    l.window = window;
+    if (sinks.has_value()) {
+      TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == hq_, "sinks: [num_q_heads]");
+      l.sinks = sinks->to(at::kFloat).contiguous();  // as the module path's kernel reads them
+    }
   }
 
   // Per mixture-of-experts layer, in layer order: the tokens each expert took in the last forward
@@ -437,21 +474,32 @@ class DecodeLoop {
   }
 
   // hidden [B, H] (the embeddings), positions / slot_mapping [B] int64, block_tables [B, W] int32,
-  // seq_lens [B] int32 -> the final-normed hidden states [B, H].
+  // seq_lens [B] int32 -> the final-normed hidden states [B, H]. With KV-cache groups, group g > 0's
+  // slot mapping and block tables are group_slots[g - 1] and group_tables[g - 1].
   at::Tensor forward(const at::Tensor& embeddings, const at::Tensor& positions_in, const at::Tensor& slots_in,
-                     const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in) {
-    TORCH_CHECK(static_cast<int64_t>(layers_.size()) == k_pool_.size(0), "not every layer was added");
+                     const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
+                     const std::vector<at::Tensor>& group_slots, const std::vector<at::Tensor>& group_tables) {
     TORCH_CHECK(embeddings.dim() == 2 && embeddings.scalar_type() == final_norm_.scalar_type(),
                 "hidden [B, H] of the model's dtype");
     const int64_t rows = embeddings.size(0);
     const auto positions = positions_in.to(at::kLong).contiguous();
-    const auto slots = slots_in.to(at::kLong).contiguous();
-    const auto tables = block_tables_in.contiguous();
     const auto lens = seq_lens_in.contiguous();
-    TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt, "int32 block tables, seq lens");
-    TORCH_CHECK(positions.size(0) == rows && slots.size(0) == rows && tables.size(0) == rows && lens.size(0) == rows,
-                "one position, slot, table and length per row");
-    if (bf16_) return forward_tensors(embeddings, positions, slots, tables, lens);
+    TORCH_CHECK(lens.scalar_type() == at::kInt && positions.size(0) == rows && lens.size(0) == rows,
+                "one position and int32 length per row");
+    TORCH_CHECK(group_slots.size() == group_tables.size(), "a slot mapping and block tables per group");
+    std::vector<at::Tensor> slots{slots_in.to(at::kLong).contiguous()}, tables{block_tables_in.contiguous()};
+    for (size_t g = 0; g < group_slots.size(); ++g) {
+      slots.push_back(group_slots[g].to(at::kLong).contiguous());
+      tables.push_back(group_tables[g].contiguous());
+    }
+    for (size_t g = 0; g < slots.size(); ++g)
+      TORCH_CHECK(tables[g].scalar_type() == at::kInt && slots[g].size(0) == rows && tables[g].size(0) == rows,
+                  "one slot and int32 table row per row, in every group");
+    for (const Layer& layer : layers_)
+      TORCH_CHECK(layer.group < static_cast<int64_t>(slots.size()) && layer.pool_slot < k_pool_.size(0),
+                  "a layer without its KV-cache group's tables or a slot of the pool (set_attention)");
+    TORCH_CHECK(num_layers() >= k_pool_.size(0), "not every layer was added");
+    if (bf16_) return forward_tensors(embeddings, positions, slots[0], tables[0], lens);
     if (storage_ == KvStorage::kKivi) {
       TORCH_CHECK(kivi_.planned, "a KIVI step needs its plan (set_kivi_plan) first");
       TORCH_CHECK(kvqk::all_within(kivi_.residual_tokens, 0, rows) && kvqk::all_within(kivi_.staging_tokens, 0, rows),
@@ -482,9 +530,10 @@ class DecodeLoop {
       }
       rotate(qkv.data_ptr<float>(), width, hq_, positions, q);
       rotate(qkv.data_ptr<float>() + hq_ * d_, width, hkv_, positions, k);
-      store_kv(i, k.data_ptr<float>(), hkv_ * d_, qkv.data_ptr<float>() + (hq_ + hkv_) * d_, width, slots);
+      store_kv(layer.pool_slot, k.data_ptr<float>(), hkv_ * d_, qkv.data_ptr<float>() + (hq_ + hkv_) * d_, width,
+               slots[layer.group]);
       clock.lap(kRotaryStore);
-      attention(i, q, tables, lens, attn);
+      attention(layer, q, tables[layer.group], lens, attn);
       clock.lap(kAttention);
       x = add_lora(plan, i, kOProj, attn, run_linear(layer.o, attn));
       clock.lap(kO);
@@ -588,7 +637,6 @@ class DecodeLoop {
   Layer attention_layer(at::Tensor input_norm, at::Tensor post_norm, Linear qkv, Linear o,
                         c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm) const {
     const int64_t hidden = final_norm_.size(0);
-    TORCH_CHECK(static_cast<int64_t>(layers_.size()) < k_pool_.size(0), "more layers than KV cache layers");
     TORCH_CHECK(qkv.k == hidden && qkv.n == (hq_ + 2 * hkv_) * d_ && o.k == hq_ * d_ && o.n == hidden,
                 "attention shapes disagree");
     const at::ScalarType act = bf16_ ? at::kBFloat16 : at::kFloat;
@@ -599,6 +647,7 @@ class DecodeLoop {
         TORCH_CHECK(l->kind == Linear::kMkldnn, "bf16 activations in the loop: oneDNN-prepacked weights only");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
     Layer layer{input_norm.contiguous(), post_norm.contiguous(), std::move(qkv), std::move(o)};
+    layer.pool_slot = static_cast<int64_t>(layers_.size());  // one group: layer i in slot i
     if (q_norm.has_value()) {
       layer.q_norm = q_norm->contiguous();
       layer.k_norm = k_norm->contiguous();
@@ -614,8 +663,14 @@ class DecodeLoop {
   // a shared expert's gated MLP, scaled by the sigmoid of its gate, added.
   at::Tensor experts(const MoeMlp& moe, const at::Tensor& normed) {
     const at::Tensor logits = run_linear(moe.router, normed);
-    const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
-    auto [weights, ids] = at::topk(probs, moe.top_k, -1);
+    at::Tensor weights, ids;
+    if (moe.softmax_of_top_k) {
+      at::Tensor top;
+      std::tie(top, ids) = at::topk(logits, moe.top_k, -1);
+      weights = at::softmax(top, -1, at::kFloat);
+    } else {
+      std::tie(weights, ids) = at::topk(at::softmax(logits, -1, at::kFloat), moe.top_k, -1);
+    }
     if (moe.renormalize) weights = weights / weights.sum(-1, true);
     expert_counts_.push_back(at::bincount(ids.reshape(-1), {}, moe.router.n));
     at::Tensor out = llk::moe::run_experts(*moe.experts, normed, weights, ids);
@@ -699,9 +754,9 @@ class DecodeLoop {
 
   // As cpu_kernels.cpp's paged_decode_attention (paged_decode_attention_codes for 8-bit pools), on
   // this layer's slice of the pool.
-  void attention(int64_t layer, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
+  void attention(const Layer& l, const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
                  at::Tensor& out) {
-    const int64_t num_seqs = q.size(0), block_size = k_pool_.size(2);
+    const int64_t num_seqs = q.size(0), block_size = k_pool_.size(2), layer = l.pool_slot;
     if (storage_ == KvStorage::kKivi) {
       attention_kivi(layer, q, tables, lens, out);
       return;
@@ -713,6 +768,8 @@ class DecodeLoop {
                              v_pool_.data_ptr<float>() + layer * per_layer(), tables.data_ptr<int32_t>(),
                              lens.data_ptr<int32_t>(), out.data_ptr<float>(), hq_, hkv_, d_, block_size, tables.size(1),
                              heads_per_task, scale_};
+      args.window = l.window;
+      args.sinks = l.sinks.defined() ? l.sinks.data_ptr<float>() : nullptr;
       at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) { k_.decode(args, begin, end); });
       return;
     }
@@ -883,7 +940,8 @@ void bind(pybind11::module_& m) {
         pybind11::arg("qweight") = pybind11::none(), pybind11::arg("scales") = pybind11::none(),
         pybind11::arg("mins") = pybind11::none(), pybind11::arg("group") = 0, pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("bias_in_gemm") = false, pybind11::arg("out_features") = 0,
-        pybind11::arg("tiles") = pybind11::none(), pybind11::arg("tile_scale_bytes") = 0);
+        pybind11::arg("tiles") = pybind11::none(), pybind11::arg("tile_scale_bytes") = 0,
+        pybind11::arg("tile_kind") = 0);
   m.def("make_split_linear", &make_split_linear, "Bind a merged projection's parts, side by side",
         pybind11::arg("parts"), pybind11::arg("bias") = pybind11::none());
   pybind11::class_<DecodeLoop>(m, "DecodeLoop", "Every decoder layer of a decode step in one call")
@@ -907,7 +965,13 @@ void bind(pybind11::module_& m) {
       .def("num_layers", &DecodeLoop::num_layers)
       .def("set_profile", &DecodeLoop::set_profile)
       .def("profile", &DecodeLoop::profile)
-      .def("forward", &DecodeLoop::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("set_attention", &DecodeLoop::set_attention, pybind11::arg("layer"), pybind11::arg("group"),
+           pybind11::arg("pool_slot"), pybind11::arg("window") = 0, pybind11::arg("sinks") = pybind11::none())
+      .def("forward", &DecodeLoop::forward, pybind11::arg("embeddings"), pybind11::arg("positions"),
+           pybind11::arg("slot_mapping"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
+           pybind11::arg("group_slots") = std::vector<at::Tensor>{},
+           pybind11::arg("group_tables") = std::vector<at::Tensor>{},
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 
 }  // namespace llk::decode_loop

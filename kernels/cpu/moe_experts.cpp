@@ -32,7 +32,7 @@ enum class Layout : int64_t { kTiles = 0, kRows = 1, kPerChannel = 2 };
 
 struct Projection {
   Layout layout;
-  bool int4;
+  int64_t kind;  // quant_kernels.h's kInt8Weights, kInt4Weights or kE2m1Weights (tiles only)
   int64_t scale_bytes;  // the tiles' scales: 4 float32, 2 float16, 1 stepped
   bool has_mins;
   int64_t n, k, group, in_features;  // k: the weight's input columns (in_features + zero padding)
@@ -47,9 +47,10 @@ struct Projection {
       x = padded.data();
     }
     const auto* w = static_cast<const uint8_t*>(weight.data_ptr());
+    const bool int4 = kind == llk::quant::kInt4Weights;
     switch (layout) {
       case Layout::kTiles:
-        llk::quant::interleaved_gemm(llk::quant::quantize_x(x, m, k, int4), w, int4, scale_bytes, group, has_mins, n,
+        llk::quant::interleaved_gemm(llk::quant::quantize_x(x, m, k, int4), w, kind, scale_bytes, group, has_mins, n,
                                      out);
         return;
       case Layout::kRows:
@@ -62,7 +63,7 @@ struct Projection {
   }
 };
 
-Projection make_projection(int64_t layout, bool int4, int64_t n, int64_t k, int64_t group, int64_t in_features,
+Projection make_projection(int64_t layout, int64_t kind, int64_t n, int64_t k, int64_t group, int64_t in_features,
                            int64_t scale_bytes, bool has_mins, at::Tensor weight, c10::optional<at::Tensor> scales,
                            c10::optional<at::Tensor> mins) {
   TORCH_CHECK(layout >= 0 && layout <= 2, "layout: 0 tiles, 1 rows, 2 per-channel int8");
@@ -71,7 +72,10 @@ Projection make_projection(int64_t layout, bool int4, int64_t n, int64_t k, int6
   const auto lay = static_cast<Layout>(layout);
   TORCH_CHECK(lay == Layout::kTiles || scales.has_value(), "the row layouts need their scales");
   TORCH_CHECK(lay == Layout::kTiles || has_mins == mins.has_value(), "has_mins: whether the mins are given");
-  return Projection{lay,   int4,        scale_bytes, has_mins, n, k, group, in_features, weight,
+  TORCH_CHECK(kind == llk::quant::kInt8Weights || kind == llk::quant::kInt4Weights ||
+                  (kind == llk::quant::kE2m1Weights && lay == Layout::kTiles),
+              "kind: 0 int8, 1 int4, 2 E2M1 codes (tiles only)");
+  return Projection{lay,   kind,        scale_bytes, has_mins, n, k, group, in_features, weight,
                     scales.value_or(at::Tensor()), mins.value_or(at::Tensor())};
 }
 
@@ -241,7 +245,7 @@ at::Tensor run_experts(const Experts& experts, const at::Tensor& x, const at::Te
 void bind(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<Projection>(m, "Projection", "One expert projection's packed weight, as its bound kernel reads it");
-  m.def("make_projection", &make_projection, "Bind one expert projection", py::arg("layout"), py::arg("int4"),
+  m.def("make_projection", &make_projection, "Bind one expert projection", py::arg("layout"), py::arg("kind"),
         py::arg("n"), py::arg("k"), py::arg("group"), py::arg("in_features"), py::arg("scale_bytes"), py::arg("has_mins"), py::arg("weight"),
         py::arg("scales") = py::none(), py::arg("mins") = py::none());
   py::class_<Experts>(m, "Experts", "One layer's packed experts, run in one call")

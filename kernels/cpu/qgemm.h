@@ -236,7 +236,9 @@ __attribute__((optimize("fp-contract=off"))) void tiles_ref(const Int8X& x, cons
             const uint8_t* w = tile.block(g, e) + r * l.block_bytes;
             int32_t dot = 0;
             for (int j = j0; j < j1; ++j) {
-              const int32_t wj = int4 ? (w[j / 2] >> (4 * (j % 2))) & 15 : static_cast<int8_t>(w[j]);
+              const int32_t wj = int4     ? (w[j / 2] >> (4 * (j % 2))) & 15
+                                 : l.e2m1 ? kE2m1Values[(w[j % 16] >> (4 * (j / 16))) & 15]
+                                          : static_cast<int8_t>(w[j]);
               const int64_t at = b * QB + lane_position(j, x);
               dot += wj * q(at);
             }
@@ -285,6 +287,18 @@ __attribute__((target("avx2,avx512f,f16c"))) inline __m512 panel_values(const Ti
   return _mm512_permutexvar_ps(idx, v);
 }
 
+// A tile block's RT rows of kE2m1Values codes (16 bytes a row) as an int8 block's two vectors: rows
+// 0-1 and rows 2-3, each row's 32 values in input order.
+__attribute__((target("avx512f,avx512bw"))) inline void e2m1_rows512(const uint8_t* p, __m512i& rows01,
+                                                                    __m512i& rows23) {
+  const __m512i book = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1Values)));
+  const __m512i raw = _mm512_loadu_si512(p), low4 = _mm512_set1_epi8(15);
+  const __m512i lo = _mm512_shuffle_epi8(book, _mm512_and_si512(raw, low4));  // 128-bit lane r: row r's inputs 0-15
+  const __m512i hi = _mm512_shuffle_epi8(book, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));  // 16-31
+  rows01 = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), hi);
+  rows23 = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), hi);
+}
+
 // R rows of x (R <= MR) against one panel: the whole K, then the mins, stored in column order.
 // HALVES 2: int8 in groups of 16, each block's halves scaled apart (first, then second).
 template <typename S, bool INT4, int R, int HALVES = 1>
@@ -310,6 +324,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni(cons
           const __m512i raw = _mm512_loadu_si512(p[t] + off);
           w[t] = _mm512_and_si512(raw, low4);
           w[4 + t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        } else if (l.e2m1) {
+          e2m1_rows512(p[t] + off, w[2 * t], w[2 * t + 1]);
         } else {
           for (int h = 0; h < 2; ++h) w[2 * t + h] = _mm512_loadu_si512(p[t] + off + 64 * h);
         }
@@ -433,6 +449,14 @@ __attribute__((target("avx2"))) inline void widen_block_avx2(const uint8_t* t0, 
   }
 }
 
+// One row's block of kE2m1Values codes -> its 32 int8 values in input order.
+__attribute__((target("avx2"))) inline void e2m1_row_avx2(const uint8_t* codes, uint8_t* values) {
+  __m128i lo, hi;
+  E2m1Block::values(codes, lo, hi);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(values), lo);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(values + 16), hi);
+}
+
 // The first block of group g (groups of 16: two groups a block).
 inline int64_t first_block(const TileLayout& l, int64_t g) { return l.bpg == 0 ? g / 2 : g * l.bpg; }
 
@@ -453,10 +477,19 @@ __attribute__((target("avx2,f16c"))) void widen_panel_avx2(const uint8_t* const*
       const uint8_t* ta = a.block(g, e);
       const uint8_t* tb = b.block(g, e);
       for (const uint8_t* at : {ta, tb})  // the stream TILE_PREFETCH ahead, as the int16 passes
-        for (int line = 0; line < (INT4 ? 1 : 2); ++line)
+        for (int line = 0; line < RT * l.block_bytes / 64; ++line)
           _mm_prefetch(reinterpret_cast<const char*>(at + TILE_PREFETCH + 64 * line), _MM_HINT_T0);
       __m256i w[16];
-      widen_block_avx2<INT4>(ta, tb, w);
+      if (!INT4 && l.e2m1) {  // looked up into the int8 block it stands for, then widened as one
+        alignas(32) uint8_t va[RT * QB], vb[RT * QB];
+        for (int r = 0; r < RT; ++r) {
+          e2m1_row_avx2(ta + r * E2m1Block::BYTES, va + r * QB);
+          e2m1_row_avx2(tb + r * E2m1Block::BYTES, vb + r * QB);
+        }
+        widen_block_avx2<false>(va, vb, w);
+      } else {
+        widen_block_avx2<INT4>(ta, tb, w);
+      }
       for (int pair = 0; pair < 16; ++pair)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + 16 * (16 * blk + pair)), w[pair]);
     }
@@ -578,11 +611,12 @@ inline void grow(std::vector<T>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
 }
 
+// kind: kInt4Weights (INT4), or kInt8Weights / kE2m1Weights (int8 values, read as stored).
 template <typename S, bool INT4>
-void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_t group, bool mins, int64_t n,
-             float* out) {
+void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_t kind, int64_t group, bool mins,
+             int64_t n, float* out) {
   const Variant v = variant();
-  const TileLayout l = tile_layout(k, group, INT4, sizeof(S), mins);
+  const TileLayout l = tile_layout(k, group, kind, sizeof(S), mins);
   const Int8X x = quantize(xf, m, k, group, mins, INT4 && v == Variant::kVnni, v == Variant::kVnni ? 256 : 255,
                            v != Variant::kScalar, v == Variant::kAvx2 ? (INT4 ? 8 : 4) : 0);
   const int64_t tiles_n = (n + RT - 1) / RT, tile_bytes = l.tile_bytes();
@@ -641,17 +675,17 @@ void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_
 }
 
 template <bool INT4>
-void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* tiles, int64_t scale_bytes, int64_t group, bool mins,
-             int64_t n, float* out) {
-  if (scale_bytes == 2) gemm_as<uint16_t, INT4>(x, m, k, tiles, group, mins, n, out);
-  else if (scale_bytes == 1) gemm_as<int8_t, INT4>(x, m, k, tiles, group, mins, n, out);
-  else gemm_as<float, INT4>(x, m, k, tiles, group, mins, n, out);
+void gemm_of(const float* x, int64_t m, int64_t k, const uint8_t* tiles, int64_t kind, int64_t scale_bytes,
+             int64_t group, bool mins, int64_t n, float* out) {
+  if (scale_bytes == 2) gemm_as<uint16_t, INT4>(x, m, k, tiles, kind, group, mins, n, out);
+  else if (scale_bytes == 1) gemm_as<int8_t, INT4>(x, m, k, tiles, kind, group, mins, n, out);
+  else gemm_as<float, INT4>(x, m, k, tiles, kind, group, mins, n, out);
 }
 
-inline void gemm(const float* x, int64_t m, int64_t k, const uint8_t* tiles, bool int4, int64_t scale_bytes,
+inline void gemm(const float* x, int64_t m, int64_t k, const uint8_t* tiles, int64_t kind, int64_t scale_bytes,
                  int64_t group, bool mins, int64_t n, float* out) {
-  if (int4) gemm_of<true>(x, m, k, tiles, scale_bytes, group, mins, n, out);
-  else gemm_of<false>(x, m, k, tiles, scale_bytes, group, mins, n, out);
+  if (kind == kInt4Weights) gemm_of<true>(x, m, k, tiles, kind, scale_bytes, group, mins, n, out);
+  else gemm_of<false>(x, m, k, tiles, kind, scale_bytes, group, mins, n, out);
 }
 
 }  // namespace qgemm

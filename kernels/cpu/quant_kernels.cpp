@@ -65,6 +65,10 @@ using llk::quant::RT;
 using llk::quant::STEP;
 using llk::quant::TileLayout;
 using llk::quant::interleaved_gemm;
+using llk::quant::kE2m1Values;
+using llk::quant::kE2m1Weights;
+using llk::quant::kInt4Weights;
+using llk::quant::kInt8Weights;
 using llk::quant::packed_gemm;
 using llk::quant::quantize_x;
 using llk::quant::tile_layout;
@@ -506,6 +510,44 @@ struct Int8Block {
   }
 };
 
+// int8 values held as 4-bit codes (kE2m1Values; byte i: input i's code, then input i + 16's),
+// looked up by vpshufb into the very bytes an Int8Block holds: Int8Block's words and products.
+struct E2m1Block {
+  static constexpr int64_t BYTES = QB / 2;
+  using Words = Int8Block::Words;
+  using Words512 = Int8Block::Words512;
+  // A block's 32 values: inputs 0-15 in lo, 16-31 in hi.
+  __attribute__((target("avx2"), always_inline)) static inline void values(const uint8_t* w, __m128i& lo, __m128i& hi) {
+    const __m128i book = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1Values)), low4 = _mm_set1_epi8(15);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    lo = _mm_shuffle_epi8(book, _mm_and_si128(raw, low4));
+    hi = _mm_shuffle_epi8(book, _mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+  }
+  __attribute__((target("avx2"), always_inline)) static inline Words unpack(const uint8_t* w) {
+    __m128i lo, hi;
+    values(w, lo, hi);
+    return {_mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi)};
+  }
+  __attribute__((target("avx2"), always_inline)) static inline __m256i dot(const Words& w, __m256i xlo, __m256i xhi) {
+    return Int8Block::dot(w, xlo, xhi);
+  }
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 unpack512(const uint8_t* w) {
+    const Words ymm = unpack(w);
+    return {_mm512_broadcast_i64x4(ymm.lo), _mm512_broadcast_i64x4(ymm.hi)};
+  }
+  // Rows r and r + 1 (BYTES apart), one per 256-bit half, as Int8Block::unpack512_rows.
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 unpack512_rows(const uint8_t* w) {
+    __m128i lo0, hi0, lo1, hi1;
+    values(w, lo0, hi0);
+    values(w + BYTES, lo1, hi1);
+    return {_mm512_cvtepi8_epi16(_mm256_set_m128i(lo1, lo0)), _mm512_cvtepi8_epi16(_mm256_set_m128i(hi1, hi0))};
+  }
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i dot512(const Words512& w, __m512i xlo,
+                                                                                          __m512i xhi) {
+    return Int8Block::dot512(w, xlo, xhi);
+  }
+};
+
 // The RT rows' results of a tile against one x row: each row's hsum256 (the same adds in the same
 // order, four rows at once by a transpose: (a0 + a2) + (a1 + a3) per row), then its mins in group
 // order, four rows per vector (the interleaved layout stores a group's RT mins together). Product
@@ -621,11 +663,14 @@ __attribute__((target("avx2,fma,f16c"))) void tile_interleaved_g16(const uint8_t
 
 }  // namespace
 
-TileLayout llk::quant::tile_layout(int64_t k, int64_t group, bool int4, int64_t scale_bytes, bool mins) {
+TileLayout llk::quant::tile_layout(int64_t k, int64_t group, int64_t kind, int64_t scale_bytes, bool mins) {
   TORCH_CHECK(scale_bytes == 4 || scale_bytes == 2 || (scale_bytes == 1 && STEP % group == 0 && k % STEP == 0),
               "tile scales: 4 (float32), 2 (float16) or 1 byte (stepped: a group dividing ", STEP,
               " and K a multiple of it)");
-  TileLayout l{k / group, group / QB, int4 ? QB / 2 : QB, scale_bytes, mins};  // group 16: bpg 0
+  TORCH_CHECK(kind >= kInt8Weights && kind <= kE2m1Weights, "tile kind: 0 int8, 1 int4, 2 int8 as E2M1 codes");
+  TORCH_CHECK(kind != kE2m1Weights || group % QB == 0, "E2M1 codes: groups of a multiple of 32");
+  TileLayout l{k / group, group / QB, kind == kInt8Weights ? QB : QB / 2, scale_bytes, mins};  // group 16: bpg 0
+  l.e2m1 = kind == kE2m1Weights;
   l.step_groups = STEP / (l.bpg == 0 ? 16 : l.bpg * QB);
   l.step_count = l.stepped() ? l.groups / l.step_groups : 0;
   return l;
@@ -896,14 +941,19 @@ TilePick<S> pick_g16() {
   return {{{{2, tile_interleaved_g16<S, 2>}, {1, one}, {1, one}, {1, one}}}, 0};
 }
 
+template <typename S, typename Block>
+TilePick<S> pick_blocks(const TileLayout& l) {
+  return l.bpg == 1 ? InterleavedTiles<S, true, Block>::pick() : InterleavedTiles<S, false, Block>::pick();
+}
+
 template <typename S>
-void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, int64_t group, bool mins, int64_t n,
+void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, int64_t kind, int64_t group, bool mins, int64_t n,
                          float* out) {
-  const TileLayout l = tile_layout(xq.k, group, int4, sizeof(S), mins);
-  const auto [passes, by_group_from] =
-      l.bpg == 0 ? pick_g16<S>()
-      : int4     ? (l.bpg == 1 ? InterleavedTiles<S, true, Int4Block>::pick() : InterleavedTiles<S, false, Int4Block>::pick())
-                 : (l.bpg == 1 ? InterleavedTiles<S, true, Int8Block>::pick() : InterleavedTiles<S, false, Int8Block>::pick());
+  const TileLayout l = tile_layout(xq.k, group, kind, sizeof(S), mins);
+  const auto [passes, by_group_from] = l.bpg == 0                ? pick_g16<S>()
+                                       : kind == kInt4Weights   ? pick_blocks<S, Int4Block>(l)
+                                       : kind == kE2m1Weights   ? pick_blocks<S, E2m1Block>(l)
+                                                                 : pick_blocks<S, Int8Block>(l);
   TORCH_INTERNAL_ASSERT(passes[0].first <= MAX_PASS_ROWS);
   const int64_t m = xq.m, nb = xq.k / QB, tile_bytes = l.tile_bytes();
   std::vector<float> xsums(m * l.groups), by_group;
@@ -940,15 +990,16 @@ void interleaved_gemm_as(const QuantizedX& xq, const uint8_t* tiles, bool int4, 
 // packed_gemm on interleave_tiles' layout; scale_bytes: 4 float32 scales and mins, 2 float16, 1 stepped.
 }  // namespace
 
-void llk::quant::interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, bool int4, int64_t scale_bytes,
+void llk::quant::interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, int64_t kind, int64_t scale_bytes,
                                   int64_t group, bool mins, int64_t n, float* out) {
+  const bool int4 = kind == kInt4Weights;
   if (xq.x != nullptr && xq.m >= qgemm_min_rows(int4))
-    return qgemm::gemm(xq.x, xq.m, xq.k, tiles, int4, scale_bytes, group, mins, n, out);
+    return qgemm::gemm(xq.x, xq.m, xq.k, tiles, kind, scale_bytes, group, mins, n, out);
   if (xq.q.size() != static_cast<size_t>(xq.m * xq.k))  // made at qgemm's sizes, the threshold moved since
-    return interleaved_gemm(int16_rows(xq, int4), tiles, int4, scale_bytes, group, mins, n, out);
-  if (scale_bytes == 2) interleaved_gemm_as<uint16_t>(xq, tiles, int4, group, mins, n, out);
-  else if (scale_bytes == 1) interleaved_gemm_as<int8_t>(xq, tiles, int4, group, mins, n, out);
-  else interleaved_gemm_as<float>(xq, tiles, int4, group, mins, n, out);
+    return interleaved_gemm(int16_rows(xq, int4), tiles, kind, scale_bytes, group, mins, n, out);
+  if (scale_bytes == 2) interleaved_gemm_as<uint16_t>(xq, tiles, kind, group, mins, n, out);
+  else if (scale_bytes == 1) interleaved_gemm_as<int8_t>(xq, tiles, kind, group, mins, n, out);
+  else interleaved_gemm_as<float>(xq, tiles, kind, group, mins, n, out);
 }
 
 namespace {
@@ -1041,10 +1092,32 @@ c10::optional<std::tuple<at::Tensor, at::Tensor>> step_scales(const at::Tensor& 
 // group] in the interleaved layout (uint8, flat): float32 or float16, or int8 with their float32
 // steps [n, k / STEP] (step_scales; both or neither for the mins). Group: a multiple of 32, or 16
 // for int8.
+// kE2m1Values' index of each int8 value (-1: none), by value + 128.
+std::array<int8_t, 256> e2m1_index() {
+  std::array<int8_t, 256> index;
+  index.fill(-1);
+  for (int c = 15; c >= 0; --c) index[kE2m1Values[c] + 128] = static_cast<int8_t>(c);  // 0: code 0, not 8
+  return index;
+}
+
+bool e2m1_codes(const at::Tensor& qweight) {
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.is_contiguous(), "qweight: contiguous int8");
+  static const std::array<int8_t, 256> index = e2m1_index();
+  const auto* q = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
+  std::atomic<bool> all{true};
+  at::parallel_for(0, qweight.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end && all.load(std::memory_order_relaxed); ++i)
+      if (index[q[i] ^ 0x80] < 0) all.store(false, std::memory_order_relaxed);
+  });
+  return all.load();
+}
+
 at::Tensor interleave_tiles(const at::Tensor& qweight, const at::Tensor& scales,
                                const c10::optional<at::Tensor>& mins, int64_t group,
-                               const c10::optional<at::Tensor>& scale_steps, const c10::optional<at::Tensor>& min_steps) {
+                               const c10::optional<at::Tensor>& scale_steps, const c10::optional<at::Tensor>& min_steps,
+                               bool e2m1) {
   const bool int4 = qweight.scalar_type() == at::kByte;
+  TORCH_CHECK(!e2m1 || (!int4 && e2m1_codes(qweight)), "E2M1 codes: an int8 weight whose every value has one");
   TORCH_CHECK((int4 || qweight.scalar_type() == at::kChar) && qweight.dim() == 2 && qweight.is_contiguous(),
               "qweight: contiguous uint8 (int4) or int8 [n, packed k]");
   const int64_t n = qweight.size(0), row_bytes = qweight.size(1), k = int4 ? 2 * row_bytes : row_bytes;
@@ -1064,11 +1137,19 @@ at::Tensor interleave_tiles(const at::Tensor& qweight, const at::Tensor& scales,
                       : !scale_steps.has_value() && !min_steps.has_value(),
               "int8 scales (and mins) come with their float32 steps [n, k / ", STEP, "], others without");
   const int64_t sb = scales.element_size();
-  const TileLayout l = tile_layout(k, group, int4, sb, mins.has_value());
+  const TileLayout l = tile_layout(k, group, e2m1 ? kE2m1Weights : int4 ? kInt4Weights : kInt8Weights, sb,
+                                   mins.has_value());
   const int64_t tiles = (n + RT - 1) / RT, tile_bytes = l.tile_bytes(), bb = l.block_bytes;
+  const int64_t src_bb = e2m1 ? QB : bb;  // a block's bytes in qweight
   auto out = at::zeros({tiles * tile_bytes}, at::kByte);
   uint8_t* dst = out.data_ptr<uint8_t>();
   const uint8_t* q = static_cast<const uint8_t*>(qweight.data_ptr());
+  static const std::array<int8_t, 256> index = e2m1_index();
+  const auto put_block = [&](uint8_t* to, const uint8_t* from) {
+    if (!e2m1) return static_cast<void>(std::memcpy(to, from, bb));
+    for (int64_t i = 0; i < QB / 2; ++i)
+      to[i] = static_cast<uint8_t>(index[from[i] ^ 0x80] | index[from[i + QB / 2] ^ 0x80] << 4);
+  };
   const uint8_t* s = static_cast<const uint8_t*>(scales.data_ptr());
   const uint8_t* mn = mins.has_value() ? static_cast<const uint8_t*>(mins->data_ptr()) : nullptr;
   for (int64_t j = 0; j < n; ++j) {
@@ -1078,12 +1159,12 @@ at::Tensor interleave_tiles(const at::Tensor& qweight, const at::Tensor& scales,
       if (l.bpg == 0) {  // group 16: a block's two groups' scales, then its bytes
         uint8_t* block_start = tile + l.groups_offset() + (g / 2) * 2 * l.group_bytes();
         std::memcpy(block_start + ((g % 2) * RT + r) * sb, s + (j * l.groups + g) * sb, sb);
-        if (g % 2 == 0) std::memcpy(block_start + 2 * RT * sb + r * bb, q + j * row_bytes + (g / 2) * bb, bb);
+        if (g % 2 == 0) put_block(block_start + 2 * RT * sb + r * bb, q + j * row_bytes + (g / 2) * src_bb);
       } else {
         uint8_t* group_start = tile + l.groups_offset() + g * l.group_bytes();
         std::memcpy(group_start + r * sb, s + (j * l.groups + g) * sb, sb);
         for (int64_t e = 0; e < l.bpg; ++e)
-          std::memcpy(group_start + RT * sb + (e * RT + r) * bb, q + j * row_bytes + (g * l.bpg + e) * bb, bb);
+          put_block(group_start + RT * sb + (e * RT + r) * bb, q + j * row_bytes + (g * l.bpg + e) * src_bb);
       }
       if (mn != nullptr) std::memcpy(tile + l.mins_offset() + (g * RT + r) * sb, mn + (j * l.groups + g) * sb, sb);
     }
@@ -1097,19 +1178,20 @@ at::Tensor interleave_tiles(const at::Tensor& qweight, const at::Tensor& scales,
 }
 
 // x [M, K] @ W^T -> [M, n] for W in interleave_tiles' layout (the integer path of int4/int8_linear).
-at::Tensor interleaved_linear(const at::Tensor& x_in, const at::Tensor& tiles, bool int4, int64_t n,
+at::Tensor interleaved_linear(const at::Tensor& x_in, const at::Tensor& tiles, int64_t kind, int64_t n,
                                  int64_t group, int64_t scale_bytes, bool mins) {
+  const bool int4 = kind == kInt4Weights;
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
   const int64_t k = x_in.size(1);
   TORCH_CHECK(((group % QB == 0) || (group == 16 && !int4)) && k % group == 0 && k % QB == 0,
               "group must be a multiple of 32 (or int8's 16) dividing K");
-  const TileLayout l = tile_layout(k, group, int4, scale_bytes, mins);
+  const TileLayout l = tile_layout(k, group, kind, scale_bytes, mins);
   TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
                   tiles.numel() == (n + RT - 1) / RT * l.tile_bytes(), "tiles do not match n, K and the group");
   const auto x = x_in.to(at::kFloat).contiguous();
   const QuantizedX xq = quantize_x(x.data_ptr<float>(), x.size(0), k, /*nibble_order=*/int4);
   auto out = at::empty({x.size(0), n}, x.options());
-  interleaved_gemm(xq, tiles.data_ptr<uint8_t>(), int4, scale_bytes, group, mins, n, out.data_ptr<float>());
+  interleaved_gemm(xq, tiles.data_ptr<uint8_t>(), kind, scale_bytes, group, mins, n, out.data_ptr<float>());
   return out.to(x_in.scalar_type());
 }
 }  // namespace llk::quant

@@ -16,6 +16,15 @@ namespace llk::quant {
 constexpr int64_t QB = 32;  // activation quantization block (inputs)
 constexpr int64_t RT = 4;   // weight rows per tile of the integer path
 
+// What the blocks of a packed weight's tiles hold (the `kind` of tile_layout, interleaved_gemm and
+// the callers': a bool `int4` converts to the first two): int8 values, int4 nibbles, or int8
+// values that are all in MXFP4's code book (kE2m1Values: E2M1 doubled, llama.cpp's kvalues_mxfp4)
+// stored as 4-bit codes, byte i of a block holding input i's (low nibble) and input i + 16's (high).
+// The kernels look such codes up into the very int8 values, so they compute int8's products and
+// bits from half its bytes (MXFP4 experts, kept packed as int8 groups, at MXFP4's own 4.5 bits).
+constexpr int64_t kInt8Weights = 0, kInt4Weights = 1, kE2m1Weights = 2;
+inline constexpr int8_t kE2m1Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
 // x rounded to int16 per row and per block of QB inputs (scale = max|x| / 32767).
 struct QuantizedX {
   int64_t m, k;
@@ -33,6 +42,7 @@ constexpr int64_t STEP = 256;
 struct TileLayout {
   int64_t groups, bpg, block_bytes, scale_bytes;
   bool mins;
+  bool e2m1 = false;  // int8 blocks held as kE2m1Values codes (16 bytes a block)
   // set once by tile_layout: the kernels ask per tile, and dividing there costs as much as a block
   int64_t step_groups = 0, step_count = 0;
   int64_t group_bytes() const {
@@ -49,11 +59,12 @@ struct TileLayout {
 
 // ---- pointer-level kernels (x86-64 with AVX2+FMA+F16C) ----
 QuantizedX quantize_x(const float* x, int64_t m, int64_t k, bool nibble_order);
-TileLayout tile_layout(int64_t k, int64_t group, bool int4, int64_t scale_bytes, bool mins);
+TileLayout tile_layout(int64_t k, int64_t group, int64_t kind, int64_t scale_bytes, bool mins);
 void packed_gemm(const QuantizedX& xq, const uint8_t* w, bool int4, const at::Tensor& scales, const at::Tensor& mins,
                  int64_t group, int64_t n, float* out);
 // From qgemm_min_rows rows of x (and xq.x set), qgemm.h's many-row GEMM instead.
-void interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, bool int4, int64_t scale_bytes, int64_t group,
+// kind: kInt8Weights, kInt4Weights or kE2m1Weights (xq quantized in nibble order for int4 only).
+void interleaved_gemm(const QuantizedX& xq, const uint8_t* tiles, int64_t kind, int64_t scale_bytes, int64_t group,
                       bool mins, int64_t n, float* out);
 // Whether a packed int8 weight takes the per-token path: per output channel (group == K), symmetric.
 inline bool int8_per_channel(int64_t group, int64_t k, bool has_mins) { return group == k && !has_mins; }
@@ -73,10 +84,13 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
 // Scales [n, k / group] float32 as an int8 per group times a float32 step per STEP inputs and row,
 // exactly (steps * ints == scales bit for bit), or None where some step's values do not factor so.
 c10::optional<std::tuple<at::Tensor, at::Tensor>> step_scales(const at::Tensor& scales, int64_t group);
+// e2m1: an int8 weight's blocks as kE2m1Values codes (e2m1_codes must hold for it).
 at::Tensor interleave_tiles(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                             int64_t group, const c10::optional<at::Tensor>& scale_steps,
-                            const c10::optional<at::Tensor>& min_steps);
-at::Tensor interleaved_linear(const at::Tensor& x_in, const at::Tensor& tiles, bool int4, int64_t n, int64_t group,
+                            const c10::optional<at::Tensor>& min_steps, bool e2m1);
+// Whether every value of an int8 weight is one of kE2m1Values (MXFP4's, doubled).
+bool e2m1_codes(const at::Tensor& qweight);
+at::Tensor interleaved_linear(const at::Tensor& x_in, const at::Tensor& tiles, int64_t kind, int64_t n, int64_t group,
                               int64_t scale_bytes, bool mins);
 at::Tensor fp8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales, bool direct);
 

@@ -193,9 +193,10 @@ class ModelRunner:
             kernels = model.model.norm.ops.kernels  # the engine's (llmctl/platform.py); None without one
             bind_cpu_kernels(model, exact_activations=kernels is not None and kernels.quant_exact_activations)
         # Decode-only steps in one native call where the model allows (else None); decode_path says which.
-        self.native_decode, self.decode_path = build_native_decode(model, self.kv_cache, self.quantized_kv, lora)
-        if self.num_groups > 1 and self.native_decode is not None:  # the loop reads one table per step
-            self.native_decode, self.decode_path = None, "decode: Python modules (sliding-window attention)"
+        kv_slots = None if self.num_groups == 1 else [slot_of[i] for i in range(len(layers))]
+        self.native_decode, self.decode_path = build_native_decode(
+            model, self.kv_cache, self.quantized_kv, lora, kv_slots
+        )
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:

@@ -334,7 +334,7 @@ def _native_projection(layer: LinearBase) -> Any | None:
     tile-interleaved copy, or the row layout / per-channel int8 with the scales that kernel reads;
     None where it runs anything else (fp8, exact activations, the torch reference)."""
     from llmctl_kernels.moe_native import PER_CHANNEL, ROWS, TILES, ProjectionSpec
-    from llmctl_kernels.quant_native import InterleavedKernel
+    from llmctl_kernels.quant_native import INT4_TILES, INT8_TILES, InterleavedKernel
 
     kernel = bound_cpu_kernel(layer, release_rows=True)
     if kernel is None:
@@ -344,7 +344,7 @@ def _native_projection(layer: LinearBase) -> Any | None:
         k = in_features + layer.input_padding
         return ProjectionSpec(
             TILES,
-            kernel.int4,
+            kernel.kind,
             kernel.n,
             k,
             kernel.group,
@@ -362,8 +362,9 @@ def _native_projection(layer: LinearBase) -> Any | None:
     int4 = isinstance(packed, PackedInt4)
     layout = PER_CHANNEL if not int4 and group == k and mins is None else ROWS
     scale_bytes = packed.scales.element_size()
+    kind = INT4_TILES if int4 else INT8_TILES  # the row layouts' bool, as the tiles' kind
     return ProjectionSpec(
-        layout, int4, n, k, group, in_features, scale_bytes, mins is not None, packed.qweight, packed.scales, mins
+        layout, kind, n, k, group, in_features, scale_bytes, mins is not None, packed.qweight, packed.scales, mins
     )
 
 

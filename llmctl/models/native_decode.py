@@ -15,8 +15,9 @@ import torch
 
 from llmctl.layers.attention import Attention
 from llmctl.layers.linear import LinearBase, RowParallelLinear, UnquantizedLinearMethod
-from llmctl.layers.moe import SparseMoeBlock, StackedExperts
+from llmctl.layers.moe import Router, SparseMoeBlock, StackedExperts
 from llmctl.layers.ops import AttentionMetadata, TorchOps
+from llmctl.models.gpt_oss import GptOssMLP
 from llmctl.models.llama import LlamaDecoderLayer, LlamaMLP
 from llmctl.models.registry import CausalLM, family_for
 from llmctl.platform import cpu_isa, decode_loop_kernels, quant_native_takes, select_kernels
@@ -89,8 +90,15 @@ class NativeDecode:
                 plan.finalize_blocks,
                 plan.residual_table,
             )
+        groups = meta.groups[1:] if meta.groups else ()  # KV-cache groups past the first: their own slots and tables
         hidden = self._forward(
-            self._embed(input_ids), positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens
+            self._embed(input_ids),
+            positions,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            [g.slot_mapping for g in groups],
+            [g.decode_block_tables for g in groups],
         )
         if self._moe_experts:  # as StackedExperts.forward records them on the module path
             for experts, counts in zip(self._moe_experts, self.loop.expert_counts()):
@@ -103,11 +111,14 @@ def build_native_decode(
     kv_cache: torch.Tensor,
     quantized_kv: QuantizedKVCache | None = None,
     lora: LoRAManager | None = None,
+    kv_slots: list[tuple[int, int]] | None = None,
 ) -> tuple[NativeDecode | None, str]:
-    """The loop bound to ``model``'s weights and its KV pool: the float ``kv_cache`` [2, layers, ...],
+    """The loop bound to ``model``'s weights and its KV pool: the float ``kv_cache`` [2, layer slots, ...],
     or a ``quantized_kv`` (int8, fp8, KIVI), and the decode path for start-up lines: ``ACTIVE``, or
-    why the module path runs instead. With ``lora`` the loop adds the step's adapter deltas too."""
-    reason = why_not(model, kv_cache, quantized_kv)
+    why the module path runs instead. With ``lora`` the loop adds the step's adapter deltas too.
+    ``kv_slots``: each layer's (KV-cache group, slot of the pool) where the layers form groups
+    (llmctl/engine/model_runner.py); None: one group, layer i in slot i."""
+    reason = why_not(model, kv_cache, quantized_kv, kv_slots)
     if reason is not None:
         return None, f"decode: Python modules ({reason})"
     module, unavailable = decode_loop_kernels()
@@ -156,27 +167,46 @@ def build_native_decode(
         **pool,
     )
     moe_experts = []  # each MoE layer's experts, in layer order: the loop's expert counts go to them
-    for layer in layers:
+    for i, layer in enumerate(layers):
         a, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         attention = (_bind_linear(module, a.qkv_proj), _bind_linear(module, a.o_proj))
         qk_norms = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm else (None, None)
-        if isinstance(mlp, SparseMoeBlock):
-            spec = mlp.gate.spec
-            router, *shared = (_bind_linear(module, linear) for linear in _moe_linears(mlp))
+        if (moe := _moe_parts(mlp)) is not None:
+            router, experts, shared_linears = moe
+            spec = router.spec
+            shared = [_bind_linear(module, linear) for linear in shared_linears]
             shared += [None] * (3 - len(shared))  # gate_up, down, gate: None where absent
-            experts = mlp.experts.native.module
-            loop.add_moe_layer(*norms, *attention, router, spec.top_k, spec.norm_topk_prob, experts, *qk_norms, *shared)
-            moe_experts.append(mlp.experts)
+            loop.add_moe_layer(
+                *norms,
+                *attention,
+                _bind_linear(module, router),
+                spec.top_k,
+                spec.norm_topk_prob,
+                experts.native.module,
+                *qk_norms,
+                *shared,
+                spec.scoring,
+            )
+            moe_experts.append(experts)
         else:
             dense = (_bind_linear(module, mlp.gate_up_proj), _bind_linear(module, mlp.down_proj))
             loop.add_layer(*norms, *attention, *dense, *qk_norms)
+        group, pool_slot = kv_slots[i] if kv_slots is not None else (0, i)
+        attn = a.attn
+        if (group, pool_slot) != (0, i) or attn.sliding_window is not None or attn.sinks is not None:
+            loop.set_attention(i, group, pool_slot, attn.sliding_window or 0, attn.sinks)
     kivi = quantized_kv if quantized_kv is not None and quantized_kv.fmt.is_kivi else None
     adapters = None if lora is None else LoopLoRA(loop, lora, layers)
     return NativeDecode(loop, model.model.embed_tokens, kivi, adapters, moe_experts), ACTIVE
 
 
-def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCache | None = None) -> str | None:
+def why_not(
+    model: CausalLM,
+    kv_cache: torch.Tensor,
+    quantized_kv: QuantizedKVCache | None = None,
+    kv_slots: list[tuple[int, int]] | None = None,
+) -> str | None:
     """Why this model and KV pool run decode on the module path (None: the loop takes them). The
     engine's kernel set (llmctl/platform.py, ``ops.kernels``) has its say after the model's checks,
     but for its switch, which comes first."""
@@ -198,9 +228,13 @@ def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCa
             any({a.q_norm.eps, a.k_norm.eps} != {model.model.norm.eps} for a in _qk_normed_attentions(layers)),
             "q/k norms of another eps",
         ),
-        (_any_attention_has(layers, "sliding_window"), "sliding-window attention"),
         (_any_attention_has(layers, "logit_softcap"), "attention-logit soft-capping"),
         (dtype not in LOOP_DTYPES, f"{dtype} activations"),
+        (
+            (dtype != torch.float32 or quantized_kv is not None) and _windowed(layers, kv_slots),
+            "sliding windows, sinks or KV-cache groups with "
+            + (f"{dtype} activations" if dtype != torch.float32 else "a quantized KV cache"),
+        ),
         (dtype == torch.bfloat16 and quantized_kv is not None, f"{dtype} activations with a quantized KV cache"),
         (
             quantized_kv is not None and not (quantized_kv.native_codes or quantized_kv.native_kivi_store),
@@ -208,7 +242,11 @@ def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCa
         ),
         (
             quantized_kv is None
-            and (kv_cache.dtype != dtype or kv_cache.numel() == 0 or kv_cache.shape[1] != len(layers)),
+            and (
+                kv_cache.dtype != dtype
+                or kv_cache.numel() == 0
+                or kv_cache.shape[1] != (len(layers) if kv_slots is None else 1 + max(s for _, s in kv_slots))
+            ),
             f"KV cache not of the {dtype} activations",
         ),
     ]
@@ -222,10 +260,10 @@ def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCa
     if type(ops) is not TorchOps or not ops.native:
         return "native CPU kernels off"
     for layer in layers:
-        moe = isinstance(layer.mlp, SparseMoeBlock)
-        if moe and (reason := _moe_why_not(layer.mlp, dtype)) is not None:
+        moe = _moe_parts(layer.mlp)
+        if moe is not None and (reason := _moe_why_not(layer.mlp, *moe, dtype)) is not None:
             return reason
-        mlp = _moe_linears(layer.mlp) if moe else (layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        mlp = (moe[0], *moe[2]) if moe is not None else (layer.mlp.gate_up_proj, layer.mlp.down_proj)
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *mlp):
             reason = _linear_why_not(linear, dtype)
             if reason is not None:
@@ -233,25 +271,33 @@ def why_not(model: CausalLM, kv_cache: torch.Tensor, quantized_kv: QuantizedKVCa
     return None
 
 
-def _moe_linears(block: SparseMoeBlock) -> tuple[LinearBase, ...]:
-    """The router and a shared expert's linears (gate_up, down, gate), as the loop binds them."""
-    shared = block.shared_expert
+def _moe_parts(mlp: object) -> tuple[Router, StackedExperts, tuple[LinearBase, ...]] | None:
+    """A mixture-of-experts MLP's router, experts and shared expert's linears (gate_up, down, gate),
+    as the loop binds them; None for a dense MLP."""
+    if isinstance(mlp, GptOssMLP):
+        return mlp.router, mlp.experts, ()
+    if not isinstance(mlp, SparseMoeBlock):
+        return None
+    shared = mlp.shared_expert
     if shared is None:
-        return (block.gate,)
-    gate = () if block.shared_expert_gate is None else (block.shared_expert_gate,)
-    return (block.gate, shared.gate_up_proj, shared.down_proj, *gate)
+        return mlp.gate, mlp.experts, ()
+    gate = () if mlp.shared_expert_gate is None else (mlp.shared_expert_gate,)
+    return mlp.gate, mlp.experts, (shared.gate_up_proj, shared.down_proj, *gate)
 
 
-def _moe_why_not(block: SparseMoeBlock, dtype: torch.dtype) -> str | None:
-    """Why the loop cannot run this mixture-of-experts MLP: it runs softmax top-k routing, the packed
-    experts' native call (``StackedExperts.bind_native``) and a gated dense shared expert, in fp32,
-    at tensor parallel size 1."""
-    spec, experts = block.gate.spec, block.experts
+def _moe_why_not(
+    block: object, router: Router, experts: StackedExperts, shared: tuple[LinearBase, ...], dtype: torch.dtype
+) -> str | None:
+    """Why the loop cannot run this mixture-of-experts MLP: it runs softmax top-k routing or the
+    softmax of the top-k logits (a router bias included), the packed experts' native call
+    (``StackedExperts.bind_native``: biases and clamped SwiGLU included) and a gated dense shared
+    expert, in fp32, at tensor parallel size 1."""
+    spec = router.spec
+    shared_expert = getattr(block, "shared_expert", None)
     checks = [
         (dtype != torch.float32, f"mixture of experts with {dtype} activations"),
-        (block.shared_expert is not None and not isinstance(block.shared_expert, LlamaMLP), "its shared expert"),
-        (spec.scoring != "softmax" or spec.num_groups > 1 or spec.scaling_factor != 1.0, "its expert routing"),
-        (block.gate.bias is not None, "a router bias"),
+        (shared_expert is not None and not isinstance(shared_expert, LlamaMLP), "its shared expert"),
+        (spec.num_groups > 1 or spec.scaling_factor != 1.0, "its expert routing"),
         (experts.tp.size != 1, "tensor parallel experts"),
         (experts.packed is None, "float experts (the loop runs packed ones: --quantization or a quantized GGUF)"),
     ]
@@ -267,9 +313,15 @@ def _qk_normed_attentions(layers: list) -> list:
     return [layer.self_attn for layer in layers if getattr(getattr(layer, "self_attn", None), "qk_norm", False)]
 
 
+def _windowed(layers: list, kv_slots: list[tuple[int, int]] | None) -> bool:
+    """Whether some layer attends over a window, with sinks, or through a KV-cache group of its own:
+    what the loop computes over a float32 pool only."""
+    plain = kv_slots is None or all(slot == (0, i) for i, slot in enumerate(kv_slots))
+    return not plain or _any_attention_has(layers, "sliding_window") or _any_attention_has(layers, "sinks")
+
+
 def _any_attention_has(layers: list, feature: str) -> bool:
-    """Whether some layer's attention has ``feature`` (a sliding window, a logit soft cap), which the
-    loop's attention does not compute."""
+    """Whether some layer's attention has ``feature`` (a sliding window, sinks, a logit soft cap)."""
     for layer in layers:
         attn = getattr(getattr(layer, "self_attn", None), "attn", None)
         if isinstance(attn, Attention) and getattr(attn, feature) is not None:
@@ -349,4 +401,5 @@ def _bind_linear(module: object, layer: LinearBase) -> object:
         bias=bias,
         tiles=tiles,
         tile_scale_bytes=getattr(kernel, "scale_bytes", 0),
+        tile_kind=getattr(kernel, "kind", 0),
     )

@@ -303,7 +303,6 @@ FAMILIES: tuple[ModelFamily, ...] = (
         gguf_architecture="gpt-oss",
         gguf_tensors=(("ffn_gate_inp", "mlp.router"),),
         gguf_experts="gpt_oss_gguf_experts",
-        native_decode_why_not="GptOssForCausalLM's attention sinks and mixture of experts",
     ),
     ModelFamily(
         "DeepseekV2ForCausalLM",

@@ -1,15 +1,16 @@
 """The native decode loop (kernels/cpu/decode_loop.cpp, llmctl/models/native_decode.py) against the
 Python module path it replaces on decode-only steps: the same logits bit for bit, step by step,
 for dense fp32 and packed int4/int8 weights, float, 8-bit and KIVI KV caches, padded inputs, q/k/v and
-MLP biases, Qwen3's per-head q/k norms, tied embeddings, a GGUF file mixing packed and float layers,
-speculative verify rows, and the real SmolLM2; batched == unbatched; and the settings it leaves to
-the module path say why."""
+MLP biases, Qwen3's per-head q/k norms, tied embeddings, sliding windows and KV-cache groups,
+mixtures of experts (gpt-oss's sinks and MXFP4 experts included), a GGUF file mixing packed and
+float layers, speculative verify rows, and the real SmolLM2; batched == unbatched; and the settings
+it leaves to the module path say why."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from model_factory import random_prompts
+from model_factory import make_hf_model, random_prompts
 
 from llmctl import platform
 from llmctl.engine.llm_engine import LLMEngine
@@ -215,13 +216,15 @@ def test_the_switch(llama_dir, monkeypatch):
     assert engine.runner.native_decode is None and "LLMCTL_DECODE_LOOP=0" in engine.runner.decode_path
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"])
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_moe_bitwise_equal_to_the_module_path(hf_model_dirs, monkeypatch, family, quantization):
     """Mixture-of-experts layers with packed experts run in the loop: the router, softmax top-k and
     the native experts call of the module path (Qwen2-MoE: its gated shared expert too; a dense
-    layer between), the same logits bit for bit, batched and alone, and the same per-expert token
-    counts for the engine's stats."""
+    layer between; gpt-oss: the router's bias and the softmax of its top-k logits, biased experts
+    with the clamped SwiGLU, attention sinks, and sliding and full layers in two KV-cache groups),
+    the same logits bit for bit, batched and alone, and the same per-expert token counts for the
+    engine's stats."""
     from llmctl.layers.moe import expert_stats
 
     model = str(hf_model_dirs[family])
@@ -236,6 +239,43 @@ def test_moe_bitwise_equal_to_the_module_path(hf_model_dirs, monkeypatch, family
         engine.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         stats[loop] = expert_stats(engine.runner.model)
     assert stats[True]["layers"] and stats[True] == stats[False]
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [
+        ("mistral", {"sliding_window": 8, "head_dim": 64}),  # every layer sliding: one KV-cache group
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),  # full, sliding: two
+    ],
+)
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_sliding_windows_bitwise_equal_to_the_module_path(tmp_path, monkeypatch, family, overrides, quantization):
+    """Windows crossed by every prompt and generation: the loop stores and reads each layer through
+    its KV-cache group's slots and tables, over its window, with the module path's bits."""
+    model = make_hf_model(family, tmp_path / family, seed=5, **overrides)
+    prompts = random_prompts(4, VOCAB, 3, 40, seed=9)
+    kw = dict(quantization=quantization, quantization_group_size=64, max_tokens=14)
+    assert_same_as_module_path(str(model), monkeypatch, prompts, **kw)
+    assert_same_as_module_path(str(model), monkeypatch, prompts[:1], **kw)
+
+
+def test_gpt_oss_mxfp4_checkpoint_bitwise_equal_to_the_module_path(tmp_path_factory, monkeypatch):
+    """OpenAI's checkpoint format: the MXFP4 experts kept packed (int8 groups) run in the loop."""
+    from gguf_cases import mxfp4_checkpoints
+
+    root = tmp_path_factory.getbasetemp() / "decode_loop_mxfp4"
+    root.mkdir(exist_ok=True)
+    _, quantized = mxfp4_checkpoints(root)
+    prompts = random_prompts(4, VOCAB, 3, 30, seed=4)
+    assert_same_as_module_path(str(quantized), monkeypatch, prompts, max_tokens=10, kv_cache_memory=16 << 20)
+
+
+def test_windows_with_a_quantized_kv_cache_run_the_module_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMCTL_DECODE_LOOP", "1")
+    model = make_hf_model("mistral", tmp_path / "mistral", seed=5, sliding_window=8, head_dim=64)
+    engine = LLMEngine(model=str(model), skip_tokenizer=True, dtype="float32", kv_cache_dtype="int8")
+    assert engine.runner.native_decode is None
+    assert "sliding windows, sinks or KV-cache groups with a quantized KV cache" in engine.runner.decode_path
 
 
 @pytest.mark.parametrize(

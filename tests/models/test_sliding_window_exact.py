@@ -73,14 +73,6 @@ def test_single_requests_match_transformers(model_dirs, name, native, monkeypatc
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_native_decode_loop_refuses_windows(model_dirs, monkeypatch):
-    monkeypatch.setenv("LLMCTL_DECODE_LOOP", "1")
-    engine = make_engine(model_dirs["mistral64"])
-    assert engine.runner.native_decode is None
-    if engine.model.model.norm.ops.kernels.decode_loop_why_not() is None:  # the kernels would take it
-        assert engine.runner.decode_path == "decode: Python modules (sliding-window attention)"
-
-
 @pytest.mark.parametrize("name", ["mistral", "qwen2", "mistral64"])
 def test_sixteen_staggered_requests_match_transformers(model_dirs, name):
     prompts = random_prompts(16, VOCAB, 1, 80, seed=3)
