@@ -510,11 +510,17 @@ struct Int8Block {
   }
 };
 
-// int8 values held as 4-bit codes (kE2m1Values; byte i: input i's code, then input i + 16's),
-// looked up by vpshufb into the very bytes an Int8Block holds: Int8Block's words and products.
+// int8 values held as 4-bit codes (kE2m1Values; byte i: input i's code, then input i + 16's).
+// The AVX-512 forms look them up by vpshufb into the very bytes an Int8Block holds and take its
+// words. The AVX2 form, bound by its shuffles at one row of x, widens the codes' bytes to words
+// first and looks up value + OFFSET (a byte >= 0, 0 for the zero high byte): one shuffle fewer a
+// block than looking up and sign-extending, and dot takes OFFSET * (x's lane sums) back off
+// (x_offset, once per block and x row), so each int32 lane is int8's exact sum: the same bits.
 struct E2m1Block {
   static constexpr int64_t BYTES = QB / 2;
-  using Words = Int8Block::Words;
+  static constexpr int16_t OFFSET = -kE2m1Values[0];
+  static_assert(kE2m1Values[0] < 0 && kE2m1Values[15] + OFFSET < 128, "code 0 the least value; value + OFFSET a byte");
+  struct Words { __m256i lo, hi; };  // value + OFFSET as int16: inputs 0-15, 16-31
   using Words512 = Int8Block::Words512;
   // A block's 32 values: inputs 0-15 in lo, 16-31 in hi.
   __attribute__((target("avx2"), always_inline)) static inline void values(const uint8_t* w, __m128i& lo, __m128i& hi) {
@@ -524,16 +530,26 @@ struct E2m1Block {
     hi = _mm_shuffle_epi8(book, _mm_and_si128(_mm_srli_epi16(raw, 4), low4));
   }
   __attribute__((target("avx2"), always_inline)) static inline Words unpack(const uint8_t* w) {
-    __m128i lo, hi;
-    values(w, lo, hi);
-    return {_mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi)};
+    const __m128i book = _mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1Values)),
+                                      _mm_set1_epi8(static_cast<char>(OFFSET)));
+    const __m256i book2 = _mm256_broadcastsi128_si256(book);
+    const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    return {_mm256_shuffle_epi8(book2, _mm256_and_si256(words, _mm256_set1_epi16(15))),
+            _mm256_shuffle_epi8(book2, _mm256_srli_epi16(words, 4))};
   }
-  __attribute__((target("avx2"), always_inline)) static inline __m256i dot(const Words& w, __m256i xlo, __m256i xhi) {
-    return Int8Block::dot(w, xlo, xhi);
+  // OFFSET * x's sums over each int32 lane's inputs (2j, 2j + 1 of each half): what dot takes off.
+  __attribute__((target("avx2"), always_inline)) static inline __m256i x_offset(__m256i xlo, __m256i xhi) {
+    const __m256i offset = _mm256_set1_epi16(OFFSET);
+    return _mm256_add_epi32(_mm256_madd_epi16(xlo, offset), _mm256_madd_epi16(xhi, offset));
+  }
+  __attribute__((target("avx2"), always_inline)) static inline __m256i dot(const Words& w, __m256i xlo, __m256i xhi,
+                                                                         __m256i x_off) {
+    return _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(w.lo, xlo), _mm256_madd_epi16(w.hi, xhi)), x_off);
   }
   __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 unpack512(const uint8_t* w) {
-    const Words ymm = unpack(w);
-    return {_mm512_broadcast_i64x4(ymm.lo), _mm512_broadcast_i64x4(ymm.hi)};
+    __m128i lo, hi;
+    values(w, lo, hi);
+    return {_mm512_broadcast_i64x4(_mm256_cvtepi8_epi16(lo)), _mm512_broadcast_i64x4(_mm256_cvtepi8_epi16(hi))};
   }
   // Rows r and r + 1 (BYTES apart), one per 256-bit half, as Int8Block::unpack512_rows.
   __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 unpack512_rows(const uint8_t* w) {
@@ -606,17 +622,22 @@ __attribute__((target("avx2,fma,f16c"))) void tile_interleaved(const uint8_t* p,
     p += RT * sizeof(S);
     for (int64_t e = 0; e < bpg; ++e, ++b, p += RT * Block::BYTES) {
       prefetch_ahead<Block>(p);
-      __m256i x0[MX], x1[MX];
+      __m256i x0[MX], x1[MX], x_off[MX];
       __m256 sx[MX];
       for (int i = 0; i < MX; ++i) {
         x0[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].q + b * QB));
         x1[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i].q + b * QB + 16));
         sx[i] = _mm256_mul_ps(scales, _mm256_set1_ps(x[i].scale[b]));
+        if constexpr (std::is_same_v<Block, E2m1Block>) x_off[i] = Block::x_offset(x0[i], x1[i]);
       }
       for (int r = 0; r < RT; ++r) {
         const typename Block::Words w = Block::unpack(p + r * Block::BYTES);
-        for (int i = 0; i < MX; ++i)
-          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Block::dot(w, x0[i], x1[i])), lane(sx[i], r), acc[i][r]);
+        for (int i = 0; i < MX; ++i) {
+          __m256i dot;
+          if constexpr (std::is_same_v<Block, E2m1Block>) dot = Block::dot(w, x0[i], x1[i], x_off[i]);
+          else dot = Block::dot(w, x0[i], x1[i]);
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), lane(sx[i], r), acc[i][r]);
+        }
       }
     }
   }
@@ -1096,7 +1117,7 @@ c10::optional<std::tuple<at::Tensor, at::Tensor>> step_scales(const at::Tensor& 
 std::array<int8_t, 256> e2m1_index() {
   std::array<int8_t, 256> index;
   index.fill(-1);
-  for (int c = 15; c >= 0; --c) index[kE2m1Values[c] + 128] = static_cast<int8_t>(c);  // 0: code 0, not 8
+  for (int c = 15; c >= 0; --c) index[kE2m1Values[c] + 128] = static_cast<int8_t>(c);  // a value's first code
   return index;
 }
 

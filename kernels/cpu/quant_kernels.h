@@ -18,12 +18,14 @@ constexpr int64_t RT = 4;   // weight rows per tile of the integer path
 
 // What the blocks of a packed weight's tiles hold (the `kind` of tile_layout, interleaved_gemm and
 // the callers': a bool `int4` converts to the first two): int8 values, int4 nibbles, or int8
-// values that are all in MXFP4's code book (kE2m1Values: E2M1 doubled, llama.cpp's kvalues_mxfp4)
-// stored as 4-bit codes, byte i of a block holding input i's (low nibble) and input i + 16's (high).
+// values that are all MXFP4's (E2M1 doubled: llama.cpp's kvalues_mxfp4) stored as 4-bit codes
+// into kE2m1Values, byte i of a block holding input i's (low nibble) and input i + 16's (high).
 // The kernels look such codes up into the very int8 values, so they compute int8's products and
 // bits from half its bytes (MXFP4 experts, kept packed as int8 groups, at MXFP4's own 4.5 bits).
+// The values run from the least, so code 0 is -12: value + 12 is a byte that is 0 for code 0 (what
+// the AVX2 one-row unpack's lookup needs of a zero high byte; 0 has two codes, as in MXFP4).
 constexpr int64_t kInt8Weights = 0, kInt4Weights = 1, kE2m1Weights = 2;
-inline constexpr int8_t kE2m1Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+inline constexpr int8_t kE2m1Values[16] = {-12, -8, -6, -4, -3, -2, -1, 0, 0, 1, 2, 3, 4, 6, 8, 12};
 
 // x rounded to int16 per row and per block of QB inputs (scale = max|x| / 32767).
 struct QuantizedX {

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.no_device
 if native_unavailable_reason() is not None:
     pytest.skip(f"quantized CPU kernels: {native_unavailable_reason()}", allow_module_level=True)
 
-BOOK = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]  # kE2m1Values, code by code
+BOOK = [-12, -8, -6, -4, -3, -2, -1, 0, 0, 1, 2, 3, 4, 6, 8, 12]  # kE2m1Values, code by code
 
 
 def _mxfp4_like(n: int, k: int, group: int, seed: int) -> PackedInt8:
@@ -81,7 +81,7 @@ def test_tile_bytes_hold_the_codes_where_the_kernel_reads_them():
     """One tile, one group: the 4 scales, then each row's 16 bytes, byte i = code(input i) | code(input i + 16) << 4."""
     codes = torch.arange(4 * 32).remainder(16).reshape(4, 32).flip(1)
     values = torch.tensor(BOOK, dtype=torch.int8)[codes]
-    codes[codes == 8] = 0  # -0 is stored as 0's code
+    codes[codes == 8] = 7  # 0 is stored as its first code
     scales = torch.full((4, 1), 0.5)
     tiles = load_quant_native().interleave_tiles(values, scales, None, 32, e2m1=True)
     packed_codes = (codes[:, :16] | codes[:, 16:] << 4).to(torch.uint8).flatten()
