@@ -26,6 +26,8 @@
 //   the rows of x, transposed so each weight row's dot product builds up in its own int32 lane:
 //   one vpmaddwd per 16 products and no reductions (panel_avx2).
 // - scalar (`set_isa("generic")`): the same integers in plain loops, the same float steps (std::fma).
+// int8 values held as E2M1 codes (TileLayout::e2m1) are looked up into those int8 values where a
+// variant reads the bytes (e2m1_rows512, e2m1_row_avx2, tiles_ref), then are int8 weights.
 // Overflow: |q| <= 32512, so an int4 block's sum is < 2^24 (exact as a float), an int8 block's
 // < 2^28 (one float rounding, the same in every variant). Every variant gives every output the
 // same bits, and no output depends on M, the row block, the thread or the panel.

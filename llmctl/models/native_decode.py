@@ -261,7 +261,7 @@ def why_not(
         return "native CPU kernels off"
     for layer in layers:
         moe = _moe_parts(layer.mlp)
-        if moe is not None and (reason := _moe_why_not(layer.mlp, *moe, dtype)) is not None:
+        if moe is not None and (reason := _moe_why_not(layer.mlp, moe[0], moe[1], dtype)) is not None:
             return reason
         mlp = (moe[0], *moe[2]) if moe is not None else (layer.mlp.gate_up_proj, layer.mlp.down_proj)
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *mlp):
@@ -285,9 +285,7 @@ def _moe_parts(mlp: object) -> tuple[Router, StackedExperts, tuple[LinearBase, .
     return mlp.gate, mlp.experts, (shared.gate_up_proj, shared.down_proj, *gate)
 
 
-def _moe_why_not(
-    block: object, router: Router, experts: StackedExperts, shared: tuple[LinearBase, ...], dtype: torch.dtype
-) -> str | None:
+def _moe_why_not(block: object, router: Router, experts: StackedExperts, dtype: torch.dtype) -> str | None:
     """Why the loop cannot run this mixture-of-experts MLP: it runs softmax top-k routing or the
     softmax of the top-k logits (a router bias included), the packed experts' native call
     (``StackedExperts.bind_native``: biases and clamped SwiGLU included) and a gated dense shared
@@ -297,7 +295,10 @@ def _moe_why_not(
     checks = [
         (dtype != torch.float32, f"mixture of experts with {dtype} activations"),
         (shared_expert is not None and not isinstance(shared_expert, LlamaMLP), "its shared expert"),
-        (spec.num_groups > 1 or spec.scaling_factor != 1.0, "its expert routing"),
+        (
+            spec.scoring not in ("softmax", "topk_softmax") or spec.num_groups > 1 or spec.scaling_factor != 1.0,
+            "its expert routing",
+        ),
         (experts.tp.size != 1, "tensor parallel experts"),
         (experts.packed is None, "float experts (the loop runs packed ones: --quantization or a quantized GGUF)"),
     ]
