@@ -343,3 +343,16 @@ def staggered(engine, prompts: list[list[int]], params) -> list[tuple[list[int],
                 results[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].logprobs)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     return [results[i] for i in ids]
+
+
+def round_trip(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """``w [N, K]`` as ``--quantization kind`` packs and computes it: zero columns up to whole
+    groups, quantized, dequantized, the padding dropped (int8: per output channel, int4: groups of 64)."""
+    import torch.nn.functional as F
+
+    from llmctl.layers.quantization import dequantize, quantize_int4, quantize_int8
+
+    multiple = 32 if kind == "int8" else 64
+    padded = F.pad(w, (0, -w.shape[1] % multiple))
+    packed = quantize_int8(padded) if kind == "int8" else quantize_int4(padded, 64)
+    return dequantize(packed).float()[:, : w.shape[1]]

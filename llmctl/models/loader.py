@@ -214,7 +214,8 @@ def load_model(
 ) -> CausalLM:
     """``quantization`` auto keeps an MXFP4 checkpoint's experts packed (llmctl/models/mxfp4.py;
     tensor parallel size 1, else they are dequantized and sharded) and is none for any other;
-    int8 | int4 | fp8 quantizes every linear layer once its float weights are loaded; the embedding
+    int8 | int4 | fp8 quantizes every linear layer once its float weights are loaded (an MXFP4
+    checkpoint's experts stay packed as auto keeps them, unless GPTQ calibrates); the embedding
     stays in ``dtype``, the LM head too except with int8 and int4, where its logits come from a
     per-channel int8 copy (``ParallelLMHead.logits_quantization``). ``calibration`` (a text file
     or ``builtin``) rounds them by GPTQ on that text, tokenized by the tokenizer in
@@ -222,8 +223,9 @@ def load_model(
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: no such model directory")
-    # auto: an MXFP4 checkpoint's experts stay packed where they can run packed (one rank)
-    keep_packed = quantization == "auto" and tp.size == 1
+    # an MXFP4 checkpoint's experts stay packed where they can run packed (one rank), whatever
+    # quantizes the other layers; none dequantizes them, and so does GPTQ, which refuses experts
+    keep_packed = tp.size == 1 and (quantization == "auto" or (quantization != "none" and calibration is None))
     quantization = "none" if quantization == "auto" else quantization
     calibration_ids = None
     if calibration is not None:  # the text and the tokenizer checked before any weight is read

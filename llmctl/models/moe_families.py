@@ -115,7 +115,9 @@ def refuse_calibrated_experts(model: nn.Module) -> None:
     """Called before the experts are quantized: refuses a load whose linear layers were quantized
     already, i.e. by GPTQ (``--calibration``), which rounds linear layers only; experts rounded on
     their own beside them would pass for calibrated ones."""
-    experts = [m for m in model.modules() if isinstance(m, StackedExperts) and m.quant_method is not None]
+    experts = [  # experts still to be quantized (an MXFP4 checkpoint's come packed already)
+        m for m in model.modules() if isinstance(m, StackedExperts) and m.quant_method is not None and m.packed is None
+    ]
     if experts and any(isinstance(m, LinearBase) and isinstance(m.method, PackedLinearMethod) for m in model.modules()):
         raise ConfigError(
             f"{model.config.architecture}: --calibration (GPTQ) does not reach a mixture-of-experts model's "

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from model_factory import hf_greedy, make_config, make_hf_model, random_prompts, staggered
+from model_factory import hf_greedy, make_config, make_hf_model, random_prompts, round_trip, staggered
 
 from llmctl.distributed import TensorParallel
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.errors import ConfigError, UnsupportedModelError
 from llmctl.layers.moe import PackedExpert, StackedExperts
 from llmctl.layers.ops import TorchOps
-from llmctl.layers.quantization import dequantize, linear_method_for, quantize_int4, quantize_int8, weight_bytes
+from llmctl.layers.quantization import linear_method_for, weight_bytes
 from llmctl.models.config import ModelConfig
 from llmctl.models.loader import build_model, load_model
 from llmctl.sampling_params import SamplingParams
@@ -70,15 +70,6 @@ def test_experts_are_packed_and_smaller_and_the_routers_stay_float(family, kind,
     assert weight_bytes(quantized) < weight_bytes(plain) - 0.5 * float_experts
 
 
-def _round_trip(w: torch.Tensor, kind: str) -> torch.Tensor:
-    """``w [N, K]`` as its packed form computes: zero columns up to whole groups, quantized,
-    dequantized, the padding dropped (int8: per output channel, int4: groups of 64)."""
-    multiple = 32 if kind == "int8" else 64
-    padded = F.pad(w, (0, -w.shape[1] % multiple))
-    packed = quantize_int8(padded) if kind == "int8" else quantize_int4(padded, 64)
-    return dequantize(packed).float()[:, : w.shape[1]]
-
-
 def _rounded_checkpoint(model_dir: Path, kind: str, out_dir: Path) -> Path:
     """The checkpoint with every linear layer's and expert's weight replaced by its round trip, and
     the LM head's by its per-channel int8 one (int8 and int4 take the logits from an int8 copy);
@@ -93,12 +84,12 @@ def _rounded_checkpoint(model_dir: Path, kind: str, out_dir: Path) -> Path:
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # stacked [E, N, K]
                 for e in range(param.shape[0]):
                     w = param[e].T if transposed else param[e]  # rows round independently: any row order
-                    rounded = _round_trip(w.clone(), kind)
+                    rounded = round_trip(w.clone(), kind)
                     param[e] = rounded.T if transposed else rounded
             elif name.endswith("_proj.weight"):
-                param.copy_(_round_trip(param.clone(), kind))
+                param.copy_(round_trip(param.clone(), kind))
             elif name == "lm_head.weight":
-                param.copy_(_round_trip(param.clone(), "int8"))
+                param.copy_(round_trip(param.clone(), "int8"))
             else:
                 floats = ("norm.weight", "embed_tokens.weight", "mlp.gate.weight", "mlp.router.weight", "bias", "sinks")
                 assert name.endswith(floats), name
@@ -111,7 +102,7 @@ def _rounded_checkpoint(model_dir: Path, kind: str, out_dir: Path) -> Path:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_tokens_on_exact_activations_equal_transformers_on_the_round_trip(family, kind, moe_dirs, tmp_path):
+def test_greedy_tokens_on_exact_activations_equal_transformers_on_theround_trip(family, kind, moe_dirs, tmp_path):
     prompts = random_prompts(3, VOCAB, 2, 40, seed=7)
     want = hf_greedy(_rounded_checkpoint(moe_dirs[family], kind, tmp_path / "rounded"), prompts, 10)
     engine = _engine(moe_dirs[family], quantization=kind, quant_exact_activations=True)

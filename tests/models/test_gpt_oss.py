@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf_cases import mxfp4_experts
-from model_factory import hf_greedy, make_hf_model, random_prompts, staggered
+from model_factory import hf_greedy, make_hf_model, random_prompts, round_trip, staggered
 from safetensors.torch import load_file, save_file
 
 from llmctl.engine.llm_engine import LLMEngine
@@ -169,6 +169,35 @@ def test_mxfp4_checkpoint_matches_transformers(mxfp4_dirs):
         logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
     want = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(out.outputs[0].logprobs), want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantizing_the_other_layers_keeps_the_mxfp4_experts(mxfp4_dirs, kind, tmp_path):
+    """``--quantization int8|int4`` on an MXFP4 checkpoint quantizes the attention projections and
+    takes the logits from an int8 copy of the LM head, and keeps the experts as the checkpoint packs
+    them (not rounded again): greedy tokens equal transformers' on the dense twin with just those
+    layers rounded."""
+    from transformers import AutoModelForCausalLM
+
+    dense, quantized, _ = mxfp4_dirs
+    model = load_model(quantized, quantization=kind, **LOAD)
+    layers = [m for m in model.modules() if isinstance(m, StackedExperts)]
+    weights = load_file(dense / "model.safetensors")
+    for i, layer in enumerate(layers):
+        down = weights[f"model.layers.{i}.mlp.experts.down_proj"]
+        assert all(torch.equal(dequantize(kernel_packed(e.down)), down[j].T) for j, e in enumerate(layer.packed))
+    assert layers and model.model.layers[0].self_attn.qkv_proj.packed_format == kind
+    hf = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")):
+                param.copy_(round_trip(param.clone(), kind))
+            elif name == "lm_head.weight":
+                param.copy_(round_trip(param.clone(), "int8"))
+    hf.save_pretrained(tmp_path / "rounded")
+    prompts = [[5], list(range(3, 36)), random_prompts(1, VOCAB, 50, 51, seed=3)[0]]
+    want = hf_greedy(tmp_path / "rounded", prompts, 12)
+    assert generate_each(make_engine(quantized, quantization=kind, quant_exact_activations=True), prompts, 12) == want
 
 
 def test_transformers_dequantizing_the_mxfp4_checkpoint_agrees(mxfp4_dirs):
