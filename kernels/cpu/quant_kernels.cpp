@@ -1109,21 +1109,20 @@ c10::optional<std::tuple<at::Tensor, at::Tensor>> step_scales(const at::Tensor& 
   return std::make_tuple(ints, steps);
 }
 
-// A packed int4 (uint8 [n, k / 2]) or int8 (int8 [n, k]) weight with its scales (and mins) [n, k /
-// group] in the interleaved layout (uint8, flat): float32 or float16, or int8 with their float32
-// steps [n, k / STEP] (step_scales; both or neither for the mins). Group: a multiple of 32, or 16
-// for int8.
-// kE2m1Values' index of each int8 value (-1: none), by value + 128.
-std::array<int8_t, 256> e2m1_index() {
-  std::array<int8_t, 256> index;
-  index.fill(-1);
-  for (int c = 15; c >= 0; --c) index[kE2m1Values[c] + 128] = static_cast<int8_t>(c);  // a value's first code
+// kE2m1Values' first code of each int8 value (-1: none), by value + 128.
+static const std::array<int8_t, 256>& e2m1_index() {
+  static const std::array<int8_t, 256> index = [] {
+    std::array<int8_t, 256> codes;
+    codes.fill(-1);
+    for (int c = 15; c >= 0; --c) codes[kE2m1Values[c] + 128] = static_cast<int8_t>(c);
+    return codes;
+  }();
   return index;
 }
 
 bool e2m1_codes(const at::Tensor& qweight) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.is_contiguous(), "qweight: contiguous int8");
-  static const std::array<int8_t, 256> index = e2m1_index();
+  const std::array<int8_t, 256>& index = e2m1_index();
   const auto* q = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   std::atomic<bool> all{true};
   at::parallel_for(0, qweight.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
@@ -1133,12 +1132,16 @@ bool e2m1_codes(const at::Tensor& qweight) {
   return all.load();
 }
 
+// A packed int4 (uint8 [n, k / 2]) or int8 (int8 [n, k]) weight with its scales (and mins) [n, k /
+// group] in the interleaved layout (uint8, flat): float32 or float16, or int8 with their float32
+// steps [n, k / STEP] (step_scales; both or neither for the mins). Group: a multiple of 32, or 16
+// for int8. e2m1: an int8 weight's blocks as kE2m1Values codes (each value must have one).
 at::Tensor interleave_tiles(const at::Tensor& qweight, const at::Tensor& scales,
                                const c10::optional<at::Tensor>& mins, int64_t group,
                                const c10::optional<at::Tensor>& scale_steps, const c10::optional<at::Tensor>& min_steps,
                                bool e2m1) {
   const bool int4 = qweight.scalar_type() == at::kByte;
-  TORCH_CHECK(!e2m1 || (!int4 && e2m1_codes(qweight)), "E2M1 codes: an int8 weight whose every value has one");
+  TORCH_CHECK(!e2m1 || !int4, "E2M1 codes: an int8 weight");
   TORCH_CHECK((int4 || qweight.scalar_type() == at::kChar) && qweight.dim() == 2 && qweight.is_contiguous(),
               "qweight: contiguous uint8 (int4) or int8 [n, packed k]");
   const int64_t n = qweight.size(0), row_bytes = qweight.size(1), k = int4 ? 2 * row_bytes : row_bytes;
@@ -1165,11 +1168,14 @@ at::Tensor interleave_tiles(const at::Tensor& qweight, const at::Tensor& scales,
   auto out = at::zeros({tiles * tile_bytes}, at::kByte);
   uint8_t* dst = out.data_ptr<uint8_t>();
   const uint8_t* q = static_cast<const uint8_t*>(qweight.data_ptr());
-  static const std::array<int8_t, 256> index = e2m1_index();
+  const std::array<int8_t, 256>& index = e2m1_index();
   const auto put_block = [&](uint8_t* to, const uint8_t* from) {
     if (!e2m1) return static_cast<void>(std::memcpy(to, from, bb));
-    for (int64_t i = 0; i < QB / 2; ++i)
-      to[i] = static_cast<uint8_t>(index[from[i] ^ 0x80] | index[from[i + QB / 2] ^ 0x80] << 4);
+    for (int64_t i = 0; i < QB / 2; ++i) {
+      const int8_t first = index[from[i] ^ 0x80], second = index[from[i + QB / 2] ^ 0x80];
+      TORCH_CHECK(first >= 0 && second >= 0, "E2M1 codes: an int8 weight whose every value has one");
+      to[i] = static_cast<uint8_t>(first | second << 4);
+    }
   };
   const uint8_t* s = static_cast<const uint8_t*>(scales.data_ptr());
   const uint8_t* mn = mins.has_value() ? static_cast<const uint8_t*>(mins->data_ptr()) : nullptr;
