@@ -136,8 +136,9 @@ class EngineConfig:
             "auto | none | int8 | int4 | fp8. auto: a GGUF file keeps its quantized weights "
             "packed, an MXFP4 checkpoint its experts, a float checkpoint stays float; none: GGUF and "
             "MXFP4 weights are dequantized; int8/int4/fp8: "
-            "quantize a float checkpoint's linear layers while loading (the embedding stays float; with "
-            "int8/int4 the LM head computes logits from an int8 copy on a CPU).",
+            "quantize a float checkpoint's linear layers while loading (an MXFP4 checkpoint's other layers, "
+            "its experts staying packed; the embedding stays float; with int8/int4 the LM head computes "
+            "logits from an int8 copy on a CPU).",
         ),
     )
     quantization_group_size: int = field(
