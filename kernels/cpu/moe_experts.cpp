@@ -175,14 +175,33 @@ class Experts {
     at::Tensor gate_up_bias, down_bias;  // undefined: none
   };
 
-  // gate_up [m, 2 * inner] -> [m, inner], with the very ops the Python path's act runs.
+  // gate_up [m, 2 * inner] -> [m, inner], each operation rounded as the Python path's act rounds it.
   at::Tensor activate(const at::Tensor& gate_up) const {
     if (activation_ == Activation::kSiluAndMul) return llk::cpu::silu_and_mul(gate_up);
-    const auto halves = gate_up.chunk(2, -1);  // moe.clamped_swiglu, op for op
-    const auto gate = halves[0].clamp_max(limit_);
-    const auto up = halves[1].clamp(-limit_, limit_);
-    const auto glu = gate * at::sigmoid(gate * alpha_);
-    return ((up + 1) * glu).contiguous();
+    return clamped_swiglu(gate_up);
+  }
+
+  // moe.clamped_swiglu op for op: the clamps, products and sum as single float operations in loops
+  // and the sigmoid ATen's own (in place, over the same contiguous [m, inner] it gets there), so
+  // one ATen call an expert instead of eight (8 us of a 58 us expert at one row on a Zen 5).
+  at::Tensor clamped_swiglu(const at::Tensor& gate_up) const {
+    const int64_t m = gate_up.size(0);
+    const float limit = static_cast<float>(limit_), alpha = static_cast<float>(alpha_);
+    const auto clamp_max = [limit](float v) { return v > limit ? limit : v; };  // NaN passes, as clamp's
+    const auto clamp = [limit](float v) { return v < -limit ? -limit : v > limit ? limit : v; };
+    const float* gu = gate_up.data_ptr<float>();
+    auto sig = at::empty({m, inner_}, at::kFloat);
+    float* s = sig.data_ptr<float>();
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < inner_; ++j) s[i * inner_ + j] = clamp_max(gu[i * 2 * inner_ + j]) * alpha;
+    sig.sigmoid_();
+    for (int64_t i = 0; i < m; ++i) {
+      const float* gate = gu + i * 2 * inner_;
+      const float* up = gate + inner_;
+      float* row = s + i * inner_;
+      for (int64_t j = 0; j < inner_; ++j) row[j] = (clamp(up[j]) + 1.f) * (clamp_max(gate[j]) * row[j]);
+    }
+    return sig;
   }
 
   // One expert's gated MLP over its rows (pair indices ``pairs``, rows x[p / top_k]), each output

@@ -482,6 +482,11 @@ struct Int4Block {
     const __m256i two = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
     return nibbles512(_mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(two)));
   }
+  // A tile's block of RT rows as RT / 2 pairs of rows (tile_interleaved_row512).
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline void unpack512_tile(const uint8_t* w,
+                                                                                               Words512* pairs) {
+    for (int h = 0; h < RT / 2; ++h) pairs[h] = unpack512_rows(w + 2 * h * BYTES);
+  }
 };
 
 struct Int8Block {
@@ -507,6 +512,11 @@ struct Int8Block {
   __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i dot512(const Words512& w, __m512i xlo,
                                                                                           __m512i xhi) {
     return _mm512_add_epi32(_mm512_madd_epi16(w.lo, xlo), _mm512_madd_epi16(w.hi, xhi));
+  }
+  // A tile's block of RT rows as RT / 2 pairs of rows (tile_interleaved_row512).
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline void unpack512_tile(const uint8_t* w,
+                                                                                               Words512* pairs) {
+    for (int h = 0; h < RT / 2; ++h) pairs[h] = unpack512_rows(w + 2 * h * BYTES);
   }
 };
 
@@ -551,12 +561,19 @@ struct E2m1Block {
     values(w, lo, hi);
     return {_mm512_broadcast_i64x4(_mm256_cvtepi8_epi16(lo)), _mm512_broadcast_i64x4(_mm256_cvtepi8_epi16(hi))};
   }
-  // Rows r and r + 1 (BYTES apart), one per 256-bit half, as Int8Block::unpack512_rows.
-  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 unpack512_rows(const uint8_t* w) {
-    __m128i lo0, hi0, lo1, hi1;
-    values(w, lo0, hi0);
-    values(w + BYTES, lo1, hi1);
-    return {_mm512_cvtepi8_epi16(_mm256_set_m128i(lo1, lo0)), _mm512_cvtepi8_epi16(_mm256_set_m128i(hi1, hi0))};
+  // A tile's block, RT rows of 16 code bytes (one 64-byte line), as Int8Block::unpack512_tile's
+  // words: the four rows looked up together, one 128-bit lane a row, then widened a pair of rows
+  // at a time (a third of the instructions of looking up each row's halves apart).
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline void unpack512_tile(const uint8_t* w,
+                                                                                               Words512* pairs) {
+    static_assert(RT * BYTES == 64, "a tile's block: one zmm of codes");
+    const __m512i book = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1Values)));
+    const __m512i raw = _mm512_loadu_si512(w), low4 = _mm512_set1_epi8(15);
+    const __m512i lo = _mm512_shuffle_epi8(book, _mm512_and_si512(raw, low4));  // lane r: row r's inputs 0-15
+    const __m512i hi = _mm512_shuffle_epi8(book, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));  // 16-31
+    pairs[0] = {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo)), _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi))};
+    pairs[1] = {_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1)),
+                _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi, 1))};
   }
   __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i dot512(const Words512& w, __m512i xlo,
                                                                                           __m512i xhi) {
@@ -825,10 +842,10 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
       const __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q + b * QB)));
       const __m512i x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q + b * QB + 16)));
       const __m512 sx = _mm512_mul_ps(scales, _mm512_set1_ps(x->scale[b]));
-      for (int h = 0; h < RT / 2; ++h) {
-        const typename Block::Words512 w = Block::unpack512_rows(p + 2 * h * Block::BYTES);
-        acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Block::dot512(w, x0, x1)), _mm512_permutevar_ps(sx, pick[h]), acc[h]);
-      }
+      typename Block::Words512 w[RT / 2];
+      Block::unpack512_tile(p, w);
+      for (int h = 0; h < RT / 2; ++h)
+        acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Block::dot512(w[h], x0, x1)), _mm512_permutevar_ps(sx, pick[h]), acc[h]);
     }
   }
   const __m256 rows[RT] = {_mm512_castps512_ps256(acc[0]), _mm512_extractf32x8_ps(acc[0], 1),
