@@ -556,24 +556,30 @@ struct E2m1Block {
                                                                          __m256i x_off) {
     return _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(w.lo, xlo), _mm256_madd_epi16(w.hi, xhi)), x_off);
   }
-  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 unpack512(const uint8_t* w) {
-    __m128i lo, hi;
-    values(w, lo, hi);
-    return {_mm512_broadcast_i64x4(_mm256_cvtepi8_epi16(lo)), _mm512_broadcast_i64x4(_mm256_cvtepi8_epi16(hi))};
-  }
-  // A tile's block, RT rows of 16 code bytes (one 64-byte line), as Int8Block::unpack512_tile's
-  // words: the four rows looked up together, one 128-bit lane a row, then widened a pair of rows
-  // at a time (a third of the instructions of looking up each row's halves apart).
-  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline void unpack512_tile(const uint8_t* w,
-                                                                                               Words512* pairs) {
+  // The AVX-512 forms take a tile's whole block, RT rows of 16 code bytes (one 64-byte line), and
+  // look its four rows up together, one 128-bit lane a row (two vpshufb for all four, a third of
+  // the instructions of looking each row's halves up apart): inputs 0-15 in `lo`, 16-31 in `hi`.
+  struct Looked512 { __m512i lo, hi; };
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Looked512 look_up512(const uint8_t* w) {
     static_assert(RT * BYTES == 64, "a tile's block: one zmm of codes");
     const __m512i book = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1Values)));
     const __m512i raw = _mm512_loadu_si512(w), low4 = _mm512_set1_epi8(15);
-    const __m512i lo = _mm512_shuffle_epi8(book, _mm512_and_si512(raw, low4));  // lane r: row r's inputs 0-15
-    const __m512i hi = _mm512_shuffle_epi8(book, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));  // 16-31
-    pairs[0] = {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo)), _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi))};
-    pairs[1] = {_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1)),
-                _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi, 1))};
+    return {_mm512_shuffle_epi8(book, _mm512_and_si512(raw, low4)),
+            _mm512_shuffle_epi8(book, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4))};
+  }
+  // As Int8Block::unpack512_tile's words: a pair of rows a vector.
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline void unpack512_tile(const uint8_t* w,
+                                                                                               Words512* pairs) {
+    const Looked512 v = look_up512(w);
+    pairs[0] = {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(v.lo)), _mm512_cvtepi8_epi16(_mm512_castsi512_si256(v.hi))};
+    pairs[1] = {_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v.lo, 1)),
+                _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v.hi, 1))};
+  }
+  // As Int8Block::unpack512's words for row r of the looked-up block: its lane in both halves.
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 row512(const Looked512& v, int r) {
+    const __m512i lane = _mm512_add_epi64(_mm512_set1_epi64(2 * r), _mm512_setr_epi64(0, 1, 0, 1, 0, 1, 0, 1));
+    return {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(_mm512_permutexvar_epi64(lane, v.lo))),
+            _mm512_cvtepi8_epi16(_mm512_castsi512_si256(_mm512_permutexvar_epi64(lane, v.hi)))};
   }
   __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i dot512(const Words512& w, __m512i xlo,
                                                                                           __m512i xhi) {
@@ -785,6 +791,26 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) inli
   }
 }
 
+// A tile block's RT rows for tile_interleaved_pairs: row r's words in both 256-bit halves. Int4 and
+// int8 unpack a row from its bytes; E2M1 codes are looked up four rows at once, then widened a row
+// at a time from its lane: the same words.
+template <typename Block>
+struct TileRows512 {
+  const uint8_t* block;
+  __attribute__((target("avx512f,avx512bw"), always_inline)) typename Block::Words512 row(int r) const {
+    return Block::unpack512(block + r * Block::BYTES);
+  }
+};
+template <>
+struct TileRows512<E2m1Block> {
+  E2m1Block::Looked512 looked;
+  __attribute__((target("avx512f,avx512bw"), always_inline)) explicit TileRows512(const uint8_t* block)
+      : looked(E2m1Block::look_up512(block)) {}
+  __attribute__((target("avx512f,avx512bw"), always_inline)) E2m1Block::Words512 row(int r) const {
+    return E2m1Block::row512(looked, r);
+  }
+};
+
 // Pairs of x rows in zmm registers: each 256-bit half of every vector holds one row's ymm
 // operands (its x blocks, its scale products, its accumulators) and the weight words fill both
 // halves, so one AVX-512 instruction does the two rows' ymm instructions, lane for lane: the same
@@ -810,8 +836,9 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
       __m512i x0[PAIRS], x1[PAIRS];
       __m512 sx[PAIRS];
       for (int i = 0; i < PAIRS; ++i) sx[i] = _mm512_mul_ps(scales, load_pair(x[2 * i], x[2 * i + 1], b, x0[i], x1[i]));
+      const TileRows512<Block> rows{p};
       for (int r = 0; r < RT; ++r) {
-        const typename Block::Words512 w2 = Block::unpack512(p + r * Block::BYTES);
+        const typename Block::Words512 w2 = rows.row(r);
         for (int i = 0; i < PAIRS; ++i)
           acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Block::dot512(w2, x0[i], x1[i])),
                                       _mm512_permutevar_ps(sx[i], lane_of[r]), acc[i][r]);
