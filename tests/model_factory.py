@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 FAMILIES = (
     "llama",
@@ -348,8 +349,6 @@ def staggered(engine, prompts: list[list[int]], params) -> list[tuple[list[int],
 def round_trip(w: torch.Tensor, kind: str) -> torch.Tensor:
     """``w [N, K]`` as ``--quantization kind`` packs and computes it: zero columns up to whole
     groups, quantized, dequantized, the padding dropped (int8: per output channel, int4: groups of 64)."""
-    import torch.nn.functional as F
-
     from llmctl.layers.quantization import dequantize, quantize_int4, quantize_int8
 
     multiple = 32 if kind == "int8" else 64

@@ -482,11 +482,6 @@ struct Int4Block {
     const __m256i two = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
     return nibbles512(_mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(two)));
   }
-  // A tile's block of RT rows as RT / 2 pairs of rows (tile_interleaved_row512).
-  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline void unpack512_tile(const uint8_t* w,
-                                                                                               Words512* pairs) {
-    for (int h = 0; h < RT / 2; ++h) pairs[h] = unpack512_rows(w + 2 * h * BYTES);
-  }
 };
 
 struct Int8Block {
@@ -512,11 +507,6 @@ struct Int8Block {
   __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i dot512(const Words512& w, __m512i xlo,
                                                                                           __m512i xhi) {
     return _mm512_add_epi32(_mm512_madd_epi16(w.lo, xlo), _mm512_madd_epi16(w.hi, xhi));
-  }
-  // A tile's block of RT rows as RT / 2 pairs of rows (tile_interleaved_row512).
-  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline void unpack512_tile(const uint8_t* w,
-                                                                                               Words512* pairs) {
-    for (int h = 0; h < RT / 2; ++h) pairs[h] = unpack512_rows(w + 2 * h * BYTES);
   }
 };
 
@@ -567,13 +557,10 @@ struct E2m1Block {
     return {_mm512_shuffle_epi8(book, _mm512_and_si512(raw, low4)),
             _mm512_shuffle_epi8(book, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4))};
   }
-  // As Int8Block::unpack512_tile's words: a pair of rows a vector.
-  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline void unpack512_tile(const uint8_t* w,
-                                                                                               Words512* pairs) {
-    const Looked512 v = look_up512(w);
-    pairs[0] = {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(v.lo)), _mm512_cvtepi8_epi16(_mm512_castsi512_si256(v.hi))};
-    pairs[1] = {_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v.lo, 1)),
-                _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v.hi, 1))};
+  // As Int8Block::unpack512_rows' words for rows 2h and 2h + 1 of the looked-up block.
+  __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 pair512(const Looked512& v, int h) {
+    const auto half = [h](__m512i x) { return h == 0 ? _mm512_castsi512_si256(x) : _mm512_extracti64x4_epi64(x, 1); };
+    return {_mm512_cvtepi8_epi16(half(v.lo)), _mm512_cvtepi8_epi16(half(v.hi))};
   }
   // As Int8Block::unpack512's words for row r of the looked-up block: its lane in both halves.
   __attribute__((target("avx512f,avx512bw"), always_inline)) static inline Words512 row512(const Looked512& v, int r) {
@@ -791,14 +778,18 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) inli
   }
 }
 
-// A tile block's RT rows for tile_interleaved_pairs: row r's words in both 256-bit halves. Int4 and
-// int8 unpack a row from its bytes; E2M1 codes are looked up four rows at once, then widened a row
-// at a time from its lane: the same words.
+// A tile block's RT rows as the AVX-512 passes take them: row r's words in both 256-bit halves
+// (tile_interleaved_pairs), or rows 2h and 2h + 1 one per half (tile_interleaved_row512). Int4 and
+// int8 unpack rows from their bytes; E2M1 codes are looked up four rows at once, then widened
+// from their lanes: the same words.
 template <typename Block>
 struct TileRows512 {
   const uint8_t* block;
   __attribute__((target("avx512f,avx512bw"), always_inline)) typename Block::Words512 row(int r) const {
     return Block::unpack512(block + r * Block::BYTES);
+  }
+  __attribute__((target("avx512f,avx512bw"), always_inline)) typename Block::Words512 pair(int h) const {
+    return Block::unpack512_rows(block + 2 * h * Block::BYTES);
   }
 };
 template <>
@@ -808,6 +799,9 @@ struct TileRows512<E2m1Block> {
       : looked(E2m1Block::look_up512(block)) {}
   __attribute__((target("avx512f,avx512bw"), always_inline)) E2m1Block::Words512 row(int r) const {
     return E2m1Block::row512(looked, r);
+  }
+  __attribute__((target("avx512f,avx512bw"), always_inline)) E2m1Block::Words512 pair(int h) const {
+    return E2m1Block::pair512(looked, h);
   }
 };
 
@@ -869,10 +863,10 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"))) void
       const __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q + b * QB)));
       const __m512i x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x->q + b * QB + 16)));
       const __m512 sx = _mm512_mul_ps(scales, _mm512_set1_ps(x->scale[b]));
-      typename Block::Words512 w[RT / 2];
-      Block::unpack512_tile(p, w);
+      const TileRows512<Block> rows{p};
       for (int h = 0; h < RT / 2; ++h)
-        acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Block::dot512(w[h], x0, x1)), _mm512_permutevar_ps(sx, pick[h]), acc[h]);
+        acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Block::dot512(rows.pair(h), x0, x1)), _mm512_permutevar_ps(sx, pick[h]),
+                                 acc[h]);
     }
   }
   const __m256 rows[RT] = {_mm512_castps512_ps256(acc[0]), _mm512_extractf32x8_ps(acc[0], 1),

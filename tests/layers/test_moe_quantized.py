@@ -102,7 +102,7 @@ def _rounded_checkpoint(model_dir: Path, kind: str, out_dir: Path) -> Path:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_tokens_on_exact_activations_equal_transformers_on_theround_trip(family, kind, moe_dirs, tmp_path):
+def test_greedy_tokens_on_exact_activations_equal_transformers_on_the_round_trip(family, kind, moe_dirs, tmp_path):
     prompts = random_prompts(3, VOCAB, 2, 40, seed=7)
     want = hf_greedy(_rounded_checkpoint(moe_dirs[family], kind, tmp_path / "rounded"), prompts, 10)
     engine = _engine(moe_dirs[family], quantization=kind, quant_exact_activations=True)
