@@ -14,14 +14,17 @@
 // rows: a 64-row step computes from the packed bytes about as fast as from a float32 copy (AVX2)
 // or faster (VNNI; docs/benchmarks.md).
 //
-// Layout of the products (VNNI): each 32-bit lane holds 4 consecutive bytes of one weight row (the tile's
-// natural order), so x goes to the lanes pre-arranged: int8 weights take x in input order; an int4
-// lane's low nibbles are inputs 8j, 8j+2, 8j+4, 8j+6 and its high ones 8j+1 ... 8j+7, so each
-// x block is stored as [those 16 for the low nibbles | 16 for the high] (nibble_lanes). Each
-// 4-tile panel's lanes are summed per weight row by a transpose (row_sums).
-// - AVX512-VNNI: vpdpbusd (u8 x s8 -> s32). int4 nibbles are the unsigned operand; int8 weights
-//   are signed, so both digits go in as digit + 128 (unsigned), and -(128 * 257) * sum(w row)
-//   is added once per block and panel for all the rows of x.
+// Layout of the products (VNNI): a tile's 32-bit lane holds 4 consecutive bytes of one weight row, so
+// x goes to the lanes pre-arranged: int8 weights take x in input order; an int4 lane's low nibbles
+// are inputs 8j, 8j+2, 8j+4, 8j+6 and its high ones 8j+1 ... 8j+7, so each x block is stored as
+// [those 16 for the low nibbles | 16 for the high] (nibble_lanes).
+// - AVX512-VNNI: vpdpbusd (u8 x s8 -> s32), rows in lanes. Each 4-tile panel (16 weight rows) is
+//   prepared once for all the rows of x (prepare_panel512): per block, 8 vectors that hold, in
+//   lane 4r + t, row r of tile t's 4 bytes that meet x's dword c, and the block's scales as
+//   floats. Per row of x and digit, 8 vpdpbusd with x's dword broadcast by the load leave each
+//   weight row's block sum in its own lane, with no reductions (8 rows of x a pass). Weights are
+//   the unsigned operand: int4 nibbles as they are, int8 weights as w + 128, with 128 * sum(q)
+//   over the block taken off (Int8X::qsum128).
 // - AVX2: x as q whole (int16, Int8X::q) and the weight widened to int16 once per panel for all
 //   the rows of x, transposed so each weight row's dot product builds up in its own int32 lane:
 //   one vpmaddwd per 16 products and no reductions (panel_avx2).
@@ -41,7 +44,7 @@ namespace qgemm {
 // Activation steps each side of zero: 127 * 255 + 127, the most two such digits hold (int16's
 // precision: one int8 digit alone cost SmolLM2-135M Q4_1 +1.3 % perplexity on fables.txt).
 constexpr float LEVELS = 32512.f;
-constexpr int MR = 4;       // x rows per pass over a panel's block (VNNI)
+constexpr int MR = 8;       // x rows per pass over a panel's block (VNNI)
 constexpr int MR_AVX2 = 8;  // x rows per pass over a widened panel's block (AVX2)
 constexpr int64_t X_BLOCK_BYTES = 128 << 10;  // x (int16) a block of rows holds (AVX2)
 
@@ -59,9 +62,11 @@ struct Int8X {
   int64_t m = 0, k = 0, groups = 0;
   bool lanes = false;        // the digits' blocks in nibble_lanes order
   int32_t base = 255;
-  std::vector<int8_t> hi, lo;  // [m, k]: input order (int8 weights, the scalar variant) or nibble_lanes order
-  // [k / QB, block_rows, QB]: q whole instead of the digits (AVX2), block-major (a block's rows of x side by
-  // side: rows K apart share L1 sets when K is a multiple of 2,048), in pair order: within each span
+  // [k / QB, block_rows, QB], block-major (a block's rows of x side by side: rows K apart share L1
+  // sets when K is a multiple of 2,048, and a pass of rows reads them at fixed offsets): the digits
+  // in input order (int8 weights, the scalar variant) or nibble_lanes order
+  std::vector<int8_t> hi, lo;
+  // [k / QB, block_rows, QB]: q whole instead of the digits (AVX2), block-major, in pair order: within each span
   // of `pairs` inputs (4: int8 weights, 8: int4), the first half's inputs each followed by its
   // partner in the second half (0, 2, 1, 3 or 0, 4, 1, 5, 2, 6, 3, 7), the pairs the widened weight
   // holds (widen_block_avx2).
@@ -70,6 +75,10 @@ struct Int8X {
   int64_t block_rows = 0;     // rows a block of q and scale holds (m, or m + 8: see padded_rows)
   std::vector<float> scale;  // [k / QB, block_rows]: a block's rows side by side
   std::vector<float> sums;   // [m, groups]: exact float sums of x over each weight group (for the mins)
+  // [k / QB * halves, block_rows]: 128 * sum(q) over each block (halves 1) or half block (2), which
+  // VNNI takes off int8 weights' sums as it multiplies them unsigned, w + 128 (input-order digits only)
+  std::vector<int32_t> qsum128;
+  int halves = 1;
 };
 
 // One 32-input block of int8 x in an int4 lane's order (see the top of this file).
@@ -96,7 +105,9 @@ __attribute__((target("avx2"))) inline __m256i digits_avx2(const __m256i* d, boo
 // nearbyint in the default rounding mode), q whole in pair order or its base-256 digits.
 __attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float* xb, bool lanes,
                                                                      float* scale, int8_t* hi, int8_t* lo,
-                                                                     int16_t* whole, int pairs) {
+                                                                     int16_t* whole, int pairs,
+                                                                     int32_t* qsum128 = nullptr, int halves = 1,
+                                                                     int64_t qsum_stride = 0) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 v[4], amax8 = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
@@ -118,10 +129,21 @@ __attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float*
                           _mm256_permute4x64_epi64(_mm256_packs_epi32(h[2 * i], h[2 * i + 1]), 0xD8));
     return;
   }
+  __m256i q[4];
   for (int i = 0; i < 4; ++i) {  // base 256 (VNNI): hi = floor((q + 128) / 256)
-    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
-    h[i] = _mm256_srai_epi32(_mm256_add_epi32(q, _mm256_set1_epi32(128)), 8);
-    l[i] = _mm256_sub_epi32(q, _mm256_slli_epi32(h[i], 8));
+    q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    h[i] = _mm256_srai_epi32(_mm256_add_epi32(q[i], _mm256_set1_epi32(128)), 8);
+    l[i] = _mm256_sub_epi32(q[i], _mm256_slli_epi32(h[i], 8));
+  }
+  if (qsum128 != nullptr) {  // 128 * sum(q): each half (inputs 0-15, 16-31) or the whole block
+    alignas(32) int32_t half[2][8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(half[0]), _mm256_add_epi32(q[0], q[1]));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(half[1]), _mm256_add_epi32(q[2], q[3]));
+    int32_t sum[2] = {0, 0};
+    for (int s = 0; s < 2; ++s)
+      for (int j = 0; j < 8; ++j) sum[s] += half[s][j];
+    if (halves == 2) qsum128[0] = 128 * sum[0], qsum128[qsum_stride] = 128 * sum[1];
+    else qsum128[0] = 128 * (sum[0] + sum[1]);
   }
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), digits_avx2(h, lanes));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), digits_avx2(l, lanes));
@@ -133,10 +155,12 @@ __attribute__((target("avx2,fma"))) inline void quantize_block_avx2(const float*
 inline Int8X quantize(const float* x, int64_t m, int64_t k, int64_t group, bool mins, bool lanes, int32_t base,
                       bool vector, int pairs = 0) {
   const int64_t nb = k / QB;
-  Int8X r{m, k, k / group, lanes, base, {}, {}, {}, pairs, padded_rows(m), {}, {}};
+  Int8X r{m, k, k / group, lanes, base, {}, {}, {}, pairs, padded_rows(m), {}, {}, {}, group < QB ? 2 : 1};
   r.scale.resize(r.block_rows * nb);
   if (pairs != 0) r.q.resize(r.block_rows * k);
-  else r.hi.resize(m * k), r.lo.resize(m * k);
+  else r.hi.resize(r.block_rows * k), r.lo.resize(r.block_rows * k);
+  const bool qsums = vector && pairs == 0 && !lanes;  // VNNI's int8 weights
+  if (qsums) r.qsum128.resize(r.block_rows * nb * r.halves);
   if (mins) r.sums.resize(m * r.groups);
   at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
     int8_t hi[QB], lo[QB];
@@ -144,13 +168,14 @@ inline Int8X quantize(const float* x, int64_t m, int64_t k, int64_t group, bool 
       const float* xr = x + i * k;
       for (int64_t b = 0; b < nb; ++b) {
         const float* xb = xr + b * QB;
-        const int64_t at = i * k + b * QB;
+        const int64_t at = (b * r.block_rows + i) * QB;
         if (vector) {
           float* scale = &r.scale[b * r.block_rows + i];
           if (pairs != 0)
-            quantize_block_avx2(xb, lanes, scale, nullptr, nullptr, r.q.data() + (b * r.block_rows + i) * QB, pairs);
+            quantize_block_avx2(xb, lanes, scale, nullptr, nullptr, r.q.data() + at, pairs);
           else
-            quantize_block_avx2(xb, lanes, scale, r.hi.data() + at, r.lo.data() + at, nullptr, 0);
+            quantize_block_avx2(xb, lanes, scale, r.hi.data() + at, r.lo.data() + at, nullptr, 0,
+                                qsums ? &r.qsum128[b * r.halves * r.block_rows + i] : nullptr, r.halves, r.block_rows);
           continue;
         }
         float amax = 0.f;
@@ -226,8 +251,8 @@ __attribute__((optimize("fp-contract=off"))) void tiles_ref(const Int8X& x, cons
     for (int r = 0; r < RT && t * RT + r < n; ++r)
       for (int64_t i = 0; i < x.m; ++i) {
         const auto q = [&](int64_t at) -> int32_t {  // the digits, or q whole
-          if (!x.q.empty()) return x.q[(at / QB * x.block_rows + i) * QB + at % QB];
-          return x.base * x.hi[i * x.k + at] + x.lo[i * x.k + at];
+          const int64_t j = (at / QB * x.block_rows + i) * QB + at % QB;
+          return x.q.empty() ? x.base * x.hi[j] + x.lo[j] : x.q[j];
         };
         float acc = 0.f;
         for (int64_t g = 0; g < l.groups; ++g) {
@@ -254,31 +279,34 @@ __attribute__((optimize("fp-contract=off"))) void tiles_ref(const Int8X& x, cons
   }
 }
 
-// ---- AVX-512 VNNI: panels of 4 tiles (16 weight rows) ------------------------------------------
-// The 4 tiles' int32 lanes (lane 4r + j of tile t: row r, bytes 4j..4j+3) summed per row: lane 4r + t.
-__attribute__((target("avx512f,avx512bw"))) inline __m512i row_sums(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
-  const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
-  const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
-  return _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+// ---- AVX-512 VNNI: panels of 4 tiles (16 weight rows), rows in lanes --------------------------
+// Each block of the panel is transposed in registers, once per pass of R rows of x, into 8 vectors
+// W[c]: lane 4r + t holds row r of tile t's 4 weight bytes that meet x's dword c (its inputs
+// 4c .. 4c+3 in x's order). Per row of x and digit, 8 vpdpbusd with x's dword broadcast from memory
+// leave each weight row's block sum in its own int32 lane, with no reductions; the lanes' order
+// (4r + t) is undone at the store. int8 weights go in unsigned, as w + 128, and 128 * sum(q) over
+// the block (Int8X::qsum128) is taken off.
+
+// The in-lane 4 x 4 transpose of dwords: out[j] lane 4L + t = in[t] lane 4L + j. (Values, not
+// arrays: GCC keeps an array whose address is taken on the stack, and a zmm store reloaded at once
+// stalls the block.)
+__attribute__((target("avx512f"), always_inline)) inline void transpose_in_lanes(__m512i i0, __m512i i1, __m512i i2,
+                                                                                __m512i i3, __m512i* out) {
+  const __m512i a01l = _mm512_unpacklo_epi32(i0, i1), a01h = _mm512_unpackhi_epi32(i0, i1);
+  const __m512i a23l = _mm512_unpacklo_epi32(i2, i3), a23h = _mm512_unpackhi_epi32(i2, i3);
+  out[0] = _mm512_unpacklo_epi64(a01l, a23l);
+  out[1] = _mm512_unpackhi_epi64(a01l, a23l);
+  out[2] = _mm512_unpacklo_epi64(a01h, a23h);
+  out[3] = _mm512_unpackhi_epi64(a01h, a23h);
 }
 
-// An int8 tile block's two vectors (rows 0-1 | rows 2-3, 8 lanes a row) -> 4 lanes a row (lane 4r + j):
-// with HALVES 1 the block's sums; with 2 (groups of 16) its first 16 inputs' in [0], the last 16's in [1].
-template <int HALVES>
-__attribute__((target("avx512f"))) inline std::array<__m512i, HALVES> rows_of_tile(__m512i e0, __m512i e1) {
-  const __m512i first = _mm512_shuffle_i64x2(e0, e1, _MM_SHUFFLE(2, 0, 2, 0));
-  const __m512i second = _mm512_shuffle_i64x2(e0, e1, _MM_SHUFFLE(3, 1, 3, 1));
-  if constexpr (HALVES == 1) return {_mm512_add_epi32(first, second)};
-  else return {first, second};
-}
-
-// lane 4r + t <-> lane 4t + r (its own inverse): tile-major values to row_sums' order and back.
+// lane 4r + t <-> lane 4t + r (its own inverse): tile-major values to the lanes' order and back.
 __attribute__((target("avx512f"))) inline __m512i transpose_index() {
   return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
 }
 
 // The 4 tiles' RT values (group g's scales, or with `mins` its mins) at byte offset `at` of each, in
-// row_sums' lane order.
+// the lanes' order.
 template <typename S>
 __attribute__((target("avx2,avx512f,f16c"))) inline __m512 panel_values(const TileScales<S>* ts, const uint8_t* const* p,
                                                                        int64_t at, int64_t g, bool mins, __m512i idx) {
@@ -290,10 +318,10 @@ __attribute__((target("avx2,avx512f,f16c"))) inline __m512 panel_values(const Ti
 }
 
 // A tile block's RT rows of kE2m1Values codes (16 bytes a row) as an int8 block's two vectors: rows
-// 0-1 and rows 2-3, each row's 32 values in input order.
-__attribute__((target("avx512f,avx512bw"))) inline void e2m1_rows512(const uint8_t* p, __m512i& rows01,
+// 0-1 and rows 2-3, each row's 32 values in input order, looked up in `book` (16 bytes, in every
+// 128-bit lane).
+__attribute__((target("avx512f,avx512bw"))) inline void e2m1_rows512(const uint8_t* p, __m512i book, __m512i& rows01,
                                                                     __m512i& rows23) {
-  const __m512i book = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1Values)));
   const __m512i raw = _mm512_loadu_si512(p), low4 = _mm512_set1_epi8(15);
   const __m512i lo = _mm512_shuffle_epi8(book, _mm512_and_si512(raw, low4));  // 128-bit lane r: row r's inputs 0-15
   const __m512i hi = _mm512_shuffle_epi8(book, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));  // 16-31
@@ -301,91 +329,139 @@ __attribute__((target("avx512f,avx512bw"))) inline void e2m1_rows512(const uint8
   rows23 = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), hi);
 }
 
-// R rows of x (R <= MR) against one panel: the whole K, then the mins, stored in column order.
-// HALVES 2: int8 in groups of 16, each block's halves scaled apart (first, then second).
-template <typename S, bool INT4, int R, int HALVES = 1>
-__attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni(const Int8X& x, int64_t i0,
-                                                                            const uint8_t* const* p,
-                                                                            const TileLayout& l, float* out,
-                                                                            int64_t ldo) {
+// One block of the panel (at byte offset `off` of each tile) as W[0..7] (see above), unsigned.
+template <bool INT4>
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline void panel_block512(const uint8_t* const* p,
+                                                                                     int64_t off, const TileLayout& l,
+                                                                                     __m512i* w) {
+  const auto load = [&](int t, int64_t at) { return _mm512_loadu_si512(p[t] + off + at); };
+  if constexpr (INT4) {  // a tile's 4 rows of 16 bytes: lane 4r + j, the nibbles of x's dwords j and 4 + j
+    __m512i bytes[4];
+    transpose_in_lanes(load(0, 0), load(1, 0), load(2, 0), load(3, 0), bytes);
+    const __m512i low4 = _mm512_set1_epi8(15);
+    for (int j = 0; j < 4; ++j) {
+      w[j] = _mm512_and_si512(bytes[j], low4);
+      w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(bytes[j], 4), low4);
+    }
+    return;
+  }
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i book = _mm512_xor_si512(
+      _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1Values))), bias);
+  __m512i first[4], second[4];  // per tile, each row's dwords 0-3, and 4-7
+  for (int t = 0; t < 4; ++t) {  // rows 0-1 | rows 2-3, 32 bytes a row
+    __m512i r01, r23;
+    if (l.e2m1) {
+      e2m1_rows512(p[t] + off, book, r01, r23);
+    } else {
+      r01 = _mm512_xor_si512(load(t, 0), bias);
+      r23 = _mm512_xor_si512(load(t, 64), bias);
+    }
+    first[t] = _mm512_shuffle_i64x2(r01, r23, _MM_SHUFFLE(2, 0, 2, 0));
+    second[t] = _mm512_shuffle_i64x2(r01, r23, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+  transpose_in_lanes(first[0], first[1], first[2], first[3], w);
+  transpose_in_lanes(second[0], second[1], second[2], second[3], w + 4);
+}
+
+// acc + dot(w, x's 4 bytes at `at` in every lane), the bytes broadcast by the load ({1to16}): GCC
+// emits a vpbroadcastd of its own instead, which takes a vector pipe (on a Zen 5, it halves the rate).
+__attribute__((target("avx512f,avx512vnni"), always_inline)) inline __m512i dpbusd_broadcast(__m512i acc, __m512i w,
+                                                                                             const int8_t* at) {
+  using dword = int32_t __attribute__((may_alias));
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const dword*>(at)));
+  return acc;
+}
+
+// Per row of x, the exact block sums over x's dwords [C0, C1) (the lanes' order): 256 * dot(w, hi)
+// + dot(w, lo), less qsum128 (int8). |dot(w + 128, hi)| <= 32 * 255 * 128 < 2^21, so the shifted
+// sum stays below 2^30.
+template <int R, int C0, int C1, bool INT4>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void block_sums512(const Int8X& x, int64_t at,
+                                                                                const __m512i* w, const int32_t* fix,
+                                                                                __m512i* s) {
+  const int8_t* hi = x.hi.data() + at;  // the block's rows side by side: every address a fixed offset
+  const int8_t* lo = x.lo.data() + at;
+  for (int i = 0; i < R; ++i) s[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int c = C0; c < C1; ++c)
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) s[i] = dpbusd_broadcast(s[i], w[c], hi + i * QB + 4 * c);
+  for (int i = 0; i < R; ++i) s[i] = _mm512_slli_epi32(s[i], 8);
+#pragma GCC unroll 8
+  for (int c = C0; c < C1; ++c)
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) s[i] = dpbusd_broadcast(s[i], w[c], lo + i * QB + 4 * c);
+  if constexpr (!INT4)
+    for (int i = 0; i < R; ++i) s[i] = _mm512_sub_epi32(s[i], _mm512_set1_epi32(fix[i]));
+}
+
+// A panel prepared once for all the passes of R rows of x: per block, W[0..7] and the scales of its
+// HALVES groups as floats (8 + HALVES vectors, in the lanes' order), then each group's mins (`mins`).
+// Read from the thread's buffer, the block's vectors cost the passes one load each, and the
+// transpose and the scale conversions are done once per panel rather than once per pass.
+template <int HALVES>
+constexpr int64_t kPreparedBlock = 8 + HALVES;
+
+// A prepared panel's storage, one vector's 64 bytes (the type the code built without AVX-512 names).
+struct alignas(64) Vec512 {
+  uint8_t bytes[64];
+};
+
+template <typename S, bool INT4, int HALVES>
+__attribute__((target("avx512f,avx512bw,f16c"))) void prepare_panel512(const uint8_t* const* p, const TileLayout& l,
+                                                                      Vec512* prepared) {
+  __m512i* out = reinterpret_cast<__m512i*>(prepared);
   const __m512i idx = transpose_index();
-  const __m512i low4 = _mm512_set1_epi8(15), bias = _mm512_set1_epi8(static_cast<char>(0x80));
   const TileScales<S> ts[4] = {{p[0], l}, {p[1], l}, {p[2], l}, {p[3], l}};
-  __m512 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   int64_t off = l.groups_offset();  // byte offset of the group (then block) inside every tile of the panel
-  for (int64_t g = 0, b = 0; g < l.groups; g += HALVES) {
+  for (int64_t g = 0; g < l.groups; g += HALVES) {
     __m512 ws[HALVES];
     for (int h = 0; h < HALVES; ++h) ws[h] = panel_values<S>(ts, p, off + h * RT * l.scale_bytes, g + h, false, idx);
     off += HALVES * RT * l.scale_bytes;
-    for (int64_t e = 0; e < (HALVES == 2 ? 1 : l.bpg); ++e, ++b, off += RT * l.block_bytes) {
-      __m512i w[8];  // int4: tile t's low nibbles in w[t], high in w[4 + t]; int8: tile t's rows 0-1, 2-3 in w[2t], w[2t + 1]
-      __m512i fix[HALVES];  // int8: -(128 * 257) * sum(w row) in row_sums' order, for the x + 128 of both digits
-      for (int t = 0; t < 4; ++t) {
-        if constexpr (INT4) {
-          const __m512i raw = _mm512_loadu_si512(p[t] + off);
-          w[t] = _mm512_and_si512(raw, low4);
-          w[4 + t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-        } else if (l.e2m1) {
-          e2m1_rows512(p[t] + off, w[2 * t], w[2 * t + 1]);
-        } else {
-          for (int h = 0; h < 2; ++h) w[2 * t + h] = _mm512_loadu_si512(p[t] + off + 64 * h);
-        }
-      }
-      if constexpr (!INT4) {
-        std::array<__m512i, HALVES> s[4];
-        for (int t = 0; t < 4; ++t)
-          s[t] = rows_of_tile<HALVES>(_mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, w[2 * t]),
-                                      _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, w[2 * t + 1]));
-        for (int h = 0; h < HALVES; ++h) {
-          const __m512i sum128 = row_sums(s[0][h], s[1][h], s[2][h], s[3][h]);  // 128 * sum(w row)
-          fix[h] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_add_epi32(_mm512_slli_epi32(sum128, 8), sum128));
-        }
-      }
-      for (int i = 0; i < R; ++i) {
-        const int64_t at = (i0 + i) * x.k + b * QB;
-        const int8_t* xh = x.hi.data() + at;
-        const int8_t* xl = x.lo.data() + at;
-        std::array<__m512i, HALVES> a[4];  // per tile: 256 * dot(w, hi) + dot(w, lo): the hi digit's sums shifted, then lo's added on
-        if constexpr (INT4) {
-          const auto half = [](const int8_t* p) {
-            return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-          };
-          const __m512i h0 = half(xh), h1 = half(xh + 16), l0 = half(xl), l1 = half(xl + 16);
-          for (int t = 0; t < 4; ++t) {
-            const __m512i top = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[t], h0), w[4 + t], h1);
-            a[t][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(top, 8), w[t], l0), w[4 + t], l1);
-          }
-        } else {
-          const auto unsigned_x = [&](const int8_t* p) {
-            return _mm512_xor_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), bias);
-          };
-          const __m512i uh = unsigned_x(xh), ul = unsigned_x(xl);
-          for (int t = 0; t < 4; ++t) {
-            __m512i e[2];
-            for (int h = 0; h < 2; ++h) {
-              const __m512i top = _mm512_dpbusd_epi32(_mm512_setzero_si512(), uh, w[2 * t + h]);
-              e[h] = _mm512_dpbusd_epi32(_mm512_slli_epi32(top, 8), ul, w[2 * t + h]);
-            }
-            a[t] = rows_of_tile<HALVES>(e[0], e[1]);
-          }
-        }
-        const __m512 xs = _mm512_set1_ps(x.scale[b * x.block_rows + i0 + i]);
-        for (int h = 0; h < HALVES; ++h) {
-          __m512i sums = row_sums(a[0][h], a[1][h], a[2][h], a[3][h]);
-          if constexpr (!INT4) sums = _mm512_add_epi32(sums, fix[h]);
-          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(ws[h], xs), acc[i]);
-        }
-      }
+    for (int64_t e = 0; e < (HALVES == 2 ? 1 : l.bpg); ++e, off += RT * l.block_bytes, out += kPreparedBlock<HALVES>) {
+      __m512i w[8];
+      panel_block512<INT4>(p, off, l, w);
+      for (int c = 0; c < 8; ++c) _mm512_store_si512(out + c, w[c]);
+      for (int h = 0; h < HALVES; ++h) _mm512_store_ps(reinterpret_cast<float*>(out + 8 + h), ws[h]);
     }
   }
-  if (l.mins) {
-    for (int64_t g = 0; g < l.groups; ++g) {
-      const __m512 mn = panel_values<S>(ts, p, l.mins_offset() + g * RT * l.scale_bytes, g, true, idx);
+  for (int64_t g = 0; l.mins && g < l.groups; ++g, ++out)
+    _mm512_store_ps(reinterpret_cast<float*>(out),
+                    panel_values<S>(ts, p, l.mins_offset() + g * RT * l.scale_bytes, g, true, idx));
+}
+
+// R rows of x (R <= MR) against one prepared panel: the whole K, then the mins, stored in column
+// order. HALVES 2: int8 in groups of 16, each block's halves scaled apart (first, then second).
+template <bool INT4, int R, int HALVES = 1>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void panel_vnni(const Int8X& x, int64_t i0,
+                                                                       const Vec512* prepared, const TileLayout& l,
+                                                                       float* out, int64_t ldo) {
+  const __m512i* panel = reinterpret_cast<const __m512i*>(prepared);
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t blocks = x.k / QB;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m512i* w = panel + b * kPreparedBlock<HALVES>;
+    const float* xs = x.scale.data() + b * x.block_rows + i0;
+    const int32_t* fix = INT4 ? nullptr : x.qsum128.data() + b * HALVES * x.block_rows + i0;
+    const int64_t row0 = (b * x.block_rows + i0) * QB;
+    __m512i s[R];
+    for (int h = 0; h < HALVES; ++h) {
+      if constexpr (HALVES == 1) block_sums512<R, 0, 8, INT4>(x, row0, w, fix, s);
+      else if (h == 0) block_sums512<R, 0, 4, INT4>(x, row0, w, fix, s);
+      else block_sums512<R, 4, 8, INT4>(x, row0, w, fix + x.block_rows, s);
+      const __m512 ws = _mm512_load_ps(reinterpret_cast<const float*>(w + 8 + h));
       for (int i = 0; i < R; ++i)
-        acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.sums[(i0 + i) * x.groups + g]), acc[i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(ws, _mm512_set1_ps(xs[i])), acc[i]);
     }
   }
+  const float* mins = reinterpret_cast<const float*>(panel + blocks * kPreparedBlock<HALVES>);
+  for (int64_t g = 0; l.mins && g < l.groups; ++g) {
+    const __m512 mn = _mm512_load_ps(mins + 16 * g);
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.sums[(i0 + i) * x.groups + g]), acc[i]);
+  }
+  const __m512i idx = transpose_index();
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + (i0 + i) * ldo, _mm512_permutexvar_ps(idx, acc[i]));
 }
 
@@ -574,15 +650,19 @@ inline Variant variant() {
   return vnni && avx512_allowed() ? Variant::kVnni : Variant::kAvx2;
 }
 
-using PanelFn = void (*)(const Int8X&, int64_t, const uint8_t* const*, const TileLayout&, float*, int64_t);
+using PanelFn = void (*)(const Int8X&, int64_t, const Vec512*, const TileLayout&, float*, int64_t);
+using PrepareFn = void (*)(const uint8_t* const*, const TileLayout&, Vec512*);
 using WidePanelFn = void (*)(const Int8X&, int64_t, const uint8_t* const*, const TileLayout&, const int16_t*,
                              const float*, int64_t, int64_t, float*, float*, int64_t);
 
-// The panel kernels by rows of x (index R); int8 in groups of 16 scales each block's halves apart.
+// The panel kernels by rows of x (index R) and the panel's preparation; int8 in groups of 16
+// scales each block's halves apart.
 template <typename S, bool INT4, int HALVES>
-std::array<PanelFn, MR + 1> vnni_fns_of() {
-  return {nullptr, panel_vnni<S, INT4, 1, HALVES>, panel_vnni<S, INT4, 2, HALVES>, panel_vnni<S, INT4, 3, HALVES>,
-          panel_vnni<S, INT4, 4, HALVES>};
+std::pair<std::array<PanelFn, MR + 1>, PrepareFn> vnni_fns_of() {
+  return {{nullptr, panel_vnni<INT4, 1, HALVES>, panel_vnni<INT4, 2, HALVES>, panel_vnni<INT4, 3, HALVES>,
+           panel_vnni<INT4, 4, HALVES>, panel_vnni<INT4, 5, HALVES>, panel_vnni<INT4, 6, HALVES>,
+           panel_vnni<INT4, 7, HALVES>, panel_vnni<INT4, 8, HALVES>},
+          prepare_panel512<S, INT4, HALVES>};
 }
 template <typename S, bool INT4, int HALVES>
 std::array<WidePanelFn, MR_AVX2 + 1> avx2_fns_of() {
@@ -597,7 +677,7 @@ std::array<WidePanelFn, MR_AVX2 + 1> avx2_fns_of() {
           panel_avx2<S, INT4, 8, HALVES>};
 }
 template <typename S, bool INT4>
-std::array<PanelFn, MR + 1> vnni_fns(bool group16) {
+std::pair<std::array<PanelFn, MR + 1>, PrepareFn> vnni_fns(bool group16) {
   if constexpr (INT4) return vnni_fns_of<S, true, 1>();
   else return group16 ? vnni_fns_of<S, false, 2>() : vnni_fns_of<S, false, 1>();
 }
@@ -628,7 +708,9 @@ void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_
   }
   const bool vnni = v == Variant::kVnni;
   const int64_t per_panel = vnni ? 4 : 2, panels = n / (per_panel * RT);  // whole panels; the rest: scalar
-  const std::array<PanelFn, MR + 1> vnni_panel = vnni ? vnni_fns<S, INT4>(group == 16) : std::array<PanelFn, MR + 1>{};
+  const auto [vnni_panel, prepare_panel] =
+      vnni ? vnni_fns<S, INT4>(group == 16) : std::pair<std::array<PanelFn, MR + 1>, PrepareFn>{};
+  const int64_t prepared_vectors = (k / QB) * (8 + (group == 16 && !INT4 ? 2 : 1)) + (mins ? l.groups : 0);
   const std::array<WidePanelFn, MR_AVX2 + 1> avx2_panel =
       vnni ? std::array<WidePanelFn, MR_AVX2 + 1>{} : avx2_fns<S, INT4>(group == 16);
   // AVX2: a panel is widened SPAN blocks at a time (16 KiB), whole groups
@@ -642,6 +724,8 @@ void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_
     // step makes thousands of small calls; fresh vectors were zeroed and freed each time)
     thread_local std::vector<int16_t> wide_buffer;
     thread_local std::vector<float> scales_buffer, partial_buffer;
+    thread_local std::vector<Vec512> prepared_buffer;
+    if (vnni) grow(prepared_buffer, prepared_vectors);
     if (!vnni) {
       grow(wide_buffer, 256 * first_block(l, span_groups));
       grow(scales_buffer, 8 * span_groups);
@@ -661,7 +745,10 @@ void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_
         const uint8_t* p[4];
         for (int t = 0; t < per_panel; ++t) p[t] = tiles + (t0 + t) * tile_bytes;
         if (vnni) {
-          for (int64_t i0 = 0; i0 < m; i0 += MR) vnni_panel[std::min<int64_t>(MR, m - i0)](x, i0, p, l, out + t0 * RT, n);
+          Vec512* prepared = prepared_buffer.data();
+          prepare_panel(p, l, prepared);
+          for (int64_t i0 = 0; i0 < m; i0 += MR)
+            vnni_panel[std::min<int64_t>(MR, m - i0)](x, i0, prepared, l, out + t0 * RT, n);
           continue;
         }
         for (int64_t g0 = 0; g0 < l.groups; g0 += span_groups) {

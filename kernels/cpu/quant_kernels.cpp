@@ -958,12 +958,15 @@ inline bool use_avx512() {
 
 #include "qgemm.h"  // many rows: x rounded per block, integer dot products (VNNI / AVX2 / scalar)
 
-// Measured with benchmarks/kernels/qgemm_micro.py --threads 1 --m M: the many-row GEMM leads
-// from 8 rows of x, and with AVX2 alone int4 weights from 3 (below, the int16 passes: bound by the
-// weight stream, they read a block once for all the rows).
+// Measured with benchmarks/kernels/qgemm_micro.py (and an expert's E2M1 tiles) at M = 1 .. 8:
+// with AVX512-VNNI the many-row GEMM leads from 2 rows of x for int4 weights and from 3 for int8
+// (E2M1 codes by 1.5-2x there; Q8_0, read a byte a weight, about even until 6); with AVX2 alone
+// int4 weights from 3, int8 from 8. Below, the int16 passes: bound by the weight stream, they
+// read a block once for all the rows.
 int64_t qgemm_min_rows(bool int4) {
   const int64_t fixed = g_qgemm_min_rows.load(std::memory_order_relaxed);
   if (fixed > 0) return fixed;
+  if (qgemm::variant() == qgemm::Variant::kVnni) return int4 ? 2 : 3;
   return int4 && qgemm::variant() == qgemm::Variant::kAvx2 ? 3 : 8;
 }
 

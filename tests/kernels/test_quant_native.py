@@ -147,10 +147,10 @@ def test_int4_rejects_odd_groups():
 
 
 def test_bound_kernel_computes_what_the_per_call_path_does():
-    """``bind_native`` (what a layer keeps) fixes the path when bound (2 rows of x: below every
+    """``bind_native`` (what a layer keeps) fixes the path when bound (1 row of x: below every
     default threshold of the many-row GEMM, whose int8 activations the per-call path does not use)."""
     packed = _packed("int4g32", _weights(40, 128, seed=9))
-    x = torch.randn(2, 128)
+    x = torch.randn(1, 128)
     assert torch.equal(bind_native(packed)(x), quant_linear_native(x, packed, INT_PATH))
     assert torch.equal(bind_native(packed, exact_activations=True)(x), quant_linear_native(x, packed, SLAB_PATH))
     fp8 = _packed("fp8", _weights(40, 128, seed=9))
@@ -162,7 +162,7 @@ def test_layer_rebinds_when_its_packed_weight_changes():
     from llmctl.layers.quantization import install_packed_weight
 
     layer = ColumnParallelLinear(128, 40, dtype=torch.float32)
-    x = torch.randn(2, 128)
+    x = torch.randn(1, 128)  # below every default threshold of the many-row GEMM
     for seed in (1, 2):
         packed = _packed("int4g64", _weights(40, 128, seed=seed))
         install_packed_weight(layer, packed)

@@ -129,10 +129,12 @@ def test_the_path_changes_at_the_threshold_only(min_rows):
 
 
 def _default_threshold(level: str, int4: bool) -> int:
-    """quant_kernels.cpp's qgemm_min_rows: 8, but 3 for int4 weights in the AVX2 variant (a CPU, or
-    a cap, without AVX512-VNNI)."""
+    """quant_kernels.cpp's qgemm_min_rows: with AVX512-VNNI 2 for int4 weights and 3 for int8; in
+    the AVX2 variant (a CPU, or a cap, without it) 3 for int4 and 8 for int8; 8 for the scalar code."""
     vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags() and level.startswith("avx512")
-    return 3 if int4 and level != "generic" and not vnni else 8
+    if vnni:
+        return 2 if int4 else 3
+    return 3 if int4 and level != "generic" else 8
 
 
 @pytest.mark.parametrize("kind", ["int4g32", "int8g32"])
