@@ -74,6 +74,19 @@ class LLMEngine:
             from llmctl.parallel.driver import start_parallel
 
             self.parallel = start_parallel(config)
+        try:
+            self._assemble(config)
+        except Exception as exc:
+            if self.parallel is None:
+                raise
+            from llmctl.parallel.watchdog import fatal
+
+            # the other ranks wait in a start-up collective this rank will not join: end now with the
+            # reason, and torchrun's agent stops them (a raised error would hang them and this rank)
+            fatal(f"rank 0 could not start the engine: {exc}")
+
+    def _assemble(self, config: EngineConfig) -> None:
+        """Everything after the process group: the model, the tokenizer, the pool and the scheduler."""
         self.model, self.tokenizer, self.model_label = self._load(
             config, self.ops, self.parallel.shard_kwargs() if self.parallel else {}
         )

@@ -24,8 +24,11 @@ metadata back into this config, and ``kv_b_proj`` is put together from the conve
 ``attn_k_b`` / ``attn_v_b`` halves (``LatentUpProjection``); the stacked experts load as the MoE
 families' (``gguf_expert_tensors``).
 
-Refused, with the reason: ``--quantization`` (the latent attention is not quantized on the fly),
-tensor parallelism and the Triton kernels (the latent attention is a torch reference); quantized KV
+Tensor parallel: each rank runs its share of the heads and computes the latent whole, so its cache
+holds what one process's does; the experts shard as the MoE families'.
+
+Refused, with the reason: ``--quantization`` (the latent attention is not quantized on the fly)
+and the Triton kernels (the latent attention is a torch reference); quantized KV
 pools are refused when the pool is bound (llmctl/layers/mla.py). Defaults of fields a config.json leaves out are
 ``DeepseekV2Config``'s."""
 
@@ -150,19 +153,22 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
 
 
 class LatentUpProjection(nn.Module):
-    """``kv_b_proj``'s ``[heads * (nope_dim + v_dim), kv_lora_rank]`` weight, kept as stored: prefill
-    multiplies by it, decode reads its key and value rows apart (llmctl/layers/mla.py).
+    """``kv_b_proj``'s ``[heads * (nope_dim + v_dim), kv_lora_rank]`` weight, kept as stored (each
+    head's key rows, then its value rows): prefill multiplies by it, decode reads its key and value
+    rows apart (llmctl/layers/mla.py). Under tensor parallelism a rank holds its own heads' rows,
+    ``heads`` from ``first_head`` of the checkpoint's ``total_heads``.
 
     To the checkpoint loader it is a projection merged of two parts, ``k`` and ``v``
     (``DeepseekV2ForCausalLM.packed_modules``), so that a GGUF file's halves (``k_b_proj``, ``v_b_proj``)
     come together here. A checkpoint's whole ``kv_b_proj`` arrives as two ranges of its rows
-    (``part_sizes``), each copied where it lies."""
+    (``part_sizes``), and the rows of this rank's heads are copied where they lie."""
 
-    def __init__(self, dims: LatentDims, dtype: torch.dtype) -> None:
+    def __init__(self, dims: LatentDims, dtype: torch.dtype, total_heads: int, first_head: int = 0) -> None:
         super().__init__()
-        self.dims, self.tp = dims, TensorParallel()
-        self.part_sizes = [dims.num_heads * dims.nope_dim, dims.num_heads * dims.v_dim]
-        rows = sum(self.part_sizes)
+        self.dims, self.tp = dims, TensorParallel()  # the loader's split: whole-checkpoint part sizes
+        self.total_heads, self.first_head = total_heads, first_head
+        self.part_sizes = [total_heads * dims.nope_dim, total_heads * dims.v_dim]
+        rows = dims.num_heads * (dims.nope_dim + dims.v_dim)
         self.weight = nn.Parameter(torch.empty(rows, dims.kv_lora_rank, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
@@ -170,15 +176,25 @@ class LatentUpProjection(nn.Module):
         """``loaded``: 2-D, a range of the checkpoint's rows (part ``k`` the first ``part_sizes[0]``);
         3-D, llama.cpp's split (``k``: ``[heads, kv_lora_rank, nope_dim]``, each head's key rows
         transposed; ``v``: ``[heads, v_dim, kv_lora_rank]``), put back into each head's rows."""
-        first = shard_id == "k"
+        first, dims = shard_id == "k", self.dims
         if loaded.dim() == 2:
             start = 0 if first else self.part_sizes[0]
-            copy_checked(param.data[start : start + loaded.shape[0]], loaded, f"kv_b_proj part {shard_id}")
+            if start + loaded.shape[0] > sum(self.part_sizes):
+                raise ValueError(f"kv_b_proj part {shard_id}: {loaded.shape[0]} rows from row {start} overrun it")
+            per_head = dims.nope_dim + dims.v_dim
+            mine = (self.first_head * per_head, (self.first_head + dims.num_heads) * per_head)
+            lo, hi = max(start, mine[0]), min(start + loaded.shape[0], mine[1])
+            if lo < hi:
+                copy_checked(
+                    param.data[lo - mine[0] : hi - mine[0]],
+                    loaded[lo - start : hi - start],
+                    f"kv_b_proj part {shard_id}",
+                )
             return
-        dims = self.dims
+        heads = slice(self.first_head, self.first_head + dims.num_heads)
         per_head = param.data.view(dims.num_heads, dims.nope_dim + dims.v_dim, dims.kv_lora_rank)
         rows = per_head[:, : dims.nope_dim] if first else per_head[:, dims.nope_dim :]
-        copy_checked(rows, loaded.transpose(1, 2) if first else loaded, f"kv_b_proj part {shard_id}")
+        copy_checked(rows, loaded[heads].transpose(1, 2) if first else loaded[heads], f"kv_b_proj part {shard_id}")
 
 
 class DeepseekV2Attention(nn.Module):
@@ -186,24 +202,31 @@ class DeepseekV2Attention(nn.Module):
         self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel, ops: TorchOps, rotary_emb: RotaryEmbedding
     ) -> None:
         super().__init__()
-        dims = self.dims = LatentDims.of(cfg)
-        heads, bias = dims.num_heads, cfg.attention_bias
+        whole = LatentDims.of(cfg)
+        heads, bias = whole.num_heads, cfg.attention_bias
+        # Tensor parallel: each rank runs its share of the heads (q and kv_b_proj by rows, o_proj by
+        # columns, one all-reduce); the latent and its norm are computed whole on every rank, so each
+        # rank's cache holds the same latent as one process's
+        dims = self.dims = dataclasses.replace(whole, num_heads=tp.shard(heads, "attention heads"))
+        replicated = TensorParallel()
         q_out = heads * dims.qk_head_dim
         if dims.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(cfg.hidden_size, q_out, dtype=dtype, tp=tp)
         else:
-            self.q_a_proj = ColumnParallelLinear(cfg.hidden_size, dims.q_lora_rank, bias=bias, dtype=dtype, tp=tp)
+            self.q_a_proj = ColumnParallelLinear(
+                cfg.hidden_size, dims.q_lora_rank, bias=bias, dtype=dtype, tp=replicated
+            )
             self.q_a_layernorm = RMSNorm(dims.q_lora_rank, _LATENT_NORM_EPS, dtype=dtype, ops=ops)
             self.q_b_proj = ColumnParallelLinear(dims.q_lora_rank, q_out, dtype=dtype, tp=tp)
         self.kv_a_proj_with_mqa = ColumnParallelLinear(
-            cfg.hidden_size, dims.kv_lora_rank + dims.rope_dim, bias=bias, dtype=dtype, tp=tp
+            cfg.hidden_size, dims.kv_lora_rank + dims.rope_dim, bias=bias, dtype=dtype, tp=replicated
         )
         self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, _LATENT_NORM_EPS, dtype=dtype, ops=ops)
-        self.kv_b_proj = LatentUpProjection(dims, dtype)
+        self.kv_b_proj = LatentUpProjection(dims, dtype, heads, tp.rank * dims.num_heads)
         self.o_proj = RowParallelLinear(heads * dims.v_dim, cfg.hidden_size, bias=bias, dtype=dtype, tp=tp)
         self.rotary_emb = rotary_emb  # one table shared by every layer
         scale = softmax_scale(cfg, dims.qk_head_dim)
-        self.attn = LatentAttention(heads, dims.kv_lora_rank, dims.nope_dim, dims.rope_dim, dims.v_dim, scale)
+        self.attn = LatentAttention(dims.num_heads, dims.kv_lora_rank, dims.nope_dim, dims.rope_dim, dims.v_dim, scale)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         dims, num_tokens = self.dims, hidden.shape[0]
@@ -308,8 +331,6 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         refusal = None
         if linear_method is not None:
             refusal = "--quantization is not supported (its latent attention is not quantized on the fly yet); use none"
-        elif tp.size > 1:
-            refusal = "tensor parallelism does not take multi-head latent attention yet"
         elif ops.name != TorchOps.name:
             refusal = f"the {ops.name} kernels do not take multi-head latent attention; run with --kernel-backend torch"
         if refusal is not None:

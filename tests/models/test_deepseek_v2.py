@@ -102,14 +102,40 @@ def test_what_mla_does_not_take_is_refused_with_the_reason(hf_model_dirs, settin
         make_engine(hf_model_dirs["deepseek_v2_lite"], **setting)
 
 
-def test_tensor_parallelism_is_refused():
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_parallel_rank_holds_its_heads_of_the_latent_up_projection(rank):
+    """kv_b_proj's rows are each head's key rows then its value rows: a rank keeps its heads' rows
+    whether the checkpoint's tensor arrives as the loader's two row ranges or as llama.cpp's split
+    (the whole model under torchrun: tests/parallel/test_parallel_exact.py)."""
+    from llmctl.models.deepseek_v2 import LatentDims, LatentUpProjection
+
+    heads, nope, v, rank_dim = 4, 3, 5, 6
+    whole = torch.randn(heads * (nope + v), rank_dim)
+    mine = whole.view(heads, nope + v, rank_dim)[2 * rank : 2 * rank + 2].reshape(-1, rank_dim)
+    dims = LatentDims(2, None, rank_dim, nope, 2, v)
+    from_ranges = LatentUpProjection(dims, torch.float32, heads, 2 * rank)
+    for part, rows in zip("kv", whole.split(from_ranges.part_sizes), strict=True):
+        from_ranges.weight_loader(from_ranges.weight, rows, part)
+    assert torch.equal(from_ranges.weight, mine)
+    per_head = whole.view(heads, nope + v, rank_dim)
+    from_split = LatentUpProjection(dims, torch.float32, heads, 2 * rank)
+    from_split.weight_loader(from_split.weight, per_head[:, :nope].transpose(1, 2), "k")
+    from_split.weight_loader(from_split.weight, per_head[:, nope:], "v")
+    assert torch.equal(from_split.weight, mine)
+
+
+def test_a_tensor_parallel_rank_runs_its_share_of_the_heads():
     from llmctl.distributed import TensorParallel
     from llmctl.layers.ops import TorchOps
     from llmctl.models.loader import build_model
 
     cfg = ModelConfig.from_dict(make_config("deepseek_v2_lite").to_dict())
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism"):
-        build_model(cfg, dtype=torch.float32, device=torch.device("cpu"), ops=TorchOps(), tp=TensorParallel(0, 2))
+    model = build_model(cfg, dtype=torch.float32, device=torch.device("cpu"), ops=TorchOps(), tp=TensorParallel(1, 2))
+    attn = model.model.layers[0].self_attn
+    assert attn.attn.num_heads == attn.dims.num_heads == cfg.num_heads // 2
+    assert attn.kv_b_proj.first_head == cfg.num_heads // 2
+    # the latent is computed whole on every rank: the cache holds what one process's does
+    assert attn.kv_a_proj_with_mqa.weight.shape[0] == attn.dims.kv_lora_rank + attn.dims.rope_dim
 
 
 def test_decodes_on_the_module_path_and_says_why(hf_model_dirs, monkeypatch):

@@ -26,8 +26,19 @@ PROMPTS = random_prompts(4, 320, 3, 24, seed=7)
 
 @pytest.fixture(scope="module")
 def model_dirs(hf_model_dirs, stories_dir) -> list[str]:
-    # the MoE families shard every expert's intermediate dimension across ranks (shared expert too)
-    families = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+    # the MoE families shard every expert's intermediate dimension across ranks (shared expert too);
+    # DeepSeek-V2's latent attention shards its heads and computes the cached latent on every rank
+    families = (
+        "llama",
+        "qwen2",
+        "qwen3",
+        "qwen2_moe",
+        "qwen3_moe",
+        "mixtral",
+        "olmoe",
+        "deepseek_v2_lite",
+        "deepseek_v2",
+    )
     return [str(hf_model_dirs[f]) for f in families] + [str(stories_dir)]
 
 

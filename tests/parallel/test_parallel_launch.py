@@ -1,6 +1,7 @@
 """Launching: a TP size that cannot split the model is one clear line before any rank starts,
-two torchrun agents (two "nodes" on 127.0.0.1, ``--nnodes 2``) give the one-process tokens, and a
-rank that leaves leaves no communication thread behind."""
+rank 0 failing at start-up ends every rank at once with its reason, two torchrun agents (two
+"nodes" on 127.0.0.1, ``--nnodes 2``) give the one-process tokens, and a rank that leaves leaves
+no communication thread behind."""
 
 from __future__ import annotations
 
@@ -43,6 +44,23 @@ def test_pipeline_deeper_than_the_model_is_a_clear_error(stories_dir):
     done = llmctl("generate", str(stories_dir), PROMPT, "--pipeline-parallel-size", "6")
     assert done.returncode == 1
     assert "5 layers cannot be split over pipeline-parallel size 6" in done.stderr
+
+
+def test_rank_0_failing_to_start_ends_every_rank_with_its_reason(stories_dir, tmp_path):
+    """An error of rank 0's engine once the process group is up (here: no tokenizer file) would
+    leave the other rank in a start-up collective: rank 0 ends at once with the reason, and
+    torchrun's agent stops the rest."""
+    model = tmp_path / "no-tokenizer"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (model / name).symlink_to(stories_dir / name)
+    started = time.monotonic()
+    done = llmctl("generate", str(model), PROMPT, "--tensor-parallel-size", "2", timeout=90)
+    assert done.returncode == 1
+    assert "rank 0 could not start the engine" in done.stderr
+    assert "tokenizer.json: not found" in done.stderr
+    assert "every rank was stopped" in done.stderr
+    assert time.monotonic() - started < 60
 
 
 def free_port() -> int:
