@@ -299,10 +299,10 @@ class LLMEngine:
         """Refuse what does not take several KV-cache groups (a model mixing full and sliding
         attention, or several windows) or a sliding group 0 (a draft model reads group 0)."""
         config, groups = self.config, self.kv_groups
-        if len(groups) > 1 and self.parallel is not None:
+        if len(groups) > 1 and self.parallel is not None and self.parallel.pp_size > 1:
             raise ConfigError(
-                "tensor/pipeline parallelism does not take models mixing full and sliding-window "
-                f"attention yet ({len(groups)} KV-cache groups); run it on one rank"
+                "pipeline parallelism does not take models mixing full and sliding-window attention "
+                f"yet ({len(groups)} KV-cache groups); use --tensor-parallel-size alone"
             )
         if len(groups) > 1 and self.kv_format.is_kivi:
             raise ConfigError(

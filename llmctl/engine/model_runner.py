@@ -107,11 +107,6 @@ def kv_groups(model: CausalLM) -> list[KVGroup]:
     return groups
 
 
-def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V one float block holds over all layers."""
-    return kv_format(model, block_size, dtype).block_bytes()
-
-
 def _pools(seq: Sequence) -> bool:
     """A pooling request's sequence (a draft model's view of a sequence has no ``pooling``: it never is)."""
     return getattr(seq, "pooling", None) is not None
@@ -152,7 +147,7 @@ class ModelRunner:
         lora: LoRAManager | None = None,
     ) -> None:
         """``groups``: the KV-cache groups the block manager keeps tables for (``kv_groups``);
-        None: one group of every layer (a draft model, a tensor-parallel worker). ``lora``: the
+        None: one group of every layer (a draft model). ``lora``: the
         engine's LoRA slots (None: no adapters)."""
         self.model = model
         self.lora = lora

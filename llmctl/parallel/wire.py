@@ -4,7 +4,8 @@ The message is tensors only (no pickled Python objects): the batch tensors the m
 for each micro-batch plus the block bookkeeping of the step. ``AttentionMetadata`` is encoded
 field by field from its dataclass definition, so a field added there travels without a change
 here. Each item is ``[kind, ...]``: kind 0 an int, 1 a tensor (dtype code, ndim, shape, values),
-2 ``None``, 3 a bool.
+2 ``None``, 3 a bool, 4 a list of metadata (a model with several KV-cache groups: each group's
+block tables and slots; its count, then each one's fields).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from llmctl.layers.ops import AttentionMetadata
 
 _DTYPES = [torch.int64, torch.int32, torch.bool]
-_INT, _TENSOR, _NONE, _BOOL = 0, 1, 2, 3
+_INT, _TENSOR, _NONE, _BOOL, _METAS = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -46,6 +47,10 @@ def _encode(value: object, out: list[torch.Tensor]) -> None:
         out.append(torch.tensor([_BOOL, int(value)]))
     elif isinstance(value, int):
         out.append(torch.tensor([_INT, value]))
+    elif isinstance(value, list):
+        out.append(torch.tensor([_METAS, len(value)]))
+        for meta in value:
+            _encode_meta(meta, out)
     elif isinstance(value, torch.Tensor):
         if value.dtype not in _DTYPES:
             raise TypeError(f"cannot send a {value.dtype} batch tensor (integer and bool only)")
@@ -53,6 +58,11 @@ def _encode(value: object, out: list[torch.Tensor]) -> None:
         out.append(value.detach().reshape(-1).to("cpu", torch.int64))
     else:
         raise TypeError(f"cannot send a batch field of type {type(value).__name__}")
+
+
+def _encode_meta(meta: AttentionMetadata, out: list[torch.Tensor]) -> None:
+    for f in dataclasses.fields(AttentionMetadata):
+        _encode(getattr(meta, f.name), out)
 
 
 def encode_step(message: StepMessage) -> torch.Tensor:
@@ -67,8 +77,7 @@ def encode_step(message: StepMessage) -> torch.Tensor:
     for mb in message.micro_batches:
         for value in (mb.input_ids, mb.positions, mb.logit_rows):
             _encode(value, parts)
-        for f in dataclasses.fields(AttentionMetadata):
-            _encode(getattr(mb.meta, f.name), parts)
+        _encode_meta(mb.meta, parts)
     return torch.cat([p.to(torch.int64) for p in parts])
 
 
@@ -89,6 +98,8 @@ class _Reader:
         if kind in (_INT, _BOOL):
             value = self.take()[0]
             return bool(value) if kind == _BOOL else value
+        if kind == _METAS:
+            return [self.meta() for _ in range(self.take()[0])]
         dtype_code, ndim = self.take(2)
         shape = self.take(ndim)
         count = 1
@@ -97,6 +108,9 @@ class _Reader:
         data = self.flat[self.pos : self.pos + count]
         self.pos += count
         return data.to(self.device, _DTYPES[dtype_code]).view(*shape)
+
+    def meta(self) -> AttentionMetadata:
+        return AttentionMetadata(**{f.name: self.item() for f in dataclasses.fields(AttentionMetadata)})
 
 
 def decode_step(flat: torch.Tensor, device: torch.device) -> StepMessage:
@@ -107,6 +121,5 @@ def decode_step(flat: torch.Tensor, device: torch.device) -> StepMessage:
     micro_batches = []
     for _ in range(reader.take()[0]):
         input_ids, positions, rows = reader.item(), reader.item(), reader.item()
-        fields = {f.name: reader.item() for f in dataclasses.fields(AttentionMetadata)}
-        micro_batches.append(MicroBatch(input_ids, positions, AttentionMetadata(**fields), rows))
+        micro_batches.append(MicroBatch(input_ids, positions, reader.meta(), rows))
     return StepMessage(num_blocks_touched, pairs, micro_batches)

@@ -3,11 +3,13 @@ until rank 0's engine says it is done."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
 from llmctl.config import EngineConfig, resolve_kv_cache_bytes
-from llmctl.engine.model_runner import ModelRunner, kv_block_bytes
+from llmctl.engine.model_runner import ModelRunner, kv_format, kv_groups
 from llmctl.layers.backends import build_ops
 from llmctl.models.loader import load_model
 from llmctl.parallel.driver import CMD_STOP, start_parallel
@@ -26,12 +28,17 @@ def run_worker(config: EngineConfig) -> None:
     )
     model = load_model(config.model, dtype=config.dtype, device=ctx.device, ops=ops, **ctx.shard_kwargs())
     dtype = model.model.norm.weight.dtype
+    # The KV-cache groups of rank 0's engine (tensor parallel: every rank holds every layer; a
+    # model with several groups is refused with pipeline stages), a block holding one group's layers
+    groups = kv_groups(model)
+    block = kv_format(model, config.block_size, dtype)
+    block = dataclasses.replace(block, num_layers=max(len(g.layers) for g in groups))
     # The same sizing as rank 0's engine, then the smallest pool over the ranks: rank 0's block
     # manager hands out block ids that every rank must hold.
-    num_blocks = ctx.agree_min(
-        resolve_kv_cache_bytes(config, ctx.device) // kv_block_bytes(model, config.block_size, dtype)
+    num_blocks = ctx.agree_min(resolve_kv_cache_bytes(config, ctx.device) // block.block_bytes())
+    runner = ModelRunner(
+        model, num_blocks=num_blocks, block_size=config.block_size, device=ctx.device, kv_dtype=dtype, groups=groups
     )
-    runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size, device=ctx.device, kv_dtype=dtype)
     header = torch.empty(2, dtype=torch.int64)
     try:
         while True:

@@ -37,10 +37,25 @@ def metadata(num_decodes: int) -> AttentionMetadata:
     )
 
 
+def assert_same_metadata(want: AttentionMetadata, have: AttentionMetadata) -> None:
+    for f in dataclasses.fields(AttentionMetadata):
+        a, b = getattr(want, f.name), getattr(have, f.name)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b), f.name
+        elif isinstance(a, list):  # the KV-cache groups' metadata
+            assert isinstance(b, list) and len(a) == len(b), f.name
+            for group_want, group_have in zip(a, b, strict=True):
+                assert_same_metadata(group_want, group_have)
+        else:
+            assert type(a) is type(b) and a == b, f.name
+
+
 def test_step_message_round_trip():
+    grouped = metadata(1)  # a model with two KV-cache groups: the second group's own tables and slots
+    grouped.groups = [dataclasses.replace(grouped), dataclasses.replace(metadata(1), slot_mapping=torch.arange(6) + 40)]
     batches = [
-        MicroBatch(torch.arange(5 + n), torch.arange(5 + n) * 2, metadata(n), torch.tensor([4, 5, 6][: n + 1]))
-        for n in (2, 0)
+        MicroBatch(torch.arange(5 + n), torch.arange(5 + n) * 2, meta, torch.tensor([4, 5, 6][: n + 1]))
+        for n, meta in ((2, metadata(2)), (0, metadata(0)), (1, grouped))
     ]
     sent = StepMessage(num_blocks_touched=17, blocks_to_copy=[(1, 2), (7, 9)], micro_batches=batches)
     got = decode_step(encode_step(sent), torch.device("cpu"))
@@ -48,12 +63,8 @@ def test_step_message_round_trip():
     for want, have in zip(sent.micro_batches, got.micro_batches, strict=True):
         for name in ("input_ids", "positions", "logit_rows"):
             assert torch.equal(getattr(want, name), getattr(have, name))
-        for f in dataclasses.fields(AttentionMetadata):
-            a, b = getattr(want.meta, f.name), getattr(have.meta, f.name)
-            if isinstance(a, torch.Tensor):
-                assert a.dtype == b.dtype and torch.equal(a, b), f.name
-            else:
-                assert type(a) is type(b) and a == b, f.name
+        assert_same_metadata(want.meta, have.meta)
+    assert torch.equal(got.micro_batches[2].meta.groups[1].slot_mapping, torch.arange(6) + 40)
 
 
 def test_micro_batches_keep_the_batch_order_and_balance_tokens():
