@@ -287,9 +287,9 @@ __attribute__((optimize("fp-contract=off"))) void tiles_ref(const Int8X& x, cons
 // (4r + t) is undone at the store. int8 weights go in unsigned, as w + 128, and 128 * sum(q) over
 // the block (Int8X::qsum128) is taken off.
 
-// The in-lane 4 x 4 transpose of dwords: out[j] lane 4L + t = in[t] lane 4L + j. (Values, not
-// arrays: GCC keeps an array whose address is taken on the stack, and a zmm store reloaded at once
-// stalls the block.)
+// The in-lane 4 x 4 transpose of dwords (dwords_by_row's, in zmm): out[j] lane 4L + t = in[t] lane
+// 4L + j. (Values, not arrays: GCC keeps an array whose address is taken on the stack, and a zmm
+// store reloaded at once stalls the block.)
 __attribute__((target("avx512f"), always_inline)) inline void transpose_in_lanes(__m512i i0, __m512i i1, __m512i i2,
                                                                                 __m512i i3, __m512i* out) {
   const __m512i a01l = _mm512_unpacklo_epi32(i0, i1), a01h = _mm512_unpackhi_epi32(i0, i1);
