@@ -280,7 +280,7 @@ __attribute__((optimize("fp-contract=off"))) void tiles_ref(const Int8X& x, cons
 }
 
 // ---- AVX-512 VNNI: panels of 4 tiles (16 weight rows), rows in lanes --------------------------
-// Each block of the panel is transposed in registers, once per pass of R rows of x, into 8 vectors
+// Each block of the panel is transposed once for all the rows of x (prepare_panel512) into 8 vectors
 // W[c]: lane 4r + t holds row r of tile t's 4 weight bytes that meet x's dword c (its inputs
 // 4c .. 4c+3 in x's order). Per row of x and digit, 8 vpdpbusd with x's dword broadcast from memory
 // leave each weight row's block sum in its own int32 lane, with no reductions; the lanes' order
@@ -396,18 +396,24 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void block_sums512
     for (int i = 0; i < R; ++i) s[i] = _mm512_sub_epi32(s[i], _mm512_set1_epi32(fix[i]));
 }
 
-// A panel prepared once for all the passes of R rows of x: per block, W[0..7] and the scales of its
-// HALVES groups as floats (8 + HALVES vectors, in the lanes' order), then each group's mins (`mins`).
-// Read from the thread's buffer, the block's vectors cost the passes one load each, and the
-// transpose and the scale conversions are done once per panel rather than once per pass.
-template <int HALVES>
-constexpr int64_t kPreparedBlock = 8 + HALVES;
-
 // A prepared panel's storage, one vector's 64 bytes (the type the code built without AVX-512 names).
 struct alignas(64) Vec512 {
   uint8_t bytes[64];
 };
 
+// Vectors a prepared block holds: W[0..7], then its HALVES groups' scales.
+template <int HALVES>
+constexpr int64_t kPreparedBlock = 8 + HALVES;
+
+// The vectors a prepared panel of layout `l` takes: its blocks, then one per group for the mins.
+inline int64_t prepared_vectors(const TileLayout& l, int64_t k, int halves) {
+  return k / QB * (8 + halves) + (l.mins ? l.groups : 0);
+}
+
+// A panel prepared once for all the passes of R rows of x: per block, W[0..7] and the scales of its
+// HALVES groups as floats (8 + HALVES vectors, in the lanes' order), then each group's mins (`mins`).
+// Read from the thread's buffer, the block's vectors cost the passes one load each, and the
+// transpose and the scale conversions are done once per panel rather than once per pass.
 template <typename S, bool INT4, int HALVES>
 __attribute__((target("avx512f,avx512bw,f16c"))) void prepare_panel512(const uint8_t* const* p, const TileLayout& l,
                                                                       Vec512* prepared) {
@@ -710,7 +716,7 @@ void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_
   const int64_t per_panel = vnni ? 4 : 2, panels = n / (per_panel * RT);  // whole panels; the rest: scalar
   const auto [vnni_panel, prepare_panel] =
       vnni ? vnni_fns<S, INT4>(group == 16) : std::pair<std::array<PanelFn, MR + 1>, PrepareFn>{};
-  const int64_t prepared_vectors = (k / QB) * (8 + (group == 16 && !INT4 ? 2 : 1)) + (mins ? l.groups : 0);
+  const int64_t prepared_size = vnni ? prepared_vectors(l, k, group == 16 && !INT4 ? 2 : 1) : 0;
   const std::array<WidePanelFn, MR_AVX2 + 1> avx2_panel =
       vnni ? std::array<WidePanelFn, MR_AVX2 + 1>{} : avx2_fns<S, INT4>(group == 16);
   // AVX2: a panel is widened SPAN blocks at a time (16 KiB), whole groups
@@ -725,7 +731,7 @@ void gemm_as(const float* xf, int64_t m, int64_t k, const uint8_t* tiles, int64_
     thread_local std::vector<int16_t> wide_buffer;
     thread_local std::vector<float> scales_buffer, partial_buffer;
     thread_local std::vector<Vec512> prepared_buffer;
-    if (vnni) grow(prepared_buffer, prepared_vectors);
+    if (vnni) grow(prepared_buffer, prepared_size);
     if (!vnni) {
       grow(wide_buffer, 256 * first_block(l, span_groups));
       grow(scales_buffer, 8 * span_groups);

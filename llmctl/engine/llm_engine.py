@@ -29,7 +29,7 @@ from llmctl.config import QUANTIZED_AT_LOAD, EngineConfig, kv_pool_too_small, re
 from llmctl.engine.block_manager import BlockManager, blocks_per_seq
 from llmctl.engine.host_malloc import keep_large_allocations
 from llmctl.engine.logits_processors import bad_words_token_ids
-from llmctl.engine.model_runner import ModelOutput, ModelRunner, kv_format, kv_groups
+from llmctl.engine.model_runner import ModelOutput, ModelRunner, kv_format, kv_groups, paged_format
 from llmctl.engine.output_processor import OutputProcessor, RequestState
 from llmctl.engine.outputs import RequestMetrics, RequestOutput
 from llmctl.engine.pooler import Pooler
@@ -322,11 +322,7 @@ class LLMEngine:
         of L tokens holds ``blocks_per_seq`` of them at most."""
         config, cfg = self.config, self.model.config
         pool_bytes = resolve_kv_cache_bytes(config, self.device)
-        page_layers = max(len(g.layers) for g in self.kv_groups)
-        pool_format = self.kv_format
-        if page_layers != pool_format.num_layers:
-            pool_format = dataclasses.replace(pool_format, num_layers=page_layers)
-        self.pool_format = pool_format
+        pool_format = self.pool_format = paged_format(self.kv_format, self.kv_groups)
         block_bytes = pool_format.block_bytes() + pool_format.residual_block_bytes()
         num_blocks, num_residual = pool_format.size_pool(pool_bytes, config.max_num_seqs)
         if self.parallel is not None:  # every rank must hold the blocks this scheduler hands out

@@ -107,6 +107,13 @@ def kv_groups(model: CausalLM) -> list[KVGroup]:
     return groups
 
 
+def paged_format(kv: KVFormat, groups: list[KVGroup]) -> KVFormat:
+    """The pool's format: a block holds the layers of one KV-cache group (as many layer slots as
+    the largest group has), not every layer."""
+    page_layers = max(len(g.layers) for g in groups)
+    return kv if kv.num_layers == page_layers else dataclasses.replace(kv, num_layers=page_layers)
+
+
 def _pools(seq: Sequence) -> bool:
     """A pooling request's sequence (a draft model's view of a sequence has no ``pooling``: it never is)."""
     return getattr(seq, "pooling", None) is not None
@@ -168,8 +175,7 @@ class ModelRunner:
             layer.kv_group = slot_of[i][0]
         self.quantized_kv: QuantizedKVCache | None = None
         if kv_format is not None and kv_format.kind != "auto":
-            if kv_format.num_layers != page_layers:
-                kv_format = dataclasses.replace(kv_format, num_layers=page_layers)
+            kv_format = paged_format(kv_format, self.groups)
             self.quantized_kv = QuantizedKVCache(kv_format, num_blocks, num_residual_slots, device)
             for i, layer in enumerate(layers):
                 layer.quantized_kv = self.quantized_kv.layer(slot_of[i][1])

@@ -3,13 +3,11 @@ until rank 0's engine says it is done."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 
 from llmctl.config import EngineConfig, resolve_kv_cache_bytes
-from llmctl.engine.model_runner import ModelRunner, kv_format, kv_groups
+from llmctl.engine.model_runner import ModelRunner, kv_format, kv_groups, paged_format
 from llmctl.layers.backends import build_ops
 from llmctl.models.loader import load_model
 from llmctl.parallel.driver import CMD_STOP, start_parallel
@@ -31,8 +29,7 @@ def run_worker(config: EngineConfig) -> None:
     # The KV-cache groups of rank 0's engine (tensor parallel: every rank holds every layer; a
     # model with several groups is refused with pipeline stages), a block holding one group's layers
     groups = kv_groups(model)
-    block = kv_format(model, config.block_size, dtype)
-    block = dataclasses.replace(block, num_layers=max(len(g.layers) for g in groups))
+    block = paged_format(kv_format(model, config.block_size, dtype), groups)
     # The same sizing as rank 0's engine, then the smallest pool over the ranks: rank 0's block
     # manager hands out block ids that every rank must hold.
     num_blocks = ctx.agree_min(resolve_kv_cache_bytes(config, ctx.device) // block.block_bytes())
