@@ -11,9 +11,12 @@ the engine, after every step, and decides there, from what it measures, with no 
 
 * what is free: the CPU time other processes took from the cores this process may use
   (``/proc/stat`` minus ``/proc/self/stat``) over the last interval;
-* what is fast: a trial. Every so often, at once when decode steps slow down, and when the free
-  cores change, it runs ``TRIAL_STEPS`` decode steps of the same batch with another team size and
-  keeps the faster size. A trial that keeps the size waits twice as long for the next.
+* what is fast: a trial. As soon as the team's first decode steps are timed (a machine already
+  busy when the engine starts would otherwise decode at a third of its speed until a later
+  trial), then every so often, at once when decode steps slow down, and when the free cores
+  change, it runs ``TRIAL_STEPS`` decode steps of the same batch with another team size and keeps
+  the faster size. A trial that keeps the size waits twice as long for the next. A smaller team
+  tries one thread more only when no load reading says that the cores are still taken.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from llmctl.engine.stats import StepStats
 log = logging.getLogger(__name__)
 
 TRIAL_STEPS = 6  # decode steps timed per team size in a trial
+WARMUP_STEPS = 6  # decode steps not timed when the team starts (its threads wake, caches fill)
 SLOWDOWN = 1.3  # decode steps this much slower than the team's own median start a trial at once
 FASTER = 0.92  # a trial size must take at most this fraction of the current size's time to win
-FIRST_INTERVAL_S = 1.0  # seconds between trials; doubles while trials keep the size
+FIRST_INTERVAL_S = 1.0  # seconds between trials after the first; doubles while trials keep the size
 LONGEST_INTERVAL_S = 32.0
 LOAD_INTERVAL_S = 0.5  # how often the free cores are read
 
@@ -116,9 +120,11 @@ class ComputeTeam:
         self._rows = 0
         self._trial: _Trial | None = None
         self._interval = FIRST_INTERVAL_S
-        self._next_trial = clock() + FIRST_INTERVAL_S
+        self._next_trial = clock()  # the first trial follows the first timed steps
         self._next_load = clock()
         self._suggested: int | None = None
+        self._load_size: int | None = None  # the size the latest load reading asks for
+        self._warmup = WARMUP_STEPS
         self._applied = False  # the size is set in the stepping thread on its first step
 
     def __call__(self, step: StepStats) -> None:
@@ -133,6 +139,9 @@ class ComputeTeam:
         if not self._applied:
             self._applied = True
             self._set_threads(self.size)
+        if self._warmup:
+            self._warmup -= 1
+            return
         now = self._clock()
         if rows != self._rows:  # another batch: earlier times do not compare
             self._rows, self._times = rows, []
@@ -177,21 +186,24 @@ class ComputeTeam:
 
     def _candidate(self, now: float) -> int | None:
         """The size to try next: what the free cores suggest when that differs, else one thread more
-        when below the size asked for, one fewer at it."""
+        when below the size asked for (None while the latest load reading says the cores are still
+        taken: trying would cost a collapsed step per trial step), one fewer at it."""
         if self._load is not None and now >= self._next_load:
             self._next_load = now + LOAD_INTERVAL_S
             busy = self._load.busy_elsewhere()
             if busy is not None:
-                suggested = team_size_for(self.cpus, busy, self.limit)
-                self._suggested = suggested if suggested != self.size else None
+                self._load_size = team_size_for(self.cpus, busy, self.limit)
+                self._suggested = self._load_size if self._load_size != self.size else None
         if self._suggested is not None:
             return self._suggested
-        return self.size + 1 if self.size < self.limit else self.size - 1
+        if self.size < self.limit:
+            return None if self._load_size is not None and self._load_size <= self.size else self.size + 1
+        return self.size - 1
 
     def reset(self) -> None:
         """Back to the full size, forgetting what was measured (whoever steps next starts afresh)."""
-        self._trial, self._times, self._suggested = None, [], None
-        self._interval, self._next_trial = FIRST_INTERVAL_S, self._clock() + FIRST_INTERVAL_S
+        self._trial, self._times, self._suggested, self._load_size = None, [], None, None
+        self._interval, self._next_trial, self._warmup = FIRST_INTERVAL_S, self._clock(), WARMUP_STEPS
         self._resize(self.limit)
         self._applied = False
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from llmctl.engine import compute_team
-from llmctl.engine.compute_team import TRIAL_STEPS, ComputeTeam, CpuLoad, team_size_for
+from llmctl.engine.compute_team import TRIAL_STEPS, WARMUP_STEPS, ComputeTeam, CpuLoad, team_size_for
 
 
 @pytest.mark.parametrize(
@@ -97,13 +97,41 @@ def test_busy_core_shrinks_the_team_at_once():
     assert machine.calls[-1] == 1
 
 
+class Load(CpuLoad):
+    """A load reading the test sets."""
+
+    busy = 1.0
+
+    def busy_elsewhere(self) -> float | None:
+        return self.busy
+
+
+def test_a_machine_busy_from_the_start_shrinks_the_team_after_its_first_steps():
+    machine = Machine({2: 25.0, 1: 9.0})
+    team = machine.team()
+    machine.run(team, WARMUP_STEPS + 2 * TRIAL_STEPS)
+    assert team.size == 1  # not after the first periodic trial, a second of collapsed steps later
+    assert machine.calls == [2, 1]
+
+
+def test_slow_first_steps_do_not_cost_the_quiet_team_a_thread():
+    machine = Machine({2: 20.0})  # the team's threads wake and the caches fill
+    team = machine.team()
+    machine.run(team, WARMUP_STEPS)
+    machine.step_ms = {2: 5.0, 1: 8.5}
+    machine.run(team, 2 * TRIAL_STEPS + 1)
+    assert team.size == 2 and machine.calls == [2, 1, 2]  # one thread was tried against warm steps, and lost
+
+
+def test_a_smaller_team_does_not_try_more_threads_while_the_load_says_the_cores_are_taken():
+    load = Load()
+    machine = Machine({2: 25.0, 1: 9.0})
+    team = machine.team(load=load)
+    machine.run(team, 2000)  # 18 s of steps
+    assert team.size == 1 and machine.calls == [2, 1]
+
+
 def test_freed_core_is_taken_back_when_the_load_says_so():
-    class Load(CpuLoad):
-        busy = 1.0
-
-        def busy_elsewhere(self) -> float | None:
-            return self.busy
-
     load = Load()
     machine = Machine({2: 25.0, 1: 9.0})
     team = machine.team(load=load)
@@ -118,7 +146,7 @@ def test_freed_core_is_taken_back_when_the_load_says_so():
 def test_prefill_and_batch_changes_do_not_count():
     machine = Machine({2: 5.0, 1: 8.5})
     team = machine.team()
-    machine.run(team, TRIAL_STEPS - 1, rows=1)
+    machine.run(team, WARMUP_STEPS + TRIAL_STEPS - 1, rows=1)
     machine.now = 100.0  # a trial is due
     machine.run(team, 1, rows=1)
     assert team.size == 1  # trying one thread
