@@ -4,14 +4,13 @@ timed load with a live progress bar, optionally run the transformers baseline, r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import platform
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -354,14 +353,13 @@ async def _probe_server(target: HttpTarget) -> dict[str, Any] | None:
     stats = None
     for path in ("/v1/models", "/v1/engine/stats"):
         try:
-            response = await target.client.get(path)
-        except httpx.HTTPError:
+            status, body = await target.get(path)
+        except (aiohttp.ClientError, OSError):  # OSError: timeouts too
             return None  # unreachable: connect() says so
-        if response.status_code == 401:
+        if status == 401:
             raise BenchError(f"401 from {target.base_url}: pass --api-key or set LLMCTL_API_KEY")
-        if path.endswith("stats") and response.status_code == 200:
-            with contextlib.suppress(ValueError):
-                stats = response.json()
+        if path.endswith("stats") and status == 200:
+            stats = body
     return stats if isinstance(stats, dict) and isinstance(stats.get("config"), dict) else None
 
 
