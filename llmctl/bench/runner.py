@@ -148,7 +148,10 @@ class HttpTarget:
             self._session = aiohttp.ClientSession(
                 headers=self._headers,
                 timeout=self._timeout,
-                connector=aiohttp.TCPConnector(limit=0),  # no cap: the concurrency option is the cap
+                # no cap: the concurrency option is the cap. A connection a request: a server may
+                # close a kept-alive one (llama-server after 5 requests) as aiohttp reuses it, and
+                # aiohttp, unlike httpx, does not retry a POST on a fresh one
+                connector=aiohttp.TCPConnector(limit=0, force_close=True),
                 read_bufsize=1 << 20,  # one SSE line (a chunk with logprobs) may be long
             )
         return self._session

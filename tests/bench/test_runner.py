@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -145,6 +148,48 @@ def test_http_target_against_live_server(live_server):
         assert 1 <= len(record.chunk_times) <= record.output_tokens
         assert record.start < record.chunk_times[0] <= record.end
     assert not bad.ok and "HTTP 404" in bad.error
+
+
+def test_http_target_opens_a_connection_a_request():
+    """A server may close a kept-alive connection as the client reuses it (llama-server after 5
+    requests), and aiohttp does not retry a POST: each request goes out on a connection of its own.
+    The server here keeps connections alive (HTTP/1.1, Content-Length), so reuse would show."""
+    connections: list[tuple[str, int]] = []
+
+    class Completions(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:  # noqa: N802 - the http.server API
+            self.rfile.read(int(self.headers["Content-Length"]))
+            connections.append(self.client_address)
+            chunks = [{"choices": [{"text": "a"}]}, {"choices": [], "usage": {"completion_tokens": 1}}]
+            body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks).encode() + b"data: [DONE]\n\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Completions)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    async def run():
+        target = HttpTarget(f"http://127.0.0.1:{server.server_address[1]}", model="m")
+        try:
+            return [await target.send(BenchRequest("hi", 1, 1)) for _ in range(6)]
+        finally:
+            await target.close()
+
+    try:
+        records = asyncio.run(run())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert all(r.ok and r.output_tokens == 1 and len(r.chunk_times) == 1 for r in records)
+    assert len(set(connections)) == len(connections) == 6
 
 
 def test_http_target_unreachable():
