@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
-from tui_helpers import drive, screen_text
+from tui_helpers import drive, settled_screen_text
 
 from llmctl.tui.app import TopApp
 from llmctl.tui.requests_table import BY_KEY, COLUMN_KEYS, RequestsTable, fit_columns, shorten_id
@@ -34,7 +34,7 @@ def test_layout_at_common_sizes(snapshots, size):
         for _ in range(7):
             await app.poll_once()
         await pilot.pause()
-        text = screen_text(app)
+        text = await settled_screen_text(app, pilot)
         lines = text.splitlines()
         assert len(lines) == height and all(len(line) <= width for line in lines)
         assert lines[0].lstrip().startswith("● live  llmctl top")  # the state is never cut

@@ -57,3 +57,15 @@ def screen_text(app: TopApp) -> str:
     """The whole screen as plain text, one line per terminal row (a text snapshot of the app).
     Textual's compositor is what a real terminal gets its lines from."""
     return "\n".join(strip.text.rstrip() for strip in app.screen._compositor.render_strips())
+
+
+async def settled_screen_text(app: TopApp, pilot: Any, timeout_s: float = 2.0) -> str:
+    """``screen_text`` once the footer on the last row shows its keys: the footer composes them
+    after a refresh of its own, and on a loaded machine one pause can find that row still blank
+    (seen in CI: 59 lines of a 60-row screen). A footer that never shows fails the caller's checks."""
+    text = screen_text(app)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not text.split("\n")[-1].strip() and asyncio.get_running_loop().time() < deadline:
+        await pilot.pause(0.02)
+        text = screen_text(app)
+    return text
