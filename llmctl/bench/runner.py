@@ -153,6 +153,7 @@ class HttpTarget:
                 # aiohttp, unlike httpx, does not retry a POST on a fresh one
                 connector=aiohttp.TCPConnector(limit=0, force_close=True),
                 read_bufsize=1 << 20,  # one SSE line (a chunk with logprobs) may be long
+                trust_env=True,  # HTTP(S)_PROXY / NO_PROXY, as httpx and vLLM's benchmark read them
             )
         return self._session
 
