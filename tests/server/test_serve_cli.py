@@ -50,6 +50,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(start_server, stories_di
     events_before: list[dict] = []
     events_after: list[dict] = []
     signalled = threading.Event()
+    stats_streaming = threading.Event()
     stats_ended = threading.Event()
     first_tokens = threading.Event()
 
@@ -69,12 +70,15 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(start_server, stories_di
             "GET", f"{server.base_url}/engine/stats/stream", params={"interval": 0.1}, timeout=60
         ) as response:
             for _ in response.iter_lines():
-                pass
+                stats_streaming.set()
         stats_ended.set()
 
-    threads = [threading.Thread(target=stream_completion), threading.Thread(target=watch_stats)]
-    for thread in threads:
-        thread.start()
+    # the stats stream opens first: one that connected after the signal would be refused, and the
+    # completion, once started, must be signalled within its first few tokens
+    threads = [threading.Thread(target=watch_stats), threading.Thread(target=stream_completion)]
+    threads[0].start()
+    assert stats_streaming.wait(timeout=60)
+    threads[1].start()
     assert first_tokens.wait(timeout=60)
     signalled.set()
     server.proc.send_signal(signal.SIGTERM)
