@@ -13,6 +13,11 @@ them (``time.perf_counter``, CLOCK_MONOTONIC, so a server child and its client s
     sse        serve: step end -> its SSE chunk is encoded (event-loop wake-up, the stream's tasks,
                the chunk's JSON); ``deliver`` - ``sse`` is the socket and the client
 
+Serve also prints its hand-over, medians per token in microseconds: ``post`` (the engine thread
+handing a step's outputs to the event loop, until it holds the GIL again), and in the event loop
+``wake`` (post -> the loop delivers them), ``python`` (-> the SSE chunk is encoded), ``send``
+(-> the transport's write starts: Starlette, uvicorn, h11) and ``write`` (the socket write).
+
 The first five add up to the wall time between the first and the last token; ``deliver`` overlaps
 the next step. Modes run interleaved, ROUNDS times, so a shared machine disturbs them alike; compare
 shares and the forward time per token against ``engine`` (the compute team undisturbed).
@@ -96,6 +101,17 @@ class Recorder:
     def clear(self) -> None:
         self.spans.clear()
 
+    def install_hand_over(self) -> Recorder:
+        """Serve's hand-over: the engine thread's post, the loop's delivery and socket writes."""
+        from asyncio.selector_events import _SelectorSocketTransport
+
+        from llmctl.engine.async_engine import Mailbox
+
+        self.wrap(Mailbox, "post", "post")
+        self.wrap(Mailbox, "deliver", "delivery")
+        self.wrap(_SelectorSocketTransport, "write", "write")
+        return self
+
 
 class Variant:
     """Switches the served path between the tuned one and the baseline (no compute team, one
@@ -149,7 +165,40 @@ def analyse(spans: list[tuple[str, float, float]], receives: list[float]) -> dic
     if sse:
         result["sse"] = round(statistics.median(sse) * 1e3, 3)
     result["tok_s"] = round(tokens / (last - first), 1)
+    if any(n == "post" for n, _, _ in spans):
+        result["hand-over"] = hand_over(spans, first, last)
     return result
+
+
+def hand_over(spans: list[tuple[str, float, float]], first: float, last: float) -> dict[str, float]:
+    """Medians, in microseconds, of each post's parts: from the engine thread's post to the event
+    loop's delivery, the chunk's encoding, the transport's write, and the write itself."""
+
+    def spans_of(name: str) -> list[tuple[float, float]]:
+        return sorted((s, e) for n, s, e in spans if n == name)
+
+    delivered, encoded, written = spans_of("delivery"), spans_of("sse"), spans_of("write")
+    parts: dict[str, list[float]] = {"post": [], "wake": [], "python": [], "send": [], "write": []}
+    for start, end in spans_of("post"):
+        if not first <= end <= last:
+            continue
+        after = [_first_after(delivered, start)]
+        after.append(_first_after(encoded, after[0][0]) if after[0] else None)
+        after.append(_first_after(written, after[1][0]) if after[1] else None)
+        if None in after:
+            continue
+        (delivery, _), (encode, _), (write, write_end) = after
+        parts["post"].append(end - start)
+        parts["wake"].append(delivery - start)
+        parts["python"].append(encode - delivery)
+        parts["send"].append(write - encode)
+        parts["write"].append(write_end - write)
+    return {k: round(statistics.median(v) * 1e6, 1) for k, v in parts.items() if v}
+
+
+def _first_after(spans: list[tuple[float, float]], t: float) -> tuple[float, float] | None:
+    i = bisect.bisect_left(spans, (t, t))
+    return spans[i] if i < len(spans) else None
 
 
 def _engine(model: str):
@@ -244,7 +293,7 @@ def serve_child(model: str, spans_path: Path, baseline: bool) -> None:
     from llmctl.server import serving
 
     Variant().use(baseline)
-    recorder = Recorder().install()
+    recorder = Recorder().install().install_hand_over()
     encode = serving.sse
 
     def timed_sse(payload: str) -> str:
@@ -302,6 +351,11 @@ def print_table(results: dict[str, list[dict]]) -> None:
         total = sum(med[c] for c in COMPONENTS)
         cells = "".join(f"{'-' if med[c] is None else format(med[c], '.3f'):>11}" for c in columns)
         print(f"{mode:<11}{cells}{med['forward'] / total:>11.0%}")
+    for mode, rounds in results.items():
+        parts = [r["hand-over"] for r in rounds if r.get("hand-over")]
+        if parts:
+            med = {k: statistics.median(p[k] for p in parts if k in p) for k in parts[0]}
+            print(f"{mode} hand-over, us per token: " + "  ".join(f"{k} {v:.0f}" for k, v in med.items()))
     print("shares of the time between tokens:")
     for mode, rounds in results.items():
         ok = [r for r in rounds if "error" not in r]
