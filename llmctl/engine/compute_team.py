@@ -16,7 +16,8 @@ the engine, after every step, and decides there, from what it measures, with no 
   trial), then every so often, at once when decode steps slow down, and when the free cores
   change, it runs ``TRIAL_STEPS`` decode steps of the same batch with another team size and keeps
   the faster size. A trial that keeps the size waits twice as long for the next. A smaller team
-  tries one thread more only when no load reading says that the cores are still taken.
+  tries one thread more only when no load reading says that the cores are still taken, and a
+  reading that keeps suggesting the same size is tried once, not at every reading.
 """
 
 from __future__ import annotations
@@ -185,15 +186,19 @@ class ComputeTeam:
         self._next_trial = now + self._interval
 
     def _candidate(self, now: float) -> int | None:
-        """The size to try next: what the free cores suggest when that differs, else one thread more
-        when below the size asked for (None while the latest load reading says the cores are still
-        taken: trying would cost a collapsed step per trial step), one fewer at it."""
+        """The size to try next: what the free cores suggest when their count changes and that
+        differs, else one thread more when below the size asked for (None while the latest load
+        reading says the cores are still taken: trying would cost a collapsed step per trial step),
+        one fewer at it. A suggestion is tried once per change: where a size it suggests keeps
+        losing (one thread beats two on a quiet machine), its trials back off like any other."""
         if self._load is not None and now >= self._next_load:
             self._next_load = now + LOAD_INTERVAL_S
             busy = self._load.busy_elsewhere()
             if busy is not None:
-                self._load_size = team_size_for(self.cpus, busy, self.limit)
-                self._suggested = self._load_size if self._load_size != self.size else None
+                size = team_size_for(self.cpus, busy, self.limit)
+                if size != self._load_size:
+                    self._suggested = size if size != self.size else None
+                self._load_size = size
         if self._suggested is not None:
             return self._suggested
         if self.size < self.limit:

@@ -178,3 +178,15 @@ def test_a_smaller_team_tries_one_thread_more_when_its_trial_is_due():
     machine.step_ms = {8: 2.5, 7: 3.0, 6: 3.6}  # the core is free again: no load reading, only trials
     machine.run(team, 3000)
     assert team.size == 8
+
+
+def test_a_losing_size_the_quiet_load_suggests_is_tried_ever_more_rarely():
+    """Where one thread is faster on a quiet machine (a tiny model), the load keeps saying both
+    cores are free: that reading suggests two threads once, not at every reading."""
+    load = Load()
+    load.busy = 0.0
+    machine = Machine({2: 9.0, 1: 5.0})
+    team = machine.team(load=load)
+    machine.run(team, 3000)  # 15 s of steps, a load reading every 0.5 s
+    assert team.size == 1
+    assert machine.calls.count(2) - 1 <= 5  # trials 1 s, 2 s, 4 s, 8 s apart, not one per reading
