@@ -3,7 +3,7 @@ tensors, the native layer loop, LM head, sampler, bookkeeping, detokenizing) and
 decode loop, each op summed over the layers. Wall time per step, median over steps.
 
     python -m benchmarks.features.decode_breakdown [MODEL] [--threads 1 2] [--tokens 120] [--quantization auto]
-        [--concurrency 1] [--skip-tokenizer]
+        [--concurrency 1] [--kv-cache-dtype auto] [--skip-tokenizer]
 
 For each thread count: a warm-up request, then one request of TOKENS greedy tokens after a chat
 prompt (the context grows from ~30 to ~30 + TOKENS), every step timed. ``--concurrency N``: N
@@ -97,6 +97,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tokens", type=int, default=120)
     parser.add_argument("--concurrency", type=int, default=1, help="requests decoding together")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument(
         "--skip-tokenizer",
         action="store_true",
@@ -109,13 +110,14 @@ def main() -> None:
         model=args.model,
         quantization=args.quantization,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=max(4, args.concurrency),
         kv_cache_memory=max(256 << 20, args.concurrency << 25),
         max_model_len=1024,
         skip_tokenizer=args.skip_tokenizer,
     )
     print(
-        f"{args.model}, quantization {args.quantization}, {engine.runner.decode_path}, "
+        f"{args.model}, quantization {args.quantization}, KV {args.kv_cache_dtype}, {engine.runner.decode_path}, "
         f"{args.concurrency} request(s); load {os.getloadavg()}"
     )
     if args.concurrency == 1:

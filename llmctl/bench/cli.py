@@ -15,7 +15,7 @@ from rich.console import Console
 
 from llmctl import envs
 from llmctl.bench import DEFAULT_NUM_PROMPTS
-from llmctl.cli_options import RemoteMode, engine_options, exit_on_error
+from llmctl.cli_options import RemoteMode, engine_options, exit_on_error, given_on_command_line
 from llmctl.config import EMBEDDED_MODEL_NAME, EngineConfig
 from llmctl.models.gguf_files import SMOLLM2_NAME
 
@@ -55,6 +55,7 @@ def _used_with_url(params: Mapping[str, Any]) -> Collection[str]:
     ),
 )
 def bench(
+    ctx: typer.Context,
     model: Annotated[
         str | None,
         typer.Argument(
@@ -219,6 +220,7 @@ def bench(
         baseline=baseline,
         engine_config=replace(engine_config, seed=seed),
         lora_modules=tuple(lora_modules or ()),
+        quantization_given=given_on_command_line(ctx, "quantization"),
         argv=list(sys.argv[1:]),
     )
     with exit_on_error(err):

@@ -68,6 +68,7 @@ class BenchOptions:
     baseline: str | None = None
     engine_config: EngineConfig = field(default_factory=EngineConfig)  # the in-process engine's settings
     lora_modules: tuple[str, ...] = ()  # NAME=DIR adapters the in-process requests spread over
+    quantization_given: bool = False  # --quantization typed: its weights run as asked, never a float copy
     argv: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -143,10 +144,12 @@ def _batched_default_prefers_floats(options: BenchOptions, spec: str, config: En
     is faster where the CPU computes bf16 natively, and elsewhere the packed weights are as fast as
     a float32 copy or faster, from a sixth of the memory (SmolLM2-135M, 64 x 128 -> 128, output
     tok/s: on a Zen 4 packed 302-316 against bf16 538 and fp32 283; on an AVX2-only Zen 3 packed
-    247-259 against fp32 234-246; docs/benchmarks.md, "Concurrency")."""
+    247-259 against fp32 234-246; docs/benchmarks.md, "Concurrency"). A ``--quantization`` typed
+    on the command line is kept as given."""
     many = options.concurrency == 0 or options.concurrency >= BATCHED_STREAMS
     return (
         many
+        and not options.quantization_given
         and config.quantization == "auto"
         and config.dtype in ("auto", "bfloat16")  # another dtype asked for: packed beats its float copy
         and config.resolve_device().type == "cpu"

