@@ -297,8 +297,9 @@ struct KiviPool {
 
 class DecodeLoop {
  public:
-  // k_pool / v_pool: [layers, blocks, block_size, kv_heads, head_dim], float32 (kv_kind "auto") or
-  // the codes as bytes, then k_scale / v_scale [layers, blocks, block_size, kv_heads].
+  // k_pool / v_pool: [layers, blocks, block_size, kv_heads, head_dim], of the activations' dtype
+  // (kv_kind "auto": float32 or bf16) or the codes as bytes, then k_scale / v_scale [layers, blocks,
+  // block_size, kv_heads].
   // KIVI: k_pool / v_pool [layers, blocks, block_size, kv_heads, head_dim * bits / 8] packed codes,
   // k_scale / k_zero [layers, blocks, kv_heads, head_dim] and v_scale / v_zero [layers, blocks,
   // block_size, kv_heads, head_dim / value_group] float16, residual_k / residual_v [layers, slots,
@@ -311,14 +312,24 @@ class DecodeLoop {
       : k_(kernels_for(isa)), avx512_(isa != "avx2"), hq_(num_q_heads), hkv_(num_kv_heads), d_(head_dim),
         eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)),
         cos_sin_(cos_sin_cache.to(at::kFloat).contiguous()), final_norm_(final_norm.contiguous()),
-        storage_(kv_storage(kv_kind)), k_pool_(k_pool), v_pool_(v_pool) {
+        storage_(kv_storage(kv_kind)), kv_kind_(kv_kind), k_pool_(k_pool), v_pool_(v_pool) {
     TORCH_CHECK(hq_ % hkv_ == 0, "query heads must be a multiple of KV heads");
     if (final_norm_.scalar_type() == at::kBFloat16) {  // bf16 activations: the tensor-level path
-      TORCH_CHECK(storage_ == KvStorage::kFloat, "bf16 activations in the loop: a bf16 KV pool only");
+      TORCH_CHECK(storage_ != KvStorage::kKivi, "bf16 activations in the loop: a bf16 or 8-bit KV pool");
+      const bool codes = storage_ != KvStorage::kFloat;
       for (const at::Tensor* pool : {&k_pool_, &v_pool_})
-        TORCH_CHECK(pool->dim() == 5 && pool->is_contiguous() && pool->scalar_type() == at::kBFloat16 &&
+        TORCH_CHECK(pool->dim() == 5 && pool->is_contiguous() &&
+                        pool->scalar_type() == (codes ? at::kByte : at::kBFloat16) &&
                         pool->sizes() == k_pool_.sizes() && pool->size(3) == hkv_ && pool->size(4) == d_,
-                    "KV pools: contiguous bf16 [layers, blocks, block_size, kv_heads, head_dim]");
+                    "KV pools: contiguous [layers, blocks, block_size, kv_heads, head_dim], bf16 or byte codes");
+      if (codes) {
+        TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "8-bit KV codes need their scales");
+        k_scale_ = *k_scale;
+        v_scale_ = *v_scale;
+        for (const at::Tensor* s : {&k_scale_, &v_scale_})
+          TORCH_CHECK(s->is_contiguous() && s->scalar_type() == at::kFloat && s->sizes() == k_pool_.sizes().slice(0, 4),
+                      "KV scales: contiguous float32 [layers, blocks, block_size, kv_heads]");
+      }
       bf16_ = true;
       cpuk::set_isa(isa);  // the variant kernels/cpu_native.py selects: the module path's bits
       return;
@@ -600,9 +611,20 @@ class DecodeLoop {
       q = cpuk::rotate(q, positions, cos_sin_);
       k = cpuk::rotate(k, positions, cos_sin_);
       const at::Tensor k_cache = k_pool_.select(0, i), v_cache = v_pool_.select(0, i);
-      cpuk::reshape_and_cache(k, qkv[2].reshape({rows, hkv_, d_}), k_cache, v_cache, slots);
-      clock.lap(kRotaryStore);
-      const at::Tensor attn = cpuk::paged_decode_attention(q, k_cache, v_cache, tables, lens, scale_).flatten(1);
+      at::Tensor attn;
+      if (storage_ == KvStorage::kFloat) {
+        cpuk::reshape_and_cache(k, qkv[2].reshape({rows, hkv_, d_}), k_cache, v_cache, slots);
+        clock.lap(kRotaryStore);
+        attn = cpuk::paged_decode_attention(q, k_cache, v_cache, tables, lens, scale_).flatten(1);
+      } else {  // an 8-bit pool: the module path's store quantizes K/V as float32, then attends over codes
+        const at::Tensor k_scale = k_scale_.select(0, i), v_scale = v_scale_.select(0, i);
+        cpuk::store_kv_codes(k.to(at::kFloat), qkv[2].reshape({rows, hkv_, d_}).to(at::kFloat), kv_kind_, k_cache,
+                             v_cache, k_scale, v_scale, slots);
+        clock.lap(kRotaryStore);
+        attn = cpuk::paged_decode_attention_codes(q, kv_kind_, k_cache, v_cache, k_scale, v_scale, tables, lens,
+                                                  scale_, 0, 0.0)
+                   .flatten(1);
+      }
       clock.lap(kAttention);
       x = add_lora(plan, i, kOProj, attn, run_linear(layer.o, attn));
       clock.lap(kO);
@@ -919,6 +941,7 @@ class DecodeLoop {
   float eps_, scale_;
   at::Tensor cos_sin_, final_norm_;
   KvStorage storage_;
+  std::string kv_kind_;  // as kernels/kv_quant.py names it: the module path's kernels take the name
   at::Tensor k_pool_, v_pool_, k_scale_, v_scale_;
   KiviPool kivi_;
   std::vector<float> kivi_staging_;  // a KIVI step's staging rows (K then V), reused from step to step

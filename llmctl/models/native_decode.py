@@ -235,7 +235,10 @@ def why_not(
             "sliding windows, sinks or KV-cache groups with "
             + (f"{dtype} activations" if dtype != torch.float32 else "a quantized KV cache"),
         ),
-        (dtype == torch.bfloat16 and quantized_kv is not None, f"{dtype} activations with a quantized KV cache"),
+        (
+            dtype == torch.bfloat16 and quantized_kv is not None and quantized_kv.fmt.is_kivi,
+            f"{dtype} activations with a KIVI KV cache",
+        ),
         (
             quantized_kv is not None and not (quantized_kv.native_codes or quantized_kv.native_kivi_store),
             _quantized_kv_why_not(quantized_kv),

@@ -128,6 +128,14 @@ def test_8bit_kv_cache_bitwise_equal_to_the_module_path(llama64_dir, monkeypatch
     )
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_bf16_with_an_8bit_kv_cache_bitwise_equal_to_the_module_path(llama64_dir, monkeypatch, kv_cache_dtype):
+    # bf16 activations over an 8-bit pool: K/V quantized from float32 as the module path's store
+    # does, then its bf16-query attention over the codes
+    prompts = random_prompts(3, VOCAB, 3, 20, seed=5)
+    assert_same_as_module_path(str(llama64_dir), monkeypatch, prompts, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["kivi2", "kivi4"])
 @pytest.mark.parametrize("head_dim,residual", [(16, 16), (64, 32)])
 def test_kivi_kv_cache_bitwise_equal_to_the_module_path(
@@ -167,14 +175,14 @@ def test_gguf_mixing_packed_and_float_layers(tmp_path, monkeypatch):
     assert_same_as_module_path(str(path), monkeypatch, prompts, quantization="auto")
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "bf16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "bf16", "bf16+int8"])
 def test_speculative_verify_rows_run_in_the_loop(llama_dir, llama64_dir, monkeypatch, kv_cache_dtype):
     # repetitive prompts, so that n-gram lookup proposes drafts and verify steps have several rows
     prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 7]
     kw = dict(speculative_model="ngram", num_speculative_tokens=3, quantization="int8", kv_cache_dtype=kv_cache_dtype)
-    if kv_cache_dtype == "bf16":  # bf16 activations, weights and KV pool
-        kw.update(quantization="none", kv_cache_dtype="auto", dtype="bfloat16")
-    model = llama64_dir if kv_cache_dtype == "int8" else llama_dir  # 8-bit KV in the loop: head_dim 64/128
+    if kv_cache_dtype.startswith("bf16"):  # bf16 activations and weights, a bf16 or an int8 KV pool
+        kw.update(quantization="none", kv_cache_dtype=kv_cache_dtype.partition("+")[2] or "auto", dtype="bfloat16")
+    model = llama64_dir if kw["kv_cache_dtype"] == "int8" else llama_dir  # 8-bit KV in the loop: head_dim 64/128
     assert_same_as_module_path(str(model), monkeypatch, prompts, max_tokens=12, **kw)
 
 
@@ -197,7 +205,7 @@ def test_smollm2_packed_logits_equal(monkeypatch):
     ("kw", "reason"),
     [
         (dict(kv_cache_dtype="int8"), "int8 KV cache with head_dim 16"),  # the tiny model's heads
-        (dict(dtype="bfloat16", kv_cache_dtype="int8"), "bfloat16 activations with a quantized KV cache"),
+        (dict(dtype="bfloat16", kv_cache_dtype="kivi2"), "bfloat16 activations with a KIVI KV cache"),
         (dict(dtype="float16"), "float16 activations"),
         (dict(quantization="fp8"), "fp8 weights"),
     ],
