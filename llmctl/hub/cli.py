@@ -103,7 +103,6 @@ def register_hub_commands(app: typer.Typer) -> None:
                 "Download one with `llmctl pull ORG/NAME`.",
                 highlight=False,
             )
-            return
         if models:
             table = Table(box=None, pad_edge=False, header_style="bold")
             for column, justify in (
@@ -135,6 +134,7 @@ def register_hub_commands(app: typer.Typer) -> None:
                 f"`llmctl rm {escape(repo_id)}` deletes it",
                 highlight=False,
             )
+        out.print(f"without a download: {', '.join(_local_model_names())}", highlight=False, soft_wrap=True)
 
     @app.command("rm")
     def rm_command(
@@ -146,6 +146,20 @@ def register_hub_commands(app: typer.Typer) -> None:
         with _cli_errors():
             freed = remove(model)
         Console(soft_wrap=True).print(f"Removed {escape(model)} ({fmt_size(freed)} freed)", highlight=False)
+
+
+def _local_model_names() -> list[str]:
+    """The models every command takes by name with nothing in the cache: the packaged GGUF files
+    installed here (``scripts/setup.sh`` installs SmolLM2's) and the embedded random-weight model."""
+    from llmctl.config import EMBEDDED_MODEL_NAME
+    from llmctl.models.gguf_files import PACKAGED_MODELS, packaged_model_path
+
+    names = [
+        f"{name} ({path.name}, {fmt_size(path.stat().st_size)})"
+        for name in PACKAGED_MODELS
+        if (path := packaged_model_path(name)) is not None
+    ]
+    return [*names, f"{EMBEDDED_MODEL_NAME} (random weights, built in memory)"]
 
 
 def _runs_here_line(path: Path) -> str:

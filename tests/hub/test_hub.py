@@ -572,8 +572,10 @@ def test_ls_and_rm_with_stories260k(server: HubServer, stories_dir: Path, cli, m
 
     result = _invoke(cli, "ls")
     assert result.exit_code == 0
-    header, line = result.stdout.strip().splitlines()
+    header, line, local = result.stdout.strip().splitlines()
     assert header.split() == ["NAME", "REVISION", "SIZE", "ARCHITECTURE", "PARAMS", "DTYPE", "BYTES/PARAM"]
+    assert local.startswith("without a download: ")  # one line, however narrow the terminal
+    assert local.endswith("tiny-random-llama (random weights, built in memory)")
     from rich.filesize import decimal
 
     assert line.split() == [
@@ -591,7 +593,8 @@ def test_ls_and_rm_with_stories260k(server: HubServer, stories_dir: Path, cli, m
     assert result.stdout.strip() == f"Removed {STORIES_ID} ({decimal(expected_size)} freed)"
     assert hub.list_models() == []
     assert not (hub.hub_cache_dir() / "models--llmctl-test--stories260k").exists()
-    assert "No models in the Hugging Face cache" in _invoke(cli, "ls").stdout
+    empty = _invoke(cli, "ls").stdout
+    assert "No models in the Hugging Face cache" in empty and "without a download: " in empty
     assert stories_dir.joinpath("model.safetensors").is_file()  # the source was only read
 
     result = _invoke(cli, "rm", STORIES_ID)
