@@ -316,20 +316,7 @@ class DecodeLoop {
     TORCH_CHECK(hq_ % hkv_ == 0, "query heads must be a multiple of KV heads");
     if (final_norm_.scalar_type() == at::kBFloat16) {  // bf16 activations: the tensor-level path
       TORCH_CHECK(storage_ != KvStorage::kKivi, "bf16 activations in the loop: a bf16 or 8-bit KV pool");
-      const bool codes = storage_ != KvStorage::kFloat;
-      for (const at::Tensor* pool : {&k_pool_, &v_pool_})
-        TORCH_CHECK(pool->dim() == 5 && pool->is_contiguous() &&
-                        pool->scalar_type() == (codes ? at::kByte : at::kBFloat16) &&
-                        pool->sizes() == k_pool_.sizes() && pool->size(3) == hkv_ && pool->size(4) == d_,
-                    "KV pools: contiguous [layers, blocks, block_size, kv_heads, head_dim], bf16 or byte codes");
-      if (codes) {
-        TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "8-bit KV codes need their scales");
-        k_scale_ = *k_scale;
-        v_scale_ = *v_scale;
-        for (const at::Tensor* s : {&k_scale_, &v_scale_})
-          TORCH_CHECK(s->is_contiguous() && s->scalar_type() == at::kFloat && s->sizes() == k_pool_.sizes().slice(0, 4),
-                      "KV scales: contiguous float32 [layers, blocks, block_size, kv_heads]");
-      }
+      take_pools(at::kBFloat16, k_scale, v_scale);
       bf16_ = true;
       cpuk::set_isa(isa);  // the variant kernels/cpu_native.py selects: the module path's bits
       return;
@@ -340,21 +327,7 @@ class DecodeLoop {
       gemmk::set_isa(isa);
       return;
     }
-    const bool codes = storage_ != KvStorage::kFloat;
-    for (const at::Tensor* pool : {&k_pool_, &v_pool_})
-      TORCH_CHECK(pool->dim() == 5 && pool->is_contiguous() && pool->sizes() == k_pool_.sizes() &&
-                      (codes ? pool->scalar_type() == at::kByte : pool->scalar_type() == at::kFloat),
-                  "KV pools: contiguous [layers, blocks, block_size, kv_heads, head_dim], float32 or byte codes");
-    TORCH_CHECK(k_pool_.size(3) == hkv_ && k_pool_.size(4) == d_, "KV cache shape");
-    if (codes) {
-      TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "8-bit KV codes need their scales");
-      k_scale_ = *k_scale;
-      v_scale_ = *v_scale;
-      for (const at::Tensor* s : {&k_scale_, &v_scale_})
-        TORCH_CHECK(s->is_contiguous() && s->scalar_type() == at::kFloat && s->sizes() == k_pool_.sizes().slice(0, 4),
-                    "KV scales: contiguous float32 [layers, blocks, block_size, kv_heads]");
-      TORCH_CHECK(d_ == 64 || d_ == 128, "8-bit KV codes in the loop: head_dim 64 or 128");
-    }
+    take_pools(at::kFloat, k_scale, v_scale);
     TORCH_CHECK(final_norm_.scalar_type() == at::kFloat, "float32 final norm");
     gemmk::set_isa(isa);  // the variant kernels/gemm_native.py selects: same bits as the module path
   }
@@ -807,6 +780,26 @@ class DecodeLoop {
       const auto decode = cpuk::decode_codes_fn<C>(avx512_);
       at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) { decode(args, begin, end); });
     });
+  }
+
+  // Checks the pools (of the activations' `dtype`, or byte codes) and, for codes, takes their scales.
+  void take_pools(at::ScalarType dtype, const c10::optional<at::Tensor>& k_scale,
+                  const c10::optional<at::Tensor>& v_scale) {
+    const bool codes = storage_ != KvStorage::kFloat;
+    for (const at::Tensor* pool : {&k_pool_, &v_pool_})
+      TORCH_CHECK(pool->dim() == 5 && pool->is_contiguous() && pool->sizes() == k_pool_.sizes() &&
+                      pool->scalar_type() == (codes ? at::kByte : dtype),
+                  "KV pools: contiguous [layers, blocks, block_size, kv_heads, head_dim], of the activations' dtype "
+                  "or byte codes");
+    TORCH_CHECK(k_pool_.size(3) == hkv_ && k_pool_.size(4) == d_, "KV cache shape");
+    if (!codes) return;
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "8-bit KV codes need their scales");
+    k_scale_ = *k_scale;
+    v_scale_ = *v_scale;
+    for (const at::Tensor* s : {&k_scale_, &v_scale_})
+      TORCH_CHECK(s->is_contiguous() && s->scalar_type() == at::kFloat && s->sizes() == k_pool_.sizes().slice(0, 4),
+                  "KV scales: contiguous float32 [layers, blocks, block_size, kv_heads]");
+    TORCH_CHECK(d_ == 64 || d_ == 128, "8-bit KV codes in the loop: head_dim 64 or 128");
   }
 
   void init_kivi(int bits, const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
